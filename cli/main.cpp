@@ -1,0 +1,129 @@
+// `kiln`: command-line parsing and dispatch. The commands live in the other files of cli/.
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/cli.h"
+
+namespace kiln::cli {
+namespace {
+
+// The core reads its locations from the environment (common/paths.h), so the global options are
+// applied by setting those variables before any command opens a file or socket. Paths are made
+// absolute because the daemon we may spawn changes its working directory.
+Status apply_global_options(const GlobalOptions& g) {
+  auto set = [](const char* var, const std::string& value) -> Status {
+    std::error_code ec;
+    auto abs = std::filesystem::absolute(value, ec);
+    if (ec) return invalid_argument(std::string("bad path for ") + var + ": " + value, ec.message());
+    if (::setenv(var, abs.c_str(), 1) != 0) return internal_error(std::string("setenv ") + var + " failed");
+    return {};
+  };
+  if (!g.cache_dir.empty()) KILN_TRY(set("KILN_CACHE_DIR", g.cache_dir));
+  if (!g.socket.empty()) KILN_TRY(set("KILN_SOCKET", g.socket));
+  return {};
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"kiln: prewarm and inspect kiln's kernel cache, and control the kilnd daemon"};
+  app.name("kiln");
+  app.set_version_flag("--version", std::string("kiln ") + KILN_VERSION);
+  app.require_subcommand(1);
+  // Global options may follow the subcommand too (`kiln ls --embedded`).
+  app.fallthrough();
+
+  GlobalOptions g;
+  app.add_option("--cache-dir", g.cache_dir, "Cache directory (sets KILN_CACHE_DIR)");
+  app.add_option("--socket", g.socket, "Daemon socket (sets KILN_SOCKET)");
+  app.add_flag("--embedded", g.embedded, "Never use the daemon, even if it runs");
+
+  PrewarmOptions pw;
+  auto* prewarm = app.add_subcommand("prewarm", "Compile family catalogs for target architectures");
+  prewarm->add_option("--arch", pw.archs, "Target architectures, e.g. sm_90a,sm_80")
+      ->required()
+      ->delimiter(',');
+  prewarm->add_option("--family", pw.families, "Families to compile (default: all)")->delimiter(',');
+  prewarm->add_option("--jobs", pw.jobs, "Compile threads when compiling in-process")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  prewarm->add_flag("--json", pw.json, "Print the summary as JSON");
+
+  ListOptions ls;
+  auto* list = app.add_subcommand("ls", "List cached variants");
+  list->add_option("--family", ls.family, "Only this family");
+  list->add_option("--arch", ls.arch, "Only this architecture");
+  list->add_flag("--json", ls.json, "Print a JSON array");
+
+  ShowOptions sh;
+  auto* show = app.add_subcommand("show", "Show every detail of one cached entry");
+  show->add_option("KEY", sh.key, "Cache key or a unique prefix of it")->required();
+  show->add_flag("--json", sh.json, "Print JSON");
+
+  WhyOptions wy;
+  auto* why = app.add_subcommand("why", "Explain the cache key of a spec without compiling");
+  why->add_option("SPEC", wy.spec, "Kernel spec, e.g. 'rmsnorm(block=256,dtype=bf16,vec=8)'")->required();
+  why->add_option("--arch", wy.arch, "Target architecture, e.g. sm_90a")->required();
+  why->add_flag("--json", wy.json, "Print JSON");
+
+  bool stats_json = false;
+  auto* stats = app.add_subcommand("stats", "Cache statistics, and the daemon's when it runs");
+  stats->add_flag("--json", stats_json, "Print JSON");
+
+  bool verify_json = false;
+  auto* verify = app.add_subcommand("verify", "Check the cache file's integrity and every blob's checksum");
+  verify->add_flag("--json", verify_json, "Print JSON");
+
+  auto* daemon = app.add_subcommand("daemon", "Start, stop or query kilnd");
+  daemon->require_subcommand(1);
+  DaemonStartOptions ds;
+  auto* dstart = daemon->add_subcommand("start", "Start kilnd in the background");
+  dstart->add_option("--jobs", ds.jobs, "kilnd's compile threads")->check(CLI::Range(1, 256));
+  dstart->add_flag("--no-pch", ds.no_pch, "Turn off NVRTC precompiled headers in kilnd");
+  auto* dstop = daemon->add_subcommand("stop", "Stop kilnd and wait until it is gone");
+  bool dstatus_json = false;
+  auto* dstatus = daemon->add_subcommand("status", "Whether kilnd runs: pid, version, socket, uptime");
+  dstatus->add_flag("--json", dstatus_json, "Print JSON");
+
+  for (CLI::App* sub : {prewarm, list, show, why, stats, verify, daemon, dstart, dstop, dstatus})
+    sub->fallthrough();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version are "errors" with exit code 0 in CLI11: let it print them.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    print_error(e.what(), "run 'kiln --help' (or 'kiln <command> --help') for usage");
+    return k_exit_usage;
+  }
+
+  if (Status s = apply_global_options(g); !s.ok()) return report_error(s, k_exit_usage);
+
+  if (*prewarm) return run_prewarm(g, pw);
+  if (*list) return run_ls(g, ls);
+  if (*show) return run_show(g, sh);
+  if (*why) return run_why(g, wy);
+  if (*stats) return run_stats(g, stats_json);
+  if (*verify) return run_verify(g, verify_json);
+  if (*dstart) return run_daemon_start(g, ds);
+  if (*dstop) return run_daemon_stop(g);
+  if (*dstatus) return run_daemon_status(g, dstatus_json);
+  print_error("no command given", "run 'kiln --help' for usage");
+  return k_exit_usage;
+}
+
+}  // namespace
+}  // namespace kiln::cli
+
+int main(int argc, char** argv) {
+  // The core reports through Status; an exception here is a bug, but it should still end with the
+  // CLI's usual error line rather than std::terminate's.
+  try {
+    return kiln::cli::run(argc, argv);
+  } catch (const std::exception& e) {
+    kiln::cli::print_error(std::string("internal error: ") + e.what());
+    return kiln::cli::k_exit_failure;
+  }
+}

@@ -1,0 +1,245 @@
+// `kiln prewarm`: compile family catalogs ahead of time, through the daemon or in-process.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include "cli/cli.h"
+#include "common/paths.h"
+#include "jit/builder.h"
+#include "kiln/spec.h"
+
+namespace kiln::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct WorkItem {
+  KernelSpec spec;
+  std::string arch;
+};
+
+enum class Outcome { pending, compiled, cached, failed, skipped };
+
+struct ItemResult {
+  Outcome outcome = Outcome::pending;
+  std::string key;
+  double ms = 0;  // NVRTC time for a compile, lookup time for a hit
+  Status error;
+};
+
+const char* outcome_name(Outcome o) {
+  switch (o) {
+    case Outcome::compiled: return "compiled";
+    case Outcome::cached: return "cached";
+    case Outcome::failed: return "failed";
+    case Outcome::skipped: return "skipped";
+    case Outcome::pending: break;
+  }
+  return "pending";
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<std::string> family_names(const std::vector<const Family*>& fams) {
+  std::vector<std::string> out;
+  for (const Family* f : fams) out.emplace_back(f->name());
+  return out;
+}
+
+int prewarm_via_daemon(client::DaemonClient& daemon, const PrewarmOptions& o,
+                       const std::vector<std::string>& archs, const std::vector<const Family*>& fams,
+                       std::size_t variants, bool all_families) {
+  const auto socket = socket_path();
+  std::fprintf(stderr, "kiln: prewarm: %zu variants sent to kilnd at %s (it compiles them; --jobs is "
+               "the daemon's own setting)\n", variants, socket.c_str());
+  const auto t0 = Clock::now();
+  // An empty family list means "all" to the daemon: it may know plugins this process does not.
+  auto r = daemon.prewarm(archs, all_families ? std::vector<std::string>{} : family_names(fams));
+  const double secs = seconds_since(t0);
+  if (!r.ok()) return report_error(r.status());
+  const auto& p = *r;
+
+  if (o.json) {
+    nlohmann::json j = {{"via", "daemon"},         {"socket", socket.string()},
+                        {"archs", archs},          {"families", family_names(fams)},
+                        {"requested", p.requested}, {"compiled", p.compiled},
+                        {"cached", p.cached},      {"failed", p.failed},
+                        {"seconds", secs},         {"errors", p.errors}};
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::printf("prewarm (via kilnd): %lld requested, %lld compiled, %lld already cached, %lld failed "
+                "in %s\n", static_cast<long long>(p.requested), static_cast<long long>(p.compiled),
+                static_cast<long long>(p.cached), static_cast<long long>(p.failed),
+                human_ms(secs * 1000).c_str());
+  }
+  if (p.failed > 0) {
+    std::string details;
+    for (const auto& e : p.errors) details += e + "\n";
+    print_error(std::to_string(p.failed) + " of " + std::to_string(p.requested) + " variants failed",
+                details);
+    return k_exit_failure;
+  }
+  return k_exit_ok;
+}
+
+int prewarm_in_process(const PrewarmOptions& o, const std::vector<std::string>& archs,
+                       const std::vector<const Family*>& fams, const std::vector<WorkItem>& items) {
+  const auto file = cache_file();
+  auto store = cache::Store::open(file);
+  if (!store.ok()) return report_error(store.status());
+  // PCH pays for itself after the first compile of a process, which a prewarm always has.
+  jit::Builder builder(store->get(), &Registry::global(), jit::BuilderOptions{.use_pch = true});
+
+  const int jobs = std::max(1, std::min<int>(o.jobs, static_cast<int>(items.size())));
+  std::fprintf(stderr, "kiln: prewarm: %zu variants in-process with %d job%s into %s\n", items.size(),
+               jobs, jobs == 1 ? "" : "s", file.c_str());
+
+  std::vector<ItemResult> results(items.size());
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> abort{false};
+  std::mutex out_mu;
+  std::size_t done = 0;
+  const auto t0 = Clock::now();
+
+  auto worker = [&] {
+    for (;;) {
+      const std::size_t i = next.fetch_add(1);
+      if (i >= items.size()) return;
+      ItemResult& res = results[i];
+      if (abort.load()) {
+        res.outcome = Outcome::skipped;
+        continue;
+      }
+      const auto t = Clock::now();
+      // Builder::get rather than a bare key lookup: it verifies the stored blob, so a corrupt row
+      // is recompiled here instead of being reported as cached.
+      auto a = builder.get(items[i].spec, items[i].arch);
+      const double elapsed_ms = seconds_since(t) * 1000;
+      if (a.ok()) {
+        res.key = a->entry.key;
+        if (a->source == jit::ArtifactSource::compiled) {
+          res.outcome = Outcome::compiled;
+          res.ms = a->entry.compile_ms > 0 ? a->entry.compile_ms : elapsed_ms;
+        } else {
+          res.outcome = Outcome::cached;
+          res.ms = elapsed_ms;
+        }
+      } else {
+        res.outcome = Outcome::failed;
+        res.error = a.status();
+        // Without NVRTC every remaining compile fails the same way: stop rather than repeat it.
+        if (a.status().code() == Code::unavailable) abort.store(true);
+      }
+      std::lock_guard lock(out_mu);
+      ++done;
+      std::string line = "[" + std::to_string(done) + "/" + std::to_string(items.size()) + "] " +
+                         items[i].spec.canonical() + " " + items[i].arch + " ";
+      if (res.outcome == Outcome::compiled)
+        line += "compiled " + human_ms(res.ms);
+      else if (res.outcome == Outcome::cached)
+        line += "cached";
+      else
+        line += "FAILED: " + res.error.message();
+      std::fputs((line + "\n").c_str(), stderr);
+      std::fflush(stderr);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < jobs; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+  const double secs = seconds_since(t0);
+
+  std::int64_t compiled = 0, cached = 0, failed = 0, skipped = 0;
+  for (const auto& r : results) {
+    compiled += r.outcome == Outcome::compiled;
+    cached += r.outcome == Outcome::cached;
+    failed += r.outcome == Outcome::failed;
+    skipped += r.outcome == Outcome::skipped;
+  }
+
+  if (o.json) {
+    nlohmann::json variants = nlohmann::json::array();
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const auto& r = results[i];
+      nlohmann::json v = {{"spec", items[i].spec.canonical()},
+                          {"arch", items[i].arch},
+                          {"result", outcome_name(r.outcome)},
+                          {"key", r.key.empty() ? nlohmann::json() : nlohmann::json(r.key)},
+                          {"ms", r.ms}};
+      if (r.outcome == Outcome::failed) v["error"] = r.error.to_string();
+      variants.push_back(std::move(v));
+    }
+    nlohmann::json j = {{"via", "embedded"},
+                        {"cache_file", file.string()},
+                        {"archs", archs},
+                        {"families", family_names(fams)},
+                        {"jobs", jobs},
+                        {"requested", static_cast<std::int64_t>(items.size())},
+                        {"compiled", compiled},
+                        {"cached", cached},
+                        {"failed", failed},
+                        {"skipped", skipped},
+                        {"seconds", secs},
+                        {"variants", std::move(variants)}};
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::printf("prewarm: %zu requested, %lld compiled, %lld already cached, %lld failed", items.size(),
+                static_cast<long long>(compiled), static_cast<long long>(cached),
+                static_cast<long long>(failed));
+    if (skipped) std::printf(", %lld skipped", static_cast<long long>(skipped));
+    std::printf(" in %s\n", human_ms(secs * 1000).c_str());
+  }
+
+  if (failed + skipped == 0) return k_exit_ok;
+  // One error line, then every failure with its log: the compile log is what the user needs.
+  std::string details;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const auto& r = results[i];
+    if (r.outcome != Outcome::failed) continue;
+    details += items[i].spec.canonical() + " " + items[i].arch + ": " + r.error.message() + "\n";
+    if (!r.error.details().empty()) details += indent_lines(r.error.details(), "  ");
+  }
+  if (skipped) details += std::to_string(skipped) + " variants were skipped after NVRTC could not be loaded\n";
+  print_error(std::to_string(failed) + " of " + std::to_string(items.size()) + " variants failed",
+              details);
+  return k_exit_failure;
+}
+
+}  // namespace
+
+int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o) {
+  // All input is checked before anything is opened or compiled: a typo costs nothing.
+  auto archs = resolve_archs(o.archs);
+  if (!archs.ok()) return report_error(archs.status(), k_exit_usage);
+  auto fams = resolve_families(o.families);
+  if (!fams.ok()) return report_error(fams.status(), k_exit_usage);
+  if (fams->empty()) {
+    print_error("no kernel families are registered");
+    return k_exit_failure;
+  }
+
+  std::vector<WorkItem> items;
+  for (const Family* f : *fams) {
+    const auto catalog = f->catalog();
+    if (catalog.empty()) print_warning("family " + std::string(f->name()) + " has an empty catalog");
+    for (const auto& arch : *archs)
+      for (const auto& params : catalog) items.push_back({KernelSpec{std::string(f->name()), params}, arch});
+  }
+  if (items.empty()) {
+    print_error("nothing to compile: the selected families have no catalog variants");
+    return k_exit_failure;
+  }
+
+  if (auto daemon = try_daemon(g))
+    return prewarm_via_daemon(*daemon, o, *archs, *fams, items.size(), o.families.empty());
+  return prewarm_in_process(o, *archs, *fams, items);
+}
+
+}  // namespace kiln::cli

@@ -1,0 +1,69 @@
+// A connection to kilnd over its Unix socket (protocol: docs/protocol.md).
+//
+// One request at a time per DaemonClient (calls are serialized by a mutex). Every call has a
+// deadline; a dead or wedged daemon is Code::unavailable or Code::timeout, never a hang.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/store.h"
+#include "jit/builder.h"
+#include "kiln/spec.h"
+#include "kiln/status.h"
+
+namespace kiln::client {
+
+struct PrewarmResult {
+  std::int64_t requested = 0;
+  std::int64_t compiled = 0;
+  std::int64_t cached = 0;
+  std::int64_t failed = 0;
+  std::vector<std::string> errors;  // "spec @ arch: message", one per failure
+};
+
+class DaemonClient {
+ public:
+  // Connects and exchanges a ping. Code::unavailable when nothing listens on `socket`.
+  static Result<std::unique_ptr<DaemonClient>> connect(
+      const std::filesystem::path& socket,
+      std::chrono::milliseconds timeout = std::chrono::milliseconds(2000));
+  ~DaemonClient();
+
+  Status ping();
+  // The cubin and metadata for spec on arch; the daemon compiles on a miss (single-flight).
+  Result<jit::Artifact> get_kernel(const KernelSpec& spec, const std::string& arch,
+                                   std::chrono::milliseconds timeout = std::chrono::seconds(120));
+  // Compiles every catalog variant of `families` (empty: all) for each arch.
+  Result<PrewarmResult> prewarm(const std::vector<std::string>& archs,
+                                const std::vector<std::string>& families,
+                                std::chrono::milliseconds timeout = std::chrono::minutes(30));
+  Result<std::vector<cache::Entry>> list(const cache::ListFilter& filter);
+  // Daemon stats as JSON: {"daemon": {...}, "builder": {...}, "cache": {...}}.
+  Result<nlohmann::json> stats();
+  // Asks the daemon to stop; returns once it has acknowledged.
+  Status shutdown();
+
+ private:
+  DaemonClient(int fd, std::filesystem::path socket, std::chrono::milliseconds timeout)
+      : fd_(fd), socket_(std::move(socket)), timeout_(timeout) {}
+  // One request/reply exchange under `timeout`; `blob` receives the reply's blob. Transparently
+  // reconnects (once) when the daemon had closed this connection while it was idle.
+  Result<nlohmann::json> call(const nlohmann::json& request, std::chrono::milliseconds timeout,
+                              std::string* blob = nullptr);
+  void close_fd();
+
+  int fd_;  // -1 once the connection is broken; the next call reconnects
+  std::filesystem::path socket_;
+  std::chrono::milliseconds timeout_;  // for the quick ops (ping, list, stats, shutdown)
+  std::mutex mu_;
+};
+
+}  // namespace kiln::client

@@ -1,0 +1,65 @@
+#include <cmath>
+
+#include "client/validate.h"
+#include "families/rmsnorm/rmsnorm.h"
+#include "kiln/runtime.h"
+
+namespace kiln {
+
+Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, double eps, Stream stream,
+                Runtime* runtime) {
+  KILN_TRY(client::check_view(x, "x"));
+  KILN_TRY(client::check_view(weight, "weight"));
+  KILN_TRY(client::check_view(y, "y"));
+  KILN_TRY(client::check_float_dtype(x, "x"));
+  if (weight.dtype != x.dtype || y.dtype != x.dtype)
+    return unsupported_dtype(std::string("rms_norm: dtypes differ (x ") + dtype_name(x.dtype) + ", weight " +
+                             dtype_name(weight.dtype) + ", y " + dtype_name(y.dtype) + ")");
+  if (x.rank != y.rank) return shape_mismatch("rms_norm: x and y have different ranks");
+  for (int i = 0; i < x.rank; ++i)
+    if (x.shape[i] != y.shape[i]) return shape_mismatch("rms_norm: x and y have different shapes");
+  const std::int64_t hidden = x.shape[x.rank - 1];
+  if (weight.rank != 1 || weight.shape[0] != hidden)
+    return shape_mismatch("rms_norm: weight must have shape [" + std::to_string(hidden) + "]");
+  if (weight.strides[0] != 1 && hidden > 1) return shape_mismatch("rms_norm: weight must be contiguous");
+  if (hidden == 0) return shape_mismatch("rms_norm: the normalized dimension is empty");
+  if (!std::isfinite(eps) || eps < 0) return invalid_argument("rms_norm: eps must be finite and non-negative");
+  KILN_ASSIGN_OR_RETURN(auto xr, client::as_rows(x, "x"));
+  KILN_ASSIGN_OR_RETURN(auto yr, client::as_rows(y, "y"));
+
+  const DeviceKind where = x.device.kind;
+  KILN_TRY(client::check_device(x, "x", where));
+  KILN_TRY(client::check_device(weight, "weight", where));
+  KILN_TRY(client::check_device(y, "y", where));
+  if (where == DeviceKind::cuda && (weight.device.index != x.device.index || y.device.index != x.device.index))
+    return device_error("rms_norm: tensors are on different GPUs");
+
+  Problem p;
+  p.dtype = x.dtype;
+  p.dims[families::k_rows] = xr.rows;
+  p.dims[families::k_cols] = hidden;
+  p.dims[families::k_x_stride] = xr.row_stride;
+  p.dims[families::k_y_stride] = yr.row_stride;
+  p.scalars[families::k_eps] = eps;
+  const auto esize = std::int64_t(dtype_size(x.dtype));
+  p.alignment = client::common_alignment(
+      {reinterpret_cast<std::uintptr_t>(x.data), reinterpret_cast<std::uintptr_t>(weight.data),
+       reinterpret_cast<std::uintptr_t>(y.data)},
+      {xr.row_stride * esize, yr.row_stride * esize});
+  if (xr.rows == 0) return {};
+
+  const Family* family = Registry::global().find("rmsnorm");
+  if (!family) return internal_error("the rmsnorm family is not registered");
+  const Params params = family->heuristic(p);
+  KILN_TRY(family->check_problem(params, p));
+  void* buffers[3] = {x.data, weight.data, y.data};
+  if (where == DeviceKind::cpu) return family->cpu_reference(params, p, buffers);
+
+  if (!runtime) {
+    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  KILN_ASSIGN_OR_RETURN(const Kernel* k, runtime->kernel(KernelSpec{"rmsnorm", params}));
+  return runtime->launch(*k, p, buffers, stream);
+}
+
+}  // namespace kiln

@@ -1,0 +1,177 @@
+#include "kiln/runtime.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+
+#include "cache/store.h"
+#include "client/daemon_client.h"
+#include "common/paths.h"
+#include "common/sha256.h"
+#include "jit/builder.h"
+#include "jit/driver.h"
+
+namespace kiln {
+namespace {
+
+class RuntimeImpl final : public Runtime {
+ public:
+  explicit RuntimeImpl(RuntimeOptions opts) : opts_(std::move(opts)) {}
+  ~RuntimeImpl() override {
+    // Modules stay loaded: contexts may already be gone at exit, and unloading into a destroyed
+    // context is an error the caller cannot act on.
+  }
+
+  Result<const Kernel*> kernel(const KernelSpec& spec) override {
+    KILN_ASSIGN_OR_RETURN(CUcontext ctx, jit::current_context());
+    std::string table_key = std::to_string(reinterpret_cast<std::uintptr_t>(ctx)) + "|" + spec.canonical();
+    std::lock_guard lock(mu_);
+    if (auto it = table_.find(table_key); it != table_.end()) {
+      ++counters_.table_hits;
+      return &it->second->kernel;
+    }
+    KILN_ASSIGN_OR_RETURN(const Family* family, Registry::global().resolve(spec));
+    KILN_ASSIGN_OR_RETURN(std::string arch, arch_of(ctx));
+    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(spec, arch));
+    // Never hand the driver bytes that do not match their checksum (see cache/store.h).
+    if (std::int64_t(art.entry.cubin.size()) != art.entry.size || sha256_hex(art.entry.cubin) != art.entry.checksum)
+      return corruption("cubin for " + spec.canonical() + " failed its checksum before load");
+
+    const jit::Driver* d = jit::Driver::get().value();
+    auto loaded = std::make_unique<Loaded>();
+    KILN_TRY(d->check(d->module_load_data(&loaded->module, art.entry.cubin.data()), "cuModuleLoadData"));
+    CUfunction fn = nullptr;
+    Status s = d->check(d->module_get_function(&fn, loaded->module, art.entry.lowered_name.c_str()),
+                        "cuModuleGetFunction");
+    if (!s.ok()) {
+      d->module_unload(loaded->module);
+      return s;
+    }
+    ++counters_.module_loads;
+    loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx};
+    const Kernel* out = &loaded->kernel;
+    table_.emplace(std::move(table_key), std::move(loaded));
+    return out;
+  }
+
+  Status launch(const Kernel& k, const Problem& problem, std::span<void* const> buffers, Stream stream) override {
+    KILN_TRY(k.family->check_problem(k.params, problem));
+    const LaunchGeometry g = k.family->geometry(k.params, problem);
+    ArgPack args;
+    k.family->pack_args(k.params, problem, buffers, args);
+    if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    const jit::Driver* d = jit::Driver::get().value();
+    return d->check(d->launch_kernel(static_cast<CUfunction>(k.function), g.grid.x, g.grid.y, g.grid.z, g.block.x,
+                                     g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),
+                                     args.pointers(), nullptr),
+                    "cuLaunchKernel");
+  }
+
+  std::string resolver() const override {
+    std::lock_guard lock(mu_);
+    return last_resolver_;
+  }
+
+  RuntimeCounters counters() const override {
+    std::lock_guard lock(mu_);
+    return counters_;
+  }
+
+ private:
+  struct Loaded {
+    Kernel kernel;
+    CUmodule module = nullptr;
+  };
+
+  Result<std::string> arch_of(CUcontext ctx) {
+    if (auto it = arch_by_ctx_.find(ctx); it != arch_by_ctx_.end()) return it->second;
+    const jit::Driver* d = jit::Driver::get().value();
+    CUdevice dev;
+    KILN_TRY(d->check(d->ctx_get_device(&dev), "cuCtxGetDevice"));
+    int major = 0, minor = 0;
+    KILN_TRY(d->check(d->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+                      "cuDeviceGetAttribute"));
+    KILN_TRY(d->check(d->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+                      "cuDeviceGetAttribute"));
+    std::string arch = arch_for_capability(major, minor);
+    arch_by_ctx_.emplace(ctx, arch);
+    return arch;
+  }
+
+  // Daemon first (unless embedded); a daemon that cannot be reached falls back to the embedded
+  // builder in automatic mode. Errors about the request itself are returned as they are.
+  Result<jit::Artifact> resolve(const KernelSpec& spec, const std::string& arch) {
+    if (opts_.mode != ResolverMode::embedded) {
+      if (!daemon_) {
+        auto c = client::DaemonClient::connect(opts_.socket_path.empty() ? socket_path()
+                                                                             : std::filesystem::path(opts_.socket_path));
+        if (c.ok()) daemon_ = std::move(c).value();
+        else if (opts_.mode == ResolverMode::daemon) return c.status();
+      }
+      if (daemon_) {
+        auto art = daemon_->get_kernel(spec, arch);
+        if (art.ok()) {
+          ++counters_.from_daemon;
+          last_resolver_ = "daemon";
+          return art;
+        }
+        const Code c = art.status().code();
+        if (c != Code::unavailable && c != Code::timeout && c != Code::io_error && c != Code::shutting_down)
+          return art.status();
+        daemon_.reset();
+        if (opts_.mode == ResolverMode::daemon) return art.status();
+      }
+    }
+    if (!builder_) {
+      auto st = cache::Store::open(opts_.cache_file.empty() ? cache_file() : std::filesystem::path(opts_.cache_file));
+      if (st.ok()) store_ = std::move(st).value();
+      else std::fprintf(stderr, "kiln: cache unavailable, compiling without it: %s\n", st.status().to_string().c_str());
+      builder_ = std::make_unique<jit::Builder>(store_.get(), &Registry::global());
+    }
+    auto art = builder_->get(spec, arch);
+    if (art.ok()) {
+      ++counters_.from_embedded;
+      last_resolver_ = "embedded";
+    }
+    return art;
+  }
+
+  RuntimeOptions opts_;
+  mutable std::mutex mu_;
+  std::unique_ptr<cache::Store> store_;
+  std::unique_ptr<jit::Builder> builder_;
+  std::unique_ptr<client::DaemonClient> daemon_;
+  std::unordered_map<std::string, std::unique_ptr<Loaded>> table_;
+  std::unordered_map<CUcontext, std::string> arch_by_ctx_;
+  RuntimeCounters counters_;
+  std::string last_resolver_;
+};
+
+}  // namespace
+
+Result<std::shared_ptr<Runtime>> Runtime::create(const RuntimeOptions& options) {
+  return std::shared_ptr<Runtime>(std::make_shared<RuntimeImpl>(options));
+}
+
+Result<Runtime*> Runtime::shared() {
+  static std::once_flag once;
+  static std::shared_ptr<Runtime> rt;
+  static Status failure;
+  std::call_once(once, [] {
+    RuntimeOptions o;
+    const char* mode = std::getenv("KILN_MODE");
+    std::string m = mode ? mode : "auto";
+    if (m == "embedded") o.mode = ResolverMode::embedded;
+    else if (m == "daemon") o.mode = ResolverMode::daemon;
+    else if (m != "auto" && !m.empty()) {
+      failure = invalid_argument("KILN_MODE must be auto, embedded or daemon (got '" + m + "')");
+      return;
+    }
+    rt = create(o).value();
+  });
+  if (!rt) return failure;
+  return rt.get();
+}
+
+}  // namespace kiln

@@ -1,0 +1,72 @@
+#include "client/validate.h"
+
+#include "jit/driver.h"
+
+namespace kiln::client {
+
+Status check_view(const TensorView& t, const char* name) {
+  if (!t.data) return invalid_argument(std::string(name) + " has a null data pointer");
+  if (t.rank < 1 || t.rank > TensorView::k_max_rank)
+    return shape_mismatch(std::string(name) + " has rank " + std::to_string(t.rank) + " (expected 1..8)");
+  for (int i = 0; i < t.rank; ++i)
+    if (t.shape[i] < 0) return shape_mismatch(std::string(name) + " has a negative size");
+  return {};
+}
+
+Status check_float_dtype(const TensorView& t, const char* name) {
+  if (!is_floating(t.dtype))
+    return unsupported_dtype(std::string(name) + " has dtype " + dtype_name(t.dtype) +
+                             "; expected one of f32, f16, bf16");
+  return {};
+}
+
+Status check_device(const TensorView& t, const char* name, DeviceKind expected) {
+  if (t.device.kind != expected)
+    return device_error(std::string(name) + " is on the " + (t.device.kind == DeviceKind::cuda ? "GPU" : "CPU") +
+                        " but the other tensors are on the " + (expected == DeviceKind::cuda ? "GPU" : "CPU"));
+  if (expected != DeviceKind::cuda) return {};
+  auto d = jit::Driver::get();
+  if (!d.ok()) return Status(Code::device_error, std::string(name) + " is a CUDA tensor but " + d.status().message());
+  unsigned int mem_type = 0;
+  CUresult rc = (*d)->pointer_get_attribute(&mem_type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                            reinterpret_cast<CUdeviceptr>(t.data));
+  if (rc != CUDA_SUCCESS || (mem_type != CU_MEMORYTYPE_DEVICE && mem_type != CU_MEMORYTYPE_UNIFIED))
+    return device_error(std::string(name) + " is labelled as a CUDA tensor but its pointer is not device memory");
+  int ordinal = -1;
+  rc = (*d)->pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                   reinterpret_cast<CUdeviceptr>(t.data));
+  if (rc == CUDA_SUCCESS && ordinal != t.device.index)
+    return device_error(std::string(name) + " lives on cuda:" + std::to_string(ordinal) + ", not cuda:" +
+                        std::to_string(t.device.index));
+  return {};
+}
+
+Result<RowView> as_rows(const TensorView& t, const char* name) {
+  RowView v;
+  v.cols = t.shape[t.rank - 1];
+  if (t.strides[t.rank - 1] != 1 && v.cols > 1)
+    return shape_mismatch(std::string(name) + ": the last dimension must be contiguous (stride 1)");
+  v.rows = 1;
+  for (int i = 0; i < t.rank - 1; ++i) v.rows *= t.shape[i];
+  if (t.rank == 1) {
+    v.row_stride = v.cols;
+    return v;
+  }
+  v.row_stride = t.strides[t.rank - 2];
+  // Leading dimensions must collapse into one evenly strided row index.
+  for (int i = 0; i < t.rank - 2; ++i)
+    if (t.shape[i] > 1 && t.strides[i] != t.strides[i + 1] * t.shape[i + 1])
+      return shape_mismatch(std::string(name) + ": leading dimensions cannot be viewed as evenly strided rows");
+  if (v.rows <= 1) v.row_stride = std::max<std::int64_t>(v.row_stride, v.cols);
+  return v;
+}
+
+std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
+                               std::initializer_list<std::int64_t> byte_strides) {
+  std::uint64_t bits = 16;
+  for (auto a : addresses) bits |= a;
+  for (auto s : byte_strides) bits |= std::uint64_t(s);
+  return std::uint32_t(bits & (~bits + 1));
+}
+
+}  // namespace kiln::client

@@ -1,0 +1,34 @@
+// Tensor checks shared by the typed ops. Each returns the seed's error kinds (device_error,
+// shape_mismatch, unsupported_dtype, invalid_argument) before anything is compiled or launched.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kiln/status.h"
+#include "kiln/types.h"
+
+namespace kiln::client {
+
+// Non-null data, rank in 1..8, non-negative sizes.
+Status check_view(const TensorView& t, const char* name);
+// Floating dtype (f32, f16, bf16).
+Status check_float_dtype(const TensorView& t, const char* name);
+// Every tensor is on `device` kind. For CUDA tensors, asks the driver that the pointer is device
+// memory (a host pointer labelled CUDA is a device_error) on the claimed device.
+Status check_device(const TensorView& t, const char* name, DeviceKind expected);
+
+// A tensor seen as rows x cols: last dimension contiguous, leading dimensions collapsible into one
+// evenly strided row index.
+struct RowView {
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;  // elements
+};
+Result<RowView> as_rows(const TensorView& t, const char* name);
+
+// The largest power of two (at most 16) dividing the address and every byte stride given.
+std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
+                               std::initializer_list<std::int64_t> byte_strides);
+
+}  // namespace kiln::client

@@ -1,0 +1,121 @@
+// kilnd: the kiln daemon. Always runs in the foreground; `kiln daemon start` detaches it.
+//
+// Exit codes: 0 after a graceful stop, 1 on bad flags or a startup failure, 3 when another kilnd
+// already serves the socket.
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "common/paths.h"
+#include "daemon/server.h"
+
+namespace {
+
+constexpr const char* k_usage =
+    "usage: kilnd [--socket PATH] [--cache-dir DIR] [--jobs N] [--no-pch] [--foreground]\n"
+    "             [--idle-timeout-ms MS] [--frame-timeout-ms MS]\n"
+    "\n"
+    "Serves compiled CUDA kernels to kiln clients over a Unix socket.\n"
+    "\n"
+    "  --socket PATH          socket to listen on (default: $KILN_SOCKET, else\n"
+    "                         $XDG_RUNTIME_DIR/kiln/kilnd.sock, else /tmp/kiln-<uid>/kilnd.sock)\n"
+    "  --cache-dir DIR        kernel cache directory (default: $KILN_CACHE_DIR, else\n"
+    "                         $XDG_CACHE_HOME/kiln, else ~/.cache/kiln)\n"
+    "  --jobs N               compile worker threads (default: number of CPUs)\n"
+    "  --no-pch               disable NVRTC precompiled headers\n"
+    "  --foreground           accepted for compatibility; kilnd never detaches itself\n"
+    "  --idle-timeout-ms MS   close connections idle this long (default 60000)\n"
+    "  --frame-timeout-ms MS  a request frame must arrive within this time (default 10000)\n"
+    "  --help, --version\n";
+
+int bad_usage(const std::string& message) {
+  std::fprintf(stderr, "kilnd: %s\n(run 'kilnd --help' for usage)\n", message.c_str());
+  return kiln::daemon::k_exit_error;
+}
+
+std::optional<long long> parse_positive(std::string_view text, long long max) {
+  long long v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || ptr != text.data() + text.size() || v <= 0 || v > max) return std::nullopt;
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace kiln::daemon;
+  ServerOptions options;
+  std::string socket_flag, cache_dir_flag;
+
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> inline_value;
+    if (arg.rfind("--", 0) == 0) {
+      if (auto eq = arg.find('='); eq != std::string::npos) {
+        inline_value = arg.substr(eq + 1);
+        arg = arg.substr(0, eq);
+      }
+    }
+    auto value = [&](std::string& out) -> bool {
+      if (inline_value) {
+        out = *inline_value;
+      } else {
+        if (i + 1 >= argc) return false;
+        out = argv[++i];
+      }
+      return true;
+    };
+    auto flag_only = [&]() { return !inline_value.has_value(); };
+
+    std::string v;
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(k_usage, stdout);
+      return k_exit_ok;
+    } else if (arg == "--version") {
+      std::printf("kilnd %s\n", KILN_VERSION);
+      return k_exit_ok;
+    } else if (arg == "--socket") {
+      if (!value(v) || v.empty()) return bad_usage("--socket needs a path");
+      socket_flag = v;
+    } else if (arg == "--cache-dir") {
+      if (!value(v) || v.empty()) return bad_usage("--cache-dir needs a directory");
+      cache_dir_flag = v;
+    } else if (arg == "--jobs" || arg == "-j") {
+      if (!value(v)) return bad_usage("--jobs needs a number");
+      auto n = parse_positive(v, 1024);
+      if (!n) return bad_usage("--jobs must be an integer between 1 and 1024, not '" + v + "'");
+      options.jobs = static_cast<std::size_t>(*n);
+    } else if (arg == "--idle-timeout-ms" || arg == "--frame-timeout-ms") {
+      if (!value(v)) return bad_usage(arg + " needs a number of milliseconds");
+      auto n = parse_positive(v, 24LL * 3600 * 1000);
+      if (!n) return bad_usage(arg + " must be a positive number of milliseconds, not '" + v + "'");
+      (arg == "--idle-timeout-ms" ? options.idle_timeout : options.frame_timeout) = std::chrono::milliseconds(*n);
+    } else if (arg == "--no-pch") {
+      if (!flag_only()) return bad_usage("--no-pch takes no value");
+      options.use_pch = false;
+    } else if (arg == "--foreground") {
+      if (!flag_only()) return bad_usage("--foreground takes no value");
+    } else {
+      return bad_usage("unknown argument '" + std::string(argv[i]) + "'");
+    }
+  }
+
+  options.socket = socket_flag.empty() ? kiln::socket_path() : std::filesystem::path(socket_flag);
+  options.cache_file = cache_dir_flag.empty() ? kiln::cache_file()
+                                              : std::filesystem::path(cache_dir_flag) / "kernels.sqlite";
+
+  bool already_running = false;
+  auto server = Server::create(options, &already_running);
+  if (!server.ok()) {
+    const kiln::Status& s = server.status();
+    std::fprintf(stderr, "kilnd: %s\n", s.message().c_str());
+    if (!s.details().empty()) std::fprintf(stderr, "kilnd: %s\n", s.details().c_str());
+    return already_running ? k_exit_already_running : k_exit_error;
+  }
+  return (*server)->run();
+}

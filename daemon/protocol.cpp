@@ -1,0 +1,218 @@
+#include "daemon/protocol.h"
+
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+namespace kiln::daemon {
+namespace {
+
+void put_u16(std::uint8_t* p, std::uint16_t v) {
+  p[0] = static_cast<std::uint8_t>(v);
+  p[1] = static_cast<std::uint8_t>(v >> 8);
+}
+
+void put_u32(std::uint8_t* p, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+
+std::uint16_t get_u16(const std::uint8_t* p) {
+  return static_cast<std::uint16_t>(p[0] | (p[1] << 8));
+}
+
+std::uint32_t get_u32(const std::uint8_t* p) {
+  std::uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// Field readers that report a missing or mistyped field as invalid_argument instead of throwing.
+Status read_string(const nlohmann::json& j, const char* name, std::string& out, bool required = true) {
+  auto it = j.find(name);
+  if (it == j.end()) return required ? invalid_argument(std::string("missing field '") + name + "'") : Status{};
+  if (!it->is_string()) return invalid_argument(std::string("field '") + name + "' must be a string");
+  out = it->get<std::string>();
+  return {};
+}
+
+template <class Int>
+Status read_int(const nlohmann::json& j, const char* name, Int& out, bool required = true) {
+  auto it = j.find(name);
+  if (it == j.end()) return required ? invalid_argument(std::string("missing field '") + name + "'") : Status{};
+  if (!it->is_number_integer()) return invalid_argument(std::string("field '") + name + "' must be an integer");
+  out = static_cast<Int>(it->get<std::int64_t>());
+  return {};
+}
+
+Status read_double(const nlohmann::json& j, const char* name, double& out) {
+  auto it = j.find(name);
+  if (it == j.end()) return {};
+  if (!it->is_number()) return invalid_argument(std::string("field '") + name + "' must be a number");
+  out = it->get<double>();
+  return {};
+}
+
+}  // namespace
+
+HeaderBytes encode_header(const FrameHeader& h) {
+  HeaderBytes b{};
+  std::memcpy(b.data(), k_magic.data(), 4);
+  put_u16(b.data() + 4, h.version);
+  put_u16(b.data() + 6, h.flags);
+  put_u32(b.data() + 8, h.json_len);
+  put_u32(b.data() + 12, h.blob_len);
+  return b;
+}
+
+Result<FrameHeader> decode_header(const HeaderBytes& b) {
+  if (std::memcmp(b.data(), k_magic.data(), 4) != 0)
+    return invalid_argument("bad frame: wrong magic (expected \"KILN\")");
+  FrameHeader h;
+  h.version = get_u16(b.data() + 4);
+  h.flags = get_u16(b.data() + 6);
+  h.json_len = get_u32(b.data() + 8);
+  h.blob_len = get_u32(b.data() + 12);
+  if (h.version != k_protocol_version)
+    return invalid_argument("bad frame: protocol version " + std::to_string(h.version) + " is not supported",
+                            "this peer speaks protocol version " + std::to_string(k_protocol_version));
+  if ((h.flags & ~k_known_flags) != 0)
+    return invalid_argument("bad frame: unknown flags 0x" + [&] {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "%04x", unsigned(h.flags));
+      return std::string(buf);
+    }());
+  return h;
+}
+
+Status check_limits(const FrameHeader& h, FrameKind kind) {
+  const bool req = kind == FrameKind::request;
+  const std::uint32_t max_json = req ? k_max_request_json : k_max_reply_json;
+  const std::uint32_t max_blob = req ? k_max_request_blob : k_max_reply_blob;
+  const char* what = req ? "request" : "reply";
+  if (h.json_len == 0) return invalid_argument(std::string("bad frame: ") + what + " has an empty JSON body");
+  if (h.json_len > max_json)
+    return invalid_argument(std::string("bad frame: ") + what + " JSON body of " + std::to_string(h.json_len) +
+                            " bytes exceeds the limit of " + std::to_string(max_json));
+  if (h.blob_len > max_blob)
+    return invalid_argument(std::string("bad frame: ") + what + " blob of " + std::to_string(h.blob_len) +
+                            " bytes exceeds the limit of " + std::to_string(max_blob));
+  return {};
+}
+
+std::string dump_json(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+Result<nlohmann::json> parse_json(std::string_view text) {
+  try {
+    nlohmann::json j = nlohmann::json::parse(text.begin(), text.end());
+    return j;
+  } catch (const nlohmann::json::exception& e) {
+    return invalid_argument("malformed JSON body", e.what());
+  } catch (const std::exception& e) {
+    return invalid_argument("malformed JSON body", e.what());
+  }
+}
+
+nlohmann::json ok_reply() { return nlohmann::json{{"ok", true}}; }
+
+nlohmann::json error_reply(const Status& s) {
+  return nlohmann::json{
+      {"ok", false},
+      {"error", {{"code", code_name(s.code())}, {"message", s.message()}, {"details", s.details()}}}};
+}
+
+Status reply_status(const nlohmann::json& reply) {
+  if (!reply.is_object()) return invalid_argument("daemon reply is not a JSON object");
+  auto ok = reply.find("ok");
+  if (ok == reply.end() || !ok->is_boolean()) return invalid_argument("daemon reply has no boolean 'ok'");
+  if (ok->get<bool>()) return {};
+  auto err = reply.find("error");
+  if (err == reply.end() || !err->is_object()) return internal_error("daemon reported a failure without an error");
+  std::string code = "internal", message, details;
+  (void)read_string(*err, "code", code, false);
+  (void)read_string(*err, "message", message, false);
+  (void)read_string(*err, "details", details, false);
+  Code c = code_from_name(code);
+  if (c == Code::ok) c = Code::internal;  // a failed reply must never read as success
+  return Status(c, message.empty() ? "daemon error" : message, details);
+}
+
+nlohmann::json entry_to_json(const cache::Entry& e) {
+  return nlohmann::json{
+      {"key", e.key},
+      {"family", e.family},
+      {"family_version", e.family_version},
+      {"params", e.params},
+      {"arch", e.arch},
+      {"toolchain", e.toolchain},
+      {"key_text", e.key_text},
+      {"size", e.size},
+      {"checksum", e.checksum},
+      {"lowered_name", e.lowered_name},
+      {"compile_log", e.compile_log},
+      {"compile_ms", e.compile_ms},
+      {"registers", e.registers},
+      {"shared_bytes", e.shared_bytes},
+      {"spill_bytes", e.spill_bytes},
+      {"created", e.created},
+      {"last_used", e.last_used},
+      {"hits", e.hits},
+  };
+}
+
+Result<cache::Entry> entry_from_json(const nlohmann::json& j) {
+  if (!j.is_object()) return invalid_argument("entry is not a JSON object");
+  cache::Entry e;
+  KILN_TRY(read_string(j, "key", e.key));
+  KILN_TRY(read_string(j, "family", e.family));
+  KILN_TRY(read_int(j, "family_version", e.family_version, false));
+  KILN_TRY(read_string(j, "params", e.params));
+  KILN_TRY(read_string(j, "arch", e.arch));
+  KILN_TRY(read_string(j, "toolchain", e.toolchain, false));
+  KILN_TRY(read_string(j, "key_text", e.key_text, false));
+  KILN_TRY(read_int(j, "size", e.size));
+  KILN_TRY(read_string(j, "checksum", e.checksum));
+  KILN_TRY(read_string(j, "lowered_name", e.lowered_name, false));
+  KILN_TRY(read_string(j, "compile_log", e.compile_log, false));
+  KILN_TRY(read_double(j, "compile_ms", e.compile_ms));
+  KILN_TRY(read_int(j, "registers", e.registers, false));
+  KILN_TRY(read_int(j, "shared_bytes", e.shared_bytes, false));
+  KILN_TRY(read_int(j, "spill_bytes", e.spill_bytes, false));
+  KILN_TRY(read_int(j, "created", e.created, false));
+  KILN_TRY(read_int(j, "last_used", e.last_used, false));
+  KILN_TRY(read_int(j, "hits", e.hits, false));
+  if (e.size < 0) return invalid_argument("entry size is negative");
+  return e;
+}
+
+const char* source_name(jit::ArtifactSource s) {
+  return s == jit::ArtifactSource::compiled ? "compiled" : "cache";
+}
+
+Result<jit::ArtifactSource> parse_source(std::string_view name) {
+  if (name == "cache") return jit::ArtifactSource::cache;
+  if (name == "compiled") return jit::ArtifactSource::compiled;
+  return invalid_argument("unknown artifact source '" + std::string(name) + "'");
+}
+
+nlohmann::json builder_stats_to_json(const jit::BuilderStats& s) {
+  return nlohmann::json{
+      {"requests", s.requests},
+      {"cache_hits", s.cache_hits},
+      {"compiles", s.compiles},
+      {"compile_failures", s.compile_failures},
+      {"coalesced", s.coalesced},
+      {"store_failures", s.store_failures},
+  };
+}
+
+nlohmann::json store_stats_to_json(const cache::Stats& s) {
+  return nlohmann::json{
+      {"entries", s.entries}, {"bytes", s.bytes},   {"hits", s.hits},
+      {"misses", s.misses},   {"corrupt", s.corrupt}, {"stores", s.stores},
+      {"store_errors", s.store_errors},
+  };
+}
+
+}  // namespace kiln::daemon

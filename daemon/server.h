@@ -1,0 +1,60 @@
+// kilnd's server: the Unix socket listener, the framed protocol, the compile pool.
+//
+// One I/O thread runs Boost.Asio (C++20 coroutines): it accepts, checks the peer's uid, reads
+// frames under deadlines and writes replies. Everything that can block (NVRTC compiles through
+// jit::Builder, SQLite queries) runs on worker pools and completes the reply asynchronously, so
+// a slow compile never stalls other clients. A shutdown request, SIGTERM or SIGINT stops the
+// server gracefully: no new connections, queued work is answered with shutting_down, compiles
+// already running finish and are answered, then the socket file is removed and the lock released.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <filesystem>
+#include <memory>
+
+#include "kiln/status.h"
+
+namespace kiln::daemon {
+
+struct ServerOptions {
+  std::filesystem::path socket;      // required
+  std::filesystem::path cache_file;  // required
+  std::size_t jobs = 0;              // compile workers; 0: hardware concurrency
+  bool use_pch = true;               // NVRTC automatic PCH (BuilderOptions::use_pch)
+  // A connection with no frame in progress is closed after idle_timeout; a frame must arrive
+  // completely within frame_timeout of its first byte; a reply must be taken by the peer within
+  // write_timeout.
+  std::chrono::milliseconds idle_timeout{60'000};
+  std::chrono::milliseconds frame_timeout{10'000};
+  std::chrono::milliseconds write_timeout{60'000};
+  std::size_t max_connections = 256;  // further connections are closed at once
+};
+
+// Process exit codes of kilnd.
+inline constexpr int k_exit_ok = 0;
+inline constexpr int k_exit_error = 1;            // bad flags, unusable directory, store, ...
+inline constexpr int k_exit_already_running = 3;  // another kilnd serves this socket
+
+class Server {
+ public:
+  // Claims the socket (see daemon/instance.h), opens the cache and starts the workers. Serves
+  // nothing until run(). On failure `already_running` tells "another daemon" from other errors.
+  static Result<std::unique_ptr<Server>> create(const ServerOptions& options, bool* already_running = nullptr);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Serves until stopped, then drains and cleans up. Returns the process exit code. Installs the
+  // SIGTERM/SIGINT handlers for its duration.
+  int run();
+  // Starts a graceful stop. Thread-safe; may be called before or during run().
+  void request_stop();
+
+ private:
+  struct Impl;
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::daemon

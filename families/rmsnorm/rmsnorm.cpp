@@ -1,0 +1,161 @@
+#include "families/rmsnorm/rmsnorm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/half.h"
+
+namespace kiln::families {
+namespace {
+
+const char* device_type(const std::string& dtype) {
+  if (dtype == "f16") return "kiln::f16_t";
+  if (dtype == "bf16") return "kiln::bf16_t";
+  return "float";
+}
+
+class RmsNorm final : public Family {
+ public:
+  std::string_view name() const override { return "rmsnorm"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block (one block per row)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of x, w and y"},
+        {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override { return {"rows", "cols", "x_row_stride", "y_row_stride"}; }
+  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    if (*params.get_int("vec") * std::int64_t(dtype_size(*dtype)) > 16)
+      return invalid_argument("rmsnorm: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
+                              std::to_string(*params.get_int("vec")) + " for " + *params.get_str("dtype") + ")");
+    return {};
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"rmsnorm/rmsnorm_fwd.cuh\"\n";
+    r.name_expression = std::string("kiln::rmsnorm_fwd<") + device_type(*params.get_str("dtype")) + ", " +
+                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
+    return r;
+  }
+
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* dtype : {"f32", "f16", "bf16"})
+      for (std::int64_t block : {64, 128, 256, 512, 1024})
+        for (std::int64_t vec : {1, 2, 4, 8}) {
+          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
+          if (validate(p).ok()) out.push_back(p);
+        }
+    return out;
+  }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
+    if (rows < 0 || cols <= 0) return shape_mismatch("rmsnorm: need rows >= 0 and cols > 0");
+    if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm: rows longer than 2^31 elements");
+    if (p.dims[k_x_stride] < cols || p.dims[k_y_stride] < cols)
+      return shape_mismatch("rmsnorm: row strides must be at least the row length");
+    if (!(p.scalars[k_eps] >= 0) || !std::isfinite(p.scalars[k_eps]))
+      return invalid_argument("rmsnorm: eps must be finite and non-negative");
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    if (*dtype != p.dtype)
+      return unsupported_dtype(std::string("rmsnorm: kernel is for ") + dtype_name(*dtype) + ", tensors are " +
+                               dtype_name(p.dtype));
+    const auto vec = *params.get_int("vec");
+    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || p.dims[k_x_stride] % vec || p.dims[k_y_stride] % vec)
+      return invalid_argument("rmsnorm: vec=" + std::to_string(vec) +
+                              " needs buffers and row strides aligned to vec elements");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_rows], 1, 0x7fffffff));
+    g.block.x = std::uint32_t(*params.get_int("block"));
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    auto c = rmsnorm_heuristic(p);
+    return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", c.block}, {"vec", c.vec}};
+  }
+
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    std::vector<Params> out;
+    for (const auto& c : catalog()) {
+      if (*c.get_str("dtype") != dtype_name(p.dtype)) continue;
+      if (check_problem(c, p).ok()) out.push_back(c);
+    }
+    return out;
+  }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
+    auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
+    return {{"x", BufferRole::input, p.dtype, extent(p.dims[k_x_stride])},
+            {"w", BufferRole::input, p.dtype, cols},
+            {"y", BufferRole::output, p.dtype, extent(p.dims[k_y_stride])}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    out.add(b[0]);
+    out.add(b[1]);
+    out.add(b[2]);
+    out.add(static_cast<long long>(p.dims[k_rows]));
+    out.add(static_cast<long long>(p.dims[k_cols]));
+    out.add(static_cast<long long>(p.dims[k_x_stride]));
+    out.add(static_cast<long long>(p.dims[k_y_stride]));
+    out.add(static_cast<float>(p.scalars[k_eps]));
+  }
+
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 3) return invalid_argument("rmsnorm: reference takes 3 buffers (x, w, y)");
+    const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t xo = r * p.dims[k_x_stride], yo = r * p.dims[k_y_stride];
+      double ss = 0;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        double v = load_as_double(b[0], p.dtype, xo + c);
+        ss += v * v;
+      }
+      const double scale = 1.0 / std::sqrt(ss / double(cols) + p.scalars[k_eps]);
+      for (std::int64_t c = 0; c < cols; ++c)
+        store_from_double(b[2], p.dtype, yo + c,
+                          load_as_double(b[0], p.dtype, xo + c) * scale * load_as_double(b[1], p.dtype, c));
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+RmsNormChoice rmsnorm_heuristic(const Problem& p) {
+  const int esize = int(dtype_size(p.dtype));
+  int vec = 16 / esize;
+  // The widest access that every row start and the weight allow.
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.dims[k_x_stride] % vec ||
+                     p.dims[k_y_stride] % vec || p.dims[k_cols] < vec))
+    vec /= 2;
+  // About two packs per thread: enough bytes in flight per thread without idle threads.
+  const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_cols] / vec);
+  int block = 64;
+  while (block < 1024 && block * 4 <= packs) block *= 2;
+  return {block, vec};
+}
+
+}  // namespace kiln::families
+
+void kiln_register_family_rmsnorm(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::RmsNorm>());
+}

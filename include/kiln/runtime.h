@@ -1,0 +1,80 @@
+// libkiln's C++ client: kernel handles and typed ops.
+//
+// A Runtime resolves a KernelSpec to a cubin through the daemon when one is reachable, otherwise
+// by compiling in-process on the same SQLite cache (the embedded default). It loads each cubin
+// once per CUDA context and keeps the function handles in a table, so after the first call an op
+// costs a table lookup plus cuLaunchKernel on the caller's stream. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "kiln/family.h"
+#include "kiln/spec.h"
+#include "kiln/status.h"
+#include "kiln/types.h"
+
+namespace kiln {
+
+// A CUstream; nullptr is the legacy default stream.
+using Stream = void*;
+
+enum class ResolverMode {
+  automatic,  // the daemon if its socket answers, else embedded
+  embedded,   // always compile in-process
+  daemon,     // always the daemon; an error if it is not running
+};
+
+struct RuntimeOptions {
+  ResolverMode mode = ResolverMode::automatic;
+  std::string socket_path;  // empty: kiln's default (KILN_SOCKET, XDG_RUNTIME_DIR ...)
+  std::string cache_file;   // empty: kiln's default (KILN_CACHE_DIR, XDG_CACHE_HOME ...)
+};
+
+// A kernel loaded in one CUDA context.
+struct Kernel {
+  const Family* family = nullptr;
+  Params params;
+  std::string key;
+  std::string lowered_name;
+  void* function = nullptr;  // CUfunction
+  void* context = nullptr;   // CUcontext it was loaded in
+};
+
+struct RuntimeCounters {
+  std::int64_t table_hits = 0;      // kernel() answered from the handle table
+  std::int64_t from_daemon = 0;     // cubins received from kilnd
+  std::int64_t from_embedded = 0;   // cubins from the in-process builder (cache or compile)
+  std::int64_t module_loads = 0;
+};
+
+class Runtime {
+ public:
+  static Result<std::shared_ptr<Runtime>> create(const RuntimeOptions& options = {});
+  // The process-wide runtime, created on first use. KILN_MODE=embedded|daemon|auto picks the mode.
+  static Result<Runtime*> shared();
+  virtual ~Runtime() = default;
+
+  // The kernel for `spec` in the calling thread's current CUDA context (the device's primary
+  // context is made current when none is).
+  virtual Result<const Kernel*> kernel(const KernelSpec& spec) = 0;
+  // Checks the problem against the kernel's family and launches on `stream`.
+  virtual Status launch(const Kernel& kernel, const Problem& problem, std::span<void* const> buffers,
+                        Stream stream) = 0;
+  // "daemon" or "embedded": what resolved the last cubin.
+  virtual std::string resolver() const = 0;
+  virtual RuntimeCounters counters() const = 0;
+};
+
+// y = x * rsqrt(mean(x^2, last dim) + eps) * weight.
+// x and y: [..., hidden] with the last dimension contiguous (rows may be strided), same shape and
+// dtype (f32, f16 or bf16); weight: [hidden], contiguous, same dtype. On CUDA memory the kernel is
+// launched on `stream`; on host memory (all three tensors on the CPU) the CPU fallback runs.
+// Errors before any compile or launch: device_error, shape_mismatch, unsupported_dtype,
+// invalid_argument (eps not finite or negative, null pointers).
+Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, double eps = 1e-6,
+                Stream stream = nullptr, Runtime* runtime = nullptr);
+
+}  // namespace kiln

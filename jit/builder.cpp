@@ -1,0 +1,155 @@
+#include "jit/builder.h"
+
+#include <cstdio>
+
+#include "common/sha256.h"
+#include "jit/key.h"
+#include "jit/nvrtc.h"
+#include "jit/templates.h"
+
+namespace kiln::jit {
+
+struct Builder::Flight {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::optional<Result<Artifact>> result;
+};
+
+namespace {
+
+struct Prepared {
+  const Family* family = nullptr;
+  Rendered rendered;
+  Key key;
+};
+
+Result<Prepared> prepare(const Registry& registry, const TemplateSet& templates, const KernelSpec& spec,
+                         const std::string& arch) {
+  KILN_TRY(validate_arch(arch));
+  Prepared p;
+  KILN_ASSIGN_OR_RETURN(p.family, registry.resolve(spec));
+  KILN_ASSIGN_OR_RETURN(p.rendered, p.family->render(spec.params));
+  KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
+  KILN_ASSIGN_OR_RETURN(auto closure, templates.closure(p.rendered.source));
+  KeyInputs in;
+  in.family = std::string(p.family->name());
+  in.family_version = p.family->version();
+  in.params = spec.params.canonical();
+  in.arch = arch;
+  in.nvrtc_version = nvrtc->version();
+  // The rendered source (the instantiation) is hashed along with the headers it includes.
+  in.template_hash = sha256_hex(closure.hash + "\n" + p.rendered.source);
+  in.options = Nvrtc::base_options();
+  for (const auto& o : p.rendered.options) in.options.push_back(o);
+  in.options.push_back("name=" + p.rendered.name_expression);
+  p.key = make_key(in);
+  return p;
+}
+
+}  // namespace
+
+Builder::Builder(cache::Store* store, const Registry* registry, BuilderOptions options)
+    : store_(store), registry_(registry), options_(options) {}
+
+Result<std::string> Builder::key_text(const KernelSpec& spec, const std::string& arch) const {
+  KILN_ASSIGN_OR_RETURN(auto p, prepare(*registry_, templates(), spec, arch));
+  return p.key.hex + "\n" + p.key.text;
+}
+
+const TemplateSet& Builder::templates() const {
+  return options_.templates ? *options_.templates : TemplateSet::active();
+}
+
+BuilderStats Builder::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
+  KILN_ASSIGN_OR_RETURN(auto prepared, prepare(*registry_, templates(), spec, arch));
+  const std::string& key = prepared.key.hex;
+
+  std::shared_ptr<Flight> flight;
+  bool leader = false;
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.requests;
+    auto it = in_flight_.find(key);
+    if (it != in_flight_.end()) {
+      flight = it->second;
+      ++stats_.coalesced;
+    } else {
+      flight = std::make_shared<Flight>();
+      in_flight_.emplace(key, flight);
+      leader = true;
+    }
+  }
+  if (!leader) {
+    std::unique_lock lock(flight->mu);
+    flight->cv.wait(lock, [&] { return flight->done; });
+    return *flight->result;
+  }
+
+  Result<Artifact> result = [&]() -> Result<Artifact> {
+    if (store_) {
+      auto hit = store_->get(key);
+      if (hit.ok() && hit->has_value()) {
+        std::lock_guard lock(mu_);
+        ++stats_.cache_hits;
+        return Artifact{std::move(**hit), ArtifactSource::cache};
+      }
+      if (!hit.ok()) std::fprintf(stderr, "kiln: cache lookup failed, compiling: %s\n", hit.status().to_string().c_str());
+    }
+    KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
+    CompileRequest req{prepared.rendered.source, prepared.rendered.name_expression, prepared.rendered.options, arch,
+                       options_.use_pch, &templates()};
+    auto compiled = nvrtc->compile(req);
+    {
+      std::lock_guard lock(mu_);
+      ++stats_.compiles;
+      if (!compiled.ok()) ++stats_.compile_failures;
+    }
+    if (!compiled.ok()) return compiled.status();
+    cache::Entry e;
+    e.key = key;
+    e.family = std::string(prepared.family->name());
+    e.family_version = prepared.family->version();
+    e.params = spec.params.canonical();
+    e.arch = arch;
+    e.toolchain = prepared.key.toolchain;
+    e.key_text = prepared.key.text;
+    e.cubin = std::move(compiled->cubin);
+    e.size = std::int64_t(e.cubin.size());
+    e.checksum = sha256_hex(e.cubin);
+    e.lowered_name = compiled->lowered_name;
+    e.compile_log = compiled->log;
+    e.compile_ms = compiled->compile_ms;
+    e.registers = compiled->registers;
+    e.shared_bytes = compiled->shared_bytes;
+    e.spill_bytes = compiled->spill_bytes;
+    if (store_) {
+      Status s = store_->put(e);
+      if (!s.ok()) {
+        std::lock_guard lock(mu_);
+        ++stats_.store_failures;
+        std::fprintf(stderr, "kiln: compiled %s but could not store it: %s\n", key.c_str(), s.to_string().c_str());
+      }
+    }
+    return Artifact{std::move(e), ArtifactSource::compiled};
+  }();
+
+  {
+    std::lock_guard lock(mu_);
+    in_flight_.erase(key);
+  }
+  {
+    std::lock_guard lock(flight->mu);
+    flight->result.emplace(result);
+    flight->done = true;
+  }
+  flight->cv.notify_all();
+  return result;
+}
+
+}  // namespace kiln::jit

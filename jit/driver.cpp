@@ -1,0 +1,80 @@
+#include "jit/driver.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+namespace kiln::jit {
+
+Result<const Driver*> Driver::get() {
+  static std::once_flag once;
+  static Driver* instance = nullptr;
+  static Status failure;
+  std::call_once(once, [] {
+    std::vector<std::string> candidates;
+    if (const char* p = std::getenv("KILN_CUDA_DRIVER_PATH"); p && *p) candidates.push_back(p);
+    for (const char* c : {"libcuda.so.1", "/usr/lib/libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                          "/usr/lib64/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1"})
+      candidates.push_back(c);
+    void* lib = nullptr;
+    std::string tried;
+    for (const auto& c : candidates) {
+      lib = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (lib) break;
+      tried += "  tried " + c + ": " + dlerror() + "\n";
+    }
+    if (!lib) {
+      failure = unavailable(
+          "the CUDA driver (libcuda.so.1) could not be loaded: no NVIDIA driver on this machine? Set "
+          "KILN_CUDA_DRIVER_PATH to the library file if it is installed somewhere unusual",
+          tried);
+      return;
+    }
+    auto* d = new Driver;
+    std::string missing;
+#define KILN_CU_LOAD(field, fn)                                                  \
+  d->field = reinterpret_cast<decltype(d->field)>(dlsym(lib, KILN_CU_STR(fn)));  \
+  if (!d->field) missing += std::string(" ") + KILN_CU_STR(fn);
+    KILN_CUDA_DRIVER_FUNCTIONS(KILN_CU_LOAD)
+#undef KILN_CU_LOAD
+    if (!missing.empty()) {
+      failure = unavailable("the CUDA driver lacks required entry points (driver too old?):" + missing);
+      delete d;
+      return;
+    }
+    CUresult rc = d->init(0);
+    if (rc != CUDA_SUCCESS) {
+      failure = d->check(rc, "cuInit");
+      failure = Status(Code::unavailable, "the CUDA driver failed to initialize (no usable GPU?)", failure.message());
+      delete d;
+      return;
+    }
+    instance = d;
+  });
+  if (!instance) return failure;
+  return static_cast<const Driver*>(instance);
+}
+
+Status Driver::check(CUresult rc, const char* what) const {
+  if (rc == CUDA_SUCCESS) return {};
+  const char* msg = nullptr;
+  if (get_error_string) get_error_string(rc, &msg);
+  return Status(Code::driver_error, std::string(what) + " failed: " + (msg ? msg : "unknown error") + " (CUresult " +
+                                        std::to_string(int(rc)) + ")");
+}
+
+Result<CUcontext> current_context(int device_ordinal) {
+  KILN_ASSIGN_OR_RETURN(const Driver* d, Driver::get());
+  CUcontext ctx = nullptr;
+  KILN_TRY(d->check(d->ctx_get_current(&ctx), "cuCtxGetCurrent"));
+  if (ctx) return ctx;
+  CUdevice dev;
+  KILN_TRY(d->check(d->device_get(&dev, device_ordinal), "cuDeviceGet"));
+  KILN_TRY(d->check(d->primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain"));
+  KILN_TRY(d->check(d->ctx_set_current(ctx), "cuCtxSetCurrent"));
+  return ctx;
+}
+
+}  // namespace kiln::jit

@@ -1,0 +1,70 @@
+// The CUDA driver API, opened with dlopen so that binaries start on machines without a driver.
+//
+// Search order: $KILN_CUDA_DRIVER_PATH, then libcuda.so.1 on the loader path, then
+// /usr/lib/libcuda.so.1 and the usual distribution folders. Missing driver: Code::unavailable,
+// naming what was tried. Entry points are the versioned symbols that cuda.h maps names to.
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+#include "kiln/status.h"
+
+namespace kiln::jit {
+
+#define KILN_CU_STR_INNER(x) #x
+#define KILN_CU_STR(x) KILN_CU_STR_INNER(x)
+
+// X(field name, cuda.h function name)
+#define KILN_CUDA_DRIVER_FUNCTIONS(X)                      \
+  X(init, cuInit)                                          \
+  X(driver_get_version, cuDriverGetVersion)                \
+  X(get_error_string, cuGetErrorString)                    \
+  X(device_get, cuDeviceGet)                               \
+  X(device_get_count, cuDeviceGetCount)                    \
+  X(device_get_attribute, cuDeviceGetAttribute)            \
+  X(device_get_name, cuDeviceGetName)                      \
+  X(primary_ctx_retain, cuDevicePrimaryCtxRetain)          \
+  X(ctx_get_current, cuCtxGetCurrent)                      \
+  X(ctx_set_current, cuCtxSetCurrent)                      \
+  X(ctx_get_device, cuCtxGetDevice)                        \
+  X(ctx_synchronize, cuCtxSynchronize)                     \
+  X(module_load_data, cuModuleLoadData)                    \
+  X(module_unload, cuModuleUnload)                         \
+  X(module_get_function, cuModuleGetFunction)              \
+  X(launch_kernel, cuLaunchKernel)                         \
+  X(mem_alloc, cuMemAlloc)                                 \
+  X(mem_free, cuMemFree)                                   \
+  X(memcpy_htod, cuMemcpyHtoD)                             \
+  X(memcpy_dtoh, cuMemcpyDtoH)                             \
+  X(memcpy_dtod, cuMemcpyDtoD)                             \
+  X(memset_d8, cuMemsetD8)                                 \
+  X(pointer_get_attribute, cuPointerGetAttribute)          \
+  X(stream_synchronize, cuStreamSynchronize)               \
+  X(stream_create, cuStreamCreate)                         \
+  X(stream_destroy, cuStreamDestroy)                       \
+  X(event_create, cuEventCreate)                           \
+  X(event_destroy, cuEventDestroy)                         \
+  X(event_record, cuEventRecord)                           \
+  X(event_synchronize, cuEventSynchronize)                 \
+  X(event_elapsed_time, cuEventElapsedTime)                \
+  X(func_get_attribute, cuFuncGetAttribute)
+
+struct Driver {
+#define KILN_CU_FIELD(field, fn) decltype(&::fn) field = nullptr;
+  KILN_CUDA_DRIVER_FUNCTIONS(KILN_CU_FIELD)
+#undef KILN_CU_FIELD
+
+  // Loads libcuda and calls cuInit(0) once. Thread-safe.
+  static Result<const Driver*> get();
+
+  // ok, or Code::driver_error naming `what` and the driver's message.
+  Status check(CUresult rc, const char* what) const;
+};
+
+// Makes a context current on the calling thread when none is (the device's primary context), and
+// returns it.
+Result<CUcontext> current_context(int device_ordinal = 0);
+
+}  // namespace kiln::jit

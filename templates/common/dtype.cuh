@@ -1,0 +1,57 @@
+// Element types for kiln kernels, without the toolkit's cuda_fp16.h / cuda_bf16.h: kernels then
+// compile with NVRTC alone (no CUDA include directory at run time) and in tens of milliseconds.
+#pragma once
+
+namespace kiln {
+
+struct __align__(2) f16_t { unsigned short bits; };
+struct __align__(2) bf16_t { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(f16_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(bf16_t v) { return __uint_as_float(static_cast<unsigned>(v.bits) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
+template <> __device__ __forceinline__ f16_t from_float<f16_t>(float f) {
+  f16_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float f) {
+  bf16_t r;
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#else
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = static_cast<unsigned short>((u >> 16) | 0x40);  // quiet NaN
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    r.bits = static_cast<unsigned short>(u >> 16);
+  }
+#endif
+  return r;
+}
+
+// N elements moved as one aligned access (N * sizeof(T) is 2, 4, 8 or 16 bytes).
+template <typename T, int N>
+struct __align__(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
+  *reinterpret_cast<Pack<T, N>*>(p) = v;
+}
+
+}  // namespace kiln

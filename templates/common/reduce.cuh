@@ -1,0 +1,37 @@
+// Warp and block reductions.
+#pragma once
+
+namespace kiln {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Sum over a block of BLOCK threads (a multiple of 32), returned to every thread. `scratch` holds
+// at least 33 floats of shared memory; calling again with the same scratch is safe without an
+// extra barrier (see the two-barrier scheme below).
+template <int BLOCK>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  constexpr int k_warps = BLOCK / 32;
+  v = warp_sum(v);
+  if constexpr (k_warps == 1) {
+    return v;
+  } else {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      float t = lane < k_warps ? scratch[lane] : 0.f;
+      t = warp_sum(t);
+      if (lane == 0) scratch[32] = t;
+    }
+    __syncthreads();
+    // scratch[32] is rewritten only after the next call's first barrier, which every thread
+    // reaches after this read.
+    return scratch[32];
+  }
+}
+
+}  // namespace kiln

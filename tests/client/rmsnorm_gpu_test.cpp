@@ -1,0 +1,227 @@
+// RMSNorm on the GPU against the CPU reference: fresh random data each run, outputs poisoned
+// before each launch, every dtype, odd and wide rows, strided and misaligned views, in place, every
+// catalog variant, and the daemon path with a real kilnd.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "cache/store.h"
+#include "families/rmsnorm/rmsnorm.h"
+#include "kiln/runtime.h"
+#include "tests/gpu_util.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+using testing::DeviceBuffer;
+
+struct Case {
+  DType dtype;
+  std::int64_t rows, cols, x_stride, y_stride;
+  std::int64_t offset = 0;  // elements added to every base pointer (misalignment)
+  bool in_place = false;
+};
+
+// Runs one case through `run` (which launches) and checks against the reference. Returns the error.
+template <class Launch>
+double check_case(const Case& c, std::mt19937& rng, Launch&& run) {
+  const auto es = dtype_size(c.dtype);
+  const std::int64_t x_elems = c.offset + (c.rows - 1) * c.x_stride + c.cols;
+  const std::int64_t y_elems = c.offset + (c.rows - 1) * c.y_stride + c.cols;
+  auto hx = testing::random_bytes(c.dtype, x_elems, rng, 2.0f);
+  auto hw = testing::random_bytes(c.dtype, c.offset + c.cols, rng);
+  DeviceBuffer dx(hx.size()), dw(hw.size()), dy(y_elems * es);
+  dx.upload(hx.data());
+  dw.upload(hw.data());
+  dy.poison();
+  unsigned char* xp = static_cast<unsigned char*>(dx.get()) + c.offset * es;
+  unsigned char* wp = static_cast<unsigned char*>(dw.get()) + c.offset * es;
+  unsigned char* yp = c.in_place ? xp : static_cast<unsigned char*>(dy.get()) + c.offset * es;
+
+  Status s = run(xp, wp, yp);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  const jit::Driver* d = jit::Driver::get().value();
+  EXPECT_EQ(d->ctx_synchronize(), CUDA_SUCCESS);
+
+  std::vector<unsigned char> got(c.in_place ? hx.size() : y_elems * es);
+  (c.in_place ? dx : dy).download(got.data());
+  // Reference on the host copy, same strides (in place: y aliases x).
+  std::vector<unsigned char> want = c.in_place ? hx : std::vector<unsigned char>(got.size(), 0xFF);
+  Problem p;
+  p.dtype = c.dtype;
+  p.dims = {c.rows, c.cols, c.x_stride, c.in_place ? c.x_stride : c.y_stride};
+  p.scalars[0] = 1e-5;
+  void* bufs[3] = {hx.data() + c.offset * es, hw.data() + c.offset * es,
+                   (c.in_place ? want.data() : want.data()) + c.offset * es};
+  if (c.in_place) bufs[0] = want.data() + c.offset * es;
+  const Family& f = *Registry::global().find("rmsnorm");
+  EXPECT_TRUE(f.cpu_reference(f.heuristic(p), p, bufs).ok());
+
+  std::vector<std::int64_t> idx;
+  const std::int64_t ys = c.in_place ? c.x_stride : c.y_stride;
+  for (std::int64_t r = 0; r < c.rows; ++r)
+    for (std::int64_t col = 0; col < c.cols; ++col) idx.push_back(c.offset + r * ys + col);
+  double err = testing::rel_l2(got.data(), want.data(), c.dtype, idx);
+  // Padding between strided rows must be left alone (still poisoned).
+  if (!c.in_place && c.y_stride > c.cols && c.rows > 1) {
+    const auto pad = c.offset + c.cols;  // first element after row 0
+    EXPECT_TRUE(std::isnan(load_as_double(got.data(), c.dtype, pad))) << "padding was written";
+  }
+  return err;
+}
+
+Status run_op(const Case& c, void* x, void* w, void* y, Runtime* rt, Stream stream = nullptr) {
+  TensorView xv = TensorView::contiguous(x, c.dtype, {c.rows, c.cols}, Device::cuda(0));
+  xv.strides[0] = c.x_stride;
+  TensorView yv = TensorView::contiguous(y, c.dtype, {c.rows, c.cols}, Device::cuda(0));
+  yv.strides[0] = c.in_place ? c.x_stride : c.y_stride;
+  TensorView wv = TensorView::contiguous(w, c.dtype, {c.cols}, Device::cuda(0));
+  return rms_norm(xv, wv, yv, 1e-5, stream, rt);
+}
+
+class RmsNormGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KILN_REQUIRE_GPU();
+    env_ = std::make_unique<testing::ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
+    RuntimeOptions o;
+    o.mode = ResolverMode::embedded;
+    o.cache_file = (dir_.path() / "k.sqlite").string();
+    rt_ = Runtime::create(o).value();
+    seed_ = testing::fresh_seed();
+    rng_.seed(seed_);
+  }
+  testing::TempDir dir_;
+  std::unique_ptr<testing::ScopedEnv> env_;
+  std::shared_ptr<Runtime> rt_;
+  unsigned seed_ = 0;
+  std::mt19937 rng_;
+};
+
+TEST_F(RmsNormGpu, MatchesReferenceForEveryDtypeAndRowLength) {
+  for (DType t : {DType::f32, DType::f16, DType::bf16}) {
+    for (std::int64_t cols : {1, 7, 64, 1000, 2048, 4095, 4096, 5120, 8191, 16384, 65536}) {
+      for (std::int64_t rows : {1, 3, 37}) {
+        Case c{t, rows, cols, cols, cols};
+        double err = check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); });
+        EXPECT_LT(err, testing::tolerance(t)) << dtype_name(t) << " " << rows << "x" << cols << " seed " << seed_;
+      }
+    }
+  }
+  EXPECT_GT(rt_->counters().module_loads, 0);
+  EXPECT_EQ(rt_->resolver(), "embedded");
+}
+
+TEST_F(RmsNormGpu, StridedMisalignedAndInPlace) {
+  for (DType t : {DType::f32, DType::f16, DType::bf16}) {
+    std::vector<Case> cases = {
+        {t, 9, 1024, 1032, 1040},          // padded rows, vectorizable
+        {t, 5, 777, 800, 777},             // odd length in aligned strides
+        {t, 6, 512, 512, 512, 1},          // base pointers off by one element
+        {t, 11, 4096, 4096, 4096, 0, true},  // y aliases x
+        {t, 4, 3000, 3001, 3003},          // odd strides: scalar path
+    };
+    for (const auto& c : cases) {
+      double err = check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); });
+      EXPECT_LT(err, testing::tolerance(t)) << dtype_name(t) << " " << c.rows << "x" << c.cols << " stride " << c.x_stride
+                                            << "/" << c.y_stride << " off " << c.offset << " seed " << seed_;
+    }
+  }
+}
+
+TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
+  const Family& f = *Registry::global().find("rmsnorm");
+  const jit::Driver* d = jit::Driver::get().value();
+  CUstream stream = nullptr;
+  ASSERT_EQ(d->stream_create(&stream, CU_STREAM_NON_BLOCKING), CUDA_SUCCESS);
+  for (const Params& params : f.catalog()) {
+    DType t = *parse_dtype(*params.get_str("dtype"));
+    Case c{t, 13, 8 * 300 + 3, 8 * 300 + 8, 8 * 300 + 8};  // tail elements and several packs per thread
+    auto k = rt_->kernel(KernelSpec{"rmsnorm", params});
+    ASSERT_TRUE(k.ok()) << k.status().to_string();
+    double err = check_case(c, rng_, [&](void* x, void* w, void* y) {
+      Problem p;
+      p.dtype = t;
+      p.alignment = 16;
+      p.dims = {c.rows, c.cols, c.x_stride, c.y_stride};
+      p.scalars[0] = 1e-5;
+      void* b[3] = {x, w, y};
+      Status s = rt_->launch(**k, p, b, stream);
+      if (s.ok()) {
+        EXPECT_EQ(d->stream_synchronize(stream), CUDA_SUCCESS);
+      }
+      return s;
+    });
+    EXPECT_LT(err, testing::tolerance(t)) << params.canonical() << " seed " << seed_;
+  }
+  d->stream_destroy(stream);
+}
+
+TEST_F(RmsNormGpu, SecondRuntimeLoadsFromTheCacheWithoutCompiling) {
+  Case c{DType::bf16, 4, 4096, 4096, 4096};
+  ASSERT_LT(check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); }), 1e-2);
+  RuntimeOptions o;
+  o.mode = ResolverMode::embedded;
+  o.cache_file = (dir_.path() / "k.sqlite").string();
+  auto second = Runtime::create(o).value();
+  ASSERT_LT(check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, second.get()); }), 1e-2);
+  auto st = cache::Store::open(dir_.path() / "k.sqlite").value();
+  auto stats = st->stats().value();
+  EXPECT_EQ(stats.stores, 1);  // compiled once, by the first runtime
+  EXPECT_GE(stats.hits, 1);    // the second runtime's lookup
+}
+
+TEST_F(RmsNormGpu, ThroughARealDaemon) {
+  testing::TempDir run_dir;
+  const std::string sock = (run_dir.path() / "kiln" / "kilnd.sock").string();
+  pid_t pid = fork();
+  if (pid == 0) {
+    setenv("KILN_SOCKET", sock.c_str(), 1);
+    setenv("KILN_CACHE_DIR", (run_dir.path() / "cache").c_str(), 1);
+    execl(KILN_KILND_PATH, "kilnd", nullptr);
+    _exit(127);
+  }
+  // Whatever happens below, the daemon must not outlive the test (it holds our stdout open).
+  struct Reaper {
+    pid_t pid;
+    ~Reaper() {
+      if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
+    }
+  } reaper{pid};
+  RuntimeOptions o;
+  o.mode = ResolverMode::daemon;
+  o.socket_path = sock;
+  std::shared_ptr<Runtime> rt;
+  Case c{DType::f16, 7, 5120, 5120, 5120};
+  Status last;
+  for (int i = 0; i < 100; ++i) {  // wait up to ~10 s for the daemon to listen
+    rt = Runtime::create(o).value();
+    last = Status();
+    auto k = rt->kernel(KernelSpec{"rmsnorm", Registry::global().find("rmsnorm")->catalog()[0]});
+    if (k.ok()) break;
+    last = k.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(last.ok()) << last.to_string();
+  double err = check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt.get()); });
+  EXPECT_LT(err, testing::tolerance(DType::f16));
+  EXPECT_EQ(rt->resolver(), "daemon");
+  EXPECT_GE(rt->counters().from_daemon, 2);
+  EXPECT_EQ(rt->counters().from_embedded, 0);
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  reaper.pid = 0;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "kilnd exit status " << status;
+}
+
+}  // namespace
+}  // namespace kiln

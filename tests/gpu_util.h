@@ -1,0 +1,63 @@
+// GPU test helpers over the driver API: device buffers, random fills, a skip when no GPU exists.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/half.h"
+#include "jit/driver.h"
+
+namespace kiln::testing {
+
+// Skips the calling test (reported as skipped, never as passed) when there is no usable GPU.
+#define KILN_REQUIRE_GPU()                                                        \
+  do {                                                                            \
+    auto kiln_ctx_ = ::kiln::jit::current_context();                              \
+    if (!kiln_ctx_.ok()) GTEST_SKIP() << "no usable GPU: " << kiln_ctx_.status().to_string(); \
+  } while (0)
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+    const jit::Driver* d = jit::Driver::get().value();
+    EXPECT_TRUE(d->check(d->mem_alloc(&ptr_, bytes ? bytes : 1), "cuMemAlloc").ok());
+  }
+  ~DeviceBuffer() { jit::Driver::get().value()->mem_free(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  void* get() const { return reinterpret_cast<void*>(ptr_); }
+  void upload(const void* src) { EXPECT_EQ(jit::Driver::get().value()->memcpy_htod(ptr_, src, bytes_), CUDA_SUCCESS); }
+  void download(void* dst) const { EXPECT_EQ(jit::Driver::get().value()->memcpy_dtoh(dst, ptr_, bytes_), CUDA_SUCCESS); }
+  // Fills every byte with 0xFF: NaN for f32/f16/bf16, so an element never written fails the check.
+  void poison() { EXPECT_EQ(jit::Driver::get().value()->memset_d8(ptr_, 0xFF, bytes_), CUDA_SUCCESS); }
+
+ private:
+  CUdeviceptr ptr_ = 0;
+  std::size_t bytes_;
+};
+
+// n random normal values of dtype t as raw bytes.
+inline std::vector<unsigned char> random_bytes(DType t, std::int64_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::vector<unsigned char> out(std::size_t(n) * dtype_size(t));
+  std::normal_distribution<float> dist(0.0f, scale);
+  for (std::int64_t i = 0; i < n; ++i) store_from_double(out.data(), t, i, dist(rng));
+  return out;
+}
+
+// Relative L2 error of `got` against `want` over the given element indices; NaN if any got is NaN.
+inline double rel_l2(const void* got, const void* want, DType t, const std::vector<std::int64_t>& idx) {
+  double num = 0, den = 0;
+  for (auto i : idx) {
+    double g = load_as_double(got, t, i), w = load_as_double(want, t, i);
+    if (std::isnan(g)) return NAN;
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+inline double tolerance(DType t) { return t == DType::f32 ? 1e-5 : t == DType::f16 ? 2e-3 : 1e-2; }
+
+}  // namespace kiln::testing

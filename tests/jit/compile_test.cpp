@@ -1,0 +1,186 @@
+// Real NVRTC compiles (no GPU needed): every catalog variant for sm_80 and sm_90a, single-flight,
+// compile errors with their log, the cache round trip through the builder.
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+
+#include <atomic>
+#include <thread>
+
+#include "cache/store.h"
+#include "common/sha256.h"
+#include "jit/builder.h"
+#include "jit/nvrtc.h"
+#include "kiln/family.h"
+#include "tests/test_util.h"
+
+namespace kiln::jit {
+namespace {
+
+bool nvrtc_available() { return Nvrtc::get().ok(); }
+
+TEST(Compile, EveryFamilyCatalogVariantCompilesForSm80AndSm90a) {
+  auto nv = Nvrtc::get();
+  ASSERT_TRUE(nv.ok()) << nv.status().to_string();
+  Builder b(nullptr, &Registry::global());
+  int compiled = 0;
+  for (const Family* f : Registry::global().all()) {
+    for (const Params& p : f->catalog()) {
+      for (const char* arch : {"sm_80", "sm_90a"}) {
+        auto a = b.get(KernelSpec{std::string(f->name()), p}, arch);
+        ASSERT_TRUE(a.ok()) << f->name() << "(" << p.canonical() << ") " << arch << ": " << a.status().to_string();
+        EXPECT_GT(a->entry.cubin.size(), 100u);
+        EXPECT_FALSE(a->entry.lowered_name.empty());
+        EXPECT_GT(a->entry.registers, 0) << "ptxas resource report not parsed";
+        // ptxas spills a few words in 1024-thread variants (64-register cap) whatever the row
+        // cache size; a row cache pushed to local memory (hundreds of bytes) is what this catches.
+        EXPECT_GE(a->entry.spill_bytes, 0) << "spill report not parsed";
+        EXPECT_LE(a->entry.spill_bytes, 32) << f->name() << "(" << p.canonical() << ")\n" << a->entry.compile_log;
+        ++compiled;
+      }
+    }
+  }
+  EXPECT_GT(compiled, 40);
+  EXPECT_EQ(b.stats().compiles, compiled);
+}
+
+TEST(Builder, StoresThenServesFromCache) {
+  ASSERT_TRUE(nvrtc_available());
+  testing::TempDir dir;
+  auto store = cache::Store::open(dir.path() / "k.sqlite");
+  ASSERT_TRUE(store.ok());
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f16")}, {"block", std::int64_t(128)}, {"vec", std::int64_t(4)}}};
+  {
+    Builder b(store->get(), &Registry::global());
+    auto a = b.get(spec, "sm_90a");
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    EXPECT_EQ(a->source, ArtifactSource::compiled);
+    EXPECT_GT(a->entry.compile_ms, 0);
+  }
+  Builder fresh(store->get(), &Registry::global());  // a new process would see the same
+  auto a = fresh.get(spec, "sm_90a");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->source, ArtifactSource::cache);
+  EXPECT_EQ(a->entry.checksum, sha256_hex(a->entry.cubin));
+  EXPECT_EQ(fresh.stats().compiles, 0);
+  auto other_arch = fresh.get(spec, "sm_80");
+  ASSERT_TRUE(other_arch.ok());
+  EXPECT_EQ(other_arch->source, ArtifactSource::compiled);
+  EXPECT_NE(other_arch->entry.key, a->entry.key);
+}
+
+TEST(Builder, CorruptEntryIsRecompiled) {
+  ASSERT_TRUE(nvrtc_available());
+  testing::TempDir dir;
+  auto store = cache::Store::open(dir.path() / "k.sqlite");
+  ASSERT_TRUE(store.ok());
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f32")}, {"block", std::int64_t(64)}, {"vec", std::int64_t(1)}}};
+  Builder b(store->get(), &Registry::global());
+  auto first = b.get(spec, "sm_80");
+  ASSERT_TRUE(first.ok());
+  // Flip a byte of the stored cubin from another connection, as a crash or a bad disk would.
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(((*store)->path()).c_str(), &db), SQLITE_OK);
+  std::string sql = "UPDATE kernels SET cubin = substr(cubin, 1, 200) || x'ff' || substr(cubin, 202) WHERE key = '" +
+                    first->entry.key + "'";
+  ASSERT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
+  sqlite3_close(db);
+  auto again = b.get(spec, "sm_80");
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(again->source, ArtifactSource::compiled);
+  EXPECT_EQ(again->entry.checksum, first->entry.checksum);
+  EXPECT_EQ(b.stats().compiles, 2);
+  EXPECT_EQ((*store)->stats()->corrupt, 1);
+  auto third = b.get(spec, "sm_80");
+  EXPECT_EQ(third->source, ArtifactSource::cache);
+}
+
+TEST(Builder, ConcurrentRequestsForOneKeyCompileOnce) {
+  ASSERT_TRUE(nvrtc_available());
+  testing::TempDir dir;
+  auto store = cache::Store::open(dir.path() / "k.sqlite");
+  Builder b(store->get(), &Registry::global());
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(512)}, {"vec", std::int64_t(8)}}};
+  constexpr int k_threads = 8;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> ts;
+  std::vector<std::string> checksums(k_threads);
+  for (int i = 0; i < k_threads; ++i)
+    ts.emplace_back([&, i] {
+      auto a = b.get(spec, "sm_90a");
+      if (a.ok()) {
+        ++ok;
+        checksums[i] = a->entry.checksum;
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(ok.load(), k_threads);
+  EXPECT_EQ(b.stats().compiles, 1);
+  EXPECT_EQ(b.stats().coalesced + b.stats().cache_hits, k_threads - 1);
+  for (const auto& c : checksums) EXPECT_EQ(c, checksums[0]);
+}
+
+// A family whose template does not compile: the error carries NVRTC's log and the options.
+class BrokenFamily final : public Family {
+ public:
+  std::string_view name() const override { return "broken"; }
+  int version() const override { return 1; }
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> d = {{"n", {1}, {}, ""}};
+    return d;
+  }
+  std::vector<std::string> problem_dims() const override { return {}; }
+  std::vector<std::string> problem_scalars() const override { return {}; }
+  Result<Rendered> render(const Params&) const override {
+    return Rendered{"template <int N> __global__ void k(float* x) { x[0] = undefined_symbol_xyz; }\n", "k<1>", {}};
+  }
+  std::vector<Params> catalog() const override { return {Params{{"n", std::int64_t(1)}}}; }
+  Status check_problem(const Params&, const Problem&) const override { return {}; }
+  LaunchGeometry geometry(const Params&, const Problem&) const override { return {}; }
+  Params heuristic(const Problem&) const override { return catalog()[0]; }
+  std::vector<Params> tuning_space(const Problem&) const override { return catalog(); }
+  std::vector<BufferSpec> buffers(const Params&, const Problem&) const override { return {}; }
+  void pack_args(const Params&, const Problem&, std::span<void* const>, ArgPack&) const override {}
+  Status cpu_reference(const Params&, const Problem&, std::span<void* const>) const override { return {}; }
+};
+
+TEST(Builder, CompileErrorCarriesLogAndOptions) {
+  ASSERT_TRUE(nvrtc_available());
+  Registry reg;
+  ASSERT_TRUE(reg.add(std::make_shared<BrokenFamily>()).ok());
+  EXPECT_EQ(reg.add(std::make_shared<BrokenFamily>()).code(), Code::invalid_argument);  // duplicate name
+  Builder b(nullptr, &reg);
+  auto a = b.get(KernelSpec{"broken", Params{{"n", std::int64_t(1)}}}, "sm_90a");
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), Code::compile_error);
+  EXPECT_NE(a.status().details().find("undefined_symbol_xyz"), std::string::npos) << a.status().details();
+  EXPECT_NE(a.status().details().find("-arch=sm_90a"), std::string::npos);
+  EXPECT_EQ(b.stats().compile_failures, 1);
+}
+
+TEST(Builder, BadSpecsFailBeforeAnyCompile) {
+  Builder b(nullptr, &Registry::global());
+  auto expect_code = [&](const KernelSpec& s, const std::string& arch, Code c) {
+    auto a = b.get(s, arch);
+    ASSERT_FALSE(a.ok());
+    EXPECT_EQ(a.status().code(), c) << s.canonical() << " " << arch << ": " << a.status().to_string();
+  };
+  Params good{{"dtype", std::string("f16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}};
+  expect_code({"nosuch", good}, "sm_90a", Code::not_found);
+  expect_code({"rmsnorm", good}, "sm_9x", Code::invalid_argument);
+  Params p = good;
+  p.set("block", std::int64_t(100));
+  expect_code({"rmsnorm", p}, "sm_90a", Code::invalid_argument);
+  p = good;
+  p.set("dtype", "f64");
+  expect_code({"rmsnorm", p}, "sm_90a", Code::invalid_argument);
+  p = good;
+  p.set("extra", std::int64_t(1));
+  expect_code({"rmsnorm", p}, "sm_90a", Code::invalid_argument);
+  p = Params{{"dtype", std::string("f32")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}};  // 32-byte access
+  expect_code({"rmsnorm", p}, "sm_90a", Code::invalid_argument);
+  expect_code({"rmsnorm", Params{}}, "sm_90a", Code::invalid_argument);
+  EXPECT_EQ(b.stats().compiles, 0);
+}
+
+}  // namespace
+}  // namespace kiln::jit
