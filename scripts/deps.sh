@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs kiln's build dependencies from Debian's packages (needs root or sudo). The CUDA toolkit
+# (headers and NVRTC) is expected at /usr/local/cuda; it is not a Debian package.
+set -euo pipefail
+pkgs="cmake g++ make libsqlite3-dev libboost-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev"
+missing=""
+for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq || true
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq $missing
+fi
+if [ ! -f /usr/local/cuda/include/nvrtc.h ]; then
+  echo "deps: the CUDA toolkit (nvrtc.h, cuda.h, libnvrtc) is not at /usr/local/cuda; install it or pass -DCUDAToolkit_ROOT=..." >&2
+  exit 1
+fi
