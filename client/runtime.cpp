@@ -26,10 +26,19 @@ class RuntimeImpl final : public Runtime {
   Result<const Kernel*> kernel(const KernelSpec& spec) override {
     KILN_ASSIGN_OR_RETURN(CUcontext ctx, jit::current_context());
     std::string table_key = std::to_string(reinterpret_cast<std::uintptr_t>(ctx)) + "|" + spec.canonical();
-    std::lock_guard lock(mu_);
-    if (auto it = table_.find(table_key); it != table_.end()) {
-      ++counters_.table_hits;
-      return &it->second->kernel;
+    {
+      std::lock_guard lock(mu_);
+      if (auto it = table_.find(table_key); it != table_.end()) {
+        ++counters_.table_hits;
+        return &it->second->kernel;
+      }
+    }
+    // Resolving may compile for a long time: it holds resolve_mu_, never mu_, so launches of
+    // kernels already in the table go on meanwhile.
+    std::lock_guard resolving(resolve_mu_);
+    {
+      std::lock_guard lock(mu_);
+      if (auto it = table_.find(table_key); it != table_.end()) return &it->second->kernel;
     }
     KILN_ASSIGN_OR_RETURN(const Family* family, Registry::global().resolve(spec));
     KILN_ASSIGN_OR_RETURN(std::string arch, arch_of(ctx));
@@ -48,8 +57,9 @@ class RuntimeImpl final : public Runtime {
       d->module_unload(loaded->module);
       return s;
     }
-    ++counters_.module_loads;
     loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx};
+    std::lock_guard lock(mu_);
+    ++counters_.module_loads;
     const Kernel* out = &loaded->kernel;
     table_.emplace(std::move(table_key), std::move(loaded));
     return out;
@@ -112,6 +122,7 @@ class RuntimeImpl final : public Runtime {
       if (daemon_) {
         auto art = daemon_->get_kernel(spec, arch);
         if (art.ok()) {
+          std::lock_guard lock(mu_);
           ++counters_.from_daemon;
           last_resolver_ = "daemon";
           return art;
@@ -131,6 +142,7 @@ class RuntimeImpl final : public Runtime {
     }
     auto art = builder_->get(spec, arch);
     if (art.ok()) {
+      std::lock_guard lock(mu_);
       ++counters_.from_embedded;
       last_resolver_ = "embedded";
     }
@@ -138,7 +150,8 @@ class RuntimeImpl final : public Runtime {
   }
 
   RuntimeOptions opts_;
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // table_, counters_, last_resolver_
+  std::mutex resolve_mu_;  // everything resolve() and arch_of() touch
   std::unique_ptr<cache::Store> store_;
   std::unique_ptr<jit::Builder> builder_;
   std::unique_ptr<client::DaemonClient> daemon_;
