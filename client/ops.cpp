@@ -2,7 +2,7 @@
 
 #include "client/validate.h"
 #include "families/rmsnorm/rmsnorm.h"
-#include "kiln/runtime.h"
+#include "kiln/ops.h"
 
 namespace kiln {
 
@@ -48,18 +48,18 @@ Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView&
       {xr.row_stride * esize, yr.row_stride * esize});
   if (xr.rows == 0) return {};
 
-  const Family* family = Registry::global().find("rmsnorm");
+  static const Family* family = Registry::global().find("rmsnorm");
   if (!family) return internal_error("the rmsnorm family is not registered");
-  const Params params = family->heuristic(p);
-  KILN_TRY(family->check_problem(params, p));
   void* buffers[3] = {x.data, weight.data, y.data};
-  if (where == DeviceKind::cpu) return family->cpu_reference(params, p, buffers);
-
+  if (where == DeviceKind::cpu) {
+    const Params params = family->heuristic(p);
+    KILN_TRY(family->check_problem(params, p));
+    return family->cpu_reference(params, p, buffers);
+  }
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  KILN_ASSIGN_OR_RETURN(const Kernel* k, runtime->kernel(KernelSpec{"rmsnorm", params}));
-  return runtime->launch(*k, p, buffers, stream);
+  return runtime->run(*family, p, buffers, stream);
 }
 
 }  // namespace kiln

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <array>
 #include <mutex>
 #include <unordered_map>
 
@@ -78,6 +79,42 @@ class RuntimeImpl final : public Runtime {
                     "cuLaunchKernel");
   }
 
+  Status run(const Family& family, const Problem& problem, std::span<void* const> buffers, Stream stream) override {
+    const jit::Driver* d = jit::Driver::get().value();
+    CUcontext ctx = nullptr;
+    if (d->ctx_get_current(&ctx) != CUDA_SUCCESS || !ctx) {
+      KILN_ASSIGN_OR_RETURN(ctx, jit::current_context());
+    }
+    FastKey key{ctx, &family, problem.dtype, problem.alignment, problem.dims};
+    FastEntry entry;
+    bool hit = false;
+    {
+      std::lock_guard lock(mu_);
+      if (auto it = fast_.find(key); it != fast_.end()) {
+        entry = it->second;
+        hit = true;
+      }
+    }
+    if (!hit) {
+      const Params params = family.heuristic(problem);
+      KILN_TRY(family.check_problem(params, problem));
+      KILN_ASSIGN_OR_RETURN(entry.kernel, kernel(KernelSpec{std::string(family.name()), params}));
+      entry.geometry = family.geometry(params, problem);
+      std::lock_guard lock(mu_);
+      // Serving loops vary the token count every step; a bounded table keeps memory flat.
+      if (fast_.size() >= k_fast_capacity) fast_.clear();
+      fast_.emplace(key, entry);
+    }
+    ArgPack args;
+    family.pack_args(entry.kernel->params, problem, buffers, args);
+    if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    const LaunchGeometry& g = entry.geometry;
+    return d->check(d->launch_kernel(static_cast<CUfunction>(entry.kernel->function), g.grid.x, g.grid.y, g.grid.z,
+                                     g.block.x, g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),
+                                     args.pointers(), nullptr),
+                    "cuLaunchKernel");
+  }
+
   std::string resolver() const override {
     std::lock_guard lock(mu_);
     return last_resolver_;
@@ -93,6 +130,29 @@ class RuntimeImpl final : public Runtime {
     Kernel kernel;
     CUmodule module = nullptr;
   };
+
+  // The fast path's key: everything a family's heuristic and geometry may depend on.
+  struct FastKey {
+    CUcontext ctx;
+    const Family* family;
+    DType dtype;
+    std::uint32_t alignment;
+    std::array<std::int64_t, Problem::k_max_dims> dims;
+    bool operator==(const FastKey&) const = default;
+  };
+  struct FastHash {
+    std::size_t operator()(const FastKey& k) const {
+      std::uint64_t h = std::hash<const void*>()(k.ctx) ^ (std::hash<const void*>()(k.family) << 1);
+      h = h * 0x9e3779b97f4a7c15ull + (std::uint64_t(k.dtype) << 32 | k.alignment);
+      for (auto v : k.dims) h = (h ^ std::uint64_t(v)) * 0x100000001b3ull;
+      return std::size_t(h);
+    }
+  };
+  struct FastEntry {
+    const Kernel* kernel = nullptr;
+    LaunchGeometry geometry;
+  };
+  static constexpr std::size_t k_fast_capacity = 4096;
 
   Result<std::string> arch_of(CUcontext ctx) {
     if (auto it = arch_by_ctx_.find(ctx); it != arch_by_ctx_.end()) return it->second;
@@ -157,6 +217,7 @@ class RuntimeImpl final : public Runtime {
   std::unique_ptr<client::DaemonClient> daemon_;
   std::unordered_map<std::string, std::unique_ptr<Loaded>> table_;
   std::unordered_map<CUcontext, std::string> arch_by_ctx_;
+  std::unordered_map<FastKey, FastEntry, FastHash> fast_;
   RuntimeCounters counters_;
   std::string last_resolver_;
 };

@@ -27,15 +27,15 @@ Status check_device(const TensorView& t, const char* name, DeviceKind expected) 
   if (expected != DeviceKind::cuda) return {};
   auto d = jit::Driver::get();
   if (!d.ok()) return Status(Code::device_error, std::string(name) + " is a CUDA tensor but " + d.status().message());
+  // One driver call per tensor: this runs on every op call.
   unsigned int mem_type = 0;
-  CUresult rc = (*d)->pointer_get_attribute(&mem_type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                            reinterpret_cast<CUdeviceptr>(t.data));
+  int ordinal = -1;
+  CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+  void* values[2] = {&mem_type, &ordinal};
+  CUresult rc = (*d)->pointer_get_attributes(2, attrs, values, reinterpret_cast<CUdeviceptr>(t.data));
   if (rc != CUDA_SUCCESS || (mem_type != CU_MEMORYTYPE_DEVICE && mem_type != CU_MEMORYTYPE_UNIFIED))
     return device_error(std::string(name) + " is labelled as a CUDA tensor but its pointer is not device memory");
-  int ordinal = -1;
-  rc = (*d)->pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                   reinterpret_cast<CUdeviceptr>(t.data));
-  if (rc == CUDA_SUCCESS && ordinal != t.device.index)
+  if (ordinal != t.device.index)
     return device_error(std::string(name) + " lives on cuda:" + std::to_string(ordinal) + ", not cuda:" +
                         std::to_string(t.device.index));
   return {};

@@ -4,7 +4,7 @@
 #include <memory>
 #include <string>
 
-#include "kiln/runtime.h"
+#include "kiln/ops.h"
 
 struct kiln_runtime {
   std::shared_ptr<kiln::Runtime> rt;

@@ -63,18 +63,17 @@ class Runtime {
   // Checks the problem against the kernel's family and launches on `stream`.
   virtual Status launch(const Kernel& kernel, const Problem& problem, std::span<void* const> buffers,
                         Stream stream) = 0;
+  // The path typed ops take: picks the family's variant for `problem` (its heuristic), resolves and
+  // loads it on first use, and launches on `stream`. After the first call for a given context,
+  // family and problem shape (dims, dtype, alignment; scalars excluded), the variant, its
+  // function and launch geometry come from a hash table: no spec strings, no parameter maps. The
+  // caller has validated the tensors; the family's check_problem runs on the first call only, and
+  // scalars must be checked by the caller.
+  virtual Status run(const Family& family, const Problem& problem, std::span<void* const> buffers,
+                     Stream stream) = 0;
   // "daemon" or "embedded": what resolved the last cubin.
   virtual std::string resolver() const = 0;
   virtual RuntimeCounters counters() const = 0;
 };
-
-// y = x * rsqrt(mean(x^2, last dim) + eps) * weight.
-// x and y: [..., hidden] with the last dimension contiguous (rows may be strided), same shape and
-// dtype (f32, f16 or bf16); weight: [hidden], contiguous, same dtype. On CUDA memory the kernel is
-// launched on `stream`; on host memory (all three tensors on the CPU) the CPU fallback runs.
-// Errors before any compile or launch: device_error, shape_mismatch, unsupported_dtype,
-// invalid_argument (eps not finite or negative, null pointers).
-Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, double eps = 1e-6,
-                Stream stream = nullptr, Runtime* runtime = nullptr);
 
 }  // namespace kiln

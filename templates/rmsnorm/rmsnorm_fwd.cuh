@@ -17,9 +17,9 @@ __global__ void __launch_bounds__(BLOCK)
 rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, long long rows, long long cols,
             long long x_stride, long long y_stride, float eps) {
   using P = Pack<T, VEC>;
-  // Registers of row cache per thread: 16, or 8 under the 64-register cap of 1024-thread blocks,
-  // where 16 made ptxas spill heavily (a few bytes of spill remain at 1024 whatever the cache).
-  constexpr int k_cache_regs = BLOCK >= 1024 ? 8 : 16;
+  // Registers of row cache per thread: 32 for blocks up to 256 threads, 16 at 512, 8 under the
+  // 64-register cap of 1024-thread blocks (16 made ptxas spill there).
+  constexpr int k_cache_regs = BLOCK >= 1024 ? 8 : BLOCK >= 512 ? 16 : 32;
   constexpr int k_regs_per_pack = sizeof(P) >= 4 ? int(sizeof(P)) / 4 : 1;
   constexpr int k_cached = k_cache_regs / k_regs_per_pack;
   __shared__ float scratch[33];

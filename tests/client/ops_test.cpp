@@ -7,7 +7,7 @@
 
 #include "common/half.h"
 #include "kiln/kiln.h"
-#include "kiln/runtime.h"
+#include "kiln/ops.h"
 #include "tests/test_util.h"
 
 namespace kiln {

@@ -11,7 +11,7 @@
 
 #include "cache/store.h"
 #include "families/rmsnorm/rmsnorm.h"
-#include "kiln/runtime.h"
+#include "kiln/ops.h"
 #include "tests/gpu_util.h"
 #include "tests/test_util.h"
 

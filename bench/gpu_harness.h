@@ -1,0 +1,78 @@
+// The GPU benchmark harness: shared timing and buffer helpers, and a registry of per-family
+// benchmark sections (bench/gpu/<family>.cpp), all run by kiln_bench_gpu in one process so that
+// every figure sits beside the copy bandwidth measured in the same run.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "jit/driver.h"
+#include "kiln/ops.h"
+
+namespace kiln::bench {
+
+// Exits the process with a message when a call fails: a benchmark with a failed step is void.
+void check(CUresult rc, const char* what);
+void check(const Status& s, const char* what);
+
+double median(std::vector<double> v);
+double percentile(std::vector<double> v, double q);
+
+// Median milliseconds of CUDA-event intervals around `fn(i)` on the default stream, after
+// `warmup` untimed calls. Pass an index-dependent fn to rotate inputs.
+double time_events(const std::function<void(int)>& fn, int warmup, int iters);
+
+// Host microseconds per call of `fn` over n back-to-back calls (median of 5 repeats), synchronizing
+// before and after each repeat.
+double host_us_per_call(const std::function<void()>& fn, int n);
+
+// A device allocation (cuMemAlloc), freed on destruction.
+struct DeviceBuffer {
+  CUdeviceptr ptr = 0;
+  std::size_t bytes = 0;
+  explicit DeviceBuffer(std::size_t n);
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  void* get() const { return reinterpret_cast<void*>(ptr); }
+  void upload(const void* src);
+  void download(void* dst) const;
+  void poison();  // 0xFF bytes: NaN in every float type
+};
+
+// n normally distributed values of dtype t (f32, f16, bf16), as raw bytes.
+std::vector<unsigned char> random_values(DType t, std::int64_t n, std::mt19937& rng, float scale = 1.0f);
+// ||got - want|| / ||want|| over n elements of dtype t; NaN if got holds a NaN.
+double rel_l2(const void* got, const void* want, DType t, std::int64_t n);
+
+// How many input sets a shape needs so that one pass over all of them exceeds L2 (1 .. 64).
+int rotation_sets(std::size_t bytes_per_set);
+
+struct Context {
+  const jit::Driver* driver = nullptr;
+  Runtime* runtime = nullptr;  // embedded runtime on a private cache
+  std::mt19937 rng;
+  bool quick = false;        // fewer shapes and iterations
+  double copy_gbs = 0;       // device-to-device copy bandwidth, this run
+  nlohmann::json* out = nullptr;  // write your section's results under (*out)[name]
+};
+
+using Section = std::function<int(Context&)>;  // returns 0, or nonzero after printing why
+
+// Registers a section; sections run in name order after the common measurements.
+struct Register {
+  Register(const char* name, Section fn);
+};
+
+}  // namespace kiln::bench
+
+namespace kiln::bench {
+// Runs every registered section (or only the one named), in name order; nonzero if any failed.
+int run_sections(Context& ctx, const std::string& only);
+}  // namespace kiln::bench
