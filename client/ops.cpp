@@ -6,8 +6,10 @@
 
 namespace kiln {
 
-Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, double eps, Stream stream,
-                Runtime* runtime) {
+namespace {
+
+Status rms_norm_impl(const TensorView& x, const TensorView& weight, const TensorView& y, const TensorView* inv_rms,
+                     double eps, Stream stream, Runtime* runtime) {
   KILN_TRY(client::check_view(x, "x"));
   KILN_TRY(client::check_view(weight, "weight"));
   KILN_TRY(client::check_view(y, "y"));
@@ -27,7 +29,15 @@ Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView&
   KILN_ASSIGN_OR_RETURN(auto xr, client::as_rows(x, "x"));
   KILN_ASSIGN_OR_RETURN(auto yr, client::as_rows(y, "y"));
 
+  if (inv_rms) {
+    KILN_TRY(client::check_view(*inv_rms, "inv_rms"));
+    if (inv_rms->dtype != DType::f32) return unsupported_dtype("rms_norm: inv_rms must be f32");
+    if (inv_rms->numel() != xr.rows || !inv_rms->is_contiguous())
+      return shape_mismatch("rms_norm: inv_rms must be contiguous with " + std::to_string(xr.rows) + " elements");
+  }
+
   const DeviceKind where = x.device.kind;
+  if (inv_rms) KILN_TRY(client::check_device(*inv_rms, "inv_rms", where));
   KILN_TRY(client::check_device(x, "x", where));
   KILN_TRY(client::check_device(weight, "weight", where));
   KILN_TRY(client::check_device(y, "y", where));
@@ -50,16 +60,28 @@ Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView&
 
   static const Family* family = Registry::global().find("rmsnorm");
   if (!family) return internal_error("the rmsnorm family is not registered");
-  void* buffers[3] = {x.data, weight.data, y.data};
+  void* buffers[4] = {x.data, weight.data, y.data, inv_rms ? inv_rms->data : nullptr};
   if (where == DeviceKind::cpu) {
     const Params params = family->heuristic(p);
     KILN_TRY(family->check_problem(params, p));
-    return family->cpu_reference(params, p, buffers);
+    return family->cpu_reference(params, p, std::span<void* const>(buffers, inv_rms ? 4 : 3));
   }
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   return runtime->run(*family, p, buffers, stream);
+}
+
+}  // namespace
+
+Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, double eps, Stream stream,
+                Runtime* runtime) {
+  return rms_norm_impl(x, weight, y, nullptr, eps, stream, runtime);
+}
+
+Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, const TensorView& inv_rms,
+                double eps, Stream stream, Runtime* runtime) {
+  return rms_norm_impl(x, weight, y, &inv_rms, eps, stream, runtime);
 }
 
 }  // namespace kiln

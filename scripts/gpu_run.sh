@@ -5,10 +5,13 @@
 #   scripts/gpu_run.sh [--quick]
 set -uo pipefail
 quick=${1:-}
+BENCH_ARGS=${BENCH_ARGS:-}
+TORCH_ARGS=${TORCH_ARGS:-}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 # The test binaries name kilnd by the absolute path it had on the build machine.
-if [ ! -e /work/main/build-gpu ]; then mkdir -p /work/main && ln -s "$PWD/gpu-dist" /work/main/build-gpu; fi
+build_path=$(cat gpu-dist/BUILD_PATH)
+if [ ! -e "$build_path" ]; then mkdir -p "$(dirname "$build_path")" && ln -s "$PWD/gpu-dist" "$build_path"; fi
 export KILN_CACHE_DIR=$(mktemp -d)
 export XDG_RUNTIME_DIR=$(mktemp -d)
 chmod 700 "$XDG_RUNTIME_DIR"
@@ -19,7 +22,7 @@ for t in gpu-dist/tests/kiln_gpu_tests_*; do
 done
 # A skipped GPU test is not a pass on a machine that has a GPU.
 if grep -q "SKIPPED \]" "$out/gpu_tests.log"; then echo "GPU TESTS WERE SKIPPED"; rc=1; fi
-timeout -k 5 240 gpu-dist/bench/kiln_bench_gpu --json "$out/bench.json" --kilnd gpu-dist/kilnd $quick 2>&1 | tee "$out/bench.log" || rc=1
-PYTHONUNBUFFERED=1 timeout -k 5 200 python3 bench/torch_rmsnorm_anchor.py "$out/torch.json" 2>&1 | tee "$out/torch.log" || rc=1
+timeout -k 5 240 gpu-dist/bench/kiln_bench_gpu --json "$out/bench.json" --kilnd gpu-dist/kilnd $quick $BENCH_ARGS 2>&1 | tee "$out/bench.log" || rc=1
+PYTHONUNBUFFERED=1 timeout -k 5 300 python3 bench/torch_anchors.py $quick --json "$out/torch.json" $TORCH_ARGS 2>&1 | tee "$out/torch.log" || rc=1
 echo "gpu_run exit $rc"
 exit $rc

@@ -18,7 +18,7 @@ const char* device_type(const std::string& dtype) {
 class RmsNorm final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -105,13 +105,15 @@ class RmsNorm final : public Family {
     auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
     return {{"x", BufferRole::input, p.dtype, extent(p.dims[k_x_stride])},
             {"w", BufferRole::input, p.dtype, cols},
-            {"y", BufferRole::output, p.dtype, extent(p.dims[k_y_stride])}};
+            {"y", BufferRole::output, p.dtype, extent(p.dims[k_y_stride])},
+            {"inv_rms", BufferRole::output, DType::f32, rows}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     out.add(b[0]);
     out.add(b[1]);
     out.add(b[2]);
+    out.add(b.size() > 3 ? b[3] : static_cast<void*>(nullptr));
     out.add(static_cast<long long>(p.dims[k_rows]));
     out.add(static_cast<long long>(p.dims[k_cols]));
     out.add(static_cast<long long>(p.dims[k_x_stride]));
@@ -120,7 +122,9 @@ class RmsNorm final : public Family {
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
-    if (b.size() != 3) return invalid_argument("rmsnorm: reference takes 3 buffers (x, w, y)");
+    if (b.size() != 3 && b.size() != 4)
+      return invalid_argument("rmsnorm: reference takes buffers x, w, y and optionally inv_rms");
+    float* inv_rms = b.size() > 3 ? static_cast<float*>(b[3]) : nullptr;
     const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t xo = r * p.dims[k_x_stride], yo = r * p.dims[k_y_stride];
@@ -130,6 +134,7 @@ class RmsNorm final : public Family {
         ss += v * v;
       }
       const double scale = 1.0 / std::sqrt(ss / double(cols) + p.scalars[k_eps]);
+      if (inv_rms) inv_rms[r] = float(scale);
       for (std::int64_t c = 0; c < cols; ++c)
         store_from_double(b[2], p.dtype, yo + c,
                           load_as_double(b[0], p.dtype, xo + c) * scale * load_as_double(b[1], p.dtype, c));
@@ -141,16 +146,20 @@ class RmsNorm final : public Family {
 }  // namespace
 
 RmsNormChoice rmsnorm_heuristic(const Problem& p) {
+  // Measured on an H100 (docs/benchmarks.md, rmsnorm_variants): 8-byte accesses beat 16-byte
+  // ones across LLM shapes with this kernel, and 4-byte ones for rows of 64 KiB and more; about
+  // 16 packs per thread (most of them held in registers) with blocks of 64 to 1024 threads.
   const int esize = int(dtype_size(p.dtype));
-  int vec = 16 / esize;
+  const std::int64_t row_bytes = p.dims[k_cols] * esize;
+  const int pack_bytes = row_bytes >= 65536 ? 4 : 8;
+  int vec = std::max(1, pack_bytes / esize);
   // The widest access that every row start and the weight allow.
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.dims[k_x_stride] % vec ||
                      p.dims[k_y_stride] % vec || p.dims[k_cols] < vec))
     vec /= 2;
-  // About two packs per thread: enough bytes in flight per thread without idle threads.
   const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_cols] / vec);
   int block = 64;
-  while (block < 1024 && block * 4 <= packs) block *= 2;
+  while (block < 1024 && block * 16 < packs) block *= 2;
   return {block, vec};
 }
 

@@ -3,7 +3,8 @@
 // Params: dtype {f32, f16, bf16}, block {64 .. 1024} threads, vec {1, 2, 4, 8} elements per
 // access (vec * sizeof(dtype) <= 16 bytes).
 // Problem: dims = {rows, cols, x_row_stride, y_row_stride} (strides in elements), scalars = {eps}.
-// Buffers: x (input), w (input, [cols]), y (output).
+// Buffers: x (input), w (input, [cols]), y (output), inv_rms (output, f32 [rows]; may be null:
+// then it is not written).
 #pragma once
 
 #include "kiln/family.h"

@@ -18,5 +18,9 @@ namespace kiln {
 // invalid_argument (eps not finite or negative, null pointers).
 Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, double eps = 1e-6,
                 Stream stream = nullptr, Runtime* runtime = nullptr);
+// The same, also writing inv_rms (f32, [rows] contiguous, rows = x.numel() / hidden):
+// rsqrt(mean(x^2) + eps) per row, what rms_norm_backward takes.
+Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, const TensorView& inv_rms,
+                double eps = 1e-6, Stream stream = nullptr, Runtime* runtime = nullptr);
 
 }  // namespace kiln

@@ -4,6 +4,7 @@
 // the row in registers between the reduction and the write, so rows up to BLOCK*VEC*k_cached
 // elements are read from memory once; longer rows re-read the rest. Columns past the last whole
 // pack are handled one element at a time, so any row length works.
+// inv_rms (optional, f32 [rows]) receives rsqrt(mean(x^2) + eps) per row, for the backward pass.
 // Requires: x, y and w aligned to VEC*sizeof(T) bytes, row strides multiples of VEC.
 #pragma once
 
@@ -14,8 +15,8 @@ namespace kiln {
 
 template <typename T, int BLOCK, int VEC>
 __global__ void __launch_bounds__(BLOCK)
-rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, long long rows, long long cols,
-            long long x_stride, long long y_stride, float eps) {
+rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, float* __restrict__ inv_rms,
+            long long rows, long long cols, long long x_stride, long long y_stride, float eps) {
   using P = Pack<T, VEC>;
   // Registers of row cache per thread: 32 for blocks up to 256 threads, 16 at 512, 8 under the
   // 64-register cap of 1024-thread blocks (16 made ptxas spill there).
@@ -61,6 +62,7 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
     }
 
     const float scale = rsqrtf(block_sum<BLOCK>(acc, scratch) * inv_cols + eps);
+    if (inv_rms != nullptr && threadIdx.x == 0) inv_rms[row] = scale;
 
 #pragma unroll
     for (int i = 0; i < k_cached; ++i) {

@@ -162,6 +162,33 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   d->stream_destroy(stream);
 }
 
+TEST_F(RmsNormGpu, SavesInverseRmsForTheBackwardPass) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    const std::int64_t rows = 33, cols = 4100;
+    auto hx = testing::random_bytes(t, rows * cols, rng_, 3.0f);
+    auto hw = testing::random_bytes(t, cols, rng_);
+    DeviceBuffer dx(hx.size()), dw(hw.size()), dy(hx.size()), dinv(rows * 4);
+    dx.upload(hx.data());
+    dw.upload(hw.data());
+    dy.poison();
+    dinv.poison();
+    auto xv = TensorView::contiguous(dx.get(), t, {rows, cols}, Device::cuda(0));
+    auto yv = TensorView::contiguous(dy.get(), t, {rows, cols}, Device::cuda(0));
+    auto wv = TensorView::contiguous(dw.get(), t, {cols}, Device::cuda(0));
+    auto iv = TensorView::contiguous(dinv.get(), DType::f32, {rows}, Device::cuda(0));
+    ASSERT_TRUE(rms_norm(xv, wv, yv, iv, 1e-5, nullptr, rt_.get()).ok());
+    std::vector<float> got(rows);
+    dinv.download(got.data());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double ss = 0;
+      for (std::int64_t c = 0; c < cols; ++c) ss += std::pow(load_as_double(hx.data(), t, r * cols + c), 2);
+      EXPECT_NEAR(got[r], 1 / std::sqrt(ss / cols + 1e-5), 1e-5 * got[r]) << dtype_name(t) << " row " << r;
+    }
+    auto bad = TensorView::contiguous(dinv.get(), DType::f32, {rows - 1}, Device::cuda(0));
+    EXPECT_EQ(rms_norm(xv, wv, yv, bad, 1e-5, nullptr, rt_.get()).code(), Code::shape_mismatch);
+  }
+}
+
 TEST_F(RmsNormGpu, SecondRuntimeLoadsFromTheCacheWithoutCompiling) {
   Case c{DType::bf16, 4, 4096, 4096, 4096};
   ASSERT_LT(check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); }), 1e-2);

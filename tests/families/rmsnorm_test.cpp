@@ -37,6 +37,11 @@ TEST(RmsNorm, ReferenceMatchesHandComputedRows) {
   EXPECT_NEAR(y[1], 8 / std::sqrt(12.5), 1e-6);
   EXPECT_FLOAT_EQ(y[2], 1);
   EXPECT_FLOAT_EQ(y[3], 2);
+  std::vector<float> inv(2, -1);
+  void* b4[4] = {x.data(), w.data(), y.data(), inv.data()};
+  ASSERT_TRUE(rmsnorm().cpu_reference(rmsnorm().heuristic(p), p, b4).ok());
+  EXPECT_NEAR(inv[0], 1 / std::sqrt(12.5), 1e-7);
+  EXPECT_FLOAT_EQ(inv[1], 1);
 }
 
 TEST(RmsNorm, ReferenceHonoursStridesAndHalfTypes) {
@@ -57,15 +62,18 @@ TEST(RmsNorm, ReferenceHonoursStridesAndHalfTypes) {
   EXPECT_EQ(y[7], 0xBEEF);
 }
 
-TEST(RmsNorm, HeuristicPicksWidestAlignedAccess) {
+TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   auto h = rmsnorm_heuristic(problem(DType::bf16, 4096, 4096));
-  EXPECT_EQ(h.vec, 8);
-  EXPECT_EQ(h.block, 256);
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 1, 4096)).vec, 4);
+  EXPECT_EQ(h.vec, 4);     // 8-byte accesses
+  EXPECT_EQ(h.block, 64);  // 1024 packs, 16 per thread
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 256);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 1, 4096)).vec, 2);
+  auto wide = rmsnorm_heuristic(problem(DType::bf16, 1, 65536));  // 128 KiB rows: 4-byte accesses
+  EXPECT_EQ(wide.vec, 2);
+  EXPECT_EQ(wide.block, 1024);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 8, 4095)).vec, 1);   // odd rows: row starts misalign
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f16, 8, 4094)).vec, 2);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 8, 4096, 4096, 4096, 4)).vec, 2);  // 4-byte aligned buffers
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 65536)).block, 1024);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 3)).vec, 1);
   // Whatever it picks must pass check_problem.
   for (auto cols : {1, 3, 7, 64, 1000, 4095, 4096, 5120, 65536}) {
@@ -109,13 +117,16 @@ TEST(RmsNorm, ArgsPackInKernelOrder) {
   int a, b, c;
   void* bufs[3] = {&a, &b, &c};
   rmsnorm().pack_args(rmsnorm().heuristic(p), p, bufs, args);
-  ASSERT_EQ(args.count(), 8u);
+  ASSERT_EQ(args.count(), 9u);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[0]), &a);
-  EXPECT_EQ(*static_cast<long long*>(args.pointers()[3]), 7);
-  EXPECT_EQ(*static_cast<long long*>(args.pointers()[5]), 128);
-  EXPECT_FLOAT_EQ(*static_cast<float*>(args.pointers()[7]), 1e-6f);
+  EXPECT_EQ(*static_cast<void**>(args.pointers()[3]), nullptr);  // no inv_rms buffer given
+  EXPECT_EQ(*static_cast<long long*>(args.pointers()[4]), 7);
+  EXPECT_EQ(*static_cast<long long*>(args.pointers()[6]), 128);
+  EXPECT_FLOAT_EQ(*static_cast<float*>(args.pointers()[8]), 1e-6f);
   auto bs = rmsnorm().buffers(rmsnorm().heuristic(p), p);
-  ASSERT_EQ(bs.size(), 3u);
+  ASSERT_EQ(bs.size(), 4u);
+  EXPECT_EQ(bs[3].dtype, DType::f32);
+  EXPECT_EQ(bs[3].elements, 7);
   EXPECT_EQ(bs[0].elements, 6 * 128 + 64);
   EXPECT_EQ(bs[2].role, BufferRole::output);
 }
