@@ -23,4 +23,32 @@ Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView&
 Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView& y, const TensorView& inv_rms,
                 double eps = 1e-6, Stream stream = nullptr, Runtime* runtime = nullptr);
 
+// Fused residual add + RMSNorm: h = x + residual; residual_out = h;
+// y = h * rsqrt(mean(h^2, last dim) + eps) * weight.
+// h is summed in fp32 and rounded to the dtype, and that rounded h is what residual_out holds and
+// what is normalized (vLLM's convention); y is computed in fp32 and rounded once.
+// x, residual, y, residual_out: [..., hidden], same shape and dtype (f32, f16 or bf16), last
+// dimension contiguous (rows may be strided); weight: [hidden], contiguous, same dtype.
+// residual_out may be residual and y may be x (same data pointer and strides: in place); any other
+// overlap between the tensors, and y overlapping residual_out, is invalid_argument.
+// On host memory (all five tensors on the CPU) the CPU fallback runs.
+// Errors before any compile or launch: device_error, shape_mismatch, unsupported_dtype,
+// invalid_argument (eps not finite or negative, null pointers, overlaps).
+Status add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, const TensorView& y,
+                    const TensorView& residual_out, double eps = 1e-6, Stream stream = nullptr,
+                    Runtime* runtime = nullptr);
+
+// The gate activation of act_and_mul: SiLU, GELU with erf, GELU with the tanh approximation.
+enum class Activation { silu, gelu, gelu_tanh };
+
+// out = act(x[..., :d]) * x[..., d:], in fp32.
+// x: [..., 2d], out: [..., d] with the same leading shape and dtype (f32, f16 or bf16), last
+// dimension contiguous (rows may be strided). out may be x[..., :d] (the same data pointer and
+// row stride as x: in place); any other overlap is invalid_argument. On host memory (both tensors
+// on the CPU) the CPU fallback runs.
+// Errors before any compile or launch: device_error, shape_mismatch (odd last dim of x, shapes),
+// unsupported_dtype, invalid_argument (null pointers, unknown activation, overlaps).
+Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, Stream stream = nullptr,
+                   Runtime* runtime = nullptr);
+
 }  // namespace kiln

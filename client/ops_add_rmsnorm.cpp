@@ -1,0 +1,113 @@
+#include <cmath>
+#include <utility>
+
+#include "client/validate.h"
+#include "families/add_rmsnorm/add_rmsnorm.h"
+#include "kiln/ops.h"
+
+namespace kiln {
+namespace {
+
+struct ByteSpan {
+  std::uintptr_t begin = 0, end = 0;
+};
+
+ByteSpan byte_span(const TensorView& t, const client::RowView& r) {
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data);
+  if (r.rows == 0 || r.cols == 0) return {base, base};
+  return {base, base + std::uintptr_t(((r.rows - 1) * r.row_stride + r.cols) * std::int64_t(dtype_size(t.dtype)))};
+}
+
+bool overlap(ByteSpan a, ByteSpan b) { return a.begin < b.end && b.begin < a.end; }
+
+// The same elements in the same order: what in-place use means.
+bool same_view(const TensorView& a, const client::RowView& ra, const TensorView& b, const client::RowView& rb) {
+  return a.data == b.data && (ra.rows <= 1 || ra.row_stride == rb.row_stride);
+}
+
+}  // namespace
+
+Status add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, const TensorView& y,
+                    const TensorView& residual_out, double eps, Stream stream, Runtime* runtime) {
+  KILN_TRY(client::check_view(x, "x"));
+  KILN_TRY(client::check_view(residual, "residual"));
+  KILN_TRY(client::check_view(weight, "weight"));
+  KILN_TRY(client::check_view(y, "y"));
+  KILN_TRY(client::check_view(residual_out, "residual_out"));
+  KILN_TRY(client::check_float_dtype(x, "x"));
+  for (const TensorView* t : {&residual, &weight, &y, &residual_out})
+    if (t->dtype != x.dtype)
+      return unsupported_dtype(std::string("add_rms_norm: dtypes differ (x ") + dtype_name(x.dtype) + ", residual " +
+                               dtype_name(residual.dtype) + ", weight " + dtype_name(weight.dtype) + ", y " +
+                               dtype_name(y.dtype) + ", residual_out " + dtype_name(residual_out.dtype) + ")");
+  using Named = std::pair<const TensorView*, const char*>;
+  for (const auto& [t, name] : {Named{&residual, "residual"}, Named{&y, "y"}, Named{&residual_out, "residual_out"}}) {
+    bool same = t->rank == x.rank;
+    for (int i = 0; same && i < x.rank; ++i) same = t->shape[i] == x.shape[i];
+    if (!same) return shape_mismatch(std::string("add_rms_norm: ") + name + " and x have different shapes");
+  }
+  const std::int64_t hidden = x.shape[x.rank - 1];
+  if (weight.rank != 1 || weight.shape[0] != hidden)
+    return shape_mismatch("add_rms_norm: weight must have shape [" + std::to_string(hidden) + "]");
+  if (weight.strides[0] != 1 && hidden > 1) return shape_mismatch("add_rms_norm: weight must be contiguous");
+  if (hidden == 0) return shape_mismatch("add_rms_norm: the normalized dimension is empty");
+  if (!std::isfinite(eps) || eps < 0) return invalid_argument("add_rms_norm: eps must be finite and non-negative");
+  KILN_ASSIGN_OR_RETURN(auto xr, client::as_rows(x, "x"));
+  KILN_ASSIGN_OR_RETURN(auto rr, client::as_rows(residual, "residual"));
+  KILN_ASSIGN_OR_RETURN(auto yr, client::as_rows(y, "y"));
+  KILN_ASSIGN_OR_RETURN(auto hr, client::as_rows(residual_out, "residual_out"));
+
+  // Each element is read and written by one thread, inputs first: an output may be exactly its
+  // input (in place) but must not partly overlap any input, the weight or the other output.
+  const client::RowView wr{1, hidden, hidden};
+  const ByteSpan xs = byte_span(x, xr), rs = byte_span(residual, rr), ws = byte_span(weight, wr),
+                 ys = byte_span(y, yr), hs = byte_span(residual_out, hr);
+  if (overlap(ys, hs)) return invalid_argument("add_rms_norm: y and residual_out overlap");
+  if (overlap(ys, ws) || overlap(hs, ws)) return invalid_argument("add_rms_norm: an output overlaps weight");
+  if (overlap(ys, xs) && !same_view(y, yr, x, xr))
+    return invalid_argument("add_rms_norm: y overlaps x without being the same view");
+  if (overlap(hs, rs) && !same_view(residual_out, hr, residual, rr))
+    return invalid_argument("add_rms_norm: residual_out overlaps residual without being the same view");
+  if (overlap(ys, rs) || overlap(hs, xs))
+    return invalid_argument("add_rms_norm: y may alias only x, and residual_out only residual");
+
+  const DeviceKind where = x.device.kind;
+  for (const auto& [t, name] : {Named{&x, "x"}, Named{&residual, "residual"}, Named{&weight, "weight"}, Named{&y, "y"},
+                                Named{&residual_out, "residual_out"}}) {
+    KILN_TRY(client::check_device(*t, name, where));
+    if (where == DeviceKind::cuda && t->device.index != x.device.index)
+      return device_error("add_rms_norm: tensors are on different GPUs");
+  }
+
+  Problem p;
+  p.dtype = x.dtype;
+  p.dims[families::k_add_rows] = xr.rows;
+  p.dims[families::k_add_cols] = hidden;
+  p.dims[families::k_add_x_stride] = xr.row_stride;
+  p.dims[families::k_add_r_stride] = rr.row_stride;
+  p.dims[families::k_add_y_stride] = yr.row_stride;
+  p.dims[families::k_add_ro_stride] = hr.row_stride;
+  p.scalars[families::k_add_eps] = eps;
+  const auto esize = std::int64_t(dtype_size(x.dtype));
+  p.alignment = client::common_alignment(
+      {reinterpret_cast<std::uintptr_t>(x.data), reinterpret_cast<std::uintptr_t>(residual.data),
+       reinterpret_cast<std::uintptr_t>(weight.data), reinterpret_cast<std::uintptr_t>(y.data),
+       reinterpret_cast<std::uintptr_t>(residual_out.data)},
+      {xr.row_stride * esize, rr.row_stride * esize, yr.row_stride * esize, hr.row_stride * esize});
+  if (xr.rows == 0) return {};
+
+  static const Family* const family = Registry::global().find("add_rmsnorm");
+  if (!family) return internal_error("the add_rmsnorm family is not registered");
+  void* buffers[5] = {x.data, residual.data, weight.data, y.data, residual_out.data};
+  if (where == DeviceKind::cpu) {
+    const Params params = family->heuristic(p);
+    KILN_TRY(family->check_problem(params, p));
+    return family->cpu_reference(params, p, buffers);
+  }
+  if (!runtime) {
+    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  return runtime->run(*family, p, buffers, stream);
+}
+
+}  // namespace kiln

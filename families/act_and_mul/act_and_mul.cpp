@@ -1,0 +1,196 @@
+#include "families/act_and_mul/act_and_mul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "common/half.h"
+
+namespace kiln::families {
+namespace {
+
+const char* device_type(const std::string& dtype) {
+  if (dtype == "f16") return "kiln::f16_t";
+  if (dtype == "bf16") return "kiln::bf16_t";
+  return "float";
+}
+
+const char* const k_act_names[] = {"silu", "gelu", "gelu_tanh"};
+
+int act_index(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == k_act_names[i]) return i;
+  return -1;
+}
+
+double activate(int act, double v) {
+  switch (act) {
+    case k_am_silu: return v / (1.0 + std::exp(-v));
+    case k_am_gelu: return 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0)));
+    default: return 0.5 * v * (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (v + 0.044715 * v * v * v)));
+  }
+}
+
+class ActAndMul final : public Family {
+ public:
+  std::string_view name() const override { return "act_and_mul"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"act", {}, {"silu", "gelu", "gelu_tanh"}, "activation applied to the first half"},
+        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block (flat grid, one pack per thread)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of x and out"},
+        {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override {
+    return {"rows", "d", "x_row_stride", "out_row_stride", "activation"};
+  }
+  std::vector<std::string> problem_scalars() const override { return {}; }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    if (*params.get_int("vec") * std::int64_t(dtype_size(*dtype)) > 16)
+      return invalid_argument("act_and_mul: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
+                              std::to_string(*params.get_int("vec")) + " for " + *params.get_str("dtype") + ")");
+    return {};
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"act_and_mul/act_and_mul.cuh\"\n";
+    r.name_expression = std::string("kiln::act_and_mul<") + device_type(*params.get_str("dtype")) + ", " +
+                        std::to_string(act_index(*params.get_str("act"))) + ", " +
+                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
+    return r;
+  }
+
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* act : k_act_names)
+      for (const char* dtype : {"f32", "f16", "bf16"})
+        for (std::int64_t block : {64, 128, 256, 512, 1024})
+          for (std::int64_t vec : {1, 2, 4, 8}) {
+            Params p{{"act", std::string(act)}, {"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
+            if (validate(p).ok()) out.push_back(p);
+          }
+    return out;
+  }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto rows = p.dims[k_am_rows], d = p.dims[k_am_d];
+    if (rows < 0 || d <= 0) return shape_mismatch("act_and_mul: need rows >= 0 and d > 0");
+    if (d >= (std::int64_t(1) << 31)) return shape_mismatch("act_and_mul: d must be below 2^31");
+    if (p.dims[k_am_x_stride] < 2 * d || p.dims[k_am_out_stride] < d)
+      return shape_mismatch("act_and_mul: row strides must be at least 2d (x) and d (out)");
+    const auto act = p.dims[k_am_act];
+    if (act < 0 || act > 2) return invalid_argument("act_and_mul: unknown activation " + std::to_string(act));
+    if (act_index(*params.get_str("act")) != act)
+      return invalid_argument(std::string("act_and_mul: kernel is for ") + *params.get_str("act") + ", problem asks for " +
+                              k_act_names[act]);
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    if (*dtype != p.dtype)
+      return unsupported_dtype(std::string("act_and_mul: kernel is for ") + dtype_name(*dtype) + ", tensors are " +
+                               dtype_name(p.dtype));
+    const auto vec = *params.get_int("vec");
+    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || d % vec || p.dims[k_am_x_stride] % vec ||
+        p.dims[k_am_out_stride] % vec)
+      return invalid_argument("act_and_mul: vec=" + std::to_string(vec) +
+                              " needs buffers, d and row strides aligned to vec elements");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    const std::int64_t block = *params.get_int("block");
+    const std::int64_t packs = p.dims[k_am_rows] * (p.dims[k_am_d] / *params.get_int("vec"));
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>((packs + block - 1) / block, 1, 0x7fffffff));
+    g.block.x = std::uint32_t(block);
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    auto c = act_and_mul_heuristic(p);
+    const auto act = std::clamp<std::int64_t>(p.dims[k_am_act], 0, 2);
+    return Params{{"act", std::string(k_act_names[act])},
+                  {"dtype", std::string(dtype_name(p.dtype))},
+                  {"block", c.block},
+                  {"vec", c.vec}};
+  }
+
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    std::vector<Params> out;
+    for (const auto& c : catalog())
+      if (check_problem(c, p).ok()) out.push_back(c);
+    return out;
+  }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto rows = p.dims[k_am_rows], d = p.dims[k_am_d];
+    auto extent = [&](std::int64_t stride, std::int64_t cols) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
+    return {{"x", BufferRole::input, p.dtype, extent(p.dims[k_am_x_stride], 2 * d)},
+            {"out", BufferRole::output, p.dtype, extent(p.dims[k_am_out_stride], d)}};
+  }
+
+  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const std::int64_t per_row = p.dims[k_am_d] / *params.get_int("vec");
+    const FastDiv div = fast_div(std::uint32_t(std::max<std::int64_t>(per_row, 1)));
+    out.add(b[0]);
+    out.add(b[1]);
+    out.add(static_cast<long long>(p.dims[k_am_rows] * per_row));
+    out.add(static_cast<long long>(per_row));
+    out.add(static_cast<unsigned>(div.magic));
+    out.add(static_cast<unsigned>(div.shift));
+    out.add(static_cast<long long>(p.dims[k_am_d]));
+    out.add(static_cast<long long>(p.dims[k_am_x_stride]));
+    out.add(static_cast<long long>(p.dims[k_am_out_stride]));
+  }
+
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 2) return invalid_argument("act_and_mul: reference takes 2 buffers (x, out)");
+    const auto act = p.dims[k_am_act];
+    if (act < 0 || act > 2) return invalid_argument("act_and_mul: unknown activation " + std::to_string(act));
+    const auto rows = p.dims[k_am_rows], d = p.dims[k_am_d];
+    // Element c of a row reads x[c] and x[d + c] before writing out[c]; with out = x[..., :d] no
+    // later element reads what an earlier one wrote.
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t xo = r * p.dims[k_am_x_stride], oo = r * p.dims[k_am_out_stride];
+      for (std::int64_t c = 0; c < d; ++c) {
+        const double a = load_as_double(b[0], p.dtype, xo + c), g = load_as_double(b[0], p.dtype, xo + d + c);
+        store_from_double(b[1], p.dtype, oo + c, activate(int(act), a) * g);
+      }
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+FastDiv fast_div(std::uint32_t d) {
+  std::uint32_t shift = 0;
+  while (shift < 32 && (std::uint64_t(1) << shift) < d) ++shift;
+  const std::uint64_t magic = ((std::uint64_t(1) << 32) * ((std::uint64_t(1) << shift) - d)) / d + 1;
+  return {std::uint32_t(magic), shift};
+}
+
+ActAndMulChoice act_and_mul_heuristic(const Problem& p) {
+  const int esize = int(dtype_size(p.dtype));
+  const auto d = p.dims[k_am_d];
+  int vec = 16 / esize;
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || d % vec || p.dims[k_am_x_stride] % vec ||
+                     p.dims[k_am_out_stride] % vec))
+    vec /= 2;
+  const std::int64_t packs = p.dims[k_am_rows] * std::max<std::int64_t>(1, d / vec);
+  return {packs < 32768 ? 128 : 256, vec};
+}
+
+}  // namespace kiln::families
+
+void kiln_register_family_act_and_mul(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::ActAndMul>());
+}

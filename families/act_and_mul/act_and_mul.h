@@ -1,0 +1,48 @@
+// Activation-and-mul family (SwiGLU / GeGLU gating): out[r, c] = act(x[r, c]) * x[r, d + c] for
+// c < d, computed in fp32, act in {silu, gelu (erf), gelu_tanh}.
+//
+// Params: act {silu, gelu, gelu_tanh}, dtype {f32, f16, bf16}, block {64 .. 1024} threads,
+// vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes).
+// Problem: dims = {rows, d, x_row_stride, out_row_stride, activation} (strides in elements;
+// activation 0 silu, 1 gelu, 2 gelu_tanh: it is a dim so that the problem alone picks the
+// variant), no scalars.
+// Buffers: x (input, rows of 2d), out (output, rows of d). out may alias x (out = x[..., :d]:
+// same base, same row stride).
+//
+// Heuristic: a flat grid, one pack per thread. vec is the widest access (up to 16 bytes) that the
+// common alignment of x, out, both row strides and the offset d of the second half allow. block
+// is 256 (eight blocks fill an SM's 2048 threads; one 16-byte load pair per thread keeps ~64 KB in
+// flight per SM, well above what Little's law needs at HBM3 bandwidth), and 128 when the whole
+// output is under 32768 packs (under 128 blocks of 256, fewer than the SMs of an H100): decode
+// shapes then spread over twice as many SMs.
+#pragma once
+
+#include <cstdint>
+
+#include "kiln/family.h"
+
+namespace kiln::families {
+
+enum ActAndMulDim { k_am_rows = 0, k_am_d = 1, k_am_x_stride = 2, k_am_out_stride = 3, k_am_act = 4 };
+enum ActAndMulKind { k_am_silu = 0, k_am_gelu = 1, k_am_gelu_tanh = 2 };
+
+struct ActAndMulChoice {
+  int block;
+  int vec;
+};
+ActAndMulChoice act_and_mul_heuristic(const Problem& p);
+
+// Division by a constant d in [1, 2^31) as (umulhi(n, magic) + n) >> shift, exact for every
+// n < 2^31 (Granlund-Montgomery, the round-up variant). The kernel divides its flat pack index by
+// the packs per row this way.
+struct FastDiv {
+  std::uint32_t magic;
+  std::uint32_t shift;
+};
+FastDiv fast_div(std::uint32_t d);
+inline std::uint32_t fast_div_apply(FastDiv f, std::uint32_t n) {
+  const std::uint32_t hi = std::uint32_t((std::uint64_t(n) * f.magic) >> 32);
+  return (hi + n) >> f.shift;
+}
+
+}  // namespace kiln::families

@@ -1,0 +1,177 @@
+#include "families/add_rmsnorm/add_rmsnorm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/half.h"
+
+namespace kiln::families {
+namespace {
+
+const char* device_type(const std::string& dtype) {
+  if (dtype == "f16") return "kiln::f16_t";
+  if (dtype == "bf16") return "kiln::bf16_t";
+  return "float";
+}
+
+// v rounded to the nearest value of dtype t (round to nearest even), as the kernel's from_float.
+double round_to(DType t, double v) {
+  unsigned char tmp[4];
+  store_from_double(tmp, t, 0, v);
+  return load_as_double(tmp, t, 0);
+}
+
+class AddRmsNorm final : public Family {
+ public:
+  std::string_view name() const override { return "add_rmsnorm"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block (one block per row)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of every buffer"},
+        {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override {
+    return {"rows", "cols", "x_row_stride", "residual_row_stride", "y_row_stride", "residual_out_row_stride"};
+  }
+  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    if (*params.get_int("vec") * std::int64_t(dtype_size(*dtype)) > 16)
+      return invalid_argument("add_rmsnorm: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
+                              std::to_string(*params.get_int("vec")) + " for " + *params.get_str("dtype") + ")");
+    return {};
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"add_rmsnorm/add_rmsnorm_fwd.cuh\"\n";
+    r.name_expression = std::string("kiln::add_rmsnorm_fwd<") + device_type(*params.get_str("dtype")) + ", " +
+                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
+    return r;
+  }
+
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* dtype : {"f32", "f16", "bf16"})
+      for (std::int64_t block : {64, 128, 256, 512, 1024})
+        for (std::int64_t vec : {1, 2, 4, 8}) {
+          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
+          if (validate(p).ok()) out.push_back(p);
+        }
+    return out;
+  }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto rows = p.dims[k_add_rows], cols = p.dims[k_add_cols];
+    if (rows < 0 || cols <= 0) return shape_mismatch("add_rmsnorm: need rows >= 0 and cols > 0");
+    if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("add_rmsnorm: rows longer than 2^31 elements");
+    for (int d : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride})
+      if (p.dims[d] < cols) return shape_mismatch("add_rmsnorm: row strides must be at least the row length");
+    if (!(p.scalars[k_add_eps] >= 0) || !std::isfinite(p.scalars[k_add_eps]))
+      return invalid_argument("add_rmsnorm: eps must be finite and non-negative");
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    if (*dtype != p.dtype)
+      return unsupported_dtype(std::string("add_rmsnorm: kernel is for ") + dtype_name(*dtype) + ", tensors are " +
+                               dtype_name(p.dtype));
+    const auto vec = *params.get_int("vec");
+    bool strides_ok = true;
+    for (int d : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride}) strides_ok &= p.dims[d] % vec == 0;
+    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || !strides_ok)
+      return invalid_argument("add_rmsnorm: vec=" + std::to_string(vec) +
+                              " needs buffers and row strides aligned to vec elements");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_add_rows], 1, 0x7fffffff));
+    g.block.x = std::uint32_t(*params.get_int("block"));
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    auto c = add_rmsnorm_heuristic(p);
+    return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", c.block}, {"vec", c.vec}};
+  }
+
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    std::vector<Params> out;
+    for (const auto& c : catalog()) {
+      if (*c.get_str("dtype") != dtype_name(p.dtype)) continue;
+      if (check_problem(c, p).ok()) out.push_back(c);
+    }
+    return out;
+  }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto rows = p.dims[k_add_rows], cols = p.dims[k_add_cols];
+    auto extent = [&](int stride_dim) { return rows == 0 ? 0 : (rows - 1) * p.dims[stride_dim] + cols; };
+    return {{"x", BufferRole::input, p.dtype, extent(k_add_x_stride)},
+            {"residual", BufferRole::input, p.dtype, extent(k_add_r_stride)},
+            {"w", BufferRole::input, p.dtype, cols},
+            {"y", BufferRole::output, p.dtype, extent(k_add_y_stride)},
+            {"residual_out", BufferRole::output, p.dtype, extent(k_add_ro_stride)}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    for (int i = 0; i < 5; ++i) out.add(b[i]);
+    for (int d : {k_add_rows, k_add_cols, k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride})
+      out.add(static_cast<long long>(p.dims[d]));
+    out.add(static_cast<float>(p.scalars[k_add_eps]));
+  }
+
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 5) return invalid_argument("add_rmsnorm: reference takes 5 buffers (x, residual, w, y, residual_out)");
+    const auto rows = p.dims[k_add_rows], cols = p.dims[k_add_cols];
+    // A whole row of h is read before anything of that row is written, so exact aliasing
+    // (residual_out = residual, y = x) computes the same as separate buffers.
+    std::vector<double> h(std::size_t(std::max<std::int64_t>(cols, 0)));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t xo = r * p.dims[k_add_x_stride], ro = r * p.dims[k_add_r_stride];
+      double ss = 0;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        h[c] = round_to(p.dtype, load_as_double(b[0], p.dtype, xo + c) + load_as_double(b[1], p.dtype, ro + c));
+        ss += h[c] * h[c];
+      }
+      const double scale = 1.0 / std::sqrt(ss / double(cols) + p.scalars[k_add_eps]);
+      const std::int64_t yo = r * p.dims[k_add_y_stride], hoff = r * p.dims[k_add_ro_stride];
+      for (std::int64_t c = 0; c < cols; ++c) {
+        store_from_double(b[4], p.dtype, hoff + c, h[c]);
+        store_from_double(b[3], p.dtype, yo + c, h[c] * scale * load_as_double(b[2], p.dtype, c));
+      }
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p) {
+  const int esize = int(dtype_size(p.dtype));
+  int vec = 16 / esize;
+  auto strides_allow = [&](int v) {
+    for (int d : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride})
+      if (p.dims[d] % v) return false;
+    return true;
+  };
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || !strides_allow(vec) || p.dims[k_add_cols] < vec))
+    vec /= 2;
+  const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_add_cols] / vec);
+  int block = 64;
+  while (block < 1024 && block * 2 < packs) block *= 2;
+  return {block, vec};
+}
+
+}  // namespace kiln::families
+
+void kiln_register_family_add_rmsnorm(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::AddRmsNorm>());
+}

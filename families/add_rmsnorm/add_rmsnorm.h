@@ -1,0 +1,45 @@
+// Fused residual add + RMSNorm family: h = x + residual; residual_out = h;
+// y = h * rsqrt(mean(h^2) + eps) * w, row by row, in one pass.
+//
+// Rounding convention (vLLM's): h is summed in fp32 and rounded to the storage dtype; that rounded
+// value is what residual_out holds and what is normalized. y = h * scale * w is computed in fp32
+// and rounded once. The CPU reference does the same in fp64 (x + residual is exact in fp64, so its
+// rounding to the dtype gives the same h bits as the kernel).
+//
+// Params: dtype {f32, f16, bf16}, block {64 .. 1024} threads, vec {1, 2, 4, 8} elements per
+// access (vec * sizeof(dtype) <= 16 bytes).
+// Problem: dims = {rows, cols, x_row_stride, residual_row_stride, y_row_stride,
+// residual_out_row_stride} (strides in elements), scalars = {eps}.
+// Buffers: x (input), residual (input), w (input, [cols]), y (output), residual_out (output).
+// residual_out may alias residual and y may alias x (same base, same row stride).
+//
+// Heuristic: vec is the widest access (up to 16 bytes) that the common alignment of the five
+// buffers and four row strides allows, and no wider than the row. block is the smallest power of
+// two in 64..1024 giving each thread at most two packs (one to two): the kernel caches two 16-byte
+// packs of h per thread in registers, so rows up to 2048 packs (16384 bf16, 8192 f32 elements)
+// are read from memory once; longer rows use 1024 threads and re-read the rest of h from
+// residual_out, just written and still in L2. The small cache keeps every variant within 64
+// registers, so at least 1024 threads stay resident per SM.
+#pragma once
+
+#include "kiln/family.h"
+
+namespace kiln::families {
+
+enum AddRmsNormDim {
+  k_add_rows = 0,
+  k_add_cols = 1,
+  k_add_x_stride = 2,
+  k_add_r_stride = 3,
+  k_add_y_stride = 4,
+  k_add_ro_stride = 5,
+};
+enum AddRmsNormScalar { k_add_eps = 0 };
+
+struct AddRmsNormChoice {
+  int block;
+  int vec;
+};
+AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p);
+
+}  // namespace kiln::families

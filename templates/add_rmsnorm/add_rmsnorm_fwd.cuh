@@ -1,0 +1,108 @@
+// Fused residual add + RMSNorm: h = x + residual (fp32 sum, rounded to T), residual_out = h,
+// y = h * rsqrt(mean(h^2) + eps) * w with h the rounded value (vLLM's convention), fp32 accumulation.
+//
+// One block per row (grid-stride over rows). Each thread keeps up to k_cached packs of h in
+// registers between the reduction and the write; packs past the cache are re-read from
+// residual_out, which the same thread wrote in the first pass (so the re-read sees its own store,
+// and usually hits L2). Columns past the last whole pack go one element at a time.
+//
+// Aliasing: every element is read and written by one thread, inputs before outputs, so
+// residual_out may be residual and y may be x (same base and row stride); y and residual_out must
+// not overlap. Hence no __restrict__ on those four pointers.
+// Requires: every buffer aligned to VEC*sizeof(T) bytes, row strides multiples of VEC.
+#pragma once
+
+#include "common/dtype.cuh"
+#include "common/reduce.cuh"
+
+namespace kiln {
+
+// At least 1024 resident threads per SM (a 64-register cap): the block-wide reduction stalls a
+// block's warps, and other resident blocks keep loads in flight meanwhile.
+template <typename T, int BLOCK, int VEC>
+__global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
+add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T* residual_out, long long rows,
+                long long cols, long long x_stride, long long r_stride, long long y_stride, long long ro_stride,
+                float eps) {
+  using P = Pack<T, VEC>;
+  // Row cache of 8 registers of h (two 16-byte packs); the residual packs loaded beside it take
+  // as many again, briefly. The heuristic gives each thread at most two packs up to 1024 * 2
+  // packs per row, so rows up to 16384 bf16 / 8192 f32 elements are read once.
+  constexpr int k_cache_regs = 8;
+  constexpr int k_regs_per_pack = sizeof(P) >= 4 ? int(sizeof(P)) / 4 : 1;
+  constexpr int k_cached = k_cache_regs / k_regs_per_pack;
+  __shared__ float scratch[33];
+
+  // Row lengths are below 2^31 (checked on the host), so in-row indices are 32-bit.
+  const int packs = int(cols / VEC);
+  const int n = int(cols);
+  const float inv_cols = 1.f / float(cols);
+
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * x_stride;
+    const T* rr = residual + row * r_stride;
+    T* yr = y + row * y_stride;
+    T* hr = residual_out + row * ro_stride;
+
+    // The rounded sum of one pack, stored to residual_out; its squares go into acc.
+    auto add_pack = [&](int p, const P& a, const P& b, float& acc) {
+      P h;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        h.v[k] = from_float<T>(to_float(a.v[k]) + to_float(b.v[k]));
+        const float f = to_float(h.v[k]);
+        acc = fmaf(f, f, acc);
+      }
+      store_pack<T, VEC>(hr + p * VEC, h);
+      return h;
+    };
+    auto write_pack = [&](int p, const P& h, float scale) {
+      const P wv = load_pack<T, VEC>(w + p * VEC);
+      P out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(h.v[k]) * scale * to_float(wv.v[k]));
+      store_pack<T, VEC>(yr + p * VEC, out);
+    };
+
+    // Every load of the cached packs is issued before the first store: without __restrict__ the
+    // compiler may not move a later pack's loads above an earlier pack's store to residual_out,
+    // which would leave one pack in flight per thread.
+    P cached[k_cached], res[k_cached];
+#pragma unroll
+    for (int i = 0; i < k_cached; ++i) {
+      const int p = int(threadIdx.x) + i * BLOCK;
+      if (p < packs) {
+        cached[i] = load_pack<T, VEC>(xr + p * VEC);
+        res[i] = load_pack<T, VEC>(rr + p * VEC);
+      }
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < k_cached; ++i) {
+      const int p = int(threadIdx.x) + i * BLOCK;
+      if (p < packs) cached[i] = add_pack(p, cached[i], res[i], acc);
+    }
+    for (int p = int(threadIdx.x) + k_cached * BLOCK; p < packs; p += BLOCK)
+      (void)add_pack(p, load_pack<T, VEC>(xr + p * VEC), load_pack<T, VEC>(rr + p * VEC), acc);
+    for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK) {
+      const T h = from_float<T>(to_float(xr[j]) + to_float(rr[j]));
+      hr[j] = h;
+      const float f = to_float(h);
+      acc = fmaf(f, f, acc);
+    }
+
+    const float scale = rsqrtf(block_sum<BLOCK>(acc, scratch) * inv_cols + eps);
+
+#pragma unroll
+    for (int i = 0; i < k_cached; ++i) {
+      const int p = int(threadIdx.x) + i * BLOCK;
+      if (p < packs) write_pack(p, cached[i], scale);
+    }
+    for (int p = int(threadIdx.x) + k_cached * BLOCK; p < packs; p += BLOCK)
+      write_pack(p, load_pack<T, VEC>(hr + p * VEC), scale);
+    for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK)
+      yr[j] = from_float<T>(to_float(hr[j]) * scale * to_float(w[j]));
+  }
+}
+
+}  // namespace kiln

@@ -1,0 +1,263 @@
+// Activation-and-mul on the CPU: the reference against hand-computed values for each activation,
+// the host side of the kernel's fast division, the heuristic, problem checks, argument packing,
+// every catalog variant through NVRTC for sm_80 and sm_90a, and the typed op's fallback and error
+// paths (which must resolve nothing).
+#include "families/act_and_mul/act_and_mul.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <set>
+
+#include "common/half.h"
+#include "kiln/ops.h"
+#include "tests/test_util.h"
+
+namespace kiln::families {
+namespace {
+
+const Family& fam() { return *Registry::global().find("act_and_mul"); }
+
+Problem problem(DType t, std::int64_t rows, std::int64_t d, int act = k_am_silu, std::int64_t xs = 0,
+                std::int64_t os = 0, std::uint32_t align = 16) {
+  Problem p;
+  p.dtype = t;
+  p.alignment = align;
+  p.dims[k_am_rows] = rows;
+  p.dims[k_am_d] = d;
+  p.dims[k_am_x_stride] = xs ? xs : 2 * d;
+  p.dims[k_am_out_stride] = os ? os : d;
+  p.dims[k_am_act] = act;
+  return p;
+}
+
+Params variant(const char* act, const char* dtype, std::int64_t block, std::int64_t vec) {
+  return Params{{"act", std::string(act)}, {"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
+}
+
+TEST(ActAndMul, ReferenceMatchesHandComputedValues) {
+  // Rows [a0, a1 | b0, b1] = [1, -1 | 2, 3], out = [act(1) * 2, act(-1) * 3].
+  struct Want {
+    int act;
+    double at_1, at_minus_1;
+  };
+  const Want wants[] = {
+      {k_am_silu, 0.7310585786300049, -0.2689414213699951},        // 1 / (1 + e^-1), -1 / (1 + e)
+      {k_am_gelu, 0.8413447460685429, -0.15865525393145707},       // Phi(1), -Phi(-1)
+      {k_am_gelu_tanh, 0.8411919906082768, -0.15880800939172324},  // 0.5 (1 + tanh(0.79788 * 1.044715))
+  };
+  for (const auto& w : wants) {
+    std::vector<float> x = {1, -1, 2, 3}, out(2, NAN);
+    Problem p = problem(DType::f32, 1, 2, w.act);
+    void* b[2] = {x.data(), out.data()};
+    ASSERT_TRUE(fam().cpu_reference(fam().heuristic(p), p, b).ok());
+    EXPECT_NEAR(out[0], w.at_1 * 2, 1e-6) << w.act;
+    EXPECT_NEAR(out[1], w.at_minus_1 * 3, 1e-6) << w.act;
+  }
+}
+
+TEST(ActAndMul, ReferenceHonoursStridesHalfTypesAndInPlace) {
+  // Two rows with d = 2 in x rows of stride 6 and out rows of stride 3; padding stays.
+  const float xv[] = {0, 1, 5, 7, 9, 9, -1, 2, 4, 0.5f, 9, 9};
+  std::vector<std::uint16_t> x(12), out(6, 0xBEEF);
+  for (int i = 0; i < 12; ++i) x[i] = float_to_bf16(xv[i]);
+  Problem p = problem(DType::bf16, 2, 2, k_am_silu, 6, 3);
+  void* b[2] = {x.data(), out.data()};
+  ASSERT_TRUE(fam().cpu_reference(fam().heuristic(p), p, b).ok());
+  EXPECT_EQ(bf16_to_float(out[0]), 0.0f);  // silu(0) * 5
+  EXPECT_NEAR(bf16_to_float(out[1]), 0.7310585786 * 7, 2e-2);
+  EXPECT_NEAR(bf16_to_float(out[3]), -0.2689414214 * 4, 1e-2);
+  EXPECT_NEAR(bf16_to_float(out[4]), 1.7615941560 * 0.5, 1e-2);
+  EXPECT_EQ(out[2], 0xBEEF);
+  EXPECT_EQ(out[5], 0xBEEF);
+  // In place: out = x[..., :d], same row stride as x.
+  Problem inplace = problem(DType::bf16, 2, 2, k_am_silu, 6, 6);
+  void* bi[2] = {x.data(), x.data()};
+  ASSERT_TRUE(fam().cpu_reference(fam().heuristic(inplace), inplace, bi).ok());
+  EXPECT_EQ(x[0], out[0]);
+  EXPECT_EQ(x[1], out[1]);
+  EXPECT_EQ(x[6], out[3]);
+  EXPECT_EQ(x[7], out[4]);
+  EXPECT_EQ(x[8], float_to_bf16(4));  // the gate half is read, never written
+}
+
+TEST(ActAndMul, FastDivisionIsExactBelow2To31) {
+  std::mt19937 rng(testing::fresh_seed());
+  std::uniform_int_distribution<std::uint32_t> any(0, 0x7fffffffu);
+  for (std::uint32_t d : {1u, 2u, 3u, 7u, 256u, 512u, 1376u, 1792u, 1000003u, (1u << 20) + 1, 0x40000001u, 0x7fffffffu}) {
+    const FastDiv f = fast_div(d);
+    for (std::uint32_t n : {0u, 1u, d - 1, d, d + 1, 2 * d - 1, 0x7ffffffeu, 0x7fffffffu})
+      if (n <= 0x7fffffffu) {
+        EXPECT_EQ(fast_div_apply(f, n), n / d) << n << " / " << d;
+      }
+    for (int i = 0; i < 20000; ++i) {
+      const std::uint32_t n = any(rng);
+      ASSERT_EQ(fast_div_apply(f, n), n / d) << n << " / " << d;
+    }
+  }
+}
+
+TEST(ActAndMul, HeuristicPicksWidestAlignedAccessAndBlock) {
+  auto h = act_and_mul_heuristic(problem(DType::bf16, 32768, 11008));
+  EXPECT_EQ(h.vec, 8);
+  EXPECT_EQ(h.block, 256);
+  EXPECT_EQ(act_and_mul_heuristic(problem(DType::bf16, 1, 4096)).block, 128);
+  EXPECT_EQ(act_and_mul_heuristic(problem(DType::f32, 4096, 4096)).vec, 4);
+  EXPECT_EQ(act_and_mul_heuristic(problem(DType::bf16, 4, 4099)).vec, 1);   // odd d: the gate half misaligns
+  EXPECT_EQ(act_and_mul_heuristic(problem(DType::f16, 4, 4098)).vec, 2);
+  EXPECT_EQ(act_and_mul_heuristic(problem(DType::bf16, 4, 4096, k_am_silu, 8200)).vec, 8);
+  EXPECT_EQ(act_and_mul_heuristic(problem(DType::bf16, 4, 4096, k_am_silu, 8196)).vec, 4);
+  EXPECT_EQ(act_and_mul_heuristic(problem(DType::bf16, 4, 4096, k_am_silu, 0, 0, 4)).vec, 2);
+  for (int act : {k_am_silu, k_am_gelu, k_am_gelu_tanh})
+    for (auto d : {1, 3, 7, 64, 1000, 4095, 4096, 11008, 14336})
+      for (auto t : {DType::f32, DType::f16, DType::bf16}) {
+        Problem p = problem(t, 3, d, act);
+        const Params params = fam().heuristic(p);
+        EXPECT_TRUE(fam().check_problem(params, p).ok()) << d;
+        EXPECT_EQ(*params.get_str("act"), act == k_am_silu ? "silu" : act == k_am_gelu ? "gelu" : "gelu_tanh");
+      }
+}
+
+TEST(ActAndMul, CheckProblemRejectsMismatches) {
+  const Params v = variant("silu", "bf16", 256, 8);
+  EXPECT_TRUE(fam().check_problem(v, problem(DType::bf16, 2, 64)).ok());
+  EXPECT_EQ(fam().check_problem(v, problem(DType::f16, 2, 64)).code(), Code::unsupported_dtype);
+  EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 64, k_am_gelu)).code(), Code::invalid_argument);
+  EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 64, 3)).code(), Code::invalid_argument);
+  EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 60)).code(), Code::invalid_argument);
+  EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 64, k_am_silu, 0, 0, 8)).code(), Code::invalid_argument);
+  EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 64, k_am_silu, 120)).code(), Code::shape_mismatch);
+  EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 64, k_am_silu, 0, 32)).code(), Code::shape_mismatch);
+  EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 0)).code(), Code::shape_mismatch);
+}
+
+TEST(ActAndMul, ValidateRejectsBadParams) {
+  EXPECT_EQ(fam().validate(variant("relu", "bf16", 256, 8)).code(), Code::invalid_argument);
+  EXPECT_EQ(fam().validate(variant("silu", "f32", 256, 8)).code(), Code::invalid_argument);  // 32-byte access
+  EXPECT_EQ(fam().validate(variant("silu", "bf16", 48, 8)).code(), Code::invalid_argument);
+  Params missing{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}};
+  EXPECT_EQ(fam().validate(missing).code(), Code::invalid_argument);
+}
+
+TEST(ActAndMul, ArgsPackInKernelOrderAndGridCoversEveryPack) {
+  Problem p = problem(DType::bf16, 3, 1376 * 8, k_am_gelu, 2 * 1376 * 8 + 16, 1376 * 8 + 8);
+  const Params params = fam().heuristic(p);
+  ASSERT_EQ(*params.get_int("vec"), 8);
+  ArgPack args;
+  int a, b;
+  void* bufs[2] = {&a, &b};
+  fam().pack_args(params, p, bufs, args);
+  ASSERT_FALSE(args.overflow());
+  ASSERT_EQ(args.count(), 9u);
+  EXPECT_EQ(*static_cast<void**>(args.pointers()[0]), &a);
+  EXPECT_EQ(*static_cast<void**>(args.pointers()[1]), &b);
+  EXPECT_EQ(*static_cast<long long*>(args.pointers()[2]), 3 * 1376);
+  EXPECT_EQ(*static_cast<long long*>(args.pointers()[3]), 1376);
+  const FastDiv f = fast_div(1376);
+  EXPECT_EQ(*static_cast<unsigned*>(args.pointers()[4]), f.magic);
+  EXPECT_EQ(*static_cast<unsigned*>(args.pointers()[5]), f.shift);
+  EXPECT_EQ(*static_cast<long long*>(args.pointers()[6]), 1376 * 8);
+  EXPECT_EQ(*static_cast<long long*>(args.pointers()[7]), 2 * 1376 * 8 + 16);
+  EXPECT_EQ(*static_cast<long long*>(args.pointers()[8]), 1376 * 8 + 8);
+  const LaunchGeometry g = fam().geometry(params, p);
+  EXPECT_GE(std::int64_t(g.grid.x) * g.block.x, 3 * 1376);
+  EXPECT_LT(std::int64_t(g.grid.x - 1) * g.block.x, 3 * 1376);
+  auto bs = fam().buffers(params, p);
+  ASSERT_EQ(bs.size(), 2u);
+  EXPECT_EQ(bs[0].elements, 2 * (2 * 1376 * 8 + 16) + 2 * 1376 * 8);
+  EXPECT_EQ(bs[1].elements, 2 * (1376 * 8 + 8) + 1376 * 8);
+  EXPECT_EQ(bs[1].role, BufferRole::output);
+}
+
+// The typed op on host memory: the fallback, in place, and every error before any resolve.
+class ActAndMulOp : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RuntimeOptions o;
+    o.mode = ResolverMode::embedded;
+    o.cache_file = (dir_.path() / "k.sqlite").string();
+    rt_ = Runtime::create(o).value();
+    std::mt19937 rng(testing::fresh_seed());
+    std::normal_distribution<float> n;
+    x_.resize(rows_ * 2 * d_);
+    for (auto& e : x_) e = n(rng);
+    out_.assign(rows_ * d_, NAN);
+  }
+  TensorView view(std::vector<float>& v, std::initializer_list<std::int64_t> shape) {
+    return TensorView::contiguous(v.data(), DType::f32, shape, Device::cpu());
+  }
+  void expect(const Status& s, Code c, const char* what) {
+    EXPECT_EQ(s.code(), c) << what << ": " << s.to_string();
+    EXPECT_FALSE(s.message().empty());
+    RuntimeCounters k = rt_->counters();
+    EXPECT_EQ(k.from_embedded + k.from_daemon + k.module_loads, 0) << what << " resolved a kernel";
+  }
+  static constexpr std::int64_t rows_ = 6, d_ = 19;
+  testing::TempDir dir_;
+  std::shared_ptr<Runtime> rt_;
+  std::vector<float> x_, out_;
+};
+
+TEST_F(ActAndMulOp, FallbackMatchesReferenceOutOfPlaceAndInPlace) {
+  const Activation acts[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh};
+  for (int a = 0; a < 3; ++a) {
+    ASSERT_TRUE(act_and_mul(view(x_, {2, 3, 2 * d_}), view(out_, {2, 3, d_}), acts[a], nullptr, rt_.get()).ok());
+    for (std::int64_t r = 0; r < rows_; ++r)
+      for (std::int64_t c = 0; c < d_; ++c) {
+        const double v = x_[r * 2 * d_ + c], g = x_[r * 2 * d_ + d_ + c];
+        const double act = a == 0   ? v / (1 + std::exp(-v))
+                           : a == 1 ? 0.5 * v * (1 + std::erf(v / std::sqrt(2.0)))
+                                    : 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+        EXPECT_NEAR(out_[r * d_ + c], act * g, 1e-6 * (1 + std::fabs(act * g))) << a << " " << r << " " << c;
+      }
+  }
+  // In place: out = x[..., :d], a view with x's row stride.
+  std::vector<float> copy = x_;
+  TensorView first_half = view(copy, {rows_, d_});
+  first_half.strides[0] = 2 * d_;
+  ASSERT_TRUE(act_and_mul(view(copy, {rows_, 2 * d_}), first_half, Activation::gelu_tanh, nullptr, rt_.get()).ok());
+  for (std::int64_t r = 0; r < rows_; ++r)
+    for (std::int64_t c = 0; c < d_; ++c) {
+      EXPECT_EQ(copy[r * 2 * d_ + c], out_[r * d_ + c]);
+      EXPECT_EQ(copy[r * 2 * d_ + d_ + c], x_[r * 2 * d_ + d_ + c]);
+    }
+  EXPECT_EQ(rt_->counters().module_loads, 0);
+}
+
+TEST_F(ActAndMulOp, Errors) {
+  auto x = view(x_, {rows_, 2 * d_}), out = view(out_, {rows_, d_});
+  auto call = [&](const TensorView& xv, const TensorView& ov, Activation a = Activation::silu) {
+    return act_and_mul(xv, ov, a, nullptr, rt_.get());
+  };
+  expect(call(view(x_, {rows_, 2 * d_ - 1}), out), Code::shape_mismatch, "odd last dim");
+  expect(call(x, view(out_, {rows_, d_ - 1})), Code::shape_mismatch, "out too short");
+  expect(call(x, view(out_, {rows_ / 2, 2 * d_})), Code::shape_mismatch, "leading shape");
+  expect(call(x, view(out_, {rows_ * d_})), Code::shape_mismatch, "rank");
+  expect(call(view(x_, {rows_, 0}), view(out_, {rows_, 0})), Code::shape_mismatch, "empty");
+  auto xt = x;
+  xt.strides[1] = 2;
+  expect(call(xt, out), Code::shape_mismatch, "non-contiguous last dim");
+  auto xi = x, oi = out;
+  xi.dtype = oi.dtype = DType::i64;
+  expect(call(xi, oi), Code::unsupported_dtype, "int tensors");
+  auto oh = out;
+  oh.dtype = DType::f16;
+  expect(call(x, oh), Code::unsupported_dtype, "dtypes differ");
+  expect(call(x, out, static_cast<Activation>(7)), Code::invalid_argument, "unknown activation");
+  auto null = x;
+  null.data = nullptr;
+  expect(call(null, out), Code::invalid_argument, "null x");
+  auto xg = x, og = out;
+  xg.device = og.device = Device::cuda(0);
+  expect(call(xg, og), Code::device_error, "host pointers as cuda");
+  expect(call(x, og), Code::device_error, "mixed devices");
+  expect(call(x, view(x_, {rows_, d_})), Code::invalid_argument, "out packed over x's rows");
+  auto shifted = view(x_, {rows_, d_});
+  shifted.data = x_.data() + d_;
+  shifted.strides[0] = 2 * d_;
+  expect(call(x, shifted), Code::invalid_argument, "out over the gate half");
+}
+
+}  // namespace
+}  // namespace kiln::families
