@@ -51,4 +51,23 @@ enum class Activation { silu, gelu, gelu_tanh };
 Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, Stream stream = nullptr,
                    Runtime* runtime = nullptr);
 
+// RMSNorm backward, from the forward's inverse RMS per row: with s = inv_rms[r], n = hidden,
+//   dx = s * dy * weight - x * s^3 * mean(dy * weight * x),   dw = sum over rows of dy * x * s
+// (fp32 accumulation; dw is reduced over rows without atomics, deterministically).
+// dy, x and dx: [..., hidden] with the last dimension contiguous (rows may be strided), same shape
+// and dtype (f32, f16 or bf16); dx may be dy (in place). weight and dw: [hidden], contiguous, that
+// dtype. inv_rms: f32, one value per row (any shape with that many elements), contiguous.
+// The kernel writes per-slab partial dw rows to an f32 workspace: pass one (f32, contiguous, CUDA,
+// at least rms_norm_backward_workspace_elements(x) elements, not used by other streams meanwhile)
+// or leave it null to use a workspace cached per (CUDA context, stream), grown on demand and never
+// freed; calls on one stream share it safely since the stream orders them. Host tensors (all of
+// them) run the CPU fallback. Errors before any compile or launch: device_error, shape_mismatch,
+// unsupported_dtype, invalid_argument (null pointers, a workspace that is too small).
+Status rms_norm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
+                         const TensorView& inv_rms, const TensorView& dx, const TensorView& dw, Stream stream = nullptr,
+                         Runtime* runtime = nullptr, const TensorView* workspace = nullptr);
+// The f32 elements rms_norm_backward needs as workspace for tensors shaped and placed like x on
+// the current CUDA context's device (0 for host tensors or no rows).
+Result<std::int64_t> rms_norm_backward_workspace_elements(const TensorView& x);
+
 }  // namespace kiln

@@ -1,0 +1,247 @@
+#include "families/rmsnorm_bwd/rmsnorm_bwd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <vector>
+
+#include "common/half.h"
+
+namespace kiln::families {
+namespace {
+
+const char* device_type(const std::string& dtype) {
+  if (dtype == "f16") return "kiln::f16_t";
+  if (dtype == "bf16") return "kiln::bf16_t";
+  return "float";
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+RmsNormBwdChoice choice_of(const Params& params) {
+  return {int(*params.get_int("group")), int(*params.get_int("rows")), int(*params.get_int("vec")),
+          int(*params.get_int("packs")), int(*params.get_int("cluster"))};
+}
+
+Params params_of(DType t, const RmsNormBwdChoice& c) {
+  return Params{{"dtype", std::string(dtype_name(t))}, {"group", std::int64_t(c.group)},
+                {"rows", std::int64_t(c.rows)},       {"vec", std::int64_t(c.vec)},
+                {"packs", std::int64_t(c.packs)},     {"cluster", std::int64_t(c.cluster)}};
+}
+
+// Packs of the row that one block of the cluster owns.
+std::int64_t packs_per_block(const RmsNormBwdChoice& c, std::int64_t cols) {
+  return ceil_div(cols / c.vec, c.cluster);
+}
+
+class RmsNormBwd final : public Family {
+ public:
+  std::string_view name() const override { return "rmsnorm_bwd"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"cluster", {1, 2, 4, 8}, {}, "blocks of a thread-block cluster sharing one row (sm_90 and later)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dy, x, w and dx"},
+        {"group", {32, 64, 128, 256, 512}, {}, "threads working on one row"},
+        {"packs", {1, 2}, {}, "packs of dy and x per thread kept in registers"},
+        {"rows", {1, 2, 4, 8}, {}, "rows in flight per block (one per group)"},
+        {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override {
+    return {"rows", "cols", "dy_row_stride", "x_row_stride", "dx_row_stride", "slabs", "max_cluster"};
+  }
+  std::vector<std::string> problem_scalars() const override { return {}; }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    const auto dtype = *parse_dtype(*params.get_str("dtype"));
+    const auto c = choice_of(params);
+    if (c.vec * std::int64_t(dtype_size(dtype)) > 16)
+      return invalid_argument("rmsnorm_bwd: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
+                              std::to_string(c.vec) + " for " + dtype_name(dtype) + ")");
+    // Kernels get 128 registers per thread, so at most 512 threads per block.
+    if (c.group * c.rows > 512)
+      return invalid_argument("rmsnorm_bwd: group * rows must be at most 512 threads (got " +
+                              std::to_string(c.group * c.rows) + ")");
+    return {};
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    const auto c = choice_of(params);
+    Rendered r;
+    r.source = "#include \"rmsnorm_bwd/rmsnorm_bwd.cuh\"\n";
+    r.name_expression = std::string("kiln::rmsnorm_bwd<") + device_type(*params.get_str("dtype")) + ", " +
+                        std::to_string(c.group) + ", " + std::to_string(c.rows) + ", " + std::to_string(c.vec) +
+                        ", " + std::to_string(c.packs) + ", " + std::to_string(c.cluster) + ">";
+    return r;
+  }
+
+  // What the heuristic picks over the usual row lengths, alignments and devices with and without
+  // clusters, for one row and for many.
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    std::set<std::string> seen;
+    for (DType t : {DType::f32, DType::f16, DType::bf16})
+      for (std::int64_t cols : {1, 64, 128, 256, 512, 1024, 2048, 3000, 4096, 5120, 8192, 16384, 65536})
+        for (std::uint32_t align : {16u, 2u})
+          for (std::int64_t max_cluster : {1, 8})
+            for (std::int64_t rows : {1, 4096}) {
+              Problem p;
+              p.dtype = t;
+              p.alignment = std::max<std::uint32_t>(align, std::uint32_t(dtype_size(t)));
+              p.dims[k_bwd_rows] = rows;
+              p.dims[k_bwd_cols] = cols;
+              p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = cols;
+              p.dims[k_bwd_max_cluster] = max_cluster;
+              Params params = heuristic(p);
+              if (seen.insert(params.canonical()).second) out.push_back(std::move(params));
+            }
+    return out;
+  }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto rows = p.dims[k_bwd_rows], cols = p.dims[k_bwd_cols], slabs = p.dims[k_bwd_slabs];
+    if (rows < 0 || cols <= 0) return shape_mismatch("rmsnorm_bwd: need rows >= 0 and cols > 0");
+    if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm_bwd: rows longer than 2^31 elements");
+    if (p.dims[k_bwd_dy_stride] < cols || p.dims[k_bwd_x_stride] < cols || p.dims[k_bwd_dx_stride] < cols)
+      return shape_mismatch("rmsnorm_bwd: row strides must be at least the row length");
+    const auto c = choice_of(params);
+    if (slabs < (rows > 0 ? 1 : 0) || slabs > std::max<std::int64_t>(rows, 1) || slabs * c.cluster > 0x7fffffff)
+      return invalid_argument("rmsnorm_bwd: slabs must be between 1 and the row count");
+    const auto dtype = *parse_dtype(*params.get_str("dtype"));
+    if (dtype != p.dtype)
+      return unsupported_dtype(std::string("rmsnorm_bwd: kernel is for ") + dtype_name(dtype) + ", tensors are " +
+                               dtype_name(p.dtype));
+    if (p.alignment < c.vec * std::int64_t(dtype_size(dtype)) || p.dims[k_bwd_dy_stride] % c.vec ||
+        p.dims[k_bwd_x_stride] % c.vec || p.dims[k_bwd_dx_stride] % c.vec)
+      return invalid_argument("rmsnorm_bwd: vec=" + std::to_string(c.vec) +
+                              " needs buffers and row strides aligned to vec elements");
+    if (c.cluster > p.dims[k_bwd_max_cluster])
+      return invalid_argument("rmsnorm_bwd: cluster=" + std::to_string(c.cluster) + " exceeds the device's " +
+                              std::to_string(p.dims[k_bwd_max_cluster]));
+    // Re-read packs keep their dw in the block's partial row, which only one group may update.
+    if (c.rows > 1 && packs_per_block(c, cols) > std::int64_t(c.group) * c.packs)
+      return invalid_argument("rmsnorm_bwd: rows > 1 needs the row to fit in group * packs packs");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    const auto c = choice_of(params);
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::max<std::int64_t>(p.dims[k_bwd_slabs], 1) * c.cluster);
+    g.block.x = std::uint32_t(c.group * c.rows);
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override { return params_of(p.dtype, rmsnorm_bwd_heuristic(p)); }
+
+  // Around the heuristic's choice: its vector width, every shape whose register cache holds the
+  // block's packs with at most half of it idle, and the heuristic itself.
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    const auto h = rmsnorm_bwd_heuristic(p);
+    std::vector<Params> out{params_of(p.dtype, h)};
+    for (int cluster : {1, 2, 4, 8})
+      for (int group : {32, 64, 128, 256, 512})
+        for (int rows : {1, 2, 4, 8})
+          for (int packs : {1, 2}) {
+            const RmsNormBwdChoice c{group, rows, h.vec, packs, cluster};
+            const std::int64_t per_block = packs_per_block(c, p.dims[k_bwd_cols]);
+            const std::int64_t cache = std::int64_t(group) * packs;
+            if (per_block > cache || 2 * per_block <= cache) continue;
+            if (rows > std::max<std::int64_t>(1, p.dims[k_bwd_rows])) continue;
+            Params params = params_of(p.dtype, c);
+            if (params == out[0] || !validate(params).ok() || !check_problem(params, p).ok()) continue;
+            out.push_back(std::move(params));
+          }
+    return out;
+  }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto rows = p.dims[k_bwd_rows], cols = p.dims[k_bwd_cols];
+    auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
+    return {{"dy", BufferRole::input, p.dtype, extent(p.dims[k_bwd_dy_stride])},
+            {"x", BufferRole::input, p.dtype, extent(p.dims[k_bwd_x_stride])},
+            {"w", BufferRole::input, p.dtype, cols},
+            {"inv_rms", BufferRole::input, DType::f32, rows},
+            {"dx", BufferRole::output, p.dtype, extent(p.dims[k_bwd_dx_stride])},
+            {"partial", BufferRole::output, DType::f32, p.dims[k_bwd_slabs] * cols}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    for (int i = 0; i < 6; ++i) out.add(b[i]);
+    for (int d : {k_bwd_rows, k_bwd_cols, k_bwd_dy_stride, k_bwd_x_stride, k_bwd_dx_stride, k_bwd_slabs})
+      out.add(static_cast<long long>(p.dims[d]));
+  }
+
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 6)
+      return invalid_argument("rmsnorm_bwd: reference takes 6 buffers (dy, x, w, inv_rms, dx, partial)");
+    const auto rows = p.dims[k_bwd_rows], cols = p.dims[k_bwd_cols], slabs = p.dims[k_bwd_slabs];
+    if (rows > 0 && slabs < 1) return invalid_argument("rmsnorm_bwd: slabs must be at least 1");
+    const auto* inv_rms = static_cast<const float*>(b[3]);
+    auto* partial = static_cast<float*>(b[5]);
+    std::vector<double> dw(std::size_t(cols), 0.0);
+    for (std::int64_t slab = 0; slab < slabs; ++slab) {
+      std::fill(dw.begin(), dw.end(), 0.0);
+      for (std::int64_t r = slab * rows / slabs; r < (slab + 1) * rows / slabs; ++r) {
+        const std::int64_t dyo = r * p.dims[k_bwd_dy_stride], xo = r * p.dims[k_bwd_x_stride],
+                           dxo = r * p.dims[k_bwd_dx_stride];
+        const double s = inv_rms[r];
+        double dot = 0;
+        for (std::int64_t c = 0; c < cols; ++c)
+          dot += load_as_double(b[0], p.dtype, dyo + c) * load_as_double(b[2], p.dtype, c) *
+                 load_as_double(b[1], p.dtype, xo + c);
+        const double k = s * s * s * dot / double(cols);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double dy = load_as_double(b[0], p.dtype, dyo + c), x = load_as_double(b[1], p.dtype, xo + c);
+          store_from_double(b[4], p.dtype, dxo + c, s * dy * load_as_double(b[2], p.dtype, c) - x * k);
+          dw[std::size_t(c)] += dy * x * s;
+        }
+      }
+      for (std::int64_t c = 0; c < cols; ++c) partial[slab * cols + c] = float(dw[std::size_t(c)]);
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
+  const int esize = int(dtype_size(p.dtype));
+  const std::int64_t cols = p.dims[k_bwd_cols];
+  RmsNormBwdChoice c{32, 1, 16 / esize, 1, 1};
+  // The widest access that every row start and the weight allow.
+  while (c.vec > 1 && (p.alignment < std::uint32_t(c.vec * esize) || p.dims[k_bwd_dy_stride] % c.vec ||
+                       p.dims[k_bwd_x_stride] % c.vec || p.dims[k_bwd_dx_stride] % c.vec || cols < c.vec))
+    c.vec /= 2;
+  const std::int64_t max_cluster = std::min<std::int64_t>(8, p.dims[k_bwd_max_cluster]);
+  while (c.cluster * 2 <= max_cluster && packs_per_block(c, cols) > 1024) c.cluster *= 2;
+  const std::int64_t per_block = std::max<std::int64_t>(1, packs_per_block(c, cols));
+  while (c.group < 512 && 2 * c.group < per_block) c.group *= 2;
+  c.packs = per_block > c.group ? 2 : 1;
+  while (c.group * c.rows < 256 && c.rows * 2 <= std::min<std::int64_t>(8, p.dims[k_bwd_rows])) c.rows *= 2;
+  return c;
+}
+
+std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms) {
+  const std::int64_t rows = p.dims[k_bwd_rows];
+  if (rows <= 0) return 0;
+  // Kernels are built for 128 registers per thread: an SM holds 512 threads.
+  const int resident = std::max(1, 512 / (c.group * c.rows));
+  // The GPU may hold fewer clusters of 4 or 8 than SMs / cluster (they must fit in one GPC):
+  // smaller slabs then keep the waves even. Rows this wide make the extra partial rows cheap.
+  const int spread = c.cluster >= 4 ? c.cluster / 2 : 1;
+  const std::int64_t slabs =
+      std::max<std::int64_t>(1, std::int64_t(std::max(sms, 1)) * resident / c.cluster * spread);
+  return std::min(slabs, ceil_div(rows, c.rows));
+}
+
+}  // namespace kiln::families
+
+void kiln_register_family_rmsnorm_bwd(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::RmsNormBwd>());
+}

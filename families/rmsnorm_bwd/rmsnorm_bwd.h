@@ -1,0 +1,60 @@
+// RMSNorm backward, first stage (rmsnorm_bwd): dx row by row, and dw as one fp32 partial row per
+// row slab, summed by the rmsnorm_bwd_reduce family (no per-element atomics). With s = inv_rms[r]
+// saved by the forward and n = cols:
+//   dx = s * dy * w - x * s^3 * mean(dy * w * x),   dw = sum over rows of dy * x * s.
+//
+// Params: dtype {f32, f16, bf16}; group {32 .. 512} threads per row; rows {1, 2, 4, 8} rows in
+// flight per block (block = group * rows <= 512 threads: kernels get 128 registers per thread);
+// vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes); packs {1, 2} vec-packs
+// of dy and x kept in registers per thread; cluster {1, 2, 4, 8} blocks sharing a row (a
+// thread-block cluster, sm_90 and later).
+// Problem: dims = {rows, cols, dy_row_stride, x_row_stride, dx_row_stride, slabs, max_cluster}
+// (strides in elements; slabs: how many row slabs, hence partial dw rows, the caller chose, see
+// rmsnorm_bwd_slabs; max_cluster: the largest cluster the device launches, 1 before sm_90). No
+// scalars. Buffers: dy, x, w ([cols]), inv_rms (f32 [rows]) in; dx, partial (f32 [slabs, cols])
+// out. Slab i holds rows [i * rows / slabs, (i + 1) * rows / slabs).
+//
+// The heuristic (rmsnorm_bwd_heuristic), for packs = cols / vec:
+// - vec: the widest access (16 bytes) that the buffers' alignment, the row strides and the row
+//   length allow.
+// - cluster: the smallest power of two up to 8 (and up to max_cluster) that leaves each block at
+//   most 1024 packs, so that a block of 512 threads holds its part of the row in registers at two
+//   packs per thread (hidden 16384 bf16: 2 blocks per row; 65536: 8).
+// - group: the smallest power of two >= half the block's packs, 32 to 512; packs per thread: 1 if
+//   the group covers the block's packs, else 2 (without clusters, what does not fit in 512 x 2
+//   packs, hidden > 8192 bf16 / 4096 f32, is re-read from memory).
+// - rows: enough groups for 256 threads per block (small rows get several rows per block, one
+//   per warp at 32 threads), never more than the problem's rows.
+// - slabs (rmsnorm_bwd_slabs): as many as blocks the GPU holds at once (SMs x 512 / block
+//   threads, divided by the cluster size; times cluster / 2 for clusters of 4 and 8, whose GPC
+//   packing is uncertain, so that waves stay even), never more than there are batches of `rows`
+//   rows.
+#pragma once
+
+#include "kiln/family.h"
+
+namespace kiln::families {
+
+enum RmsNormBwdDim {
+  k_bwd_rows = 0,
+  k_bwd_cols = 1,
+  k_bwd_dy_stride = 2,
+  k_bwd_x_stride = 3,
+  k_bwd_dx_stride = 4,
+  k_bwd_slabs = 5,
+  k_bwd_max_cluster = 6,
+};
+
+struct RmsNormBwdChoice {
+  int group;
+  int rows;
+  int vec;
+  int packs;
+  int cluster;
+};
+// Ignores dims[k_bwd_slabs]: the slab count follows from the choice.
+RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p);
+// The slab count for a choice on a GPU with `sms` multiprocessors (>= 1 when rows > 0).
+std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms);
+
+}  // namespace kiln::families
