@@ -51,6 +51,46 @@ enum class Activation { silu, gelu, gelu_tanh };
 Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, Stream stream = nullptr,
                    Runtime* runtime = nullptr);
 
+// Which elements of a head rotate together: neox pairs (i, i + head_dim/2) (GPT-NeoX, LLaMA in
+// HF), gptj pairs (2i, 2i + 1) (GPT-J, interleaved).
+enum class RopeLayout { neox, gptj };
+
+// Rotary position embedding of q and k: for each token t at p = position_ids[t] and each pair
+// (a, b) of a head with pair index i, a' = a cos[p, i] - b sin[p, i], b' = b cos[p, i] + a sin[p, i],
+// in fp32.
+// q: [tokens, num_q_heads, head_dim], k: [tokens, num_kv_heads, head_dim] (any head counts: GQA,
+// MQA), same dtype (f32, f16 or bf16), head_dim 64, 80, 96, 128 or 256; heads contiguous within a
+// token, tokens may be strided (views into a fused qkv tensor work). cos, sin: [max_pos,
+// head_dim / 2], f32, contiguous (one angle per pair; convert a half-precision table once).
+// position_ids: [tokens], i64, contiguous. q_out and k_out: the shapes and dtype of q and k, with
+// their own token strides; each may be its input itself (same data and strides: in place); any
+// other overlap with an input or between the outputs is invalid_argument.
+// Position ids must lie in [0, max_pos). On host memory (every tensor on the CPU) the CPU fallback
+// runs and checks them first (invalid_argument). On CUDA memory they are not read on the host; a
+// token whose id is out of range gets NaN in its outputs (the cache is never read out of bounds).
+// Errors before any compile or launch: device_error, shape_mismatch (ranks, shapes, strides, odd
+// head_dim), unsupported_dtype (cos/sin not f32, position_ids not i64), invalid_argument (null
+// pointers, unsupported head_dim, misaligned position_ids, overlaps).
+Status apply_rope_qk(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
+                     const TensorView& position_ids, const TensorView& q_out, const TensorView& k_out,
+                     RopeLayout layout, Stream stream = nullptr, Runtime* runtime = nullptr);
+
+// Fused RMSNorm + RoPE: per token, n = x * rsqrt(mean(x^2 over hidden) + eps) * weight in fp32,
+// then per head (neox layout over the full head_dim): out = n * cos + rotate_half(n) * sin, where
+// rotate_half(n) = [-n[d/2:], n[:d/2]]. n is never written; only out is.
+// x: [batch, seq, hidden], contiguous, f32, f16 or bf16; weight: [hidden], contiguous, dtype of x;
+// cos, sin: [seq, head_dim] or [1, seq, 1, head_dim], contiguous, the same shape, f32 or the dtype
+// of x; token (b, s) uses row s. head_dim must be even (else shape_mismatch) and one of 64, 80,
+// 96, 128, 256 (else invalid_argument). num_heads = 0 infers hidden / head_dim; otherwise
+// num_heads * head_dim must equal hidden (shape_mismatch). out: the shape, dtype and contiguity of
+// x; it may be x (in place), any other overlap is invalid_argument.
+// CUDA only, as the seed contract: host tensors are a device_error.
+// Errors before any compile or launch: device_error, shape_mismatch, unsupported_dtype,
+// invalid_argument (eps not finite or negative, num_heads negative, null pointers, overlaps).
+Status rms_norm_rope(const TensorView& x, const TensorView& weight, const TensorView& cos, const TensorView& sin,
+                     const TensorView& out, double eps = 1e-6, std::int64_t num_heads = 0, Stream stream = nullptr,
+                     Runtime* runtime = nullptr);
+
 // RMSNorm backward, from the forward's inverse RMS per row: with s = inv_rms[r], n = hidden,
 //   dx = s * dy * weight - x * s^3 * mean(dy * weight * x),   dw = sum over rows of dy * x * s
 // (fp32 accumulation; dw is reduced over rows without atomics, deterministically).

@@ -1,0 +1,222 @@
+#include "families/rmsnorm_rope/rmsnorm_rope.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "common/half.h"
+
+namespace kiln::families {
+namespace {
+
+const char* device_type(const std::string& dtype) {
+  if (dtype == "f16") return "kiln::f16_t";
+  if (dtype == "bf16") return "kiln::bf16_t";
+  return "float";
+}
+
+constexpr std::int64_t k_head_dims[] = {64, 80, 96, 128, 256};
+
+// The cos/sin access for vec values, at most 16 bytes at a time. A single value needs only its
+// natural alignment, which the op checks per tensor, so it does not limit vec.
+std::uint32_t cos_access_bytes(std::int64_t vec, DType cos_dtype) {
+  return vec == 1 ? 1 : std::uint32_t(std::min<std::int64_t>(vec * std::int64_t(dtype_size(cos_dtype)), 16));
+}
+
+// The cos/sin dtype a problem carries, if it is one of the floating types.
+std::optional<DType> cos_dtype_of(const Problem& p) {
+  const auto code = p.dims[k_nr_cos_dtype];
+  if (code != std::int64_t(DType::f32) && code != std::int64_t(DType::f16) && code != std::int64_t(DType::bf16))
+    return std::nullopt;
+  return DType(code);
+}
+
+class RmsNormRope final : public Family {
+ public:
+  std::string_view name() const override { return "rmsnorm_rope"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block (one block per row)"},
+        {"cos_dtype", {}, {"f32", "f16", "bf16"}, "element type of cos and sin: f32 or dtype"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of x, weight and y"},
+        {"head_dim", {64, 80, 96, 128, 256}, {}, "elements per head (cos/sin row length)"},
+        {"vec", {1, 2, 4, 8}, {}, "rotation pairs per work item (a vec-wide access in each half of a head)"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override {
+    return {"rows", "hidden", "head_dim", "seq", "num_heads", "cos_dtype"};
+  }
+  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    const auto dtype = *params.get_str("dtype"), cos_dtype = *params.get_str("cos_dtype");
+    const auto vec = *params.get_int("vec");
+    if (vec * std::int64_t(dtype_size(*parse_dtype(dtype))) > 16)
+      return invalid_argument("rmsnorm_rope: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
+                              std::to_string(vec) + " for " + dtype + ")");
+    if (cos_dtype != "f32" && cos_dtype != dtype)
+      return invalid_argument("rmsnorm_rope: cos_dtype must be f32 or dtype (got " + cos_dtype + " with " + dtype +
+                              ")");
+    if (*params.get_int("head_dim") % (2 * vec))
+      return invalid_argument("rmsnorm_rope: head_dim / 2 must be a multiple of vec");
+    return {};
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"rmsnorm_rope/rmsnorm_rope_fwd.cuh\"\n";
+    r.name_expression = std::string("kiln::rmsnorm_rope_fwd<") + device_type(*params.get_str("dtype")) + ", " +
+                        device_type(*params.get_str("cos_dtype")) + ", " +
+                        std::to_string(*params.get_int("head_dim")) + ", " +
+                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
+    return r;
+  }
+
+  // 16-byte accesses (aligned tensors) at every block size the heuristic picks.
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* dtype : {"f32", "f16", "bf16"})
+      for (const char* cos_dtype : {"f32", "f16", "bf16"})
+        for (std::int64_t head_dim : k_head_dims)
+          for (std::int64_t block : {64, 128, 256, 512, 1024}) {
+            const std::int64_t vec = 16 / std::int64_t(dtype_size(*parse_dtype(dtype)));
+            Params p{{"dtype", std::string(dtype)}, {"cos_dtype", std::string(cos_dtype)}, {"head_dim", head_dim},
+                     {"block", block}, {"vec", vec}};
+            if (validate(p).ok()) out.push_back(p);
+          }
+    return out;
+  }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto rows = p.dims[k_nr_rows], hidden = p.dims[k_nr_hidden], head_dim = p.dims[k_nr_head_dim];
+    const auto seq = p.dims[k_nr_seq], heads = p.dims[k_nr_num_heads];
+    if (rows < 0 || hidden <= 0) return shape_mismatch("rmsnorm_rope: need rows >= 0 and hidden > 0");
+    if (hidden >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm_rope: rows longer than 2^31 elements");
+    if (seq <= 0 || rows % seq) return shape_mismatch("rmsnorm_rope: rows must be a whole number of sequences");
+    if (head_dim != *params.get_int("head_dim"))
+      return shape_mismatch("rmsnorm_rope: kernel is for head_dim " + std::to_string(*params.get_int("head_dim")) +
+                            ", tensors have " + std::to_string(head_dim));
+    if (heads * head_dim != hidden)
+      return shape_mismatch("rmsnorm_rope: num_heads * head_dim must equal hidden");
+    if (!(p.scalars[k_nr_eps] >= 0) || !std::isfinite(p.scalars[k_nr_eps]))
+      return invalid_argument("rmsnorm_rope: eps must be finite and non-negative");
+    const auto dtype = *parse_dtype(*params.get_str("dtype"));
+    if (dtype != p.dtype)
+      return unsupported_dtype(std::string("rmsnorm_rope: kernel is for ") + dtype_name(dtype) + ", tensors are " +
+                               dtype_name(p.dtype));
+    const auto cos_dtype = *parse_dtype(*params.get_str("cos_dtype"));
+    if (cos_dtype_of(p) != cos_dtype)
+      return unsupported_dtype(std::string("rmsnorm_rope: kernel is for ") + dtype_name(cos_dtype) + " cos/sin");
+    const auto vec = *params.get_int("vec");
+    if (p.alignment < vec * std::int64_t(dtype_size(dtype)) || p.alignment < cos_access_bytes(vec, cos_dtype))
+      return invalid_argument("rmsnorm_rope: vec=" + std::to_string(vec) + " needs buffers aligned to " +
+                              std::to_string(std::max<std::int64_t>(vec * std::int64_t(dtype_size(dtype)),
+                                                                    cos_access_bytes(vec, cos_dtype))) +
+                              " bytes");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_nr_rows], 1, 0x7fffffff));
+    g.block.x = std::uint32_t(*params.get_int("block"));
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    const auto c = rmsnorm_rope_heuristic(p);
+    const DType cos_dtype = cos_dtype_of(p).value_or(DType::f32);
+    return Params{{"dtype", std::string(dtype_name(p.dtype))},
+                  {"cos_dtype", std::string(dtype_name(cos_dtype))},
+                  {"head_dim", p.dims[k_nr_head_dim]},
+                  {"block", std::int64_t(c.block)},
+                  {"vec", std::int64_t(c.vec)}};
+  }
+
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    std::vector<Params> out;
+    Params base = heuristic(p);
+    for (std::int64_t vec : {1, 2, 4, 8})
+      for (std::int64_t block : {64, 128, 256, 512, 1024}) {
+        Params c = base;
+        c.set("vec", vec).set("block", block);
+        if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+      }
+    return out;
+  }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto rows = p.dims[k_nr_rows], hidden = p.dims[k_nr_hidden];
+    const auto table = p.dims[k_nr_seq] * p.dims[k_nr_head_dim];
+    const DType cos_dtype = cos_dtype_of(p).value_or(DType::f32);
+    return {{"x", BufferRole::input, p.dtype, rows * hidden},
+            {"weight", BufferRole::input, p.dtype, hidden},
+            {"cos", BufferRole::input, cos_dtype, table},
+            {"sin", BufferRole::input, cos_dtype, table},
+            {"y", BufferRole::output, p.dtype, rows * hidden}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    for (int i = 0; i < 5; ++i) out.add(b[i]);
+    out.add(static_cast<long long>(p.dims[k_nr_rows]));
+    out.add(static_cast<int>(p.dims[k_nr_hidden]));
+    out.add(static_cast<long long>(p.dims[k_nr_seq]));
+    out.add(static_cast<float>(p.scalars[k_nr_eps]));
+  }
+
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 5) return invalid_argument("rmsnorm_rope: reference takes 5 buffers (x, weight, cos, sin, y)");
+    const auto cos_dtype = cos_dtype_of(p);
+    if (!cos_dtype) return unsupported_dtype("rmsnorm_rope: cos_dtype must be f32, f16 or bf16");
+    const auto rows = p.dims[k_nr_rows], hidden = p.dims[k_nr_hidden], d = p.dims[k_nr_head_dim];
+    const auto seq = p.dims[k_nr_seq], half = d / 2;
+    if (d <= 0 || d % 2 || hidden % d || seq <= 0)
+      return shape_mismatch("rmsnorm_rope: hidden must be whole heads of an even head_dim");
+    std::vector<double> n(static_cast<std::size_t>(hidden));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t xo = r * hidden, co = (r % seq) * d;
+      double ss = 0;
+      for (std::int64_t c = 0; c < hidden; ++c) {
+        const double v = load_as_double(b[0], p.dtype, xo + c);
+        ss += v * v;
+      }
+      const double scale = 1.0 / std::sqrt(ss / double(hidden) + p.scalars[k_nr_eps]);
+      // The whole row is read before any of it is written: y may be x.
+      for (std::int64_t c = 0; c < hidden; ++c)
+        n[std::size_t(c)] = load_as_double(b[0], p.dtype, xo + c) * scale * load_as_double(b[1], p.dtype, c);
+      for (std::int64_t h0 = 0; h0 < hidden; h0 += d)
+        for (std::int64_t j = 0; j < d; ++j) {
+          const double rotated = j < half ? -n[std::size_t(h0 + j + half)] : n[std::size_t(h0 + j - half)];
+          const double c = load_as_double(b[2], *cos_dtype, co + j), s = load_as_double(b[3], *cos_dtype, co + j);
+          store_from_double(b[4], p.dtype, xo + h0 + j, n[std::size_t(h0 + j)] * c + rotated * s);
+        }
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+RmsNormRopeChoice rmsnorm_rope_heuristic(const Problem& p) {
+  const int esize = int(dtype_size(p.dtype));
+  const DType cos_dtype = cos_dtype_of(p).value_or(DType::f32);
+  int vec = 16 / esize;
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.alignment < cos_access_bytes(vec, cos_dtype)))
+    vec /= 2;
+  const std::int64_t items = std::max<std::int64_t>(1, p.dims[k_nr_hidden] / (2 * vec));
+  int block = 64;
+  while (block < 1024 && block * 4 <= items) block *= 2;
+  return {block, vec};
+}
+
+}  // namespace kiln::families
+
+void kiln_register_family_rmsnorm_rope(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::RmsNormRope>());
+}

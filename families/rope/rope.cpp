@@ -1,0 +1,242 @@
+#include "families/rope/rope.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/half.h"
+
+namespace kiln::families {
+namespace {
+
+const char* device_type(const std::string& dtype) {
+  if (dtype == "f16") return "kiln::f16_t";
+  if (dtype == "bf16") return "kiln::bf16_t";
+  return "float";
+}
+
+constexpr std::int64_t k_head_dims[] = {64, 80, 96, 128, 256};
+// Items per token are 32-bit in the kernel: heads * head_dim / 2 / vec stays far below 2^31.
+constexpr std::int64_t k_max_heads = 1 << 16;
+
+// The cos/sin access for vec pairs: f32 values, at most 16 bytes at a time. A single value needs
+// only the natural alignment of f32, which the op checks per tensor, so it does not limit vec.
+std::uint32_t cos_access_bytes(std::int64_t vec) {
+  return vec == 1 ? 1 : std::uint32_t(std::min<std::int64_t>(vec * 4, 16));
+}
+
+std::int64_t work_items(const Problem& p, std::int64_t vec) {
+  return p.dims[k_rope_tokens] * (p.dims[k_rope_q_heads] + p.dims[k_rope_kv_heads]) *
+         (p.dims[k_rope_head_dim] / 2 / vec);
+}
+
+// A token stride held in a scalar slot, or -1 when it is not a non-negative integer.
+std::int64_t stride_of(const Problem& p, int slot) {
+  const double v = p.scalars[slot];
+  if (!(v >= 0) || v > 9.0e15 || v != std::floor(v)) return -1;
+  return std::int64_t(v);
+}
+
+class Rope final : public Family {
+ public:
+  std::string_view name() const override { return "rope"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"block", {64, 128, 256, 512}, {}, "threads per block (one work item per thread, grid-stride)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of q, k, q_out and k_out (cos and sin are f32)"},
+        {"head_dim", {64, 80, 96, 128, 256}, {}, "elements per head"},
+        {"layout", {}, {"neox", "gptj"}, "rotation pairs: neox (i, i + head_dim/2), gptj (2i, 2i + 1)"},
+        {"vec", {1, 2, 4, 8}, {}, "rotation pairs per work item (two vec-wide accesses of q or k)"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override {
+    return {"tokens", "q_heads", "kv_heads", "head_dim", "layout", "max_pos"};
+  }
+  std::vector<std::string> problem_scalars() const override {
+    return {"q_stride", "k_stride", "q_out_stride", "k_out_stride"};
+  }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    const auto vec = *params.get_int("vec");
+    if (vec * std::int64_t(dtype_size(*dtype)) > 16)
+      return invalid_argument("rope: vec * sizeof(dtype) must be at most 16 bytes (got vec=" + std::to_string(vec) +
+                              " for " + *params.get_str("dtype") + ")");
+    if (*params.get_int("head_dim") % (2 * vec))
+      return invalid_argument("rope: head_dim / 2 must be a multiple of vec");
+    return {};
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"rope/rope_qk.cuh\"\n";
+    r.name_expression = std::string("kiln::rope_qk<") + device_type(*params.get_str("dtype")) + ", float, " +
+                        std::to_string(*params.get_int("head_dim")) + ", " +
+                        (*params.get_str("layout") == "neox" ? "true" : "false") + ", " +
+                        std::to_string(*params.get_int("vec")) + ", " + std::to_string(*params.get_int("block")) + ">";
+    return r;
+  }
+
+  // What the heuristic picks for aligned tensors: 16-byte packs (neox) or 8-byte packs (gptj), 128
+  // or 256 threads.
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* dtype : {"f32", "f16", "bf16"})
+      for (std::int64_t head_dim : k_head_dims)
+        for (const char* layout : {"neox", "gptj"})
+          for (std::int64_t block : {128, 256}) {
+            const std::int64_t pack = std::string_view(layout) == "gptj" ? 8 : 16;
+            const std::int64_t vec = pack / std::int64_t(dtype_size(*parse_dtype(dtype)));
+            out.push_back(Params{{"dtype", std::string(dtype)}, {"head_dim", head_dim}, {"layout", std::string(layout)},
+                                 {"vec", vec}, {"block", block}});
+          }
+    return out;
+  }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto tokens = p.dims[k_rope_tokens], qh = p.dims[k_rope_q_heads], kvh = p.dims[k_rope_kv_heads];
+    const auto head_dim = p.dims[k_rope_head_dim];
+    if (tokens < 0 || qh < 0 || kvh < 0 || p.dims[k_rope_max_pos] < 0)
+      return shape_mismatch("rope: tokens, head counts and max_pos must be non-negative");
+    if (qh + kvh > k_max_heads) return shape_mismatch("rope: more than 65536 heads per token");
+    if (head_dim != *params.get_int("head_dim"))
+      return shape_mismatch("rope: kernel is for head_dim " + std::to_string(*params.get_int("head_dim")) +
+                            ", tensors have " + std::to_string(head_dim));
+    const auto layout = p.dims[k_rope_layout];
+    if (layout != k_rope_neox && layout != k_rope_gptj)
+      return invalid_argument("rope: layout code must be 0 (neox) or 1 (gptj)");
+    if ((layout == k_rope_neox) != (*params.get_str("layout") == "neox"))
+      return invalid_argument("rope: kernel is for the " + *params.get_str("layout") + " layout");
+    auto dtype = parse_dtype(*params.get_str("dtype"));
+    if (*dtype != p.dtype)
+      return unsupported_dtype(std::string("rope: kernel is for ") + dtype_name(*dtype) + ", tensors are " +
+                               dtype_name(p.dtype));
+    const auto vec = *params.get_int("vec");
+    const std::int64_t min_stride[4] = {qh * head_dim, kvh * head_dim, qh * head_dim, kvh * head_dim};
+    for (int slot = 0; slot < 4; ++slot) {
+      const auto s = stride_of(p, slot);
+      if (s < 0) return invalid_argument("rope: token strides must be non-negative integers");
+      if (tokens > 1 && s < min_stride[slot]) return shape_mismatch("rope: a token stride is shorter than a token");
+      if (s % vec)
+        return invalid_argument("rope: vec=" + std::to_string(vec) + " needs token strides that are multiples of vec");
+    }
+    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || p.alignment < cos_access_bytes(vec))
+      return invalid_argument("rope: vec=" + std::to_string(vec) + " needs buffers aligned to " +
+                              std::to_string(std::max<std::int64_t>(vec * std::int64_t(dtype_size(*dtype)),
+                                                                    cos_access_bytes(vec))) +
+                              " bytes");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    const auto block = *params.get_int("block");
+    const auto items = work_items(p, *params.get_int("vec"));
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>((items + block - 1) / block, 1, 0x7fffffff));
+    g.block.x = std::uint32_t(block);
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    const auto c = rope_heuristic(p);
+    return Params{{"dtype", std::string(dtype_name(p.dtype))},
+                  {"head_dim", p.dims[k_rope_head_dim]},
+                  {"layout", std::string(p.dims[k_rope_layout] == k_rope_gptj ? "gptj" : "neox")},
+                  {"vec", std::int64_t(c.vec)},
+                  {"block", std::int64_t(c.block)}};
+  }
+
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    std::vector<Params> out;
+    Params base = heuristic(p);
+    for (std::int64_t vec : {1, 2, 4, 8})
+      for (std::int64_t block : {64, 128, 256, 512}) {
+        Params c = base;
+        c.set("vec", vec).set("block", block);
+        if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+      }
+    return out;
+  }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto tokens = p.dims[k_rope_tokens], d = p.dims[k_rope_head_dim];
+    auto extent = [&](int stride_slot, std::int64_t heads) {
+      return tokens == 0 ? 0 : (tokens - 1) * stride_of(p, stride_slot) + heads * d;
+    };
+    const auto qh = p.dims[k_rope_q_heads], kvh = p.dims[k_rope_kv_heads];
+    const auto table = p.dims[k_rope_max_pos] * (d / 2);
+    return {{"q", BufferRole::input, p.dtype, extent(k_rope_q_stride, qh)},
+            {"k", BufferRole::input, p.dtype, extent(k_rope_k_stride, kvh)},
+            {"cos", BufferRole::input, DType::f32, table},
+            {"sin", BufferRole::input, DType::f32, table},
+            {"position_ids", BufferRole::input, DType::i64, tokens},
+            {"q_out", BufferRole::output, p.dtype, extent(k_rope_q_out_stride, qh)},
+            {"k_out", BufferRole::output, p.dtype, extent(k_rope_k_out_stride, kvh)}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    for (int i = 0; i < 7; ++i) out.add(b[i]);
+    out.add(static_cast<long long>(p.dims[k_rope_tokens]));
+    out.add(static_cast<int>(p.dims[k_rope_q_heads]));
+    out.add(static_cast<int>(p.dims[k_rope_kv_heads]));
+    out.add(static_cast<long long>(p.dims[k_rope_max_pos]));
+    for (int slot = 0; slot < 4; ++slot) out.add(static_cast<long long>(stride_of(p, slot)));
+  }
+
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 7)
+      return invalid_argument("rope: reference takes 7 buffers (q, k, cos, sin, position_ids, q_out, k_out)");
+    const auto tokens = p.dims[k_rope_tokens], d = p.dims[k_rope_head_dim], max_pos = p.dims[k_rope_max_pos];
+    const auto half = d / 2;
+    const bool neox = p.dims[k_rope_layout] == k_rope_neox;
+    const auto* pos_ids = static_cast<const std::int64_t*>(b[4]);
+    struct Operand {
+      const void* in;
+      void* out;
+      std::int64_t heads, in_stride, out_stride;
+    };
+    const Operand ops[2] = {
+        {b[0], b[5], p.dims[k_rope_q_heads], stride_of(p, k_rope_q_stride), stride_of(p, k_rope_q_out_stride)},
+        {b[1], b[6], p.dims[k_rope_kv_heads], stride_of(p, k_rope_k_stride), stride_of(p, k_rope_k_out_stride)}};
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const std::int64_t pos = pos_ids[t];
+      const bool valid = pos >= 0 && pos < max_pos;
+      for (const Operand& op : ops)
+        for (std::int64_t h = 0; h < op.heads; ++h) {
+          const std::int64_t in0 = t * op.in_stride + h * d, out0 = t * op.out_stride + h * d;
+          for (std::int64_t i = 0; i < half; ++i) {
+            const std::int64_t ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+            // Both inputs are read before either output is written: q_out may be q.
+            const double a = load_as_double(op.in, p.dtype, in0 + ia), bv = load_as_double(op.in, p.dtype, in0 + ib);
+            const double c = valid ? load_as_double(b[2], DType::f32, pos * half + i)
+                                   : std::numeric_limits<double>::quiet_NaN();
+            const double s = valid ? load_as_double(b[3], DType::f32, pos * half + i)
+                                   : std::numeric_limits<double>::quiet_NaN();
+            store_from_double(op.out, p.dtype, out0 + ia, a * c - bv * s);
+            store_from_double(op.out, p.dtype, out0 + ib, bv * c + a * s);
+          }
+        }
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+RopeChoice rope_heuristic(const Problem& p) {
+  const int esize = int(dtype_size(p.dtype));
+  int vec = (p.dims[k_rope_layout] == k_rope_gptj ? 8 : 16) / esize;
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.alignment < cos_access_bytes(vec))) vec /= 2;
+  const int block = work_items(p, vec) >= 256 * 264 ? 256 : 128;
+  return {vec, block};
+}
+
+}  // namespace kiln::families
+
+void kiln_register_family_rope(kiln::Registry& r) { (void)r.add(std::make_shared<kiln::families::Rope>()); }

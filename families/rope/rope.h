@@ -1,0 +1,46 @@
+// RoPE family: rotary position embedding of q and k in one launch (apply_rope_qk).
+//
+// q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] (heads contiguous within a
+// token, tokens strided), cos and sin [max_pos, head_dim / 2] in f32, position ids i64 [tokens].
+// Pair (a, b) of a head rotates by the angle of its pair index i at the token's position:
+// a' = a cos - b sin, b' = b cos + a sin; neox pairs (i, i + head_dim/2), gptj pairs (2i, 2i+1).
+//
+// Params: dtype {f32, f16, bf16} (q, k and the outputs), head_dim {64, 80, 96, 128, 256},
+// layout {neox, gptj}, vec {1, 2, 4, 8} rotation pairs per work item (vec * sizeof(dtype) <= 16
+// bytes), block {64, 128, 256, 512} threads.
+// Problem: dims = {tokens, q_heads, kv_heads, head_dim, layout (0 neox, 1 gptj), max_pos};
+// scalars = {q_stride, k_stride, q_out_stride, k_out_stride}: token strides in elements, integers
+// held as doubles. The strides are per-call values the kernel reads; what they imply for the
+// variant (their alignment) is in Problem::alignment, so they never pick a different kernel and
+// stay out of the fast path's shape key.
+// Buffers: q, k, cos, sin, position_ids (inputs), q_out, k_out (outputs); q_out and k_out may be q
+// and k themselves (in place).
+//
+// Heuristic: vec is the widest rotation-pair count, up to 16-byte q/k packs in neox and 8-byte
+// packs in gptj, whose q/k access (vec * sizeof(dtype)) and cos/sin access (min(vec * 4, 16)
+// bytes) the buffers' common alignment allows. gptj's two packs per item are adjacent, so 16-byte
+// packs make each thread read 32 contiguous bytes: measured on an H100 (bf16, 32 + 8 heads,
+// 32768 tokens, positions 0..32767), gptj reaches 82-83% of the copy bandwidth with 16-byte packs
+// and 89-93% with 8-byte ones; neox 93-97% with 16-byte packs, 90-94% with 8-byte ones.
+// block is 256 threads when the problem has at least 256 * 264 work items (two blocks per SM on a
+// 132-SM H100 with every thread busy), else 128, so that small problems (decode) spread over more
+// SMs; block size made no measurable difference at 4096 and 32768 tokens. One work item per thread: each moves two
+// vec-wide loads and two stores, which keeps enough bytes in flight at full occupancy.
+#pragma once
+
+#include "kiln/family.h"
+
+namespace kiln::families {
+
+enum RopeDim { k_rope_tokens = 0, k_rope_q_heads = 1, k_rope_kv_heads = 2, k_rope_head_dim = 3, k_rope_layout = 4,
+               k_rope_max_pos = 5 };
+enum RopeScalar { k_rope_q_stride = 0, k_rope_k_stride = 1, k_rope_q_out_stride = 2, k_rope_k_out_stride = 3 };
+enum RopeLayoutCode : std::int64_t { k_rope_neox = 0, k_rope_gptj = 1 };
+
+struct RopeChoice {
+  int vec;
+  int block;
+};
+RopeChoice rope_heuristic(const Problem& p);
+
+}  // namespace kiln::families
