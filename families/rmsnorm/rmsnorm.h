@@ -5,6 +5,9 @@
 // Problem: dims = {rows, cols, x_row_stride, y_row_stride} (strides in elements), scalars = {eps}.
 // Buffers: x (input), w (input, [cols]), y (output), inv_rms (output, f32 [rows]; may be null:
 // then it is not written).
+// Heuristic (measured on an H100 with bench section rmsnorm_variants): 8-byte accesses (4-byte
+// ones for rows of 64 KiB or more), narrowed until the buffers' alignment and row strides allow
+// them; the smallest block of 64..1024 threads giving at most 16 packs per thread.
 #pragma once
 
 #include "kiln/family.h"
