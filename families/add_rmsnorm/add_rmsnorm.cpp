@@ -1,4 +1,5 @@
 #include "families/add_rmsnorm/add_rmsnorm.h"
+#include "families/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,12 +9,6 @@
 
 namespace kiln::families {
 namespace {
-
-const char* device_type(const std::string& dtype) {
-  if (dtype == "f16") return "kiln::f16_t";
-  if (dtype == "bf16") return "kiln::bf16_t";
-  return "float";
-}
 
 // v rounded to the nearest value of dtype t (round to nearest even), as the kernel's from_float.
 double round_to(DType t, double v) {
@@ -42,10 +37,7 @@ class AddRmsNorm final : public Family {
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
-    auto dtype = parse_dtype(*params.get_str("dtype"));
-    if (*params.get_int("vec") * std::int64_t(dtype_size(*dtype)) > 16)
-      return invalid_argument("add_rmsnorm: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
-                              std::to_string(*params.get_int("vec")) + " for " + *params.get_str("dtype") + ")");
+    KILN_TRY(check_access_width(name(), params));
     return {};
   }
 

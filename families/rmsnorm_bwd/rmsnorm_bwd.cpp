@@ -1,4 +1,5 @@
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
+#include "families/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,12 +10,6 @@
 
 namespace kiln::families {
 namespace {
-
-const char* device_type(const std::string& dtype) {
-  if (dtype == "f16") return "kiln::f16_t";
-  if (dtype == "bf16") return "kiln::bf16_t";
-  return "float";
-}
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -57,11 +52,8 @@ class RmsNormBwd final : public Family {
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
-    const auto dtype = *parse_dtype(*params.get_str("dtype"));
     const auto c = choice_of(params);
-    if (c.vec * std::int64_t(dtype_size(dtype)) > 16)
-      return invalid_argument("rmsnorm_bwd: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
-                              std::to_string(c.vec) + " for " + dtype_name(dtype) + ")");
+    KILN_TRY(check_access_width(name(), params));
     // Kernels get 128 registers per thread, so at most 512 threads per block.
     if (c.group * c.rows > 512)
       return invalid_argument("rmsnorm_bwd: group * rows must be at most 512 threads (got " +

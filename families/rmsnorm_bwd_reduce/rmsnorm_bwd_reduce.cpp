@@ -1,4 +1,5 @@
 #include "families/rmsnorm_bwd_reduce/rmsnorm_bwd_reduce.h"
+#include "families/family_util.h"
 
 #include <vector>
 
@@ -6,12 +7,6 @@
 
 namespace kiln::families {
 namespace {
-
-const char* device_type(const std::string& dtype) {
-  if (dtype == "f16") return "kiln::f16_t";
-  if (dtype == "bf16") return "kiln::bf16_t";
-  return "float";
-}
 
 class RmsNormBwdReduce final : public Family {
  public:

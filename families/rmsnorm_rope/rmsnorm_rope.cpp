@@ -1,4 +1,5 @@
 #include "families/rmsnorm_rope/rmsnorm_rope.h"
+#include "families/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,12 +10,6 @@
 
 namespace kiln::families {
 namespace {
-
-const char* device_type(const std::string& dtype) {
-  if (dtype == "f16") return "kiln::f16_t";
-  if (dtype == "bf16") return "kiln::bf16_t";
-  return "float";
-}
 
 constexpr std::int64_t k_head_dims[] = {64, 80, 96, 128, 256};
 
@@ -55,10 +50,8 @@ class RmsNormRope final : public Family {
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     const auto dtype = *params.get_str("dtype"), cos_dtype = *params.get_str("cos_dtype");
+    KILN_TRY(check_access_width(name(), params));
     const auto vec = *params.get_int("vec");
-    if (vec * std::int64_t(dtype_size(*parse_dtype(dtype))) > 16)
-      return invalid_argument("rmsnorm_rope: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
-                              std::to_string(vec) + " for " + dtype + ")");
     if (cos_dtype != "f32" && cos_dtype != dtype)
       return invalid_argument("rmsnorm_rope: cos_dtype must be f32 or dtype (got " + cos_dtype + " with " + dtype +
                               ")");

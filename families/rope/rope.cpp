@@ -1,4 +1,5 @@
 #include "families/rope/rope.h"
+#include "families/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,12 +10,6 @@
 
 namespace kiln::families {
 namespace {
-
-const char* device_type(const std::string& dtype) {
-  if (dtype == "f16") return "kiln::f16_t";
-  if (dtype == "bf16") return "kiln::bf16_t";
-  return "float";
-}
 
 constexpr std::int64_t k_head_dims[] = {64, 80, 96, 128, 256};
 // Items per token are 32-bit in the kernel: heads * head_dim / 2 / vec stays far below 2^31.
@@ -62,11 +57,8 @@ class Rope final : public Family {
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
-    auto dtype = parse_dtype(*params.get_str("dtype"));
+    KILN_TRY(check_access_width(name(), params));
     const auto vec = *params.get_int("vec");
-    if (vec * std::int64_t(dtype_size(*dtype)) > 16)
-      return invalid_argument("rope: vec * sizeof(dtype) must be at most 16 bytes (got vec=" + std::to_string(vec) +
-                              " for " + *params.get_str("dtype") + ")");
     if (*params.get_int("head_dim") % (2 * vec))
       return invalid_argument("rope: head_dim / 2 must be a multiple of vec");
     return {};
