@@ -60,12 +60,13 @@ Result<void*> cached_workspace(CUcontext ctx, Stream stream, std::int64_t elemen
   Workspace& ws = g_workspaces[{ctx, stream}];
   if (ws.elements >= elements) return reinterpret_cast<void*>(ws.ptr);
   const jit::Driver* d = jit::Driver::get().value();
+  // At least doubling, so a slowly growing batch reallocates only logarithmically often.
+  const std::int64_t grown = std::max(elements, 2 * ws.elements);
   if (ws.ptr) {
     KILN_TRY(d->check(d->stream_synchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize"));
     KILN_TRY(d->check(d->mem_free(ws.ptr), "cuMemFree"));
     ws = Workspace{};
   }
-  const std::int64_t grown = std::max(elements, 2 * ws.elements);
   KILN_TRY(d->check(d->mem_alloc(&ws.ptr, std::size_t(grown) * sizeof(float)), "cuMemAlloc"));
   ws.elements = grown;
   return reinterpret_cast<void*>(ws.ptr);
