@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quick start, part 1: install dependencies, build, and run kiln's main job on the embedded default
-# (no daemon): prewarm the RMSNorm catalog for Hopper and Ampere into the cache with NVRTC (no GPU
+# (no daemon): prewarm every family's catalog for Hopper and Ampere into the cache with NVRTC (no GPU
 # needed), then list what was cached.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
