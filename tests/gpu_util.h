@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "common/half.h"
 #include "jit/driver.h"
+#include "kiln/runtime.h"
+#include "tests/test_util.h"
 
 namespace kiln::testing {
 
@@ -57,6 +60,28 @@ inline double rel_l2(const void* got, const void* want, DType t, const std::vect
   }
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
+
+// The fixture every GPU test shares: skips without a GPU; an embedded runtime on a private cache
+// (also KILN_CACHE_DIR for anything else the test starts); a fresh seed per test, printed by the
+// checks that use it.
+class GpuFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KILN_REQUIRE_GPU();
+    env_ = std::make_unique<ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
+    RuntimeOptions o;
+    o.mode = ResolverMode::embedded;
+    o.cache_file = (dir_.path() / "k.sqlite").string();
+    rt_ = Runtime::create(o).value();
+    seed_ = fresh_seed();
+    rng_.seed(seed_);
+  }
+  TempDir dir_;
+  std::unique_ptr<ScopedEnv> env_;
+  std::shared_ptr<Runtime> rt_;
+  unsigned seed_ = 0;
+  std::mt19937 rng_;
+};
 
 inline double tolerance(DType t) { return t == DType::f32 ? 1e-5 : t == DType::f16 ? 2e-3 : 1e-2; }
 

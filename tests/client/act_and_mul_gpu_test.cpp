@@ -88,26 +88,11 @@ Status run_op(const Case& c, void* x, void* out, Runtime* rt) {
   return act_and_mul(xv, ov, c.act, nullptr, rt);
 }
 
-class ActAndMulGpu : public ::testing::Test {
+class ActAndMulGpu : public testing::GpuFixture {
  protected:
-  void SetUp() override {
-    KILN_REQUIRE_GPU();
-    env_ = std::make_unique<testing::ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
-    RuntimeOptions o;
-    o.mode = ResolverMode::embedded;
-    o.cache_file = (dir_.path() / "k.sqlite").string();
-    rt_ = Runtime::create(o).value();
-    seed_ = testing::fresh_seed();
-    rng_.seed(seed_);
-  }
   void check(const Case& c) {
     check_case(c, rng_, seed_, [&](void* x, void* out) { return run_op(c, x, out, rt_.get()); });
   }
-  testing::TempDir dir_;
-  std::unique_ptr<testing::ScopedEnv> env_;
-  std::shared_ptr<Runtime> rt_;
-  unsigned seed_ = 0;
-  std::mt19937 rng_;
 };
 
 constexpr Activation k_acts[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh};

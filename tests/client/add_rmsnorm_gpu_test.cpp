@@ -105,28 +105,13 @@ Status run_op(const Case& c, void* x, void* r, void* w, void* y, void* h, Runtim
                       view(h, c.h_stride()), 1e-5, nullptr, rt);
 }
 
-class AddRmsNormGpu : public ::testing::Test {
+class AddRmsNormGpu : public testing::GpuFixture {
  protected:
-  void SetUp() override {
-    KILN_REQUIRE_GPU();
-    env_ = std::make_unique<testing::ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
-    RuntimeOptions o;
-    o.mode = ResolverMode::embedded;
-    o.cache_file = (dir_.path() / "k.sqlite").string();
-    rt_ = Runtime::create(o).value();
-    seed_ = testing::fresh_seed();
-    rng_.seed(seed_);
-  }
   void check(const Case& c) {
     check_case(c, rng_, seed_, [&](void* x, void* r, void* w, void* y, void* h) {
       return run_op(c, x, r, w, y, h, rt_.get());
     });
   }
-  testing::TempDir dir_;
-  std::unique_ptr<testing::ScopedEnv> env_;
-  std::shared_ptr<Runtime> rt_;
-  unsigned seed_ = 0;
-  std::mt19937 rng_;
 };
 
 TEST_F(AddRmsNormGpu, MatchesReferenceForEveryDtypeAndRowLength) {

@@ -130,27 +130,12 @@ int max_cluster() {
   return major >= 9 ? 8 : 1;
 }
 
-class RmsNormBwdGpu : public ::testing::Test {
+class RmsNormBwdGpu : public testing::GpuFixture {
  protected:
-  void SetUp() override {
-    KILN_REQUIRE_GPU();
-    env_ = std::make_unique<testing::ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
-    RuntimeOptions o;
-    o.mode = ResolverMode::embedded;
-    o.cache_file = (dir_.path() / "k.sqlite").string();
-    rt_ = Runtime::create(o).value();
-    seed_ = testing::fresh_seed();
-    rng_.seed(seed_);
-  }
   void expect_close(const Errors& e, DType t, const std::string& what) {
     EXPECT_LT(e.dx, testing::tolerance(t)) << "dx " << dtype_name(t) << " " << what << " seed " << seed_;
     EXPECT_LT(e.dw, testing::tolerance(t)) << "dw " << dtype_name(t) << " " << what << " seed " << seed_;
   }
-  testing::TempDir dir_;
-  std::unique_ptr<testing::ScopedEnv> env_;
-  std::shared_ptr<Runtime> rt_;
-  unsigned seed_ = 0;
-  std::mt19937 rng_;
 };
 
 TEST_F(RmsNormBwdGpu, MatchesReferenceForEveryDtypeAndRowLength) {

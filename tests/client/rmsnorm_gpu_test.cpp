@@ -84,24 +84,7 @@ Status run_op(const Case& c, void* x, void* w, void* y, Runtime* rt, Stream stre
   return rms_norm(xv, wv, yv, 1e-5, stream, rt);
 }
 
-class RmsNormGpu : public ::testing::Test {
- protected:
-  void SetUp() override {
-    KILN_REQUIRE_GPU();
-    env_ = std::make_unique<testing::ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
-    RuntimeOptions o;
-    o.mode = ResolverMode::embedded;
-    o.cache_file = (dir_.path() / "k.sqlite").string();
-    rt_ = Runtime::create(o).value();
-    seed_ = testing::fresh_seed();
-    rng_.seed(seed_);
-  }
-  testing::TempDir dir_;
-  std::unique_ptr<testing::ScopedEnv> env_;
-  std::shared_ptr<Runtime> rt_;
-  unsigned seed_ = 0;
-  std::mt19937 rng_;
-};
+using RmsNormGpu = testing::GpuFixture;
 
 TEST_F(RmsNormGpu, MatchesReferenceForEveryDtypeAndRowLength) {
   for (DType t : {DType::f32, DType::f16, DType::bf16}) {

@@ -90,26 +90,11 @@ Status run_op(const Case& c, void* const* b, Runtime* rt, std::int64_t num_heads
   return rms_norm_rope(x, w, cos, sin, y, 1e-5, num_heads, nullptr, rt);
 }
 
-class RmsNormRopeGpu : public ::testing::Test {
+class RmsNormRopeGpu : public testing::GpuFixture {
  protected:
-  void SetUp() override {
-    KILN_REQUIRE_GPU();
-    env_ = std::make_unique<testing::ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
-    RuntimeOptions o;
-    o.mode = ResolverMode::embedded;
-    o.cache_file = (dir_.path() / "k.sqlite").string();
-    rt_ = Runtime::create(o).value();
-    seed_ = testing::fresh_seed();
-    rng_.seed(seed_);
-  }
   double run(const Case& c, std::int64_t num_heads = 0) {
     return check_case(c, rng_, [&](const Case& cc, void* const* b) { return run_op(cc, b, rt_.get(), num_heads); });
   }
-  testing::TempDir dir_;
-  std::unique_ptr<testing::ScopedEnv> env_;
-  std::shared_ptr<Runtime> rt_;
-  unsigned seed_ = 0;
-  std::mt19937 rng_;
 };
 
 TEST_F(RmsNormRopeGpu, EveryDtypeCosDtypeAndHeadDim) {

@@ -156,27 +156,12 @@ Status run_op(const Case& c, void* const* b, Runtime* rt, Stream stream = nullpt
   return apply_rope_qk(q, k, cos, sin, pos, qo, ko, c.layout, stream, rt);
 }
 
-class RopeGpu : public ::testing::Test {
+class RopeGpu : public testing::GpuFixture {
  protected:
-  void SetUp() override {
-    KILN_REQUIRE_GPU();
-    env_ = std::make_unique<testing::ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
-    RuntimeOptions o;
-    o.mode = ResolverMode::embedded;
-    o.cache_file = (dir_.path() / "k.sqlite").string();
-    rt_ = Runtime::create(o).value();
-    seed_ = testing::fresh_seed();
-    rng_.seed(seed_);
-  }
   double run(const Case& c, std::vector<std::int64_t> positions = {}) {
     return check_case(c, rng_, [&](const Case& cc, void* const* b) { return run_op(cc, b, rt_.get()); },
                       std::move(positions));
   }
-  testing::TempDir dir_;
-  std::unique_ptr<testing::ScopedEnv> env_;
-  std::shared_ptr<Runtime> rt_;
-  unsigned seed_ = 0;
-  std::mt19937 rng_;
 };
 
 TEST_F(RopeGpu, EveryDtypeHeadDimLayoutAndGqaShapeInAndOutOfPlace) {
