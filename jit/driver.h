@@ -40,7 +40,6 @@ namespace kiln::jit {
   X(memcpy_dtoh, cuMemcpyDtoH)                             \
   X(memcpy_dtod, cuMemcpyDtoD)                             \
   X(memset_d8, cuMemsetD8)                                 \
-  X(pointer_get_attribute, cuPointerGetAttribute)          \
   X(pointer_get_attributes, cuPointerGetAttributes)        \
   X(stream_synchronize, cuStreamSynchronize)               \
   X(stream_create, cuStreamCreate)                         \
