@@ -151,6 +151,22 @@ int main(int argc, char** argv) {
     copy_gbs = 2.0 * double(n) / (ms * 1e-3) / 1e9;
     out["copy_gbs"] = copy_gbs;
     std::printf("device-to-device copy 1 GiB: %.1f GB/s (read + write)\n", copy_gbs);
+    // The same copy at the sizes of one 4096-token tensor and below: what the memory system gives
+    // a single short launch (the ramp and tail that every kernel of that size pays as well).
+    nlohmann::json sizes = nlohmann::json::object();
+    std::printf("copy of n bytes (read n + write n), %% of the 1 GiB figure:");
+    for (std::size_t mb : {4, 16, 32, 64, 128, 256}) {
+      const std::size_t bytes = mb << 20;
+      double t = time_events([&](int i) {
+        const std::size_t off = std::size_t(i % 2) * (n / 2);  // two source/destination pairs
+        check(drv->memcpy_dtod_async(b.ptr + off, a.ptr + off, bytes, nullptr), "cuMemcpyDtoDAsync");
+      }, 3, quick ? 10 : 30);
+      const double gbs = 2.0 * double(bytes) / (t * 1e-3) / 1e9;
+      sizes[std::to_string(mb) + "MiB"] = gbs;
+      std::printf(" %zu MiB %.1f%%", mb, 100 * gbs / copy_gbs);
+    }
+    std::printf("\n");
+    out["copy_gbs_by_size"] = sizes;
   }
 
   RuntimeOptions o;

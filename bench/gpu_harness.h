@@ -26,7 +26,9 @@ double median(std::vector<double> v);
 double percentile(std::vector<double> v, double q);
 
 // Median milliseconds of CUDA-event intervals around `fn(i)` on the default stream, after
-// `warmup` untimed calls. Pass an index-dependent fn to rotate inputs.
+// `warmup` untimed calls, each interval preceded by a 256 MiB memset (L2 flushed, GPU busy when
+// the start event is enqueued: triton.testing.do_bench's method, so the PyTorch anchors compare
+// like with like). Pass an index-dependent fn to rotate inputs as well.
 double time_events(const std::function<void(int)>& fn, int warmup, int iters);
 
 // Host microseconds per call of `fn` over n back-to-back calls (median of 5 repeats), synchronizing

@@ -69,6 +69,8 @@ Status rms_norm_impl(const TensorView& x, const TensorView& weight, const Tensor
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
+  KILN_ASSIGN_OR_RETURN(const int sms, client::sm_count(x.device.index));
+  p.dims[families::k_sms] = sms;
   return runtime->run(*family, p, buffers, stream);
 }
 

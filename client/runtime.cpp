@@ -56,6 +56,13 @@ class RuntimeImpl final : public Runtime {
       d->module_unload(loaded->module);
       return s;
     }
+    // Let the kernel take as much dynamic shared memory as the device grants one block: families
+    // size it per problem (geometry().shared_bytes), and above 48 KiB the driver wants this opt-in.
+    s = allow_dynamic_smem(fn);
+    if (!s.ok()) {
+      d->module_unload(loaded->module);
+      return s;
+    }
     loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx};
     std::lock_guard lock(mu_);
     ++counters_.module_loads;
@@ -151,6 +158,21 @@ class RuntimeImpl final : public Runtime {
     LaunchGeometry geometry;
   };
   static constexpr std::size_t k_fast_capacity = 4096;
+
+  // In the current context (the one the kernel was just loaded in).
+  static Status allow_dynamic_smem(CUfunction fn) {
+    const jit::Driver* d = jit::Driver::get().value();
+    CUdevice dev;
+    KILN_TRY(d->check(d->ctx_get_device(&dev), "cuCtxGetDevice"));
+    int optin = 0, static_bytes = 0;
+    KILN_TRY(d->check(d->device_get_attribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
+                      "cuDeviceGetAttribute"));
+    KILN_TRY(d->check(d->func_get_attribute(&static_bytes, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn),
+                      "cuFuncGetAttribute"));
+    if (optin - static_bytes <= 48 * 1024) return {};
+    return d->check(d->func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static_bytes),
+                    "cuFuncSetAttribute");
+  }
 
   Result<std::string> arch_of(CUcontext ctx) {
     if (auto it = arch_by_ctx_.find(ctx); it != arch_by_ctx_.end()) return it->second;

@@ -1,5 +1,8 @@
 #include "client/validate.h"
 
+#include <array>
+#include <atomic>
+
 #include "jit/driver.h"
 
 namespace kiln::client {
@@ -67,6 +70,21 @@ std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
   for (auto a : addresses) bits |= a;
   for (auto s : byte_strides) bits |= std::uint64_t(s);
   return std::uint32_t(bits & (~bits + 1));
+}
+
+Result<int> sm_count(int ordinal) {
+  static std::array<std::atomic<int>, 64> known{};  // 0: not read yet
+  if (ordinal < 0) return device_error("sm_count: negative device ordinal");
+  if (ordinal < int(known.size())) {
+    if (int n = known[ordinal].load(std::memory_order_relaxed); n > 0) return n;
+  }
+  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
+  CUdevice dev;
+  KILN_TRY(d->check(d->device_get(&dev, ordinal), "cuDeviceGet"));
+  int n = 0;
+  KILN_TRY(d->check(d->device_get_attribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute"));
+  if (ordinal < int(known.size())) known[ordinal].store(n, std::memory_order_relaxed);
+  return n;
 }
 
 }  // namespace kiln::client

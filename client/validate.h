@@ -28,6 +28,10 @@ struct RowView {
 Result<RowView> as_rows(const TensorView& t, const char* name);
 
 // The largest power of two (at most 16) dividing the address and every byte stride given.
+// The number of SMs of CUDA device `ordinal`, read once per device (a lock-free table after
+// that: typed ops call this on every launch).
+Result<int> sm_count(int ordinal);
+
 std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
                                std::initializer_list<std::int64_t> byte_strides);
 

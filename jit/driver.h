@@ -39,7 +39,9 @@ namespace kiln::jit {
   X(memcpy_htod, cuMemcpyHtoD)                             \
   X(memcpy_dtoh, cuMemcpyDtoH)                             \
   X(memcpy_dtod, cuMemcpyDtoD)                             \
+  X(memcpy_dtod_async, cuMemcpyDtoDAsync)                  \
   X(memset_d8, cuMemsetD8)                                 \
+  X(memset_d8_async, cuMemsetD8Async)                      \
   X(pointer_get_attributes, cuPointerGetAttributes)        \
   X(stream_synchronize, cuStreamSynchronize)               \
   X(stream_create, cuStreamCreate)                         \
@@ -49,7 +51,8 @@ namespace kiln::jit {
   X(event_record, cuEventRecord)                           \
   X(event_synchronize, cuEventSynchronize)                 \
   X(event_elapsed_time, cuEventElapsedTime)                \
-  X(func_get_attribute, cuFuncGetAttribute)
+  X(func_get_attribute, cuFuncGetAttribute)                \
+  X(func_set_attribute, cuFuncSetAttribute)
 
 struct Driver {
 #define KILN_CU_FIELD(field, fn) decltype(&::fn) field = nullptr;

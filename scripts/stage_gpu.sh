@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds a Release tree in build-gpu/ and stages what the GPU machine needs in gpu-dist/ (small
-# enough to carry): kilnd, kiln, the `gpu` test binaries and the GPU benchmark. Binaries link
+# enough to carry): kilnd, kiln, the `gpu` test binaries, the GPU benchmark, the PyTorch anchors
+# and scripts/gpu_run.sh. On the device: `gpu-dist/scripts/gpu_run.sh [--quick]`. Binaries link
 # libstdc++, libgcc and SQLite statically, so they run on the GPU machine's Ubuntu.
 set -euo pipefail
 # KILN_SRC builds another checkout (a clean worktree, say) and stages it into this one.
@@ -16,4 +17,10 @@ cp "$src/build-gpu/kilnd" "$src/build-gpu/kiln" "$root/gpu-dist/"
 echo "$src/build-gpu" > "$root/gpu-dist/BUILD_PATH"
 find "$src/build-gpu/tests" -maxdepth 1 -type f -perm -u+x -name "kiln_gpu_tests_*" -exec cp {} "$root/gpu-dist/tests/" \;
 cp "$src/build-gpu/bench/kiln_bench_gpu" "$root/gpu-dist/bench/"
+# The run script and the PyTorch anchors travel with the binaries they go with, so a device call
+# runs what was built even when the checkout it copies holds other work in progress.
+mkdir -p "$root/gpu-dist/scripts"
+cp "$src/scripts/gpu_run.sh" "$root/gpu-dist/scripts/"
+cp -r "$src/bench/torch_anchors.py" "$src/bench/torch" "$root/gpu-dist/bench/"
+find "$root/gpu-dist/bench" -name __pycache__ -prune -exec rm -rf {} +
 du -sh "$root/gpu-dist"

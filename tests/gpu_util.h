@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <vector>
@@ -63,12 +65,21 @@ inline double rel_l2(const void* got, const void* want, DType t, const std::vect
 
 // The fixture every GPU test shares: skips without a GPU; an embedded runtime on a private cache
 // (also KILN_CACHE_DIR for anything else the test starts); a fresh seed per test, printed by the
-// checks that use it.
+// checks that use it. When KILN_GPU_TEST_CACHE names a prewarmed cache file (scripts/gpu_run.sh
+// sets it), the private cache starts as a copy of it, so the tests do not spend minutes compiling
+// the catalogs one variant at a time; tests about compiling override seed_cache() to start empty.
 class GpuFixture : public ::testing::Test {
  protected:
+  virtual bool seed_cache() const { return true; }
   void SetUp() override {
     KILN_REQUIRE_GPU();
     env_ = std::make_unique<ScopedEnv>("KILN_CACHE_DIR", dir_.path().string());
+    const char* seed = std::getenv("KILN_GPU_TEST_CACHE");
+    if (seed_cache() && seed && *seed) {
+      std::error_code ec;
+      std::filesystem::copy_file(seed, dir_.path() / "k.sqlite", ec);
+      ASSERT_FALSE(ec) << "copying KILN_GPU_TEST_CACHE " << seed << ": " << ec.message();
+    }
     RuntimeOptions o;
     o.mode = ResolverMode::embedded;
     o.cache_file = (dir_.path() / "k.sqlite").string();

@@ -13,12 +13,12 @@
 // Buffers: x (input), residual (input), w (input, [cols]), y (output), residual_out (output).
 // residual_out may alias residual and y may alias x (same base, same row stride).
 //
-// Heuristic: vec is the widest access (up to 16 bytes) that the common alignment of the five
-// buffers and four row strides allows, and no wider than the row. block is the smallest power of
+// Heuristic: vec is the widest access (up to 16 bytes; 8 for rows past the register cache) that
+// the common alignment of the five buffers and four row strides allows, and no wider than the row. block is the smallest power of
 // two in 64..1024 giving each thread at most two packs (one to two): the kernel caches two 16-byte
 // packs of h per thread in registers, so rows up to 2048 packs (16384 bf16, 8192 f32 elements)
-// are read from memory once; longer rows use 1024 threads and re-read the rest of h from
-// residual_out, just written and still in L2. The small cache keeps every variant within 64
+// are read from memory once; longer rows use 1024 threads and keep the rest of h in up to 96 KiB
+// of shared memory, re-reading any remainder from residual_out (just written, still in L2). The small cache keeps every variant within 64
 // registers, so at least 1024 threads stay resident per SM.
 #pragma once
 
@@ -41,5 +41,10 @@ struct AddRmsNormChoice {
   int vec;
 };
 AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p);
+
+// Packs of h past the register cache that the kernel keeps in dynamic shared memory (at most
+// 96 KiB: a 64K-element bf16 row then needs no re-read); the rest it re-reads from residual_out.
+constexpr std::int64_t k_add_rmsnorm_max_smem = 96 * 1024;
+std::int64_t add_rmsnorm_smem_packs(const Params& params, const Problem& p);
 
 }  // namespace kiln::families

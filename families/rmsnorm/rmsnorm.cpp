@@ -13,7 +13,7 @@ namespace {
 class RmsNorm final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -23,7 +23,9 @@ class RmsNorm final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return {"rows", "cols", "x_row_stride", "y_row_stride"}; }
+  std::vector<std::string> problem_dims() const override {
+    return {"rows", "cols", "x_row_stride", "y_row_stride", "sms"};
+  }
   std::vector<std::string> problem_scalars() const override { return {"eps"}; }
 
   Status validate(const Params& params) const override {
@@ -58,6 +60,7 @@ class RmsNorm final : public Family {
     if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm: rows longer than 2^31 elements");
     if (p.dims[k_x_stride] < cols || p.dims[k_y_stride] < cols)
       return shape_mismatch("rmsnorm: row strides must be at least the row length");
+    if (p.dims[k_sms] < 0 || p.dims[k_sms] > 4096) return invalid_argument("rmsnorm: sms must be in 0..4096");
     if (!(p.scalars[k_eps] >= 0) || !std::isfinite(p.scalars[k_eps]))
       return invalid_argument("rmsnorm: eps must be finite and non-negative");
     auto dtype = parse_dtype(*params.get_str("dtype"));
@@ -73,8 +76,9 @@ class RmsNorm final : public Family {
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_rows], 1, 0x7fffffff));
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(rmsnorm_grid(params, p), 1, 0x7fffffff));
     g.block.x = std::uint32_t(*params.get_int("block"));
+    g.shared_bytes = std::uint32_t(rmsnorm_smem_packs(params, p) * *params.get_int("vec") * dtype_size(p.dtype));
     return g;
   }
 
@@ -101,7 +105,7 @@ class RmsNorm final : public Family {
             {"inv_rms", BufferRole::output, DType::f32, rows}};
   }
 
-  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     out.add(b[0]);
     out.add(b[1]);
     out.add(b[2]);
@@ -111,6 +115,7 @@ class RmsNorm final : public Family {
     out.add(static_cast<long long>(p.dims[k_x_stride]));
     out.add(static_cast<long long>(p.dims[k_y_stride]));
     out.add(static_cast<float>(p.scalars[k_eps]));
+    out.add(static_cast<int>(rmsnorm_smem_packs(params, p)));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
@@ -137,21 +142,50 @@ class RmsNorm final : public Family {
 
 }  // namespace
 
+namespace {
+// Packs per thread in the kernel's register cache (templates/rmsnorm/rmsnorm_fwd.cuh,
+// rmsnorm_cache_regs).
+std::int64_t cached_packs(const Params& params, const Problem& p) {
+  const auto block = *params.get_int("block");
+  const auto pack_bytes = *params.get_int("vec") * std::int64_t(dtype_size(p.dtype));
+  const std::int64_t cache_regs = block >= 1024 ? 8 : 16;
+  return cache_regs / std::max<std::int64_t>(1, pack_bytes / 4);
+}
+}  // namespace
+
+std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
+  const auto block = *params.get_int("block");
+  const std::int64_t rows = p.dims[k_rows], packs = p.dims[k_cols] / *params.get_int("vec");
+  // Rows that fit half the register cache are pipelined when the grid is capped (the kernel's
+  // k_half path): about 1024 threads per SM, every block looping over several rows.
+  if (p.dims[k_sms] > 0 && packs <= cached_packs(params, p) / 2 * block)
+    return std::min(rows, p.dims[k_sms] * std::max<std::int64_t>(1, 1024 / block));
+  return rows;
+}
+
+std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
+  const auto block = *params.get_int("block");
+  const auto pack_bytes = *params.get_int("vec") * std::int64_t(dtype_size(p.dtype));
+  const std::int64_t cached = block * cached_packs(params, p);
+  const std::int64_t rest = p.dims[k_cols] / *params.get_int("vec") - cached;
+  return std::clamp<std::int64_t>(rest, 0, k_rmsnorm_max_smem / pack_bytes);
+}
+
 RmsNormChoice rmsnorm_heuristic(const Problem& p) {
-  // Measured on an H100 (docs/benchmarks.md, rmsnorm_variants): 8-byte accesses beat 16-byte
-  // ones across LLM shapes with this kernel, and 4-byte ones for rows of 64 KiB and more; about
-  // 16 packs per thread (most of them held in registers) with blocks of 64 to 1024 threads.
+  // Measured on an H100 (docs/benchmarks.md, bench section `variants`, 2026-11-22) with the
+  // 64-register cap: 8-byte accesses and eight packs per thread (the whole register cache) were
+  // best or within 1% of it at 4096 x {2048 .. 16384} and 32768 x {4096, 8192}; blocks stay within
+  // 64..512 threads, so 64K-element rows keep 24 of their 32 packs per thread in shared memory
+  // (81.8% of the copy bandwidth, against 59.6% for 1024 threads and 16-byte packs).
   const int esize = int(dtype_size(p.dtype));
-  const std::int64_t row_bytes = p.dims[k_cols] * esize;
-  const int pack_bytes = row_bytes >= 65536 ? 4 : 8;
-  int vec = std::max(1, pack_bytes / esize);
+  int vec = std::max(1, 8 / esize);
   // The widest access that every row start and the weight allow.
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.dims[k_x_stride] % vec ||
                      p.dims[k_y_stride] % vec || p.dims[k_cols] < vec))
     vec /= 2;
   const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_cols] / vec);
   int block = 64;
-  while (block < 1024 && block * 16 < packs) block *= 2;
+  while (block < 512 && block * 8 < packs) block *= 2;
   return {block, vec};
 }
 

@@ -2,19 +2,22 @@
 //
 // Params: dtype {f32, f16, bf16}, block {64 .. 1024} threads, vec {1, 2, 4, 8} elements per
 // access (vec * sizeof(dtype) <= 16 bytes).
-// Problem: dims = {rows, cols, x_row_stride, y_row_stride} (strides in elements), scalars = {eps}.
+// Problem: dims = {rows, cols, x_row_stride, y_row_stride, sms} (strides in elements; sms: the
+// device's SM count, or 0 for one block per row), scalars = {eps}.
 // Buffers: x (input), w (input, [cols]), y (output), inv_rms (output, f32 [rows]; may be null:
-// then it is not written).
-// Heuristic (measured on an H100 with bench section rmsnorm_variants): 8-byte accesses (4-byte
-// ones for rows of 64 KiB or more), narrowed until the buffers' alignment and row strides allow
-// them; the smallest block of 64..1024 threads giving at most 16 packs per thread.
+// then it is not written). Rows longer than the register cache keep the rest in dynamic shared
+// memory (rmsnorm_smem_packs), up to 96 KiB.
+// Heuristic (measured on an H100 with bench section `variants`): 8-byte accesses, narrowed until
+// the buffers' alignment and row strides allow them; the smallest block of 64..512 threads giving
+// at most eight packs per thread (longer rows keep the rest in shared memory). With the SM count
+// in the problem, variants whose rows fit half their register cache pipeline on a capped grid.
 #pragma once
 
 #include "kiln/family.h"
 
 namespace kiln::families {
 
-enum RmsNormDim { k_rows = 0, k_cols = 1, k_x_stride = 2, k_y_stride = 3 };
+enum RmsNormDim { k_rows = 0, k_cols = 1, k_x_stride = 2, k_y_stride = 3, k_sms = 4 };
 enum RmsNormScalar { k_eps = 0 };
 
 // The parameters the heuristic picks for a problem (also used by the typed op's fast path).
@@ -23,5 +26,15 @@ struct RmsNormChoice {
   int vec;
 };
 RmsNormChoice rmsnorm_heuristic(const Problem& p);
+
+// Packs of a row past the kernel's register cache that it keeps in dynamic shared memory (the
+// rest, if any, it reads twice): at most k_rmsnorm_max_smem bytes, which lets a 64K-element bf16
+// row be read once by a 1024-thread block and leaves room for two such blocks per H100 SM.
+constexpr std::int64_t k_rmsnorm_max_smem = 96 * 1024;
+std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p);
+
+// Blocks to launch: one per row, or (sms known, rows short enough to pipeline) about 1024 threads
+// per SM, each block taking several rows.
+std::int64_t rmsnorm_grid(const Params& params, const Problem& p);
 
 }  // namespace kiln::families

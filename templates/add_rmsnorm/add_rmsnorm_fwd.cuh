@@ -2,9 +2,10 @@
 // y = h * rsqrt(mean(h^2) + eps) * w with h the rounded value (vLLM's convention), fp32 accumulation.
 //
 // One block per row (grid-stride over rows). Each thread keeps up to k_cached packs of h in
-// registers between the reduction and the write; packs past the cache are re-read from
-// residual_out, which the same thread wrote in the first pass (so the re-read sees its own store,
-// and usually hits L2). Columns past the last whole pack go one element at a time.
+// registers between the reduction and the write; the next smem_packs packs in dynamic shared
+// memory (the host sizes it); any packs past both are re-read from residual_out, which the same
+// thread wrote in the first pass (so the re-read sees its own store, and usually hits L2).
+// Columns past the last whole pack go one element at a time.
 //
 // Aliasing: every element is read and written by one thread, inputs before outputs, so
 // residual_out may be residual and y may be x (same base and row stride); y and residual_out must
@@ -23,7 +24,7 @@ template <typename T, int BLOCK, int VEC>
 __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
 add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T* residual_out, long long rows,
                 long long cols, long long x_stride, long long r_stride, long long y_stride, long long ro_stride,
-                float eps) {
+                float eps, int smem_packs) {
   using P = Pack<T, VEC>;
   // Row cache of 8 registers of h (two 16-byte packs); the residual packs loaded beside it take
   // as many again, briefly. The heuristic gives each thread at most two packs up to 1024 * 2
@@ -31,11 +32,18 @@ add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T*
   constexpr int k_cache_regs = 8;
   constexpr int k_regs_per_pack = sizeof(P) >= 4 ? int(sizeof(P)) / 4 : 1;
   constexpr int k_cached = k_cache_regs / k_regs_per_pack;
+  // Beyond the cache, batches of two packs of x and two of the residual (one each for 16-byte
+  // packs): larger batches spilled under the 64-register cap.
+  constexpr int k_batch = sizeof(P) >= 16 ? 1 : 2;
   __shared__ float scratch[33];
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  P* spill = reinterpret_cast<P*>(dyn_smem);
+  const int first_uncached = k_cached * BLOCK;
 
   // Row lengths are below 2^31 (checked on the host), so in-row indices are 32-bit.
   const int packs = int(cols / VEC);
   const int n = int(cols);
+  const int smem_end = min(packs, first_uncached + smem_packs);
   const float inv_cols = 1.f / float(cols);
 
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -82,8 +90,29 @@ add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T*
       const int p = int(threadIdx.x) + i * BLOCK;
       if (p < packs) cached[i] = add_pack(p, cached[i], res[i], acc);
     }
-    for (int p = int(threadIdx.x) + k_cached * BLOCK; p < packs; p += BLOCK)
-      (void)add_pack(p, load_pack<T, VEC>(xr + p * VEC), load_pack<T, VEC>(rr + p * VEC), acc);
+    // Past the register cache: batches of packs, every load of a batch issued before the first
+    // store; h goes to shared memory (the first smem_packs of them) as well as residual_out.
+    // Offsets within a batch are compile-time constants from one base pointer per buffer.
+    for (int base = first_uncached + int(threadIdx.x); base < packs; base += k_batch * BLOCK) {
+      const int left = packs - base;
+      const T* xs = xr + base * VEC;
+      const T* rs = rr + base * VEC;
+      P xb[k_batch], rb[k_batch];
+#pragma unroll
+      for (int u = 0; u < k_batch; ++u) {
+        if (u * BLOCK < left) {
+          xb[u] = load_pack<T, VEC>(xs + u * BLOCK * VEC);
+          rb[u] = load_pack<T, VEC>(rs + u * BLOCK * VEC);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < k_batch; ++u) {
+        if (u * BLOCK < left) {
+          const P h = add_pack(base + u * BLOCK, xb[u], rb[u], acc);
+          if (base + u * BLOCK < smem_end) spill[base - first_uncached + u * BLOCK] = h;
+        }
+      }
+    }
     for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK) {
       const T h = from_float<T>(to_float(xr[j]) + to_float(rr[j]));
       hr[j] = h;
@@ -98,8 +127,11 @@ add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T*
       const int p = int(threadIdx.x) + i * BLOCK;
       if (p < packs) write_pack(p, cached[i], scale);
     }
-    for (int p = int(threadIdx.x) + k_cached * BLOCK; p < packs; p += BLOCK)
-      write_pack(p, load_pack<T, VEC>(hr + p * VEC), scale);
+    // A thread reads back only the packs of h it wrote itself: from shared memory, then (rows
+    // longer than both caches) from residual_out.
+    int p = first_uncached + int(threadIdx.x);
+    for (; p < smem_end; p += BLOCK) write_pack(p, spill[p - first_uncached], scale);
+    for (; p < packs; p += BLOCK) write_pack(p, load_pack<T, VEC>(hr + p * VEC), scale);
     for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK)
       yr[j] = from_float<T>(to_float(hr[j]) * scale * to_float(w[j]));
   }

@@ -147,9 +147,10 @@ TEST_F(AddRmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   for (const Params& params : f.catalog()) {
     SCOPED_TRACE(params.canonical());
     const DType t = *parse_dtype(*params.get_str("dtype"));
-    // Tail elements, several packs per thread, and past the register cache for small blocks.
-    for (bool in_place : {false, true}) {
-      Case c{t, 13, 8 * 1200 + 3, 8 * 1200 + 8, 8 * 1200 + 16, 8 * 1200 + 8, 8 * 1200 + 24, 0, in_place};
+    // Tail elements, several packs per thread, and past the register cache for small blocks;
+    // then rows that also overflow the shared-memory cache for the narrower variants.
+    for (auto [in_place, n] : {std::pair{false, 1200}, std::pair{true, 1200}, std::pair{true, 4000}}) {
+      Case c{t, n > 2000 ? 3 : 13, 8 * n + 3, 8 * n + 8, 8 * n + 16, 8 * n + 8, 8 * n + 24, 0, in_place};
       auto k = rt_->kernel(KernelSpec{"add_rmsnorm", params});
       ASSERT_TRUE(k.ok()) << k.status().to_string();
       check_case(c, rng_, seed_, [&](void* x, void* r, void* w, void* y, void* h) {

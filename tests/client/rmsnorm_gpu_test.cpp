@@ -100,6 +100,18 @@ TEST_F(RmsNormGpu, MatchesReferenceForEveryDtypeAndRowLength) {
   EXPECT_EQ(rt_->resolver(), "embedded");
 }
 
+TEST_F(RmsNormGpu, ManyRowsPipelineSeveralRowsPerBlock) {
+  // More rows than the capped grid (about 1024 threads per SM): blocks loop over rows with the
+  // next row's loads in flight. Row lengths from one pack to the largest that pipelines.
+  for (DType t : {DType::f32, DType::f16, DType::bf16}) {
+    for (std::int64_t cols : {7, 1000, 4096, 4100}) {
+      Case c{t, 6000, cols, cols, cols};
+      double err = check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); });
+      EXPECT_LT(err, testing::tolerance(t)) << dtype_name(t) << " 6000x" << cols << " seed " << seed_;
+    }
+  }
+}
+
 TEST_F(RmsNormGpu, StridedMisalignedAndInPlace) {
   for (DType t : {DType::f32, DType::f16, DType::bf16}) {
     std::vector<Case> cases = {
@@ -124,23 +136,30 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   ASSERT_EQ(d->stream_create(&stream, CU_STREAM_NON_BLOCKING), CUDA_SUCCESS);
   for (const Params& params : f.catalog()) {
     DType t = *parse_dtype(*params.get_str("dtype"));
-    Case c{t, 13, 8 * 300 + 3, 8 * 300 + 8, 8 * 300 + 8};  // tail elements and several packs per thread
     auto k = rt_->kernel(KernelSpec{"rmsnorm", params});
     ASSERT_TRUE(k.ok()) << k.status().to_string();
-    double err = check_case(c, rng_, [&](void* x, void* w, void* y) {
-      Problem p;
-      p.dtype = t;
-      p.alignment = 16;
-      p.dims = {c.rows, c.cols, c.x_stride, c.y_stride};
-      p.scalars[0] = 1e-5;
-      void* b[3] = {x, w, y};
-      Status s = rt_->launch(**k, p, b, stream);
-      if (s.ok()) {
-        EXPECT_EQ(d->stream_synchronize(stream), CUDA_SUCCESS);
-      }
-      return s;
-    });
-    EXPECT_LT(err, testing::tolerance(t)) << params.canonical() << " seed " << seed_;
+    // Tail elements and several packs per thread; then rows long enough that every variant uses
+    // its register cache, its shared-memory cache and re-reads the rest.
+    // Last, many short rows on a grid capped as if the GPU had 3 SMs: every variant whose rows fit
+    // half its register cache pipelines several rows per block.
+    for (auto [c, sms] : {std::pair{Case{t, 13, 8 * 300 + 3, 8 * 300 + 8, 8 * 300 + 8}, 0},
+                          std::pair{Case{t, 3, 8 * 8192 + 5, 8 * 8192 + 8, 8 * 8192 + 8}, 0},
+                          std::pair{Case{t, 700, 8 * 40 + 3, 8 * 40 + 8, 8 * 40 + 8}, 3}}) {
+      double err = check_case(c, rng_, [&](void* x, void* w, void* y) {
+        Problem p;
+        p.dtype = t;
+        p.alignment = 16;
+        p.dims = {c.rows, c.cols, c.x_stride, c.y_stride, sms};
+        p.scalars[0] = 1e-5;
+        void* b[3] = {x, w, y};
+        Status s = rt_->launch(**k, p, b, stream);
+        if (s.ok()) {
+          EXPECT_EQ(d->stream_synchronize(stream), CUDA_SUCCESS);
+        }
+        return s;
+      });
+      EXPECT_LT(err, testing::tolerance(t)) << params.canonical() << " " << c.cols << " columns, seed " << seed_;
+    }
   }
   d->stream_destroy(stream);
 }
@@ -172,7 +191,12 @@ TEST_F(RmsNormGpu, SavesInverseRmsForTheBackwardPass) {
   }
 }
 
-TEST_F(RmsNormGpu, SecondRuntimeLoadsFromTheCacheWithoutCompiling) {
+class RmsNormColdCacheGpu : public testing::GpuFixture {
+ protected:
+  bool seed_cache() const override { return false; }
+};
+
+TEST_F(RmsNormColdCacheGpu, SecondRuntimeLoadsFromTheCacheWithoutCompiling) {
   Case c{DType::bf16, 4, 4096, 4096, 4096};
   ASSERT_LT(check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); }), 1e-2);
   RuntimeOptions o;

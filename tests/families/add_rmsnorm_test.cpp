@@ -98,6 +98,8 @@ TEST(AddRmsNorm, HeuristicPicksWidestAlignedAccess) {
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 8, 4095)).vec, 1);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 8, 4096, 0, 4)).vec, 2);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 65536)).block, 1024);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 65536)).vec, 4);  // past the registers: 8 bytes
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).vec, 8);  // fits them: 16 bytes
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).block, 1024);  // two packs per thread
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 5120)).block, 512);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 2048)).block, 128);
@@ -148,13 +150,14 @@ TEST(AddRmsNorm, ArgsPackInKernelOrder) {
   void* bufs[5] = {&a, &b, &c, &d, &e};
   fam().pack_args(fam().heuristic(p), p, bufs, args);
   ASSERT_FALSE(args.overflow());
-  ASSERT_EQ(args.count(), 12u);
+  ASSERT_EQ(args.count(), 13u);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[0]), &a);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[4]), &e);
   EXPECT_EQ(*static_cast<long long*>(args.pointers()[5]), 7);
   EXPECT_EQ(*static_cast<long long*>(args.pointers()[6]), 64);
   EXPECT_EQ(*static_cast<long long*>(args.pointers()[10]), 192);
   EXPECT_FLOAT_EQ(*static_cast<float*>(args.pointers()[11]), 1e-6f);
+  EXPECT_EQ(*static_cast<int*>(args.pointers()[12]), 0);  // the row fits the register cache
   auto bs = fam().buffers(fam().heuristic(p), p);
   ASSERT_EQ(bs.size(), 5u);
   EXPECT_EQ(bs[0].elements, 6 * 128 + 64);

@@ -64,13 +64,15 @@ TEST(RmsNorm, ReferenceHonoursStridesAndHalfTypes) {
 
 TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   auto h = rmsnorm_heuristic(problem(DType::bf16, 4096, 4096));
-  EXPECT_EQ(h.vec, 4);     // 8-byte accesses
-  EXPECT_EQ(h.block, 64);  // 1024 packs, 16 per thread
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 256);
+  EXPECT_EQ(h.vec, 4);      // 8-byte accesses
+  EXPECT_EQ(h.block, 128);  // 1024 packs, eight per thread
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 8192)).block, 256);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 512);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 2048)).block, 64);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 1, 4096)).vec, 2);
-  auto wide = rmsnorm_heuristic(problem(DType::bf16, 1, 65536));  // 128 KiB rows: 4-byte accesses
-  EXPECT_EQ(wide.vec, 2);
-  EXPECT_EQ(wide.block, 1024);
+  auto wide = rmsnorm_heuristic(problem(DType::bf16, 1, 65536));  // 32 packs per thread, 24 in shared memory
+  EXPECT_EQ(wide.vec, 4);
+  EXPECT_EQ(wide.block, 512);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 8, 4095)).vec, 1);   // odd rows: row starts misalign
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f16, 8, 4094)).vec, 2);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 8, 4096, 4096, 4096, 4)).vec, 2);  // 4-byte aligned buffers
@@ -82,6 +84,42 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
       EXPECT_TRUE(rmsnorm().check_problem(rmsnorm().heuristic(p), p).ok()) << cols;
     }
   }
+}
+
+TEST(RmsNorm, LongRowsUseSharedMemoryUpToItsCap) {
+  auto params = [](std::int64_t block, std::int64_t vec) {
+    return Params{{"dtype", std::string("bf16")}, {"block", block}, {"vec", vec}};
+  };
+  // 1024 threads x 8 registers = 4 packs of 8 bytes each: 4096 packs in registers.
+  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), problem(DType::bf16, 1, 4096 * 4)), 0);
+  // 512 threads x 16 registers = 8 packs of 8 bytes each, the next 100 packs in shared memory.
+  EXPECT_EQ(rmsnorm_smem_packs(params(512, 4), problem(DType::bf16, 1, (4096 + 100) * 4)), 100);
+  // 64K bf16 = 16384 packs: 12288 (96 KiB) in shared memory, the whole row read once.
+  Problem wide = problem(DType::bf16, 1, 65536);
+  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), wide), 12288);
+  EXPECT_EQ(rmsnorm().geometry(params(1024, 4), wide).shared_bytes, 96u * 1024);
+  // f32 rows of 64K: the cap leaves the rest to be read twice.
+  Params f32{{"dtype", std::string("f32")}, {"block", std::int64_t(1024)}, {"vec", std::int64_t(4)}};
+  EXPECT_EQ(rmsnorm_smem_packs(f32, problem(DType::f32, 1, 65536)), 96 * 1024 / 16);
+  EXPECT_EQ(rmsnorm().geometry(params(128, 4), problem(DType::bf16, 1, 4096)).shared_bytes, 0u);  // 8 packs each
+  EXPECT_EQ(rmsnorm().geometry(params(64, 4), problem(DType::bf16, 1, 4096)).shared_bytes, 512u * 8);
+}
+
+TEST(RmsNorm, GridIsCappedOnlyForRowsThatPipeline) {
+  Params small{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}};
+  Problem p = problem(DType::bf16, 4096, 4096);
+  EXPECT_EQ(rmsnorm_grid(small, p), 4096);  // no SM count: one block per row
+  p.dims[k_sms] = 132;
+  // 512 packs of 16 bytes: 2 per thread, half of the 4-pack cache: 4 blocks of 256 per SM.
+  EXPECT_EQ(rmsnorm_grid(small, p), 132 * 4);
+  EXPECT_EQ(rmsnorm().geometry(small, p).grid.x, 132u * 4);
+  p.dims[k_rows] = 100;
+  EXPECT_EQ(rmsnorm_grid(small, p), 100);  // never more blocks than rows
+  Problem wide = problem(DType::bf16, 4096, 16384);
+  wide.dims[k_sms] = 132;
+  EXPECT_EQ(rmsnorm_grid(small, wide), 4096);  // 8 packs per thread: no room to prefetch a row
+  p.dims[k_sms] = -1;
+  EXPECT_EQ(rmsnorm().check_problem(small, p).code(), Code::invalid_argument);
 }
 
 TEST(RmsNorm, CheckProblemRejectsMismatches) {
@@ -117,12 +155,13 @@ TEST(RmsNorm, ArgsPackInKernelOrder) {
   int a, b, c;
   void* bufs[3] = {&a, &b, &c};
   rmsnorm().pack_args(rmsnorm().heuristic(p), p, bufs, args);
-  ASSERT_EQ(args.count(), 9u);
+  ASSERT_EQ(args.count(), 10u);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[0]), &a);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[3]), nullptr);  // no inv_rms buffer given
   EXPECT_EQ(*static_cast<long long*>(args.pointers()[4]), 7);
   EXPECT_EQ(*static_cast<long long*>(args.pointers()[6]), 128);
   EXPECT_FLOAT_EQ(*static_cast<float*>(args.pointers()[8]), 1e-6f);
+  EXPECT_EQ(*static_cast<int*>(args.pointers()[9]), 0);  // 64 columns fit the register cache
   auto bs = rmsnorm().buffers(rmsnorm().heuristic(p), p);
   ASSERT_EQ(bs.size(), 4u);
   EXPECT_EQ(bs[3].dtype, DType::f32);
