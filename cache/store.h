@@ -22,7 +22,7 @@ struct sqlite3;
 namespace kiln::cache {
 
 // Bump together with a migration step in store.cpp.
-constexpr int k_schema_version = 1;
+constexpr int k_schema_version = 3;
 
 struct Entry {
   std::string key;            // 64 hex chars
@@ -44,6 +44,7 @@ struct Entry {
   std::int64_t created = 0;   // unix seconds
   std::int64_t last_used = 0;
   std::int64_t hits = 0;
+  bool pinned = false;        // never evicted (kiln prewarm --pin, kiln evict --pin)
 };
 
 struct Stats {
@@ -55,6 +56,27 @@ struct Stats {
   std::int64_t corrupt = 0;       // rows that failed size or checksum and were dropped
   std::int64_t stores = 0;
   std::int64_t store_errors = 0;  // puts that failed (disk full, read-only file ...)
+  std::int64_t evictions = 0;     // rows removed to keep the file under its size cap
+  std::int64_t pinned_entries = 0;
+  std::int64_t pinned_bytes = 0;
+  std::int64_t max_bytes = 0;     // this process's cap (0: none)
+};
+
+// Default size cap of the cubins in a cache file, when KILN_CACHE_MAX_MB is not set.
+constexpr std::int64_t k_default_max_bytes = std::int64_t(2048) * 1024 * 1024;
+
+struct EvictReport {
+  std::int64_t bytes_before = 0;  // sum of cubin sizes
+  std::int64_t bytes_after = 0;
+  std::vector<std::string> evicted_keys;  // least recently used first
+};
+
+// What a lookup expects of the row it finds. The key already hashes both, so a row that differs
+// is tampered or a collision: it is dropped and counted as corrupt, never served for the wrong
+// target. Empty fields are not checked.
+struct Expected {
+  std::string arch;
+  std::string toolchain;
 };
 
 struct ListFilter {
@@ -70,17 +92,30 @@ struct VerifyReport {
 
 class Store {
  public:
-  // Opens (creating file and parent directory if needed) and migrates the schema.
+  // Opens (creating file and parent directory if needed) and migrates the schema. A file this
+  // process cannot write is opened read-only (read_only()): lookups work, puts fail.
   static Result<std::unique_ptr<Store>> open(const std::filesystem::path& file);
+  // Like open, but a file SQLite cannot read as a database (damaged pages, not a database) is
+  // renamed aside (with its -wal and -shm) to `<file>.corrupt-<unix time>` and a fresh cache is
+  // created: the cache holds nothing that cannot be compiled again, and a long-lived service
+  // must not stay down for it. `moved_to` receives the new name when that happened. A file of a
+  // newer schema is not touched (an error, as with open).
+  static Result<std::unique_ptr<Store>> open_recovering(const std::filesystem::path& file,
+                                                        std::filesystem::path* moved_to = nullptr);
   ~Store();
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
   const std::filesystem::path& path() const { return path_; }
+  bool read_only() const { return read_only_; }
+  // How another connection opens this file when read_only(): a URI for sqlite3_open_v2 with
+  // SQLITE_OPEN_READONLY | SQLITE_OPEN_URI (immutable: no -shm file is needed).
+  static std::string read_only_uri(const std::filesystem::path& file);
 
   // The entry with its verified blob, or nullopt on a miss (a corrupt row is dropped, counted, and
-  // is a miss). Counts the hit or miss and updates last_used and hits.
-  Result<std::optional<Entry>> get(const std::string& key);
+  // is a miss, as is a row that does not match `expected`). Counts the hit or miss and updates
+  // last_used and hits.
+  Result<std::optional<Entry>> get(const std::string& key, const Expected& expected = {});
   // Inserts or replaces; size, checksum and created are computed here from e.cubin.
   Status put(const Entry& e);
   // Metadata of matching rows, without blobs, most recently used first.
@@ -91,15 +126,34 @@ class Store {
   // PRAGMA integrity_check plus a checksum sweep over every row; bad rows are dropped and counted.
   Result<VerifyReport> verify();
   Status remove(const std::string& key);
+  // Least recently used unpinned rows are removed until the cubins total at most target_bytes
+  // (pinned rows stay even when that leaves more). Counted as evictions.
+  Result<EvictReport> evict_to(std::int64_t target_bytes);
+  // A pinned row is never evicted. not_found when no row has the key.
+  Status pin(const std::string& key, bool pinned = true);
+  // The size cap that put() keeps (0: none). Starts as KILN_CACHE_MAX_MB (in MiB; unset:
+  // k_default_max_bytes); open() fails with invalid_argument on a malformed value.
+  void set_max_bytes(std::int64_t bytes) {
+    std::lock_guard lock(mu_);
+    max_bytes_ = bytes;
+  }
+  // Copies the WAL into the database and truncates it (PRAGMA wal_checkpoint(TRUNCATE)).
+  // unavailable when another connection kept it from completing.
+  Status checkpoint();
 
  private:
   Store(sqlite3* db, std::filesystem::path path) : db_(db), path_(std::move(path)) {}
+  static Result<std::unique_ptr<Store>> open_read_write(const std::filesystem::path& file);
+  static Result<std::unique_ptr<Store>> open_read_only(const std::filesystem::path& file);
   Status migrate();
   Status bump(const char* counter, std::int64_t delta);
+  Result<EvictReport> evict_locked(std::int64_t target_bytes);  // mu_ held, inside a transaction
 
   std::mutex mu_;
   sqlite3* db_;
   std::filesystem::path path_;
+  std::int64_t max_bytes_ = 0;
+  bool read_only_ = false;
 };
 
 }  // namespace kiln::cache

@@ -40,12 +40,31 @@ struct PrewarmOptions {
   std::vector<std::string> families;
   int jobs = 2;
   bool json = false;
+  std::string problems;  // a file of problems to tune (cli/tune.cpp); needs a GPU
+  bool pin = false;      // pin every prewarmed variant (never evicted; cli/evict.cpp)
+};
+
+struct EvictOptions {
+  std::optional<double> max_mb;  // evict down to this; unset: the cache's cap
+  bool all = false;              // every unpinned entry
+  std::vector<std::string> pin, unpin;  // keys (or unique prefixes)
+  bool json = false;
 };
 
 struct ListOptions {
   std::string family;
   std::string arch;
   bool json = false;
+  bool tuned = false;  // the tuning table instead of the kernels
+};
+
+struct TuneCliOptions {
+  std::string family;
+  std::string dtype = "bf16";
+  std::string shape;  // "rows=4096,cols=4096"
+  bool all = false;   // the family's benchmark shapes
+  bool json = false;
+  int device = 0;
 };
 
 struct ShowOptions {
@@ -66,6 +85,15 @@ struct DaemonStartOptions {
 
 // Commands. Each returns an ExitCode.
 int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o);
+int run_evict(const GlobalOptions& g, const EvictOptions& o);
+// Pins the cache entries of these variants (their keys computed without compiling).
+Status pin_variants(const std::vector<std::pair<KernelSpec, std::string>>& variants);
+int run_tune(const GlobalOptions& g, const TuneCliOptions& o);
+// Tunes every problem of a file: one "FAMILY DTYPE name=size,..." per line, '#' comments.
+int run_tune_problems(const GlobalOptions& g, const std::string& file, bool json);
+int run_ls_tuned(const GlobalOptions& g, const ListOptions& o);
+// The lines of a problems file (invalid_argument when it cannot be read).
+Result<std::vector<std::string>> read_problem_lines(const std::string& file);
 int run_ls(const GlobalOptions& g, const ListOptions& o);
 int run_show(const GlobalOptions& g, const ShowOptions& o);
 int run_why(const GlobalOptions& g, const WhyOptions& o);

@@ -242,6 +242,9 @@ int run_stats(const GlobalOptions& g, bool json) {
     f.add("corrupt", std::to_string(cs.corrupt));
     f.add("stores", std::to_string(cs.stores));
     f.add("store_errors", std::to_string(cs.store_errors));
+    f.add("evictions", std::to_string(cs.evictions));
+    f.add("pinned", std::to_string(cs.pinned_entries) + " entries, " + human_bytes(cs.pinned_bytes));
+    f.add("size cap", cs.max_bytes > 0 ? human_bytes(cs.max_bytes) + " (KILN_CACHE_MAX_MB)" : "none");
     std::cout << f.render();
     if (ds) {
       std::cout << "\ndaemon: running at " << socket << "\n";

@@ -42,20 +42,32 @@ int run(int argc, char** argv) {
 
   PrewarmOptions pw;
   auto* prewarm = app.add_subcommand("prewarm", "Compile family catalogs for target architectures");
-  prewarm->add_option("--arch", pw.archs, "Target architectures, e.g. sm_90a,sm_80")
-      ->required()
+  prewarm->add_option("--arch", pw.archs, "Target architectures, e.g. sm_90a,sm_80 (required unless --problems)")
       ->delimiter(',');
   prewarm->add_option("--family", pw.families, "Families to compile (default: all)")->delimiter(',');
   prewarm->add_option("--jobs", pw.jobs, "Compile threads when compiling in-process")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
   prewarm->add_flag("--json", pw.json, "Print the summary as JSON");
+  prewarm->add_flag("--pin", pw.pin, "Pin the variants: the size cap never evicts them (see kiln evict)");
+  prewarm->add_option("--problems", pw.problems,
+                      "Also tune the problems in FILE (one 'FAMILY DTYPE name=size,...' per line; needs a GPU)");
 
   ListOptions ls;
   auto* list = app.add_subcommand("ls", "List cached variants");
   list->add_option("--family", ls.family, "Only this family");
   list->add_option("--arch", ls.arch, "Only this architecture");
   list->add_flag("--json", ls.json, "Print a JSON array");
+  list->add_flag("--tuned", ls.tuned, "List the tuning table (winners per problem signature and GPU)");
+
+  TuneCliOptions tn;
+  auto* tune = app.add_subcommand("tune", "Time every variant of a family for a problem on this GPU and keep the fastest");
+  tune->add_option("--family", tn.family, "Kernel family, e.g. rmsnorm")->required();
+  tune->add_option("--dtype", tn.dtype, "Element type: f32, f16 or bf16")->capture_default_str();
+  tune->add_option("--shape", tn.shape, "Problem sizes by dim name, e.g. rows=4096,cols=4096");
+  tune->add_flag("--all", tn.all, "Tune the family's benchmark shapes");
+  tune->add_option("--device", tn.device, "CUDA device ordinal")->check(CLI::Range(0, 1024))->capture_default_str();
+  tune->add_flag("--json", tn.json, "Print the tuning records as JSON");
 
   ShowOptions sh;
   auto* show = app.add_subcommand("show", "Show every detail of one cached entry");
@@ -76,6 +88,15 @@ int run(int argc, char** argv) {
   auto* verify = app.add_subcommand("verify", "Check the cache file's integrity and every blob's checksum");
   verify->add_flag("--json", verify_json, "Print JSON");
 
+  EvictOptions ev;
+  auto* evict = app.add_subcommand("evict", "Shrink the cache (least recently used first), pin or unpin entries");
+  evict->add_option("--max-mb", ev.max_mb, "Evict until the cubins total at most this many MiB (default: the cap)")
+      ->check(CLI::Range(0.0, 1e9));
+  evict->add_flag("--all", ev.all, "Evict every unpinned entry");
+  evict->add_option("--pin", ev.pin, "Pin these keys (or unique prefixes): never evicted")->delimiter(',');
+  evict->add_option("--unpin", ev.unpin, "Unpin these keys (or unique prefixes)")->delimiter(',');
+  evict->add_flag("--json", ev.json, "Print JSON");
+
   auto* daemon = app.add_subcommand("daemon", "Start, stop or query kilnd");
   daemon->require_subcommand(1);
   DaemonStartOptions ds;
@@ -87,7 +108,7 @@ int run(int argc, char** argv) {
   auto* dstatus = daemon->add_subcommand("status", "Whether kilnd runs: pid, version, socket, uptime");
   dstatus->add_flag("--json", dstatus_json, "Print JSON");
 
-  for (CLI::App* sub : {prewarm, list, show, why, stats, verify, daemon, dstart, dstop, dstatus})
+  for (CLI::App* sub : {prewarm, list, tune, show, why, stats, verify, evict, daemon, dstart, dstop, dstatus})
     sub->fallthrough();
 
   try {
@@ -102,11 +123,13 @@ int run(int argc, char** argv) {
   if (Status s = apply_global_options(g); !s.ok()) return report_error(s, k_exit_usage);
 
   if (*prewarm) return run_prewarm(g, pw);
-  if (*list) return run_ls(g, ls);
+  if (*list) return ls.tuned ? run_ls_tuned(g, ls) : run_ls(g, ls);
+  if (*tune) return run_tune(g, tn);
   if (*show) return run_show(g, sh);
   if (*why) return run_why(g, wy);
   if (*stats) return run_stats(g, stats_json);
   if (*verify) return run_verify(g, verify_json);
+  if (*evict) return run_evict(g, ev);
   if (*dstart) return run_daemon_start(g, ds);
   if (*dstop) return run_daemon_stop(g);
   if (*dstatus) return run_daemon_status(g, dstatus_json);

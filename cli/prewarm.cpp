@@ -215,6 +215,11 @@ int prewarm_in_process(const PrewarmOptions& o, const std::vector<std::string>& 
 }  // namespace
 
 int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o) {
+  if (o.archs.empty() && o.problems.empty())
+    return report_error(invalid_argument("prewarm needs --arch (catalogs to compile) or --problems (problems to tune)"),
+                        k_exit_usage);
+  // Tuning compiles what it needs; with no --arch there is no catalog to compile first.
+  if (o.archs.empty()) return run_tune_problems(g, o.problems, o.json);
   // All input is checked before anything is opened or compiled: a typo costs nothing.
   auto archs = resolve_archs(o.archs);
   if (!archs.ok()) return report_error(archs.status(), k_exit_usage);
@@ -237,9 +242,23 @@ int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o) {
     return k_exit_failure;
   }
 
-  if (auto daemon = try_daemon(g))
-    return prewarm_via_daemon(*daemon, o, *archs, *fams, items.size(), o.families.empty());
-  return prewarm_in_process(o, *archs, *fams, items);
+  if (!o.problems.empty()) {
+    // Checked before the catalog compile starts, so a typo in the file costs nothing.
+    auto lines = read_problem_lines(o.problems);
+    if (!lines.ok()) return report_error(lines.status(), k_exit_usage);
+  }
+  const int rc = [&] {
+    if (auto daemon = try_daemon(g))
+      return prewarm_via_daemon(*daemon, o, *archs, *fams, items.size(), o.families.empty());
+    return prewarm_in_process(o, *archs, *fams, items);
+  }();
+  if (rc == k_exit_ok && o.pin) {
+    std::vector<std::pair<KernelSpec, std::string>> variants;
+    for (const auto& it : items) variants.emplace_back(it.spec, it.arch);
+    if (Status s = pin_variants(variants); !s.ok()) return report_error(s);
+  }
+  if (rc != k_exit_ok || o.problems.empty()) return rc;
+  return run_tune_problems(g, o.problems, o.json);
 }
 
 }  // namespace kiln::cli

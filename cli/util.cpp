@@ -197,7 +197,8 @@ nlohmann::json entry_json(const cache::Entry& e, bool full) {
 nlohmann::json stats_json(const cache::Stats& s) {
   return {{"entries", s.entries}, {"bytes", s.bytes},   {"hits", s.hits},
           {"misses", s.misses},   {"corrupt", s.corrupt}, {"stores", s.stores},
-          {"store_errors", s.store_errors}};
+          {"store_errors", s.store_errors}, {"evictions", s.evictions}, {"pinned_entries", s.pinned_entries},
+          {"pinned_bytes", s.pinned_bytes}, {"max_bytes", s.max_bytes}};
 }
 
 Table::Table(std::vector<std::string> headers, std::vector<bool> right_aligned)

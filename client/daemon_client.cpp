@@ -328,3 +328,48 @@ Status DaemonClient::shutdown() {
 }
 
 }  // namespace kiln::client
+
+namespace kiln::client {
+
+Result<Resolved> DaemonClient::resolve(const std::string& family, const Problem& problem, const ResolveTarget& target,
+                                       jit::AutotuneMode mode, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  json req{{"op", "resolve"},
+           {"family", family},
+           {"problem", daemon::problem_to_json(problem)},
+           {"arch", target.arch},
+           {"device_name", target.device_name},
+           {"driver_version", target.driver_version},
+           {"pci_bus_id", target.pci_bus_id},
+           {"autotune", jit::autotune_mode_name(mode)}};
+  auto r = call(req, timeout);
+  if (!r.ok()) return r.status();
+  Resolved out;
+  try {
+    auto params = Params::parse(r->value("params", std::string()));
+    if (!params.ok()) return io_error("kilnd's resolve reply has malformed params: " + params.status().message());
+    out.params = std::move(params).value();
+    out.tuned = r->value("tuned", false);
+    out.queued = r->value("queued", false);
+    out.signature = r->value("signature", std::string());
+  } catch (const json::exception& e) {
+    return io_error("kilnd's resolve reply is malformed", e.what());
+  }
+  return out;
+}
+
+Result<cache::TuningRecord> DaemonClient::tune(const std::string& family, const Problem& problem, int device,
+                                               const std::string& pci_bus_id, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  json req{{"op", "tune"}, {"family", family}, {"problem", daemon::problem_to_json(problem)}, {"device", device}};
+  if (!pci_bus_id.empty()) req["pci_bus_id"] = pci_bus_id;
+  auto r = call(req, timeout);
+  if (!r.ok()) return r.status();
+  auto it = r->find("record");
+  if (it == r->end()) return io_error("kilnd's tune reply has no record");
+  auto rec = daemon::tuning_record_from_json(*it);
+  if (!rec.ok()) return io_error("kilnd's tune reply has a malformed record: " + rec.status().message());
+  return std::move(rec).value();
+}
+
+}  // namespace kiln::client

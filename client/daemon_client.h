@@ -15,7 +15,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/store.h"
+#include "cache/tuning.h"
+#include "jit/autotune.h"
 #include "jit/builder.h"
+#include "kiln/family.h"
 #include "kiln/spec.h"
 #include "kiln/status.h"
 
@@ -27,6 +30,21 @@ struct PrewarmResult {
   std::int64_t cached = 0;
   std::int64_t failed = 0;
   std::vector<std::string> errors;  // "spec @ arch: message", one per failure
+};
+
+// The device a resolve is for, as the client's driver reports it.
+struct ResolveTarget {
+  std::string arch;
+  std::string device_name;
+  std::string driver_version;
+  std::string pci_bus_id;  // lets kilnd tune on the same physical GPU
+};
+
+struct Resolved {
+  Params params;
+  bool tuned = false;   // params are a tuning winner (else the heuristic's choice)
+  bool queued = false;  // kilnd queued background tuning for this signature
+  std::string signature;
 };
 
 class DaemonClient {
@@ -46,6 +64,15 @@ class DaemonClient {
                                 const std::vector<std::string>& families,
                                 std::chrono::milliseconds timeout = std::chrono::minutes(30));
   Result<std::vector<cache::Entry>> list(const cache::ListFilter& filter);
+  // The variant to run for a problem (docs/autotune.md): the tuned winner for the problem's
+  // signature on this setup, else the heuristic's choice (and, with mode background, tuning queued
+  // in kilnd; with mode wait, kilnd tunes before answering).
+  Result<Resolved> resolve(const std::string& family, const Problem& problem, const ResolveTarget& target,
+                           jit::AutotuneMode mode, std::chrono::milliseconds timeout = std::chrono::minutes(2));
+  // Tunes a problem now on the daemon's device `device` (ordinal, or pci_bus_id when not empty).
+  Result<cache::TuningRecord> tune(const std::string& family, const Problem& problem, int device,
+                                   const std::string& pci_bus_id = {},
+                                   std::chrono::milliseconds timeout = std::chrono::minutes(10));
   // Daemon stats as JSON: {"daemon": {...}, "builder": {...}, "cache": {...}}.
   Result<nlohmann::json> stats();
   // Asks the daemon to stop; returns once it has acknowledged.

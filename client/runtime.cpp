@@ -3,12 +3,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "cache/store.h"
+#include "cache/tuning.h"
 #include "client/daemon_client.h"
 #include "common/paths.h"
+#include "jit/autotune.h"
 #include "jit/builder.h"
 #include "jit/driver.h"
 
@@ -17,7 +22,18 @@ namespace {
 
 class RuntimeImpl final : public Runtime {
  public:
-  explicit RuntimeImpl(RuntimeOptions opts) : opts_(std::move(opts)) {}
+  explicit RuntimeImpl(RuntimeOptions opts) : opts_(std::move(opts)) {
+    switch (opts_.autotune) {
+      case Autotune::off: autotune_ = jit::AutotuneMode::off; break;
+      case Autotune::background: autotune_ = jit::AutotuneMode::background; break;
+      case Autotune::wait: autotune_ = jit::AutotuneMode::wait; break;
+      case Autotune::from_env: {
+        auto m = jit::autotune_mode_from_env();
+        if (m.ok()) autotune_ = *m;
+        else std::fprintf(stderr, "kiln: %s; tuning stays off\n", m.status().message().c_str());
+      }
+    }
+  }
   ~RuntimeImpl() override {
     // Modules stay loaded: contexts may already be gone at exit, and unloading into a destroyed
     // context is an error the caller cannot act on.
@@ -58,7 +74,7 @@ class RuntimeImpl final : public Runtime {
     }
     // Let the kernel take as much dynamic shared memory as the device grants one block: families
     // size it per problem (geometry().shared_bytes), and above 48 KiB the driver wants this opt-in.
-    s = allow_dynamic_smem(fn);
+    s = jit::allow_dynamic_smem(fn);
     if (!s.ok()) {
       d->module_unload(loaded->module);
       return s;
@@ -101,7 +117,7 @@ class RuntimeImpl final : public Runtime {
       }
     }
     if (!hit) {
-      const Params params = family.heuristic(problem);
+      const Params params = choose(family, problem, ctx);
       KILN_TRY(family.check_problem(params, problem));
       KILN_ASSIGN_OR_RETURN(entry.kernel, kernel(KernelSpec{std::string(family.name()), params}));
       entry.geometry = family.geometry(params, problem);
@@ -158,21 +174,12 @@ class RuntimeImpl final : public Runtime {
     LaunchGeometry geometry;
   };
   static constexpr std::size_t k_fast_capacity = 4096;
+  struct TunedMemo {
+    std::optional<Params> params;  // the winner, or nullopt: use the heuristic
+    std::chrono::steady_clock::time_point at;
+  };
+  static constexpr std::chrono::seconds k_retry_miss{10};
 
-  // In the current context (the one the kernel was just loaded in).
-  static Status allow_dynamic_smem(CUfunction fn) {
-    const jit::Driver* d = jit::Driver::get().value();
-    CUdevice dev;
-    KILN_TRY(d->check(d->ctx_get_device(&dev), "cuCtxGetDevice"));
-    int optin = 0, static_bytes = 0;
-    KILN_TRY(d->check(d->device_get_attribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
-                      "cuDeviceGetAttribute"));
-    KILN_TRY(d->check(d->func_get_attribute(&static_bytes, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn),
-                      "cuFuncGetAttribute"));
-    if (optin - static_bytes <= 48 * 1024) return {};
-    return d->check(d->func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static_bytes),
-                    "cuFuncSetAttribute");
-  }
 
   Result<std::string> arch_of(CUcontext ctx) {
     if (auto it = arch_by_ctx_.find(ctx); it != arch_by_ctx_.end()) return it->second;
@@ -189,16 +196,117 @@ class RuntimeImpl final : public Runtime {
     return arch;
   }
 
+  // The variant for a shape's first call: the tuned winner for the problem's signature when the
+  // tuning table has a fresh one, else the heuristic's choice. Tuning trouble (no daemon, an
+  // unreadable table, a failed tuning run) never fails the call: it costs the tuned winner only.
+  // Answers are remembered per signature (a bucket of row counts), so a serving loop whose token
+  // count changes every step asks once per bucket: a winner for good, a miss for k_retry_miss
+  // (tuning may be under way in kilnd).
+  Params choose(const Family& family, const Problem& problem, CUcontext ctx) {
+    const auto now = std::chrono::steady_clock::now();
+    const std::string memo_key = std::to_string(reinterpret_cast<std::uintptr_t>(ctx)) + "|" +
+                                 std::string(family.name()) + "|" + family.signature(problem);
+    std::optional<Params> tuned;
+    bool known = false;
+    {
+      std::lock_guard lock(mu_);
+      if (auto it = tuned_memo_.find(memo_key);
+          it != tuned_memo_.end() && (it->second.params || now - it->second.at < k_retry_miss)) {
+        tuned = it->second.params;
+        known = true;
+      }
+    }
+    if (!known) {
+      auto r = tuned_params(family, problem, ctx);
+      if (r.ok())
+        tuned = std::move(r).value();
+      else if (!warned_tuning_.exchange(true))
+        std::fprintf(stderr, "kiln: tuned variants unavailable, using heuristics: %s\n",
+                     r.status().to_string().c_str());
+      std::lock_guard lock(mu_);
+      if (tuned_memo_.size() >= k_fast_capacity) tuned_memo_.clear();
+      tuned_memo_[memo_key] = TunedMemo{tuned, now};
+    }
+    if (tuned && family.check_problem(*tuned, problem).ok()) {
+      std::lock_guard lock(mu_);
+      ++counters_.tuned_choices;
+      return *tuned;
+    }
+    return family.heuristic(problem);
+  }
+
+  Result<std::optional<Params>> tuned_params(const Family& family, const Problem& problem, CUcontext ctx) {
+    std::lock_guard resolving(resolve_mu_);
+    KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, device_of(ctx));
+    if (opts_.mode != ResolverMode::embedded) {
+      KILN_TRY(connect_daemon());
+      if (daemon_) {
+        client::ResolveTarget target{dev->arch, dev->name, dev->driver_version, dev->pci_bus_id};
+        auto r = daemon_->resolve(std::string(family.name()), problem, target, autotune_);
+        if (r.ok()) return r->tuned ? std::optional<Params>(r->params) : std::nullopt;
+        const Code c = r.status().code();
+        if (c != Code::unavailable && c != Code::timeout && c != Code::io_error && c != Code::shutting_down)
+          return r.status();
+        daemon_.reset();
+        if (opts_.mode == ResolverMode::daemon) return r.status();
+      }
+    }
+    open_embedded();
+    if (!store_) return unavailable("no cache file, so no tuning table");
+    if (!tuning_) {
+      KILN_ASSIGN_OR_RETURN(tuning_, cache::TuningTable::open(*store_));
+    }
+    KILN_ASSIGN_OR_RETURN(cache::Setup setup,
+                          jit::tuning_setup(family, problem, dev->arch, dev->name, dev->driver_version));
+    KILN_ASSIGN_OR_RETURN(auto found, tuning_->lookup(std::string(family.name()), family.signature(problem), setup));
+    if (found) {
+      KILN_ASSIGN_OR_RETURN(Params p, Params::parse(found->winner));
+      return std::optional<Params>(std::move(p));
+    }
+    // Embedded clients never tune in the background: timing next to the caller's own kernels would
+    // measure both. `wait` tunes here, now, holding the GPU lock like kilnd does.
+    if (autotune_ != jit::AutotuneMode::wait) return std::optional<Params>();
+    jit::TuneOptions o;
+    o.device = dev->ordinal;
+    jit::Tuner tuner(builder_.get(), tuning_.get());
+    KILN_ASSIGN_OR_RETURN(cache::TuningRecord rec, tuner.tune(family, problem, o));
+    if (rec.winner.empty()) return std::optional<Params>();
+    KILN_ASSIGN_OR_RETURN(Params p, Params::parse(rec.winner));
+    return std::optional<Params>(std::move(p));
+  }
+
+  Result<const jit::DeviceInfo*> device_of(CUcontext ctx) {
+    if (auto it = device_by_ctx_.find(ctx); it != device_by_ctx_.end()) return &it->second;
+    const jit::Driver* d = jit::Driver::get().value();
+    CUdevice dev;
+    KILN_TRY(d->check(d->ctx_get_device(&dev), "cuCtxGetDevice"));
+    KILN_ASSIGN_OR_RETURN(jit::DeviceInfo info, jit::device_info(int(dev)));
+    return &device_by_ctx_.emplace(ctx, std::move(info)).first->second;
+  }
+
+  // Connects on first use. ok with no connection when none can be made in automatic mode.
+  Status connect_daemon() {
+    if (daemon_) return {};
+    auto c = client::DaemonClient::connect(opts_.socket_path.empty() ? socket_path()
+                                                                      : std::filesystem::path(opts_.socket_path));
+    if (c.ok()) daemon_ = std::move(c).value();
+    else if (opts_.mode == ResolverMode::daemon) return c.status();
+    return {};
+  }
+
+  void open_embedded() {
+    if (builder_) return;
+    auto st = cache::Store::open(opts_.cache_file.empty() ? cache_file() : std::filesystem::path(opts_.cache_file));
+    if (st.ok()) store_ = std::move(st).value();
+    else std::fprintf(stderr, "kiln: cache unavailable, compiling without it: %s\n", st.status().to_string().c_str());
+    builder_ = std::make_unique<jit::Builder>(store_.get(), &Registry::global());
+  }
+
   // Daemon first (unless embedded); a daemon that cannot be reached falls back to the embedded
   // builder in automatic mode. Errors about the request itself are returned as they are.
   Result<jit::Artifact> resolve(const KernelSpec& spec, const std::string& arch) {
     if (opts_.mode != ResolverMode::embedded) {
-      if (!daemon_) {
-        auto c = client::DaemonClient::connect(opts_.socket_path.empty() ? socket_path()
-                                                                             : std::filesystem::path(opts_.socket_path));
-        if (c.ok()) daemon_ = std::move(c).value();
-        else if (opts_.mode == ResolverMode::daemon) return c.status();
-      }
+      KILN_TRY(connect_daemon());
       if (daemon_) {
         auto art = daemon_->get_kernel(spec, arch);
         if (art.ok()) {
@@ -214,12 +322,7 @@ class RuntimeImpl final : public Runtime {
         if (opts_.mode == ResolverMode::daemon) return art.status();
       }
     }
-    if (!builder_) {
-      auto st = cache::Store::open(opts_.cache_file.empty() ? cache_file() : std::filesystem::path(opts_.cache_file));
-      if (st.ok()) store_ = std::move(st).value();
-      else std::fprintf(stderr, "kiln: cache unavailable, compiling without it: %s\n", st.status().to_string().c_str());
-      builder_ = std::make_unique<jit::Builder>(store_.get(), &Registry::global());
-    }
+    open_embedded();
     auto art = builder_->get(spec, arch);
     if (art.ok()) {
       std::lock_guard lock(mu_);
@@ -234,7 +337,12 @@ class RuntimeImpl final : public Runtime {
   std::mutex resolve_mu_;  // everything resolve() and arch_of() touch
   std::unique_ptr<cache::Store> store_;
   std::unique_ptr<jit::Builder> builder_;
+  std::unique_ptr<cache::TuningTable> tuning_;
   std::unique_ptr<client::DaemonClient> daemon_;
+  std::unordered_map<CUcontext, jit::DeviceInfo> device_by_ctx_;
+  std::unordered_map<std::string, TunedMemo> tuned_memo_;  // under mu_
+  jit::AutotuneMode autotune_ = jit::AutotuneMode::off;
+  std::atomic<bool> warned_tuning_{false};
   std::unordered_map<std::string, std::unique_ptr<Loaded>> table_;
   std::unordered_map<CUcontext, std::string> arch_by_ctx_;
   std::unordered_map<FastKey, FastEntry, FastHash> fast_;

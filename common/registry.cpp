@@ -7,7 +7,9 @@ namespace kiln {
 Status Family::validate(const Params& params) const {
   const auto& defs = schema();
   for (const auto& [name, value] : params.values()) {
-    auto def = std::find_if(defs.begin(), defs.end(), [&](const ParamDef& d) { return d.name == name; });
+    // Captured through a reference: clang before 16 (the fuzz build) cannot capture a structured binding.
+    const std::string& wanted = name;
+    auto def = std::find_if(defs.begin(), defs.end(), [&](const ParamDef& d) { return d.name == wanted; });
     if (def == defs.end())
       return invalid_argument(std::string(this->name()) + ": unknown parameter '" + name + "'");
     if (def->is_int()) {

@@ -12,13 +12,15 @@
 #include <string_view>
 
 #include "common/paths.h"
+#include "daemon/compile_workers.h"
 #include "daemon/server.h"
 
 namespace {
 
 constexpr const char* k_usage =
-    "usage: kilnd [--socket PATH] [--cache-dir DIR] [--jobs N] [--no-pch] [--foreground]\n"
-    "             [--idle-timeout-ms MS] [--frame-timeout-ms MS]\n"
+    "usage: kilnd [--socket PATH] [--cache-dir DIR] [--jobs N] [--no-pch] [--autotune] [--foreground]\n"
+    "             [--idle-timeout-ms MS] [--frame-timeout-ms MS] [--max-connections N]\n"
+    "             [--compile-timeout-ms MS]\n"
     "\n"
     "Serves compiled CUDA kernels to kiln clients over a Unix socket.\n"
     "\n"
@@ -28,9 +30,16 @@ constexpr const char* k_usage =
     "                         $XDG_CACHE_HOME/kiln, else ~/.cache/kiln)\n"
     "  --jobs N               compile worker threads (default: number of CPUs)\n"
     "  --no-pch               disable NVRTC precompiled headers\n"
+    "  --autotune             tune every problem a client resolves that has no tuned winner yet, in\n"
+    "                         the background (docs/autotune.md)\n"
     "  --foreground           accepted for compatibility; kilnd never detaches itself\n"
     "  --idle-timeout-ms MS   close connections idle this long (default 60000)\n"
     "  --frame-timeout-ms MS  a request frame must arrive within this time (default 10000)\n"
+    "  --compile-timeout-ms MS  a compile running longer is cancelled (its worker process killed)\n"
+    "                         and fails with a timeout error (default 60000; 0: compile in the\n"
+    "                         daemon's own process, without a deadline)\n"
+    "  --max-connections N    open connections at most; at the cap the longest-waiting one that\n"
+    "                         is not being served is closed for a new one (default 256)\n"
     "  --help, --version\n";
 
 int bad_usage(const std::string& message) {
@@ -49,6 +58,8 @@ std::optional<long long> parse_positive(std::string_view text, long long max) {
 
 int main(int argc, char** argv) {
   using namespace kiln::daemon;
+  // The compile worker kilnd starts for itself (daemon/compile_workers.h); not for people.
+  if (argc == 2 && std::string_view(argv[1]) == "--compile-worker") return run_compile_worker();
   ServerOptions options;
   std::string socket_flag, cache_dir_flag;
 
@@ -95,9 +106,22 @@ int main(int argc, char** argv) {
       auto n = parse_positive(v, 24LL * 3600 * 1000);
       if (!n) return bad_usage(arg + " must be a positive number of milliseconds, not '" + v + "'");
       (arg == "--idle-timeout-ms" ? options.idle_timeout : options.frame_timeout) = std::chrono::milliseconds(*n);
+    } else if (arg == "--compile-timeout-ms") {
+      if (!value(v)) return bad_usage("--compile-timeout-ms needs a number of milliseconds");
+      auto n = v == "0" ? std::optional<long long>(0) : parse_positive(v, 24LL * 3600 * 1000);
+      if (!n) return bad_usage("--compile-timeout-ms must be 0 or a positive number of milliseconds, not '" + v + "'");
+      options.compile_timeout = std::chrono::milliseconds(*n);
+    } else if (arg == "--max-connections") {
+      if (!value(v)) return bad_usage("--max-connections needs a number");
+      auto n = parse_positive(v, 100000);
+      if (!n) return bad_usage("--max-connections must be an integer between 1 and 100000, not '" + v + "'");
+      options.max_connections = static_cast<std::size_t>(*n);
     } else if (arg == "--no-pch") {
       if (!flag_only()) return bad_usage("--no-pch takes no value");
       options.use_pch = false;
+    } else if (arg == "--autotune") {
+      if (!flag_only()) return bad_usage("--autotune takes no value");
+      options.autotune = true;
     } else if (arg == "--foreground") {
       if (!flag_only()) return bad_usage("--foreground takes no value");
     } else {

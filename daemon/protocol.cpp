@@ -158,6 +158,7 @@ nlohmann::json entry_to_json(const cache::Entry& e) {
       {"created", e.created},
       {"last_used", e.last_used},
       {"hits", e.hits},
+      {"pinned", e.pinned},
   };
 }
 
@@ -182,6 +183,10 @@ Result<cache::Entry> entry_from_json(const nlohmann::json& j) {
   KILN_TRY(read_int(j, "created", e.created, false));
   KILN_TRY(read_int(j, "last_used", e.last_used, false));
   KILN_TRY(read_int(j, "hits", e.hits, false));
+  if (auto p = j.find("pinned"); p != j.end() && !p->is_null()) {
+    if (!p->is_boolean()) return invalid_argument("entry field 'pinned' must be a boolean");
+    e.pinned = p->get<bool>();
+  }
   if (e.size < 0) return invalid_argument("entry size is negative");
   return e;
 }
@@ -204,6 +209,7 @@ nlohmann::json builder_stats_to_json(const jit::BuilderStats& s) {
       {"compile_failures", s.compile_failures},
       {"coalesced", s.coalesced},
       {"store_failures", s.store_failures},
+      {"negative_hits", s.negative_hits},
   };
 }
 
@@ -212,7 +218,120 @@ nlohmann::json store_stats_to_json(const cache::Stats& s) {
       {"entries", s.entries}, {"bytes", s.bytes},   {"hits", s.hits},
       {"misses", s.misses},   {"corrupt", s.corrupt}, {"stores", s.stores},
       {"store_errors", s.store_errors},
+      {"evictions", s.evictions}, {"pinned_entries", s.pinned_entries},
+      {"pinned_bytes", s.pinned_bytes}, {"max_bytes", s.max_bytes},
   };
+}
+
+}  // namespace kiln::daemon
+
+namespace kiln::daemon {
+
+nlohmann::json problem_to_json(const Problem& p) {
+  return nlohmann::json{{"dtype", dtype_name(p.dtype)},
+                        {"alignment", p.alignment},
+                        {"dims", p.dims},
+                        {"scalars", p.scalars}};
+}
+
+Result<Problem> problem_from_json(const nlohmann::json& j) {
+  if (!j.is_object()) return invalid_argument("problem is not a JSON object");
+  Problem p;
+  std::string dtype;
+  KILN_TRY(read_string(j, "dtype", dtype));
+  auto t = parse_dtype(dtype);
+  if (!t) return invalid_argument("problem has an unknown dtype '" + dtype + "'");
+  p.dtype = *t;
+  std::int64_t alignment = 0;
+  KILN_TRY(read_int(j, "alignment", alignment));
+  if (alignment < 1 || alignment > 256 || (alignment & (alignment - 1)))
+    return invalid_argument("problem alignment must be a power of two from 1 to 256");
+  p.alignment = std::uint32_t(alignment);
+  auto dims = j.find("dims");
+  if (dims == j.end() || !dims->is_array() || dims->size() > std::size_t(Problem::k_max_dims))
+    return invalid_argument("problem dims must be an array of at most " + std::to_string(Problem::k_max_dims) +
+                            " integers");
+  for (std::size_t i = 0; i < dims->size(); ++i) {
+    if (!(*dims)[i].is_number_integer()) return invalid_argument("problem dims must be integers");
+    p.dims[i] = (*dims)[i].get<std::int64_t>();
+  }
+  if (auto sc = j.find("scalars"); sc != j.end()) {
+    if (!sc->is_array() || sc->size() > std::size_t(Problem::k_max_scalars))
+      return invalid_argument("problem scalars must be an array of at most " +
+                              std::to_string(Problem::k_max_scalars) + " numbers");
+    for (std::size_t i = 0; i < sc->size(); ++i) {
+      if (!(*sc)[i].is_number()) return invalid_argument("problem scalars must be numbers");
+      p.scalars[i] = (*sc)[i].get<double>();
+    }
+  }
+  return p;
+}
+
+nlohmann::json tuning_record_to_json(const cache::TuningRecord& r) {
+  nlohmann::json cands = nlohmann::json::array();
+  for (const auto& c : r.candidates) {
+    nlohmann::json j{{"params", c.params},     {"status", cache::candidate_status_name(c.status)},
+                     {"median_ms", c.median_ms}, {"spread", c.spread},
+                     {"launches", c.launches}};
+    if (!c.error.empty()) j["error"] = c.error;
+    cands.push_back(std::move(j));
+  }
+  return nlohmann::json{{"family", r.family},
+                        {"signature", r.signature},
+                        {"problem", r.problem},
+                        {"arch", r.setup.arch},
+                        {"device_name", r.setup.device_name},
+                        {"driver_version", r.setup.driver_version},
+                        {"toolchain", r.setup.toolchain},
+                        {"winner", r.winner},
+                        {"winner_ms", r.winner_ms},
+                        {"heuristic", r.heuristic},
+                        {"heuristic_ms", r.heuristic_ms},
+                        {"noise_band", r.noise_band},
+                        {"compile_ms", r.compile_ms},
+                        {"measure_ms", r.measure_ms},
+                        {"created", r.created},
+                        {"candidates", std::move(cands)}};
+}
+
+Result<cache::TuningRecord> tuning_record_from_json(const nlohmann::json& j) {
+  if (!j.is_object()) return invalid_argument("tuning record is not a JSON object");
+  cache::TuningRecord r;
+  KILN_TRY(read_string(j, "family", r.family));
+  KILN_TRY(read_string(j, "signature", r.signature));
+  KILN_TRY(read_string(j, "problem", r.problem, false));
+  KILN_TRY(read_string(j, "arch", r.setup.arch));
+  KILN_TRY(read_string(j, "device_name", r.setup.device_name, false));
+  KILN_TRY(read_string(j, "driver_version", r.setup.driver_version, false));
+  KILN_TRY(read_string(j, "toolchain", r.setup.toolchain, false));
+  KILN_TRY(read_string(j, "winner", r.winner, false));
+  KILN_TRY(read_double(j, "winner_ms", r.winner_ms));
+  KILN_TRY(read_string(j, "heuristic", r.heuristic, false));
+  KILN_TRY(read_double(j, "heuristic_ms", r.heuristic_ms));
+  KILN_TRY(read_double(j, "noise_band", r.noise_band));
+  KILN_TRY(read_double(j, "compile_ms", r.compile_ms));
+  KILN_TRY(read_double(j, "measure_ms", r.measure_ms));
+  KILN_TRY(read_int(j, "created", r.created, false));
+  auto cands = j.find("candidates");
+  if (cands != j.end()) {
+    if (!cands->is_array()) return invalid_argument("tuning record candidates must be an array");
+    for (const auto& c : *cands) {
+      if (!c.is_object()) return invalid_argument("a tuning candidate is not a JSON object");
+      cache::CandidateResult cr;
+      std::string status;
+      KILN_TRY(read_string(c, "params", cr.params));
+      KILN_TRY(read_string(c, "status", status));
+      auto st = cache::parse_candidate_status(status);
+      if (!st) return invalid_argument("unknown candidate status '" + status + "'");
+      cr.status = *st;
+      KILN_TRY(read_double(c, "median_ms", cr.median_ms));
+      KILN_TRY(read_double(c, "spread", cr.spread));
+      KILN_TRY(read_int(c, "launches", cr.launches, false));
+      KILN_TRY(read_string(c, "error", cr.error, false));
+      r.candidates.push_back(std::move(cr));
+    }
+  }
+  return r;
 }
 
 }  // namespace kiln::daemon

@@ -15,7 +15,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/store.h"
+#include "cache/tuning.h"
 #include "jit/builder.h"
+#include "kiln/family.h"
 #include "kiln/status.h"
 
 namespace kiln::daemon {
@@ -73,5 +75,12 @@ Result<jit::ArtifactSource> parse_source(std::string_view name);
 
 nlohmann::json builder_stats_to_json(const jit::BuilderStats& s);
 nlohmann::json store_stats_to_json(const cache::Stats& s);
+
+// A problem as {"dtype", "alignment", "dims": [...], "scalars": [...]} (resolve and tune).
+nlohmann::json problem_to_json(const Problem& p);
+Result<Problem> problem_from_json(const nlohmann::json& j);
+// A tuning record with every candidate (tune replies, `kiln tune --json`, `kiln ls --tuned --json`).
+nlohmann::json tuning_record_to_json(const cache::TuningRecord& r);
+Result<cache::TuningRecord> tuning_record_from_json(const nlohmann::json& j);
 
 }  // namespace kiln::daemon

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -34,10 +36,13 @@
 #include <boost/asio/write.hpp>
 
 #include "cache/store.h"
+#include "cache/tuning.h"
+#include "daemon/compile_workers.h"
 #include "daemon/instance.h"
 #include "daemon/log.h"
 #include "daemon/protocol.h"
 #include "daemon/work_pool.h"
+#include "jit/autotune.h"
 #include "jit/builder.h"
 #include "kiln/family.h"
 #include "kiln/spec.h"
@@ -162,6 +167,35 @@ Status string_array(const json& req, const char* name, std::vector<std::string>&
 
 constexpr std::size_t k_max_prewarm_errors = 200;
 
+struct LookupOutcome {
+  Status status;
+  cache::Setup setup;
+  std::optional<cache::TuningRecord> record;
+};
+
+struct TuneOutcome {
+  Status status;
+  cache::TuningRecord record;
+};
+
+// Signatures (with their setup) whose background tuning is queued or running, and those whose
+// tuning failed: a failure is not retried until kilnd restarts, so a family that cannot be tuned
+// here costs one attempt, not one per client.
+struct TuneQueue {
+  std::mutex mu;
+  std::set<std::string> pending;
+  std::set<std::string> failed;
+};
+
+// The tuned winner as params for `problem`, when it still parses, validates and accepts the
+// problem (a bucket's members share a winner, so each member is checked on its own).
+std::optional<Params> usable_winner(const Family& family, const std::string& winner, const Problem& problem) {
+  auto params = Params::parse(winner);
+  if (!params.ok() || !family.validate(*params).ok() || !family.check_problem(*params, problem).ok())
+    return std::nullopt;
+  return std::move(params).value();
+}
+
 }  // namespace
 
 struct Server::Impl {
@@ -180,6 +214,8 @@ struct Server::Impl {
     Clock::time_point deadline = Clock::time_point::max();
     std::uint64_t id;
     bool busy = false;       // a frame is being read or a request served
+    bool serving = false;    // a whole request was read: it is being answered
+    Clock::time_point since = Clock::now();  // start of the current wait for (or read of) a frame
     bool timed_out = false;
   };
 
@@ -192,9 +228,16 @@ struct Server::Impl {
   ServerOptions options;
   std::unique_ptr<Instance> instance;
   std::unique_ptr<cache::Store> store;
+  std::unique_ptr<CompileWorkers> workers;  // null: compiles run in-process; outlives builder
   std::unique_ptr<jit::Builder> builder;
+  std::unique_ptr<cache::TuningTable> tuning;
+  std::unique_ptr<jit::Tuner> tuner;
   std::unique_ptr<WorkPool> compile_pool;
   std::unique_ptr<WorkPool> aux_pool;  // SQLite queries that are not compiles (list, stats)
+  // One thread: tuning jobs run one at a time (the GPU lock would serialize them anyway), `tune`
+  // requests and resolve-and-wait on the interactive lane, queued background tuning behind them.
+  std::unique_ptr<WorkPool> tune_pool;
+  TuneQueue tune_queue;
 
   // Touched on the I/O thread only.
   std::set<std::shared_ptr<Connection>> connections;
@@ -204,6 +247,7 @@ struct Server::Impl {
   std::int64_t connections_total = 0;
   std::int64_t requests_total = 0;
   std::int64_t errors_total = 0;
+  std::int64_t evicted_total = 0;  // connections closed at the cap to admit a new one
   Clock::time_point started = Clock::now();
 
   // ---- lifecycle -------------------------------------------------------------------------------
@@ -219,6 +263,7 @@ struct Server::Impl {
     // Queued jobs complete at once with shutting_down; running compiles finish normally.
     compile_pool->stop();
     aux_pool->stop();
+    tune_pool->stop();
     for (const auto& c : connections)
       if (!c->busy) close_connection(*c);
     maybe_finish();
@@ -291,9 +336,9 @@ struct Server::Impl {
         socket.close(ec);
         continue;
       }
-      if (connections.size() >= options.max_connections) {
+      if (connections.size() >= options.max_connections && !evict_one_waiting()) {
         log_warn("refused a connection from pid " + std::to_string(cred.pid) + ": " +
-                 std::to_string(connections.size()) + " connections already open");
+                 std::to_string(connections.size()) + " connections already open, all of them being served");
         socket.close(ec);
         continue;
       }
@@ -303,6 +348,24 @@ struct Server::Impl {
       asio::co_spawn(io, watchdog(conn), asio::detached);
       asio::co_spawn(io, serve(conn), asio::detached);
     }
+  }
+
+  // At the connection cap, idle or slowly-sending peers must not lock out a new client: the
+  // connection that has waited longest without a request being served is closed (a kiln client
+  // reconnects transparently). Returns false when every connection is being served.
+  bool evict_one_waiting() {
+    std::shared_ptr<Connection> oldest;
+    for (const auto& c : connections)
+      if (!c->serving && c->socket.is_open() && (!oldest || c->since < oldest->since)) oldest = c;
+    if (!oldest) return false;
+    ++evicted_total;
+    if (evicted_total == 1 || evicted_total % 1000 == 0)
+      log_warn("at the connection cap (" + std::to_string(options.max_connections) + "): closed the longest-waiting connection (" +
+               std::to_string(evicted_total) + " so far)");
+    close_connection(*oldest);
+    // It stays in `connections` until its coroutine ends; do not count it against the cap.
+    oldest->serving = true;
+    return true;
   }
 
   // Closes the connection when its deadline passes; a slow or silent peer cannot hold it open.
@@ -343,6 +406,8 @@ struct Server::Impl {
       if (stopping) co_return;
       HeaderBytes raw{};
       c.busy = false;
+      c.serving = false;
+      c.since = Clock::now();
       set_deadline(c, Clock::now() + options.idle_timeout);
       co_await asio::async_read(c.socket, asio::buffer(raw.data(), 1), use_awaitable);
       // From the first byte on, the whole frame must arrive within frame_timeout.
@@ -361,8 +426,8 @@ struct Server::Impl {
         co_await write_reply(c, std::move(r));
         co_return;
       }
-      std::string body(header->json_len, '\0');
-      co_await asio::async_read(c.socket, asio::buffer(body.data(), body.size()), use_awaitable);
+      std::string body = co_await read_body(c, header->json_len);
+      c.serving = true;
       set_deadline(c, Clock::time_point::max());  // serving may take a compile's time
 
       Reply reply = co_await dispatch(body);
@@ -374,6 +439,19 @@ struct Server::Impl {
       if (stop_after) begin_stop("shutdown request");
       if (close_after) co_return;
     }
+  }
+
+  // Reads the body in steps so that memory follows the bytes that actually arrived: a peer that
+  // announces 1 MiB and trickles costs what it sent, not the announced size.
+  awaitable<std::string> read_body(Connection& c, std::size_t len) {
+    constexpr std::size_t k_step = 64 * 1024;
+    std::string body;
+    while (body.size() < len) {
+      const std::size_t old = body.size();
+      body.resize(old + std::min(k_step, len - old));
+      co_await asio::async_read(c.socket, asio::buffer(body.data() + old, body.size() - old), use_awaitable);
+    }
+    co_return body;
   }
 
   awaitable<void> write_reply(Connection& c, Reply reply) {
@@ -425,6 +503,10 @@ struct Server::Impl {
           reply.body = co_await handle_list(req);
         } else if (op == "stats") {
           reply.body = co_await handle_stats();
+        } else if (op == "resolve") {
+          reply.body = co_await handle_resolve(req);
+        } else if (op == "tune") {
+          reply.body = co_await handle_tune(req);
         } else if (op == "shutdown") {
           reply.body = ok_reply();
           reply.body["stopping"] = true;
@@ -432,7 +514,7 @@ struct Server::Impl {
           reply.close_after = true;
         } else {
           reply.body = error_reply(invalid_argument("unknown op '" + op + "'",
-                                                    "known ops: ping, get, prewarm, list, stats, shutdown"));
+                                                    "known ops: ping, get, prewarm, list, stats, resolve, tune, shutdown"));
         }
       }
     } catch (const std::exception& e) {
@@ -606,6 +688,191 @@ struct Server::Impl {
     co_return r;
   }
 
+  // ---- tuning (docs/autotune.md) ---------------------------------------------------------------
+
+  // Reads the family, problem and the other named string fields of a resolve or tune request, and
+  // checks the problem against the family before anything is queued.
+  Status read_tuning_request(const json& req, const Family*& family, Problem& problem) {
+    std::string name;
+    KILN_TRY(required_string(req, "family", name));
+    family = Registry::global().find(name);
+    if (!family) return not_found("no kernel family named '" + name + "'");
+    auto it = req.find("problem");
+    if (it == req.end()) return invalid_argument("missing field 'problem'");
+    KILN_ASSIGN_OR_RETURN(problem, problem_from_json(*it));
+    return family->check_problem(family->heuristic(problem), problem);
+  }
+
+  // Runs on the tune pool.
+  TuneOutcome tune_now(const Family& family, const Problem& problem, int device, const std::string& pci, bool run) {
+    TuneOutcome o;
+    if (!run) {
+      o.status = shutting_down_status();
+      return o;
+    }
+    jit::TuneOptions opts;
+    opts.device = device;
+    if (!pci.empty()) {
+      auto d = jit::device_by_pci(pci);
+      if (!d.ok()) {
+        o.status = d.status();
+        return o;
+      }
+      opts.device = *d;
+    }
+    auto r = tuner->tune(family, problem, opts);
+    if (!r.ok()) {
+      o.status = r.status();
+      log_warn("tuning " + std::string(family.name()) + " " + family.signature(problem) + " failed: " +
+               o.status.message());
+      return o;
+    }
+    o.record = std::move(r).value();
+    log_info("tuned " + o.record.family + " " + o.record.signature + ": " +
+             (o.record.winner.empty() ? std::string("no candidate ran ok") : o.record.winner + " " +
+              format_ms(o.record.winner_ms * 1000.0) + " us (heuristic " + format_ms(o.record.heuristic_ms * 1000.0) +
+              " us)") + ", " + std::to_string(o.record.candidates.size()) + " candidates, compile " +
+             format_ms(o.record.compile_ms) + " ms, measure " + format_ms(o.record.measure_ms) + " ms");
+    return o;
+  }
+
+  awaitable<TuneOutcome> run_tune(const Family* family, const Problem& problem, int device, const std::string& pci) {
+    std::vector<std::function<TuneOutcome(bool)>> jobs;
+    jobs.push_back([this, family, problem, device, pci](bool run) { return tune_now(*family, problem, device, pci, run); });
+    auto out = co_await async_offload<TuneOutcome>(*tune_pool, WorkPool::Lane::interactive, std::move(jobs), use_awaitable);
+    co_return std::move(out.front());
+  }
+
+  // Queues background tuning unless it is queued, running or failed already. True when queued.
+  bool queue_tuning(const Family* family, const Problem& problem, const std::string& pci, const std::string& key) {
+    {
+      std::lock_guard lock(tune_queue.mu);
+      if (tune_queue.pending.count(key)) return true;
+      if (tune_queue.failed.count(key)) return false;
+      tune_queue.pending.insert(key);
+    }
+    tune_pool->submit(WorkPool::Lane::background, [this, family, problem, pci, key](bool run) {
+      TuneOutcome o = tune_now(*family, problem, 0, pci, run);
+      std::lock_guard lock(tune_queue.mu);
+      tune_queue.pending.erase(key);
+      if (run && (!o.status.ok() || o.record.winner.empty())) tune_queue.failed.insert(key);
+    });
+    return true;
+  }
+
+  struct ResolveRequest {
+    const Family* family = nullptr;
+    Problem problem;
+    std::string arch, device_name, driver_version, pci;
+    jit::AutotuneMode mode = jit::AutotuneMode::off;
+  };
+
+  Status read_resolve_request(const json& req, ResolveRequest& out) {
+    std::string mode_name = "off";
+    KILN_TRY(read_tuning_request(req, out.family, out.problem));
+    KILN_TRY(required_string(req, "arch", out.arch));
+    KILN_TRY(validate_arch(out.arch));
+    KILN_TRY(optional_string(req, "device_name", out.device_name));
+    KILN_TRY(optional_string(req, "driver_version", out.driver_version));
+    KILN_TRY(optional_string(req, "pci_bus_id", out.pci));
+    KILN_TRY(optional_string(req, "autotune", mode_name));
+    auto mode = jit::parse_autotune_mode(mode_name);
+    if (!mode) return invalid_argument("autotune must be off, background or wait (got '" + mode_name + "')");
+    out.mode = *mode;
+    return {};
+  }
+
+  // The winner of a tuning run made now (resolve with autotune wait); nullopt if there is none.
+  awaitable<std::optional<Params>> tune_for_resolve(const ResolveRequest& q, json& reply) {
+    TuneOutcome t = co_await run_tune(q.family, q.problem, 0, q.pci);
+    if (!t.status.ok()) {
+      reply["tune_error"] = t.status.message();
+      co_return std::nullopt;
+    }
+    co_return usable_winner(*q.family, t.record.winner, q.problem);
+  }
+
+  // GCC 12 warns here that asio's coroutine frame is freed by a mismatched operator delete: a false
+  // positive of its inliner on class-specific frame allocators (the pair does match).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+  awaitable<json> handle_resolve(const json& req) {
+    ResolveRequest q;
+    if (Status s = read_resolve_request(req, q); !s.ok()) co_return error_reply(s);
+    LookupOutcome found = co_await lookup_tuned(q.family, q.problem, q.arch, q.device_name, q.driver_version);
+    if (!found.status.ok()) co_return error_reply(found.status);
+
+    const std::string signature = q.family->signature(q.problem);
+    json r = ok_reply();
+    r["signature"] = signature;
+    std::optional<Params> tuned;
+    if (found.record) tuned = usable_winner(*q.family, found.record->winner, q.problem);
+    bool queued = false;
+    if (!tuned && q.mode == jit::AutotuneMode::wait) {
+      tuned = co_await tune_for_resolve(q, r);
+    } else if (!tuned && (q.mode == jit::AutotuneMode::background || options.autotune)) {
+      const auto& st = found.setup;
+      queued = queue_tuning(q.family, q.problem, q.pci,
+                            std::string(q.family->name()) + "|" + signature + "|" + st.arch + "|" + st.device_name +
+                                "|" + st.driver_version + "|" + st.toolchain);
+    }
+    r["params"] = (tuned ? *tuned : q.family->heuristic(q.problem)).canonical();
+    r["tuned"] = tuned.has_value();
+    r["queued"] = queued;
+    co_return r;
+  }
+#pragma GCC diagnostic pop
+
+  // The setup's fingerprint and the table row for problem's signature, on the cache pool.
+  awaitable<LookupOutcome> lookup_tuned(const Family* family, const Problem& problem, const std::string& arch,
+                                        const std::string& device_name, const std::string& driver_version) {
+    const std::string signature = family->signature(problem);
+    std::vector<std::function<LookupOutcome(bool)>> jobs;
+    jobs.push_back([this, family, problem, arch, device_name, driver_version, signature](bool run) {
+      LookupOutcome o;
+      if (!run) {
+        o.status = shutting_down_status();
+        return o;
+      }
+      auto setup = jit::tuning_setup(*family, problem, arch, device_name, driver_version);
+      if (!setup.ok()) {
+        o.status = setup.status();
+        return o;
+      }
+      o.setup = *setup;
+      auto r = tuning->lookup(std::string(family->name()), signature, o.setup);
+      if (r.ok())
+        o.record = std::move(r).value();
+      else
+        o.status = r.status();
+      return o;
+    });
+    auto out = co_await async_offload<LookupOutcome>(*aux_pool, WorkPool::Lane::interactive, std::move(jobs), use_awaitable);
+    co_return std::move(out.front());
+  }
+
+  awaitable<json> handle_tune(const json& req) {
+    const Family* family = nullptr;
+    Problem problem;
+    std::string pci;
+    int device = 0;
+    Status s = read_tuning_request(req, family, problem);
+    if (s.ok()) s = optional_string(req, "pci_bus_id", pci);
+    if (s.ok())
+      if (auto it = req.find("device"); it != req.end()) {
+        if (!it->is_number_integer() || it->get<std::int64_t>() < 0 || it->get<std::int64_t>() > 1024)
+          s = invalid_argument("field 'device' must be a device ordinal");
+        else
+          device = it->get<int>();
+      }
+    if (!s.ok()) co_return error_reply(s);
+    TuneOutcome t = co_await run_tune(family, problem, device, pci);
+    if (!t.status.ok()) co_return error_reply(t.status);
+    json r = ok_reply();
+    r["record"] = tuning_record_to_json(t.record);
+    co_return r;
+  }
+
   awaitable<json> handle_stats() {
     std::vector<std::function<StatsOutcome(bool)>> jobs;
     jobs.push_back([this](bool run) {
@@ -634,10 +901,15 @@ struct Server::Impl {
         {"active_connections", static_cast<std::int64_t>(connections.size())},
         {"requests", requests_total},
         {"errors", errors_total},
+        {"evicted_connections", evicted_total},
         {"pch", options.use_pch},
         {"jobs", static_cast<std::int64_t>(compile_pool->threads())},
         {"compiles_running", static_cast<std::int64_t>(compile_pool->running())},
         {"compiles_queued", static_cast<std::int64_t>(compile_pool->queued())},
+        {"compile_timeout_ms", static_cast<std::int64_t>(options.compile_timeout.count())},
+        {"compile_timeouts", workers ? workers->timeouts() : 0},
+        {"compile_worker_deaths", workers ? workers->worker_deaths() : 0},
+        {"compile_workers_started", workers ? workers->workers_started() : 0},
         {"socket", instance->socket_path().string()},
     };
     r["builder"] = builder_stats_to_json(builder->stats());
@@ -654,6 +926,7 @@ Server::~Server() {
   if (impl_ && impl_->compile_pool) {
     impl_->compile_pool->stop();
     impl_->aux_pool->stop();
+    impl_->tune_pool->stop();
   }
 }
 
@@ -673,14 +946,27 @@ Result<std::unique_ptr<Server>> Server::create(const ServerOptions& options, boo
     return claim_error.status;
   }
 
-  auto store = cache::Store::open(options.cache_file);
+  std::filesystem::path moved_to;
+  auto store = cache::Store::open_recovering(options.cache_file, &moved_to);
+  if (!moved_to.empty())
+    log_error("the cache " + options.cache_file.string() + " was damaged; moved it to " + moved_to.string() +
+              " and started an empty one");
   if (!store.ok())
     return Status(store.status().code(), "cannot open the cache " + options.cache_file.string() + ": " +
                                              store.status().message(),
                   store.status().details());
   impl->store = std::move(store).value();
+  if (impl->store->read_only())
+    log_warn("the cache " + options.cache_file.string() +
+             " is read-only: cached kernels are served, new ones are compiled but not stored");
   jit::BuilderOptions bo;
   bo.use_pch = options.use_pch;
+  if (options.compile_timeout.count() > 0) {
+    // /proc/self/exe, not its target: the running image, even after kilnd is replaced on disk,
+    // so a worker always speaks its daemon's pipe format.
+    impl->workers = std::make_unique<CompileWorkers>("/proc/self/exe", options.compile_timeout);
+    bo.compiler = [w = impl->workers.get()](const jit::CompileRequest& r) { return w->compile(r); };
+  }
   impl->builder = std::make_unique<jit::Builder>(impl->store.get(), &Registry::global(), bo);
 
   boost::system::error_code ec;
@@ -692,6 +978,11 @@ Result<std::unique_ptr<Server>> Server::create(const ServerOptions& options, boo
   }
   impl->compile_pool = std::make_unique<WorkPool>(impl->options.jobs, "compile pool");
   impl->aux_pool = std::make_unique<WorkPool>(1, "cache pool");
+  auto tuning = cache::TuningTable::open(*impl->store);
+  if (!tuning.ok()) return tuning.status();
+  impl->tuning = std::move(tuning).value();
+  impl->tuner = std::make_unique<jit::Tuner>(impl->builder.get(), impl->tuning.get());
+  impl->tune_pool = std::make_unique<WorkPool>(1, "tune pool");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -702,6 +993,9 @@ int Server::run() {
   s.signals.add(SIGINT, ec);
   // A client that hangs up mid-reply must be an error code on that socket, not a dead daemon.
   std::signal(SIGPIPE, SIG_IGN);
+  // Past a file size limit (RLIMIT_FSIZE) a write must fail with EFBIG, which the store counts
+  // and survives, instead of SIGXFSZ ending the daemon.
+  std::signal(SIGXFSZ, SIG_IGN);
 
   s.started = Clock::now();
   log_info(std::string("kilnd ") + KILN_VERSION + " listening on " + s.instance->socket_path().string() +
@@ -722,6 +1016,9 @@ int Server::run() {
   }
   s.compile_pool->join();
   s.aux_pool->join();
+  s.tune_pool->join();
+  // Nothing writes any more: fold the WAL into the database so the file stands alone.
+  if (Status cs = s.store->checkpoint(); !cs.ok()) log_warn("WAL checkpoint at stop failed: " + cs.to_string());
   s.instance->remove_socket();
   const double up = std::chrono::duration<double>(Clock::now() - s.started).count();
   log_info("stopped after " + format_ms(up * 1000.0) + " ms: " + std::to_string(s.connections_total) +

@@ -28,7 +28,16 @@ struct ServerOptions {
   std::chrono::milliseconds idle_timeout{60'000};
   std::chrono::milliseconds frame_timeout{10'000};
   std::chrono::milliseconds write_timeout{60'000};
-  std::size_t max_connections = 256;  // further connections are closed at once
+  // At the cap, the connection waiting longest without being served is closed to admit a new
+  // one; only when every connection is being served is the new one refused.
+  std::size_t max_connections = 256;
+  // Each compile runs in a worker process that is killed when it takes longer than this: the
+  // request fails with Code::timeout (daemon/compile_workers.h). Zero: compile in-process, with no
+  // deadline. Below the client library's 120 s for a get, so that a client hears why.
+  std::chrono::milliseconds compile_timeout{60'000};
+  // Queue background tuning for every resolve whose signature has no tuned winner, whatever the
+  // client asked (kilnd --autotune; docs/autotune.md).
+  bool autotune = false;
 };
 
 // Process exit codes of kilnd.

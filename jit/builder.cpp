@@ -18,6 +18,8 @@ struct Builder::Flight {
 
 namespace {
 
+constexpr std::size_t k_max_remembered_failures = 4096;
+
 struct Prepared {
   const Family* family = nullptr;
   Rendered rendered;
@@ -75,6 +77,10 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
   {
     std::lock_guard lock(mu_);
     ++stats_.requests;
+    if (auto f = failed_.find(key); f != failed_.end()) {
+      ++stats_.negative_hits;
+      return f->second;
+    }
     auto it = in_flight_.find(key);
     if (it != in_flight_.end()) {
       flight = it->second;
@@ -93,7 +99,7 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
 
   Result<Artifact> result = [&]() -> Result<Artifact> {
     if (store_) {
-      auto hit = store_->get(key);
+      auto hit = store_->get(key, cache::Expected{arch, prepared.key.toolchain});
       if (hit.ok() && hit->has_value()) {
         std::lock_guard lock(mu_);
         ++stats_.cache_hits;
@@ -104,11 +110,24 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
     KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
     CompileRequest req{prepared.rendered.source, prepared.rendered.name_expression, prepared.rendered.options, arch,
                        options_.use_pch, &templates()};
-    auto compiled = nvrtc->compile(req);
+    auto run = [&](const CompileRequest& r) { return options_.compiler ? options_.compiler(r) : nvrtc->compile(r); };
+    auto compiled = run(req);
+    // NVRTC's automatic PCH needs file-backed memory; with the disk full (or a file size limit)
+    // it fails before looking at the source. The kernel itself is fine: compile it without PCH.
+    if (!compiled.ok() && req.use_pch &&
+        compiled.status().details().find("unable to obtain mapped memory") != std::string::npos) {
+      req.use_pch = false;
+      compiled = run(req);
+    }
     {
       std::lock_guard lock(mu_);
       ++stats_.compiles;
       if (!compiled.ok()) ++stats_.compile_failures;
+      // Only NVRTC's verdict on the source is remembered; a missing NVRTC may be fixed meanwhile.
+      if (!compiled.ok() && compiled.status().code() == Code::compile_error) {
+        if (failed_.size() >= k_max_remembered_failures) failed_.clear();
+        failed_.emplace(key, compiled.status());
+      }
     }
     if (!compiled.ok()) return compiled.status();
     cache::Entry e;
@@ -132,8 +151,11 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
       Status s = store_->put(e);
       if (!s.ok()) {
         std::lock_guard lock(mu_);
-        ++stats_.store_failures;
-        std::fprintf(stderr, "kiln: compiled %s but could not store it: %s\n", key.c_str(), s.to_string().c_str());
+        // A full disk or read-only file fails every store: one line in the log, the rest counted
+        // (stats: store_failures), and the kernel is served anyway.
+        if (++stats_.store_failures == 1)
+          std::fprintf(stderr, "kiln: compiled %s but could not store it (further store failures are only counted): %s\n",
+                       key.c_str(), s.to_string().c_str());
       }
     }
     return Artifact{std::move(e), ArtifactSource::compiled};

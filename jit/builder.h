@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -15,6 +16,7 @@
 #include <string>
 
 #include "cache/store.h"
+#include "jit/nvrtc.h"
 #include "kiln/family.h"
 #include "kiln/spec.h"
 #include "kiln/status.h"
@@ -34,6 +36,10 @@ struct BuilderOptions {
   bool use_pch = false;  // NVRTC automatic PCH; worth it in a long-lived process
   // The headers kernels are compiled against; null: TemplateSet::active(). Not owned.
   const TemplateSet* templates = nullptr;
+  // Runs one NVRTC compile; null: in this process. kilnd sets it to compile in a worker process
+  // under a deadline (daemon/compile_workers.h); a worker compiles against TemplateSet::active(),
+  // so it is not combined with `templates`.
+  std::function<Result<CompileOutput>(const CompileRequest&)> compiler = nullptr;
 };
 
 struct BuilderStats {
@@ -43,6 +49,7 @@ struct BuilderStats {
   std::int64_t compile_failures = 0;
   std::int64_t coalesced = 0;         // requests that waited on another's in-flight compile
   std::int64_t store_failures = 0;    // compiled but could not be stored (still served)
+  std::int64_t negative_hits = 0;     // requests answered from a remembered compile failure
 };
 
 class Builder {
@@ -69,6 +76,10 @@ class Builder {
   BuilderOptions options_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Flight>> in_flight_;
+  // Keys whose compile failed, with the error (log and options). The key hashes the source,
+  // options and toolchain, so the same key fails the same way again: it is answered from here
+  // instead of running NVRTC once per request. Bounded; cleared when full.
+  std::map<std::string, Status> failed_;
   BuilderStats stats_;
 };
 

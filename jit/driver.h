@@ -70,4 +70,9 @@ struct Driver {
 // returns it.
 Result<CUcontext> current_context(int device_ordinal = 0);
 
+// Lets `fn` (loaded in the current context) take as much dynamic shared memory as the device
+// grants one block. Families size it per problem (LaunchGeometry::shared_bytes), and above 48 KiB
+// the driver refuses a launch without this opt-in; every loader calls it once per function.
+Status allow_dynamic_smem(CUfunction fn);
+
 }  // namespace kiln::jit

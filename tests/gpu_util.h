@@ -3,12 +3,16 @@
 
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <random>
 #include <vector>
+
+#include <execinfo.h>
+#include <unistd.h>
 
 #include "common/half.h"
 #include "jit/driver.h"
@@ -62,6 +66,22 @@ inline double rel_l2(const void* got, const void* want, DType t, const std::vect
   }
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
+
+// GPU tests run on a lent machine without a debugger: a crash prints the stack to stderr (resolve
+// the +0x offsets with `addr2line -f -C -e <test binary> <offset>` on the build machine) and then
+// dies of the same signal.
+inline void print_stack_and_die(int sig) {
+  static const char msg[] = "\n*** fatal signal in a GPU test binary; stack:\n";
+  (void)!write(2, msg, sizeof msg - 1);
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+inline const bool k_stack_on_crash = [] {
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) std::signal(sig, print_stack_and_die);
+  return true;
+}();
 
 // The fixture every GPU test shares: skips without a GPU; an embedded runtime on a private cache
 // (also KILN_CACHE_DIR for anything else the test starts); a fresh seed per test, printed by the

@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "jit/driver.h"
 #include "kiln/ops.h"
 
 struct kiln_runtime {
@@ -48,6 +49,15 @@ kiln::Status to_view(const kiln_tensor* t, const char* name, kiln::TensorView& o
   }
   return {};
 }
+
+// Converts each (C tensor, name) pair into its view; the first bad one is the error.
+template <std::size_t N>
+kiln::Status to_views(const kiln_tensor* const (&ts)[N], const char* const (&names)[N], kiln::TensorView (&out)[N]) {
+  for (std::size_t i = 0; i < N; ++i) KILN_TRY(to_view(ts[i], names[i], out[i]));
+  return {};
+}
+
+kiln::Runtime* runtime_of(kiln_runtime* rt) { return rt ? rt->rt.get() : nullptr; }
 
 template <class F>
 kiln_code guarded(F&& f) {
@@ -96,13 +106,139 @@ const char* kiln_runtime_resolver(kiln_runtime* rt) {
 kiln_code kiln_rms_norm(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* weight, const kiln_tensor* y,
                         double eps, void* stream) {
   return guarded([&] {
-    kiln::TensorView xv, wv, yv;
-    kiln::Status s = to_view(x, "x", xv);
-    if (s.ok()) s = to_view(weight, "weight", wv);
-    if (s.ok()) s = to_view(y, "y", yv);
-    if (!s.ok()) return fail(s);
-    return finish(kiln::rms_norm(xv, wv, yv, eps, stream, rt ? rt->rt.get() : nullptr));
+    kiln::TensorView v[3];
+    if (auto s = to_views({x, weight, y}, {"x", "weight", "y"}, v); !s.ok()) return fail(s);
+    return finish(kiln::rms_norm(v[0], v[1], v[2], eps, stream, runtime_of(rt)));
   });
+}
+
+kiln_code kiln_rms_norm_inv(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* weight, const kiln_tensor* y,
+                            const kiln_tensor* inv_rms, double eps, void* stream) {
+  if (!inv_rms) return kiln_rms_norm(rt, x, weight, y, eps, stream);
+  return guarded([&] {
+    kiln::TensorView v[4];
+    if (auto s = to_views({x, weight, y, inv_rms}, {"x", "weight", "y", "inv_rms"}, v); !s.ok()) return fail(s);
+    return finish(kiln::rms_norm(v[0], v[1], v[2], v[3], eps, stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_add_rms_norm(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* residual,
+                            const kiln_tensor* weight, const kiln_tensor* y, const kiln_tensor* residual_out,
+                            double eps, void* stream) {
+  return guarded([&] {
+    kiln::TensorView v[5];
+    if (auto s = to_views({x, residual, weight, y, residual_out}, {"x", "residual", "weight", "y", "residual_out"}, v);
+        !s.ok())
+      return fail(s);
+    return finish(kiln::add_rms_norm(v[0], v[1], v[2], v[3], v[4], eps, stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_act_and_mul(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* out, int32_t activation,
+                           void* stream) {
+  return guarded([&] {
+    if (activation < KILN_SILU || activation > KILN_GELU_TANH)
+      return fail(kiln::invalid_argument("act_and_mul: activation must be silu (0), gelu (1) or gelu_tanh (2)"));
+    kiln::TensorView v[2];
+    if (auto s = to_views({x, out}, {"x", "out"}, v); !s.ok()) return fail(s);
+    return finish(kiln::act_and_mul(v[0], v[1], static_cast<kiln::Activation>(activation), stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_apply_rope_qk(kiln_runtime* rt, const kiln_tensor* q, const kiln_tensor* k, const kiln_tensor* cos,
+                             const kiln_tensor* sin, const kiln_tensor* position_ids, const kiln_tensor* q_out,
+                             const kiln_tensor* k_out, int32_t layout, void* stream) {
+  return guarded([&] {
+    if (layout != KILN_ROPE_NEOX && layout != KILN_ROPE_GPTJ)
+      return fail(kiln::invalid_argument("apply_rope_qk: layout must be neox (0) or gptj (1)"));
+    kiln::TensorView v[7];
+    if (auto s = to_views({q, k, cos, sin, position_ids, q_out, k_out},
+                          {"q", "k", "cos", "sin", "position_ids", "q_out", "k_out"}, v);
+        !s.ok())
+      return fail(s);
+    return finish(kiln::apply_rope_qk(v[0], v[1], v[2], v[3], v[4], v[5], v[6], static_cast<kiln::RopeLayout>(layout),
+                                      stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_rms_norm_rope(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* weight,
+                             const kiln_tensor* cos, const kiln_tensor* sin, const kiln_tensor* out, double eps,
+                             int64_t num_heads, void* stream) {
+  return guarded([&] {
+    kiln::TensorView v[5];
+    if (auto s = to_views({x, weight, cos, sin, out}, {"x", "weight", "cos", "sin", "out"}, v); !s.ok()) return fail(s);
+    return finish(kiln::rms_norm_rope(v[0], v[1], v[2], v[3], v[4], eps, num_heads, stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_rms_norm_backward(kiln_runtime* rt, const kiln_tensor* dy, const kiln_tensor* x,
+                                 const kiln_tensor* weight, const kiln_tensor* inv_rms, const kiln_tensor* dx,
+                                 const kiln_tensor* dw, const kiln_tensor* workspace, void* stream) {
+  return guarded([&] {
+    kiln::TensorView v[6], ws;
+    if (auto s = to_views({dy, x, weight, inv_rms, dx, dw}, {"dy", "x", "weight", "inv_rms", "dx", "dw"}, v); !s.ok())
+      return fail(s);
+    if (workspace)
+      if (auto s = to_view(workspace, "workspace", ws); !s.ok()) return fail(s);
+    return finish(kiln::rms_norm_backward(v[0], v[1], v[2], v[3], v[4], v[5], stream, runtime_of(rt),
+                                          workspace ? &ws : nullptr));
+  });
+}
+
+kiln_code kiln_rms_norm_backward_workspace_elements(const kiln_tensor* x, int64_t* out) {
+  return guarded([&] {
+    if (!out) return fail(kiln::invalid_argument("out is NULL"));
+    kiln::TensorView xv;
+    if (auto s = to_view(x, "x", xv); !s.ok()) return fail(s);
+    auto n = kiln::rms_norm_backward_workspace_elements(xv);
+    if (!n.ok()) return fail(n.status());
+    *out = *n;
+    return finish({});
+  });
+}
+
+kiln_code kiln_runtime_get_counters(kiln_runtime* rt, kiln_runtime_counters* out) {
+  return guarded([&] {
+    if (!out) return fail(kiln::invalid_argument("out is NULL"));
+    kiln::Runtime* r = runtime_of(rt);
+    if (!r) {
+      auto shared = kiln::Runtime::shared();
+      if (!shared.ok()) return fail(shared.status());
+      r = *shared;
+    }
+    const kiln::RuntimeCounters c = r->counters();
+    *out = {c.table_hits, c.from_daemon, c.from_embedded, c.module_loads};
+    return finish({});
+  });
+}
+
+kiln_code kiln_pointer_device(const void* ptr, int32_t* kind, int32_t* index) {
+  return guarded([&] {
+    if (!kind || !index) return fail(kiln::invalid_argument("kind or index is NULL"));
+    *kind = KILN_CPU;
+    *index = 0;
+    auto d = kiln::jit::Driver::get();
+    if (!d.ok() || !ptr) return finish({});
+    unsigned int mem_type = 0;
+    int ordinal = -1;
+    CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+    void* values[2] = {&mem_type, &ordinal};
+    // An error here means memory the driver does not know: host memory.
+    if ((*d)->pointer_get_attributes(2, attrs, values, reinterpret_cast<CUdeviceptr>(ptr)) == CUDA_SUCCESS &&
+        (mem_type == CU_MEMORYTYPE_DEVICE || mem_type == CU_MEMORYTYPE_UNIFIED) && ordinal >= 0) {
+      *kind = KILN_CUDA;
+      *index = ordinal;
+    }
+    return finish({});
+  });
+}
+
+const char* kiln_runtime_resolver_name(kiln_runtime* rt) {
+  if (rt) return kiln_runtime_resolver(rt);
+  thread_local std::string name;
+  auto shared = kiln::Runtime::shared();
+  name = shared.ok() ? (*shared)->resolver() : std::string();
+  return name.c_str();
 }
 
 }  // extern "C"

@@ -122,6 +122,33 @@ class ActAndMul final : public Family {
     return out;
   }
 
+  // Row strides default to contiguous rows (2d for x, d for out), the activation to silu.
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    auto full = shape;
+    std::int64_t d = -1;
+    bool x_stride = false, out_stride = false, act = false;
+    for (const auto& [n, v] : shape) {
+      if (n == "d") d = v;
+      x_stride |= n == "x_row_stride";
+      out_stride |= n == "out_row_stride";
+      act |= n == "activation";
+    }
+    if (!x_stride && d >= 0) full.emplace_back("x_row_stride", 2 * d);
+    if (!out_stride && d >= 0) full.emplace_back("out_row_stride", d);
+    if (!act) full.emplace_back("activation", std::int64_t(k_am_silu));
+    return Family::problem_from_shape(dtype, full);
+  }
+
+  // Tokens x d (the output width), contiguous, silu.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    for (std::int64_t rows : {1, 16, 512, 4096, 32768})
+      for (std::int64_t d : {2048, 4096, 5120, 8192, 16384, 65536})
+        out.push_back(problem_from_shape(dtype, {{"rows", rows}, {"d", d}}).value());
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto rows = p.dims[k_am_rows], d = p.dims[k_am_d];
     auto extent = [&](std::int64_t stride, std::int64_t cols) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };

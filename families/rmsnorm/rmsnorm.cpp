@@ -96,6 +96,45 @@ class RmsNorm final : public Family {
     return out;
   }
 
+  // Row strides default to the row length (contiguous rows), sms to 0 (one block per row), eps to
+  // 1e-6.
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    auto full = shape;
+    std::int64_t cols = -1;
+    bool x_stride = false, y_stride = false, sms = false;
+    for (const auto& [n, v] : shape) {
+      if (n == "cols") cols = v;
+      x_stride |= n == "x_row_stride";
+      y_stride |= n == "y_row_stride";
+      sms |= n == "sms";
+    }
+    if (!x_stride && cols >= 0) full.emplace_back("x_row_stride", cols);
+    if (!y_stride && cols >= 0) full.emplace_back("y_row_stride", cols);
+    if (!sms) full.emplace_back("sms", 0);
+    KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, full));
+    p.scalars[k_eps] = 1e-6;
+    return p;
+  }
+
+  // The SM count only caps the grid (a property of the device, which the tuning key already
+  // holds): problems that differ in it alone share a signature, so a winner tuned by `kiln tune`
+  // (sms=0 unless given) serves the typed op (which passes the device's count).
+  std::string signature(const Problem& problem) const override {
+    Problem p = problem;
+    p.dims[k_sms] = 0;
+    return Family::signature(p);
+  }
+
+  // The benchmark shapes of docs/benchmarks.md: tokens x hidden, contiguous.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    for (std::int64_t rows : {1, 16, 512, 4096, 32768})
+      for (std::int64_t cols : {2048, 4096, 5120, 8192, 16384, 65536})
+        out.push_back(problem_from_shape(dtype, {{"rows", rows}, {"cols", cols}}).value());
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
     auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
@@ -172,20 +211,36 @@ std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
 }
 
 RmsNormChoice rmsnorm_heuristic(const Problem& p) {
-  // Measured on an H100 (docs/benchmarks.md, bench section `variants`, 2026-11-22) with the
-  // 64-register cap: 8-byte accesses and eight packs per thread (the whole register cache) were
-  // best or within 1% of it at 4096 x {2048 .. 16384} and 32768 x {4096, 8192}; blocks stay within
-  // 64..512 threads, so 64K-element rows keep 24 of their 32 packs per thread in shared memory
-  // (81.8% of the copy bandwidth, against 59.6% for 1024 threads and 16-byte packs).
+  // Measured on an H100 (docs/benchmarks.md: bench section `variants` and scripts/tune_report.sh,
+  // 2026-11-22), with the 64-register cap:
+  // - 2048 rows and more: 8-byte accesses, eight packs per thread (the whole register cache), blocks
+  //   of 64..512 threads; best or within 1% of the best at 4096 and 32768 rows for hidden 2048 ..
+  //   16384, and 64K-element rows keep 24 of their 32 packs per thread in shared memory (81.8% of
+  //   the copy bandwidth, against 59.6% for 1024 threads and 16-byte packs).
+  // - Fewer rows (under a wave of blocks): narrower accesses, more threads per row. Up to 64 rows,
+  //   1024 threads (tuned 1.2-1.6x faster than the rule above at 1
+  //   and 16 rows), accesses widened (up to 8 bytes) only while each thread keeps at least eight;
+  //   up to 2048 rows, 4-byte accesses and 16 packs per thread (1.05-1.1x at 512 rows).
   const int esize = int(dtype_size(p.dtype));
-  int vec = std::max(1, 8 / esize);
+  const std::int64_t rows = p.dims[k_rows], cols = p.dims[k_cols];
+  int pack_bytes = rows >= 2048 ? 8 : 4;
+  if (rows <= 64) {
+    pack_bytes = esize;
+    while (pack_bytes < 8 && std::int64_t(pack_bytes) * 2 * 1024 * 8 <= cols * esize) pack_bytes *= 2;
+  }
+  int vec = std::max(1, pack_bytes / esize);
   // The widest access that every row start and the weight allow.
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.dims[k_x_stride] % vec ||
-                     p.dims[k_y_stride] % vec || p.dims[k_cols] < vec))
+                     p.dims[k_y_stride] % vec || cols < vec))
     vec /= 2;
-  const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_cols] / vec);
+  const std::int64_t packs = std::max<std::int64_t>(1, cols / vec);
   int block = 64;
-  while (block < 512 && block * 8 < packs) block *= 2;
+  if (rows <= 64) {
+    block = 1024;
+  } else {
+    const int per_thread = rows >= 2048 ? 8 : 16;
+    while (block < 512 && block * per_thread < packs) block *= 2;
+  }
   return {block, vec};
 }
 

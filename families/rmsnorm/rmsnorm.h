@@ -7,10 +7,12 @@
 // Buffers: x (input), w (input, [cols]), y (output), inv_rms (output, f32 [rows]; may be null:
 // then it is not written). Rows longer than the register cache keep the rest in dynamic shared
 // memory (rmsnorm_smem_packs), up to 96 KiB.
-// Heuristic (measured on an H100 with bench section `variants`): 8-byte accesses, narrowed until
-// the buffers' alignment and row strides allow them; the smallest block of 64..512 threads giving
-// at most eight packs per thread (longer rows keep the rest in shared memory). With the SM count
-// in the problem, variants whose rows fit half their register cache pipeline on a capped grid.
+// Heuristic (measured on an H100 with bench section `variants` and the tuner): from 2048 rows,
+// 8-byte accesses and the smallest block of 64..512 threads giving at most eight packs per thread
+// (longer rows keep the rest in shared memory); under 2048 rows 4-byte accesses and 16 packs per
+// thread; up to 64 rows 1024 threads, accesses widened only while each thread keeps eight. Accesses
+// narrow until the buffers' alignment and row strides allow them. With the SM count in the problem,
+// variants whose rows fit half their register cache pipeline on a capped grid.
 #pragma once
 
 #include "kiln/family.h"

@@ -136,7 +136,29 @@ class Family {
   // host memory and in the order of buffers().
   virtual Status cpu_reference(const Params& params, const Problem& problem,
                                std::span<void* const> buffers) const = 0;
+
+  // ---- tuning (docs/autotune.md) ----
+  // The Problem::dims slot that tuning signatures bucket to powers of two (the token or row count,
+  // which varies call to call); -1 for none. Default: slot 0.
+  virtual int bucketed_dim() const { return 0; }
+  // The key tuning results are stored under: "dtype=bf16,align=16,rows<=4096,cols=4096,...".
+  // Default: the bucketed dim rounded up to a power of two (tuning_bucket), every other dim exact,
+  // dtype and alignment included, scalars left out. Problems with one signature share a winner.
+  virtual std::string signature(const Problem& problem) const;
+  // The problem timed for problem's signature: problem with its bucketed dim set to the bucket's
+  // upper bound, so every member of a bucket is tuned on the same instance.
+  virtual Problem tuning_problem(const Problem& problem) const;
+  // A problem from named sizes (`kiln tune --shape rows=4096,cols=4096`), 16-byte aligned. The
+  // default needs every dim named; families fill in what follows from the rest (contiguous row
+  // strides, say) and default scalars.
+  virtual Result<Problem> problem_from_shape(DType dtype,
+                                             const std::vector<std::pair<std::string, std::int64_t>>& shape) const;
+  // The shapes `kiln tune --all` tunes (the family's benchmark shapes); empty when none declared.
+  virtual std::vector<Problem> benchmark_problems(DType dtype) const { return {}; }
 };
+
+// The bucket a size falls in for tuning: the smallest power of two >= n (0 for n <= 0).
+std::int64_t tuning_bucket(std::int64_t n);
 
 // Families by name. Thread-safe. The global registry starts with the built-in families.
 class Registry {

@@ -2,6 +2,18 @@
  *
  * Every function returns a kiln_code (0 is success). On failure, kiln_last_error() returns the
  * message for the calling thread until its next kiln call. No C++ exception crosses this boundary.
+ *
+ * Versioning: KILN_ABI_VERSION grows when functions are added; existing functions, enum values
+ * and struct layouts never change meaning. A caller that needs version N checks
+ * kiln_abi_version() >= N at load time. Version 1: runtime and kiln_rms_norm. Version 2: every
+ * typed op (RMSNorm with inv_rms and backward, add + RMSNorm, activation-and-mul, RoPE, RMSNorm +
+ * RoPE), the runtime counters and kiln_pointer_device.
+ *
+ * Each op is the C++ op of the same name in kiln/ops.h, with that contract: it validates every
+ * tensor and returns KILN_DEVICE_ERROR, KILN_SHAPE_MISMATCH, KILN_UNSUPPORTED_DTYPE or
+ * KILN_INVALID_ARGUMENT before anything is compiled or launched. A successful call on CUDA memory
+ * has only enqueued the kernel on `stream`. After the first call for a shape, a call allocates
+ * nothing and looks nothing up by string (the runtime's fast path); the error path does allocate.
  */
 #ifndef KILN_KILN_H
 #define KILN_KILN_H
@@ -12,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KILN_ABI_VERSION 1
+#define KILN_ABI_VERSION 2
 
 /* Same values as kiln::Code. */
 typedef enum kiln_code {
@@ -67,9 +79,72 @@ void kiln_runtime_destroy(kiln_runtime* rt);
 /* "daemon" or "embedded" (valid for the runtime's lifetime). */
 const char* kiln_runtime_resolver(kiln_runtime* rt);
 
-/* rt may be NULL for the process-wide runtime. stream is a CUstream (NULL: default stream). */
+/* In every op below, rt may be NULL for the process-wide runtime (KILN_MODE picks its resolver)
+ * and stream is a CUstream (NULL: the legacy default stream). Tensors all on the CPU run the
+ * op's CPU fallback where it has one (all but kiln_rms_norm_rope). */
+
+/* y = x * rsqrt(mean(x^2, last dim) + eps) * weight. */
 kiln_code kiln_rms_norm(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* weight,
                         const kiln_tensor* y, double eps, void* stream);
+
+/* --- ABI version 2 --- */
+
+/* kiln_rms_norm that also writes inv_rms (f32, one value per row, contiguous); inv_rms may be
+ * NULL. */
+kiln_code kiln_rms_norm_inv(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* weight,
+                            const kiln_tensor* y, const kiln_tensor* inv_rms, double eps, void* stream);
+
+/* h = x + residual; residual_out = h; y = rms_norm(h) * weight. */
+kiln_code kiln_add_rms_norm(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* residual,
+                            const kiln_tensor* weight, const kiln_tensor* y, const kiln_tensor* residual_out,
+                            double eps, void* stream);
+
+/* Same values as kiln::Activation. */
+typedef enum kiln_activation { KILN_SILU = 0, KILN_GELU = 1, KILN_GELU_TANH = 2 } kiln_activation;
+
+/* out = act(x[..., :d]) * x[..., d:]. activation: a kiln_activation. */
+kiln_code kiln_act_and_mul(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* out, int32_t activation,
+                           void* stream);
+
+/* Same values as kiln::RopeLayout. */
+typedef enum kiln_rope_layout { KILN_ROPE_NEOX = 0, KILN_ROPE_GPTJ = 1 } kiln_rope_layout;
+
+/* Rotary embedding of q and k at position_ids; layout: a kiln_rope_layout. */
+kiln_code kiln_apply_rope_qk(kiln_runtime* rt, const kiln_tensor* q, const kiln_tensor* k, const kiln_tensor* cos,
+                             const kiln_tensor* sin, const kiln_tensor* position_ids, const kiln_tensor* q_out,
+                             const kiln_tensor* k_out, int32_t layout, void* stream);
+
+/* Fused RMSNorm + RoPE (CUDA only); num_heads 0 infers hidden / head_dim. */
+kiln_code kiln_rms_norm_rope(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* weight,
+                             const kiln_tensor* cos, const kiln_tensor* sin, const kiln_tensor* out, double eps,
+                             int64_t num_heads, void* stream);
+
+/* RMSNorm backward from the forward's inv_rms. workspace may be NULL (a workspace cached per
+ * context and stream, allocated with cuMemAlloc on first use: not during CUDA graph capture);
+ * otherwise f32, contiguous, CUDA, at least kiln_rms_norm_backward_workspace_elements(x). */
+kiln_code kiln_rms_norm_backward(kiln_runtime* rt, const kiln_tensor* dy, const kiln_tensor* x,
+                                 const kiln_tensor* weight, const kiln_tensor* inv_rms, const kiln_tensor* dx,
+                                 const kiln_tensor* dw, const kiln_tensor* workspace, void* stream);
+/* The f32 elements kiln_rms_norm_backward needs as workspace for tensors like x (0 on the CPU). */
+kiln_code kiln_rms_norm_backward_workspace_elements(const kiln_tensor* x, int64_t* out);
+
+/* Same fields as kiln::RuntimeCounters. */
+typedef struct kiln_runtime_counters {
+  int64_t table_hits;
+  int64_t from_daemon;
+  int64_t from_embedded;
+  int64_t module_loads;
+} kiln_runtime_counters;
+
+/* The counters of rt (NULL: the process-wide runtime, created if need be). */
+kiln_code kiln_runtime_get_counters(kiln_runtime* rt, kiln_runtime_counters* out);
+/* Where ptr lives, asked of the CUDA driver: *kind is KILN_CUDA and *index the device ordinal
+ * for device or managed memory, KILN_CPU otherwise (also when no driver can be loaded). For FFI
+ * tensors that carry no device index (__cuda_array_interface__). */
+kiln_code kiln_pointer_device(const void* ptr, int32_t* kind, int32_t* index);
+
+/* The resolver of rt, or of the process-wide runtime for NULL ("" before its first kernel). */
+const char* kiln_runtime_resolver_name(kiln_runtime* rt);
 
 #ifdef __cplusplus
 }

@@ -27,8 +27,18 @@ enum class ResolverMode {
   daemon,     // always the daemon; an error if it is not running
 };
 
+// Tuning on a shape's first call (docs/autotune.md). Tuned winners are always used when the
+// tuning table has one for the problem's signature on this GPU, driver and toolchain.
+enum class Autotune {
+  from_env,    // KILN_AUTOTUNE: unset or 0 -> off, 1 -> background, wait -> wait
+  off,         // use tuned winners, never start tuning
+  background,  // also ask kilnd to tune missing signatures in the background (never waits)
+  wait,        // tune a missing signature before the first launch (in kilnd, or in-process)
+};
+
 struct RuntimeOptions {
   ResolverMode mode = ResolverMode::automatic;
+  Autotune autotune = Autotune::from_env;
   std::string socket_path;  // empty: kiln's default (KILN_SOCKET, XDG_RUNTIME_DIR ...)
   std::string cache_file;   // empty: kiln's default (KILN_CACHE_DIR, XDG_CACHE_HOME ...)
 };
@@ -48,6 +58,7 @@ struct RuntimeCounters {
   std::int64_t from_daemon = 0;     // cubins received from kilnd
   std::int64_t from_embedded = 0;   // cubins from the in-process builder (cache or compile)
   std::int64_t module_loads = 0;
+  std::int64_t tuned_choices = 0;   // first calls for a shape that ran a tuned winner
 };
 
 class Runtime {
@@ -63,7 +74,8 @@ class Runtime {
   // Checks the problem against the kernel's family and launches on `stream`.
   virtual Status launch(const Kernel& kernel, const Problem& problem, std::span<void* const> buffers,
                         Stream stream) = 0;
-  // The path typed ops take: picks the family's variant for `problem` (its heuristic), resolves and
+  // The path typed ops take: picks the family's variant for `problem` (the tuned winner for the
+  // problem's signature when there is one, else its heuristic; see Autotune), resolves and
   // loads it on first use, and launches on `stream`. After the first call for a given context,
   // family and problem shape (dims, dtype, alignment; scalars excluded), the variant, its
   // function and launch geometry come from a hash table: no spec strings, no parameter maps. The

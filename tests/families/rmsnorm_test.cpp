@@ -69,14 +69,22 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 8192)).block, 256);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 512);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 2048)).block, 64);
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 1, 4096)).vec, 2);
-  auto wide = rmsnorm_heuristic(problem(DType::bf16, 1, 65536));  // 32 packs per thread, 24 in shared memory
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 4096, 4096)).vec, 2);
+  auto wide = rmsnorm_heuristic(problem(DType::bf16, 4096, 65536));  // 32 packs per thread, 24 in shared memory
   EXPECT_EQ(wide.vec, 4);
   EXPECT_EQ(wide.block, 512);
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 8, 4095)).vec, 1);   // odd rows: row starts misalign
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f16, 8, 4094)).vec, 2);
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 8, 4096, 4096, 4096, 4)).vec, 2);  // 4-byte aligned buffers
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 2048, 4095)).vec, 1);   // odd rows: row starts misalign
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f16, 2048, 4094)).vec, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 2048, 4096, 4096, 4096, 4)).vec, 2);  // 4-byte aligned buffers
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 3)).vec, 1);
+  // Under 2048 rows: 4-byte accesses, 16 packs per thread.
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 512, 4096)).vec, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 512, 4096)).block, 128);
+  // Decode (up to 64 rows): 1024 threads, accesses widened only while each thread keeps eight.
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).block, 1024);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).vec, 1);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 16, 16384)).vec, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 1, 65536)).vec, 2);
   // Whatever it picks must pass check_problem.
   for (auto cols : {1, 3, 7, 64, 1000, 4095, 4096, 5120, 65536}) {
     for (auto t : {DType::f32, DType::f16, DType::bf16}) {

@@ -1,0 +1,62 @@
+// The Family base's tuning defaults: signatures with a power-of-two bucket, the problem a bucket
+// is tuned on, and problems from named sizes.
+#include <algorithm>
+
+#include "kiln/family.h"
+
+namespace kiln {
+
+std::int64_t tuning_bucket(std::int64_t n) {
+  if (n <= 0) return 0;
+  std::int64_t b = 1;
+  while (b < n && b < (std::int64_t(1) << 62)) b <<= 1;
+  return b;
+}
+
+std::string Family::signature(const Problem& p) const {
+  const auto names = problem_dims();
+  const int bucketed = bucketed_dim();
+  std::string s = std::string("dtype=") + dtype_name(p.dtype) + ",align=" + std::to_string(p.alignment);
+  for (std::size_t i = 0; i < names.size() && i < std::size_t(Problem::k_max_dims); ++i) {
+    if (int(i) == bucketed)
+      s += "," + names[i] + "<=" + std::to_string(tuning_bucket(p.dims[i]));
+    else
+      s += "," + names[i] + "=" + std::to_string(p.dims[i]);
+  }
+  return s;
+}
+
+Problem Family::tuning_problem(const Problem& p) const {
+  Problem out = p;
+  const int bucketed = bucketed_dim();
+  if (bucketed >= 0 && bucketed < Problem::k_max_dims) out.dims[bucketed] = tuning_bucket(p.dims[bucketed]);
+  return out;
+}
+
+Result<Problem> Family::problem_from_shape(DType dtype,
+                                           const std::vector<std::pair<std::string, std::int64_t>>& shape) const {
+  const auto names = problem_dims();
+  std::string known;
+  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  Problem p;
+  p.dtype = dtype;
+  p.alignment = 16;
+  std::vector<bool> given(names.size(), false);
+  for (const auto& [name, value] : shape) {
+    auto it = std::find(names.begin(), names.end(), name);
+    if (it == names.end())
+      return invalid_argument(std::string(this->name()) + ": no dim named '" + name + "'", "its dims: " + known);
+    const auto i = std::size_t(it - names.begin());
+    if (given[i]) return invalid_argument(std::string(this->name()) + ": dim '" + name + "' given twice");
+    given[i] = true;
+    p.dims[i] = value;
+  }
+  for (std::size_t i = 0; i < names.size(); ++i)
+    if (!given[i])
+      return invalid_argument(std::string(this->name()) + ": the shape must name every dim; '" + names[i] +
+                                  "' is missing",
+                              "its dims: " + known);
+  return p;
+}
+
+}  // namespace kiln

@@ -1,0 +1,28 @@
+"""kiln: JIT-compiled LLM kernels (RMSNorm, add + RMSNorm, activation-and-mul, RoPE, RMSNorm +
+RoPE, RMSNorm backward) on torch tensors, NumPy arrays and any DLPack or __cuda_array_interface__
+array. Importing kiln does not import torch; kiln.torch has the PyTorch custom ops and modules.
+"""
+from ._errors import (CompileError, CorruptionError, DeviceError, DriverError, InternalError, InvalidArgumentError,
+                      KilnError, KilnIOError, KilnTimeoutError, NotFoundError, ShapeMismatchError, ShuttingDownError,
+                      UnavailableError, UnsupportedDtypeError)
+from ._lib import ABI_VERSION, lib as _lib, library_path
+from .ops import (ACTIVATIONS, ROPE_LAYOUTS, Runtime, act_and_mul, add_rms_norm, apply_rope_qk, counters, resolver,
+                  rms_norm, rms_norm_backward, rms_norm_backward_workspace_elements, rms_norm_rope,
+                  rms_norm_with_inv_rms)
+
+__version__ = "0.1.0"
+
+
+def abi_version():
+    """The C ABI version of the loaded libkiln.so."""
+    return _lib.kiln_abi_version()
+
+
+__all__ = [
+    "KilnError", "InvalidArgumentError", "DeviceError", "ShapeMismatchError", "UnsupportedDtypeError",
+    "NotFoundError", "CorruptionError", "CompileError", "DriverError", "KilnIOError", "UnavailableError",
+    "KilnTimeoutError", "ShuttingDownError", "InternalError", "Runtime", "rms_norm", "rms_norm_with_inv_rms",
+    "rms_norm_backward", "rms_norm_backward_workspace_elements", "add_rms_norm", "act_and_mul", "apply_rope_qk",
+    "rms_norm_rope", "counters", "resolver", "abi_version", "library_path", "ABI_VERSION", "ACTIVATIONS",
+    "ROPE_LAYOUTS",
+]

@@ -1,0 +1,80 @@
+"""Loads libkiln.so and declares the C ABI's prototypes once (kiln.h, ABI version 2)."""
+import ctypes
+import os
+
+from ._errors import error_for
+
+ABI_VERSION = 2
+
+_P = ctypes.c_void_p
+_I32 = ctypes.c_int32
+_I64 = ctypes.c_int64
+_F64 = ctypes.c_double
+
+# name: (argtypes); every op returns a kiln_code (int).
+_OPS = {
+    "kiln_rms_norm_inv": (_P, _P, _P, _P, _P, _F64, _P),
+    "kiln_add_rms_norm": (_P, _P, _P, _P, _P, _P, _F64, _P),
+    "kiln_act_and_mul": (_P, _P, _P, _I32, _P),
+    "kiln_apply_rope_qk": (_P, _P, _P, _P, _P, _P, _P, _P, _I32, _P),
+    "kiln_rms_norm_rope": (_P, _P, _P, _P, _P, _P, _F64, _I64, _P),
+    "kiln_rms_norm_backward": (_P, _P, _P, _P, _P, _P, _P, _P, _P),
+    "kiln_rms_norm_backward_workspace_elements": (_P, _P),
+    "kiln_runtime_create": (ctypes.c_char_p, _P),
+    "kiln_runtime_get_counters": (_P, _P),
+    "kiln_pointer_device": (_P, _P, _P),
+}
+
+
+def _library_path():
+    explicit = os.environ.get("KILN_LIBRARY")
+    if explicit:
+        return explicit
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libkiln.so")
+
+
+def _load():
+    path = _library_path()
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        hint = ""
+        if "libsqlite3" in str(e):
+            hint = " (libkiln.so needs the system's SQLite: apt-get install libsqlite3-0)"
+        raise ImportError(f"kiln: cannot load {path}: {e}{hint}") from e
+    lib.kiln_abi_version.restype = ctypes.c_int
+    lib.kiln_abi_version.argtypes = ()
+    version = lib.kiln_abi_version()
+    if version < ABI_VERSION:
+        raise ImportError(f"kiln: {path} has C ABI version {version}; this package needs {ABI_VERSION} or later")
+    lib.kiln_last_error.restype = ctypes.c_char_p
+    lib.kiln_last_error.argtypes = ()
+    lib.kiln_runtime_destroy.restype = None
+    lib.kiln_runtime_destroy.argtypes = (_P,)
+    lib.kiln_runtime_resolver.restype = ctypes.c_char_p
+    lib.kiln_runtime_resolver.argtypes = (_P,)
+    lib.kiln_runtime_resolver_name.restype = ctypes.c_char_p
+    lib.kiln_runtime_resolver_name.argtypes = (_P,)
+    for name, argtypes in _OPS.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+    return lib, path
+
+
+lib, library_path = _load()
+
+
+def raise_for(code):
+    """Raises the exception for a non-zero kiln_code, with the calling thread's last error."""
+    message = lib.kiln_last_error()
+    text = message.decode("utf-8", "replace") if message else "kiln error"
+    raise error_for(code, text)
+
+
+def check(code):
+    if code:
+        raise_for(code)
+
+
+__all__ = ["lib", "library_path", "check", "raise_for", "ABI_VERSION"]

@@ -1,0 +1,204 @@
+"""kiln's typed ops on any array kiln can read (see kiln._arrays).
+
+Each op is the C++ op of the same name (include/kiln/ops.h): it validates every array and raises
+DeviceError, ShapeMismatchError, UnsupportedDtypeError or InvalidArgumentError before anything
+is compiled or launched. CUDA arrays launch on `stream` (default: the current stream of a torch
+tensor, the stream of a __cuda_array_interface__, else the legacy default stream); host arrays
+(NumPy) run the CPU fallback, except rms_norm_rope, which is CUDA only. Outputs that are not
+passed are allocated like the first input (torch, NumPy, or an array-API namespace).
+"""
+import ctypes
+
+from . import _arrays as A
+from ._errors import InvalidArgumentError
+from ._lib import check, lib, raise_for
+
+_rms_norm = lib.kiln_rms_norm_inv
+_add_rms_norm = lib.kiln_add_rms_norm
+_act_and_mul = lib.kiln_act_and_mul
+_apply_rope_qk = lib.kiln_apply_rope_qk
+_rms_norm_rope = lib.kiln_rms_norm_rope
+_rms_norm_backward = lib.kiln_rms_norm_backward
+
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+ROPE_LAYOUTS = {"neox": 0, "gptj": 1}
+
+
+class Runtime:
+    """A kiln runtime with its own resolver mode ("auto", "embedded" or "daemon") and handle table.
+
+    Ops use the process-wide runtime (KILN_MODE, default auto) unless given runtime=.
+    """
+
+    def __init__(self, mode="auto"):
+        handle = ctypes.c_void_p()
+        check(lib.kiln_runtime_create(mode.encode(), ctypes.byref(handle)))
+        self._handle = handle.value
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise InvalidArgumentError("this kiln.Runtime is closed")
+        return self._handle
+
+    def close(self):
+        if self._handle is not None:
+            lib.kiln_runtime_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def resolver(self):
+        """"daemon" or "embedded": what resolved the last cubin ("" before the first)."""
+        return lib.kiln_runtime_resolver(self.handle).decode()
+
+    def counters(self):
+        return counters(self)
+
+
+class _Counters(ctypes.Structure):
+    _fields_ = [("table_hits", ctypes.c_int64), ("from_daemon", ctypes.c_int64),
+                ("from_embedded", ctypes.c_int64), ("module_loads", ctypes.c_int64)]
+
+
+def counters(runtime=None):
+    """The runtime's counters (default: the process-wide runtime) as a dict."""
+    c = _Counters()
+    check(lib.kiln_runtime_get_counters(_rt(runtime), ctypes.byref(c)))
+    return {name: getattr(c, name) for name, _ in _Counters._fields_}
+
+
+def resolver(runtime=None):
+    """What resolved the last cubin of the runtime (default: the process-wide one)."""
+    if runtime is not None:
+        return runtime.resolver
+    return lib.kiln_runtime_resolver_name(None).decode()
+
+
+def _rt(runtime):
+    return None if runtime is None else runtime.handle
+
+
+def _shape(a):
+    """The shape of an input whose output kiln allocates."""
+    shape = getattr(a, "shape", None)
+    if shape is None:
+        A.cannot_allocate(a)
+    return tuple(shape)
+
+
+def _rows_shape(x):
+    shape = _shape(x)
+    return shape[:-1] if len(shape) > 1 else (1,)
+
+
+def _choice(table, value, what):
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(f"{what} must be one of {', '.join(table)} (got {value!r})") from None
+
+
+def rms_norm(x, weight, eps=1e-6, *, out=None, inv_rms=None, stream=None, runtime=None):
+    """out = x * rsqrt(mean(x^2, last dim) + eps) * weight; also fills inv_rms (f32, one value per row) if given."""
+    if out is None:
+        out = A.empty(x, _shape(x))
+    p, s, keep = A.prepare((x, weight, out, inv_rms), stream)
+    code = _rms_norm(_rt(runtime), p[0], p[1], p[2], p[3], eps, s)
+    if code:
+        raise_for(code)
+    return out
+
+
+def rms_norm_with_inv_rms(x, weight, eps=1e-6, *, stream=None, runtime=None):
+    """(out, inv_rms): rms_norm that also returns the f32 inverse RMS per row, for rms_norm_backward."""
+    inv_rms = A.empty(x, _rows_shape(x), A.F32)
+    return rms_norm(x, weight, eps, inv_rms=inv_rms, stream=stream, runtime=runtime), inv_rms
+
+
+def rms_norm_backward(dy, x, weight, inv_rms, *, dx=None, dw=None, workspace=None, stream=None, runtime=None):
+    """(dx, dw) of RMSNorm from the forward's inv_rms. workspace: f32 scratch for the partial dw rows
+    (at least rms_norm_backward_workspace_elements(x)); None uses one cached per stream."""
+    if dx is None:
+        dx = A.empty(x, _shape(x))
+    if dw is None:
+        dw = A.empty(weight, _shape(weight))
+    p, s, keep = A.prepare((dy, x, weight, inv_rms, dx, dw, workspace), stream)
+    code = _rms_norm_backward(_rt(runtime), p[0], p[1], p[2], p[3], p[4], p[5], p[6], s)
+    if code:
+        raise_for(code)
+    return dx, dw
+
+
+def rms_norm_backward_workspace_elements(x):
+    """The f32 elements rms_norm_backward needs as workspace for arrays like x (0 on the CPU)."""
+    p, _, keep = A.prepare((x,))
+    n = ctypes.c_int64()
+    check(lib.kiln_rms_norm_backward_workspace_elements(p[0], ctypes.byref(n)))
+    return n.value
+
+
+def add_rms_norm(x, residual, weight, eps=1e-6, *, out=None, residual_out=None, stream=None, runtime=None):
+    """(out, residual_out): h = x + residual, residual_out = h, out = rms_norm(h) * weight.
+    residual_out may be residual and out may be x (in place)."""
+    if out is None:
+        out = A.empty(x, _shape(x))
+    if residual_out is None:
+        residual_out = A.empty(x, _shape(x))
+    p, s, keep = A.prepare((x, residual, weight, out, residual_out), stream)
+    code = _add_rms_norm(_rt(runtime), p[0], p[1], p[2], p[3], p[4], eps, s)
+    if code:
+        raise_for(code)
+    return out, residual_out
+
+
+def act_and_mul(x, activation="silu", *, out=None, stream=None, runtime=None):
+    """out = act(x[..., :d]) * x[..., d:]; activation: "silu", "gelu" (erf) or "gelu_tanh"."""
+    act = _choice(ACTIVATIONS, activation, "activation")
+    if out is None:
+        shape = _shape(x)
+        out = A.empty(x, shape[:-1] + (shape[-1] // 2,) if shape else shape)
+    p, s, keep = A.prepare((x, out), stream)
+    code = _act_and_mul(_rt(runtime), p[0], p[1], act, s)
+    if code:
+        raise_for(code)
+    return out
+
+
+def apply_rope_qk(q, k, cos, sin, position_ids, layout="neox", *, q_out=None, k_out=None, stream=None, runtime=None):
+    """(q_out, k_out): rotary embedding of q [tokens, q_heads, head_dim] and k [tokens, kv_heads,
+    head_dim] at position_ids (i64 [tokens]) from f32 cos/sin [max_pos, head_dim/2]; layout "neox"
+    or "gptj". q_out may be q and k_out may be k (in place)."""
+    lay = _choice(ROPE_LAYOUTS, layout, "layout")
+    if q_out is None:
+        q_out = A.empty(q, _shape(q))
+    if k_out is None:
+        k_out = A.empty(k, _shape(k))
+    p, s, keep = A.prepare((q, k, cos, sin, position_ids, q_out, k_out), stream)
+    code = _apply_rope_qk(_rt(runtime), p[0], p[1], p[2], p[3], p[4], p[5], p[6], lay, s)
+    if code:
+        raise_for(code)
+    return q_out, k_out
+
+
+def rms_norm_rope(x, weight, cos, sin, eps=1e-6, num_heads=None, *, out=None, stream=None, runtime=None):
+    """RMSNorm then neox RoPE per head, in one kernel (CUDA only). x [batch, seq, hidden], cos/sin
+    [seq, head_dim] or [1, seq, 1, head_dim]; num_heads None infers hidden / head_dim."""
+    if out is None:
+        out = A.empty(x, _shape(x))
+    p, s, keep = A.prepare((x, weight, cos, sin, out), stream)
+    code = _rms_norm_rope(_rt(runtime), p[0], p[1], p[2], p[3], p[4], eps, num_heads or 0, s)
+    if code:
+        raise_for(code)
+    return out

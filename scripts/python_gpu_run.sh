@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the repository root with gpu-dist/ carried (scripts/stage_gpu.sh,
+# then scripts/stage_python.sh): installs the staged kiln wheel from the file into a private
+# folder, runs the Python GPU tests (every op and module against PyTorch, torch.compile, CUDA
+# graphs, daemon and embedded) and the side-by-side benchmark. Logs and JSON go to $OUT.
+#   scripts/python_gpu_run.sh [--quick] [tests|bench]     (default: both, within the 600 s of one call)
+set -uo pipefail
+quick="" what=both
+for a in "$@"; do
+  case "$a" in --quick) quick=--quick ;; tests|bench) what=$a ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
+done
+root=$PWD
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+site=$(mktemp -d)/site
+py=${PYTHON:-python3}
+if ! "$py" -m pip install --no-index --no-deps --target "$site" gpu-dist/python/*.whl >"$out/python_install.log" 2>&1; then
+  # No pip: a wheel is a zip archive laid out for site-packages.
+  "$py" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+    "$site" gpu-dist/python/*.whl || { echo "cannot install the wheels"; exit 1; }
+  chmod +x "$site"/kiln/libkiln.so
+fi
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+# One cache for the calls of a warm machine: a second call does not compile the kernels again.
+export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-python-gpu-cache}
+export XDG_RUNTIME_DIR=$(mktemp -d)
+chmod 700 "$XDG_RUNTIME_DIR"
+export KILN_KILND="$root/gpu-dist/kilnd"
+cd "$(mktemp -d)"  # import the installed package, not anything from the checkout
+"$py" -c 'import sys, torch, kiln; print("python", sys.version.split()[0], "torch", torch.__version__, "kiln", kiln.__version__, "abi", kiln.abi_version(), kiln.library_path)' \
+  2>&1 | tee "$out/python_env.txt"
+rc=0
+if [ "$what" != bench ]; then
+  tests="$root/tests/python/gpu $root/tests/python/test_torch_cpu.py"
+  "$py" -c 'import numpy' 2>/dev/null && tests="$tests $root/tests/python/test_cpu.py"
+  PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" -m pytest -q -rs -p no:cacheprovider --durations=10 $tests 2>&1 \
+    | tee "$out/python_tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  # A skipped GPU test is not a pass on a machine with a GPU (the bf16 NumPy test needs ml_dtypes).
+  if grep -E "^SKIPPED" "$out/python_tests.log" | grep -v ml_dtypes; then echo "PYTHON GPU TESTS WERE SKIPPED"; rc=1; fi
+fi
+if [ "$what" != tests ]; then
+  PYTHONUNBUFFERED=1 timeout -k 5 170 "$py" "$root/bench/python/side_by_side.py" $quick \
+    --json "$out/python_bench.json" 2>&1 | tee "$out/python_bench.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+echo "python_gpu_run exit $rc"
+exit $rc

@@ -1,0 +1,295 @@
+"""CPU tests of the kiln package (CI: no GPU, no torch): the install, the CPU fallbacks on NumPy
+arrays against NumPy references, and the error paths."""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kiln
+
+F16_TOL = dict(rtol=2e-3, atol=2e-3)
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def ref_rms_norm(x, w, eps):
+    x64 = x.astype(np.float64)
+    inv = 1.0 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps)
+    return x64 * inv * w.astype(np.float64), inv[..., 0]
+
+
+# --- the install ---
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, kiln; kiln.abi_version(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_library_ships_inside_the_package():
+    assert kiln.abi_version() >= kiln.ABI_VERSION == 2
+    if "KILN_LIBRARY" not in os.environ:
+        assert os.path.dirname(kiln.library_path) == os.path.dirname(kiln.__file__)
+        assert os.path.isfile(kiln.library_path)
+
+
+def test_library_exports_only_the_c_abi():
+    out = subprocess.run(["nm", "-D", "--defined-only", kiln.library_path], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("nm is not available")
+    names = [line.split()[-1] for line in out.stdout.splitlines() if line.strip()]
+    assert names and all(n.startswith("kiln_") for n in names), [n for n in names if not n.startswith("kiln_")][:5]
+
+
+# --- CPU fallbacks vs NumPy ---
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(7, 96), (2, 3, 64), (256,)])
+def test_rms_norm_matches_numpy(rng, dtype, shape):
+    x = rng.standard_normal(shape).astype(dtype)
+    w = rng.standard_normal(shape[-1]).astype(dtype)
+    y, inv = kiln.rms_norm_with_inv_rms(x, w, 1e-5)
+    ref, ref_inv = ref_rms_norm(x, w, 1e-5)
+    assert y.dtype == dtype and y.shape == x.shape
+    np.testing.assert_allclose(y.astype(np.float64), ref, **(F32_TOL if dtype == np.float32 else F16_TOL))
+    assert inv.dtype == np.float32 and inv.size == ref_inv.size
+    np.testing.assert_allclose(inv.reshape(ref_inv.shape), ref_inv, rtol=1e-5)
+
+
+def test_rms_norm_bf16_matches_numpy(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = rng.standard_normal((5, 128)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal(128).astype(ml_dtypes.bfloat16)
+    y = kiln.rms_norm(x, w)
+    ref, _ = ref_rms_norm(x.astype(np.float32), w.astype(np.float32), 1e-6)
+    assert y.dtype == x.dtype
+    np.testing.assert_allclose(y.astype(np.float64), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_rms_norm_strided_rows_and_out(rng):
+    wide = rng.standard_normal((6, 80)).astype(np.float32)
+    x = wide[:, :64]  # rows strided by 80 elements
+    w = rng.standard_normal(64).astype(np.float32)
+    out = np.full((6, 64), np.nan, np.float32)
+    assert kiln.rms_norm(x, w, out=out) is out
+    np.testing.assert_allclose(out, ref_rms_norm(x, w, 1e-6)[0], **F32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_add_rms_norm_matches_numpy(rng, dtype):
+    x = rng.standard_normal((9, 128)).astype(dtype)
+    r = rng.standard_normal((9, 128)).astype(dtype)
+    w = rng.standard_normal(128).astype(dtype)
+    y, h = kiln.add_rms_norm(x, r, w, 1e-6)
+    h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(dtype)
+    np.testing.assert_array_equal(h, h_ref)
+    np.testing.assert_allclose(y.astype(np.float64), ref_rms_norm(h_ref, w, 1e-6)[0],
+                               **(F32_TOL if dtype == np.float32 else F16_TOL))
+
+
+def test_add_rms_norm_in_place(rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    r = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    h_ref = x + r
+    y_ref = ref_rms_norm(h_ref, w, 1e-6)[0]
+    y, h = kiln.add_rms_norm(x, r, w, out=x, residual_out=r)
+    assert y is x and h is r
+    np.testing.assert_allclose(r, h_ref, **F32_TOL)
+    np.testing.assert_allclose(x, y_ref, **F32_TOL)
+
+
+_ACTS = {
+    "silu": lambda g: g / (1 + np.exp(-g)),
+    "gelu": lambda g: 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2))),
+    "gelu_tanh": lambda g: 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))),
+}
+
+
+@pytest.mark.parametrize("act", sorted(_ACTS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_act_and_mul_matches_numpy(rng, act, dtype):
+    x = rng.standard_normal((3, 5, 2 * 48)).astype(dtype)
+    out = kiln.act_and_mul(x, act)
+    g, u = x[..., :48].astype(np.float64), x[..., 48:].astype(np.float64)
+    assert out.shape == (3, 5, 48) and out.dtype == dtype
+    np.testing.assert_allclose(out.astype(np.float64), _ACTS[act](g) * u,
+                               **(F32_TOL if dtype == np.float32 else F16_TOL))
+
+
+def ref_rope(x, cos, sin, pos, layout):
+    x = x.astype(np.float64)
+    half = x.shape[-1] // 2
+    c, s = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
+    if layout == "neox":
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * c - b * s, b * c + a * s
+    return out
+
+
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_apply_rope_qk_matches_numpy(rng, layout, dtype):
+    tokens, head_dim, max_pos = 6, 64, 32
+    q = rng.standard_normal((tokens, 4, head_dim)).astype(dtype)
+    k = rng.standard_normal((tokens, 2, head_dim)).astype(dtype)  # GQA: fewer kv heads
+    angles = rng.uniform(0, 2 * np.pi, (max_pos, head_dim // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    pos = rng.integers(0, max_pos, tokens).astype(np.int64)
+    q_out, k_out = kiln.apply_rope_qk(q, k, cos, sin, pos, layout)
+    tol = F32_TOL if dtype == np.float32 else F16_TOL
+    np.testing.assert_allclose(q_out.astype(np.float64), ref_rope(q, cos, sin, pos, layout), **tol)
+    np.testing.assert_allclose(k_out.astype(np.float64), ref_rope(k, cos, sin, pos, layout), **tol)
+
+
+def test_rms_norm_backward_matches_finite_differences(rng):
+    x = rng.standard_normal((3, 64))
+    w = rng.standard_normal(64)
+    dy = rng.standard_normal((3, 64))
+    eps = 1e-6
+
+    def loss(x_, w_):
+        return float((ref_rms_norm(x_, w_, eps)[0] * dy).sum())
+
+    h = 1e-6
+    dx_ref = np.zeros_like(x)
+    for i in np.ndindex(*x.shape):
+        e = np.zeros_like(x)
+        e[i] = h
+        dx_ref[i] = (loss(x + e, w) - loss(x - e, w)) / (2 * h)
+    dw_ref = np.array([(loss(x, w + h * np.eye(64)[j]) - loss(x, w - h * np.eye(64)[j])) / (2 * h) for j in range(64)])
+
+    x32, w32, dy32 = x.astype(np.float32), w.astype(np.float32), dy.astype(np.float32)
+    _, inv = kiln.rms_norm_with_inv_rms(x32, w32, eps)
+    dx, dw = kiln.rms_norm_backward(dy32, x32, w32, inv)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4)
+    assert kiln.rms_norm_backward_workspace_elements(x32) == 0  # host: no workspace
+
+
+# --- other array producers: DLPack and __array_interface__ ---
+
+
+class DLPackOnly:
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, stream=None):
+        return self._a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class ArrayInterfaceOnly:
+    def __init__(self, a):
+        self._a = a
+
+    @property
+    def __array_interface__(self):
+        return self._a.__array_interface__
+
+
+def test_dlpack_and_array_interface_inputs(rng):
+    if not hasattr(np.ndarray, "__dlpack__"):
+        pytest.skip("this NumPy has no DLPack")
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    out = np.empty_like(x)
+    kiln.rms_norm(DLPackOnly(x), ArrayInterfaceOnly(w), out=DLPackOnly(out))
+    np.testing.assert_allclose(out, ref_rms_norm(x, w, 1e-6)[0], **F32_TOL)
+    with pytest.raises(kiln.InvalidArgumentError, match="allocate"):
+        kiln.rms_norm(DLPackOnly(x), w)  # no way to allocate an output like it
+
+
+# --- error paths: the right exception, before anything runs ---
+
+
+def _operands(rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    return x, w, np.full_like(x, 7.0)
+
+
+def test_errors_are_kiln_errors_and_leave_outputs_untouched(rng):
+    x, w, out = _operands(rng)
+    cases = [
+        (kiln.ShapeMismatchError, "weight must have shape", lambda: kiln.rms_norm(x, w[:32], out=out)),
+        (kiln.ShapeMismatchError, "different shapes", lambda: kiln.rms_norm(x, w, out=np.empty((4, 32), np.float32))),
+        (kiln.UnsupportedDtypeError, "float64", lambda: kiln.rms_norm(x.astype(np.float64), w, out=out)),
+        (kiln.UnsupportedDtypeError, "dtypes differ", lambda: kiln.rms_norm(x, w.astype(np.float16), out=out)),
+        (kiln.UnsupportedDtypeError, "i32", lambda: kiln.rms_norm(x.astype(np.int32), w.astype(np.int32),
+                                                                   out=out.astype(np.int32))),
+        (kiln.InvalidArgumentError, "eps", lambda: kiln.rms_norm(x, w, -1.0, out=out)),
+        (kiln.InvalidArgumentError, "eps", lambda: kiln.rms_norm(x, w, float("nan"), out=out)),
+        (kiln.ShapeMismatchError, "contiguous", lambda: kiln.rms_norm(np.asfortranarray(x), w, out=out)),
+        (kiln.ShapeMismatchError, "rank", lambda: kiln.rms_norm(np.float32(1.0).reshape(()), w, out=out)),
+        (kiln.ShapeMismatchError, "inv_rms", lambda: kiln.rms_norm(x, w, out=out, inv_rms=np.empty(3, np.float32))),
+        (kiln.InvalidArgumentError, "cannot read", lambda: kiln.rms_norm([[1.0] * 64] * 4, w, out=out)),
+    ]
+    for exc, text, call in cases:
+        with pytest.raises(exc, match=text) as info:
+            call()
+        assert isinstance(info.value, kiln.KilnError)
+        np.testing.assert_array_equal(out, 7.0)
+
+
+def test_device_error_for_host_arrays_on_a_cuda_only_op(rng):
+    x = rng.standard_normal((1, 4, 128)).astype(np.float16)
+    w = np.ones(128, np.float16)
+    cos = np.ones((4, 64), np.float16)
+    with pytest.raises(kiln.DeviceError, match="not a CUDA tensor"):
+        kiln.rms_norm_rope(x, w, cos, cos)
+
+
+def test_act_and_mul_errors(rng):
+    x = rng.standard_normal((2, 9)).astype(np.float32)
+    with pytest.raises(kiln.ShapeMismatchError):
+        kiln.act_and_mul(x, out=np.empty((2, 4), np.float32))  # odd last dimension
+    with pytest.raises(kiln.InvalidArgumentError, match="activation"):
+        kiln.act_and_mul(rng.standard_normal((2, 8)).astype(np.float32), "relu")
+
+
+def test_rope_errors(rng):
+    q = rng.standard_normal((2, 2, 64)).astype(np.float32)
+    cos = np.ones((8, 32), np.float32)
+    pos = np.array([0, 8], np.int64)  # 8 is out of range
+    with pytest.raises(kiln.InvalidArgumentError, match="position"):
+        kiln.apply_rope_qk(q, q.copy(), cos, cos, pos)
+    with pytest.raises(kiln.UnsupportedDtypeError):
+        kiln.apply_rope_qk(q, q.copy(), cos, cos, pos.astype(np.int32))
+    with pytest.raises(kiln.InvalidArgumentError, match="layout"):
+        kiln.apply_rope_qk(q, q.copy(), cos, cos, pos, "bogus")
+
+
+def test_backward_errors(rng):
+    x, w, _ = _operands(rng)
+    inv = np.ones(4, np.float32)
+    with pytest.raises(kiln.UnsupportedDtypeError, match="inv_rms"):
+        kiln.rms_norm_backward(x, x, w, inv.astype(np.float16))
+    with pytest.raises(kiln.ShapeMismatchError, match="one value per row"):
+        kiln.rms_norm_backward(x, x, w, np.ones(3, np.float32))
+
+
+# --- runtimes ---
+
+
+def test_runtime_modes_and_counters(rng):
+    with pytest.raises(kiln.InvalidArgumentError, match="mode"):
+        kiln.Runtime("bogus")
+    x, w, out = _operands(rng)
+    with kiln.Runtime("embedded") as rt:
+        kiln.rms_norm(x, w, out=out, runtime=rt)
+        np.testing.assert_allclose(out, ref_rms_norm(x, w, 1e-6)[0], **F32_TOL)
+        c = rt.counters()
+        assert set(c) == {"table_hits", "from_daemon", "from_embedded", "module_loads"}
+        assert c["module_loads"] == 0  # host arrays never load a kernel
+    with pytest.raises(kiln.InvalidArgumentError, match="closed"):
+        kiln.rms_norm(x, w, out=out, runtime=rt)

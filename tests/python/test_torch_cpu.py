@@ -1,0 +1,84 @@
+"""kiln.torch on CPU tensors (kiln's CPU fallbacks), where PyTorch is installed: the custom ops'
+schemas, fake implementations and autograd (torch.library.opcheck), the RMSNorm drop-in, and
+torch.compile(fullgraph=True). CI has no PyTorch and skips this file; the GPU tests cover CUDA."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="kiln.torch needs PyTorch")
+
+import kiln  # noqa: E402
+import kiln.torch as kt  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def test_opcheck_every_op():
+    q, k = torch.randn(6, 4, 64), torch.randn(6, 2, 64)
+    cos, sin, pos = torch.rand(16, 32), torch.rand(16, 32), torch.randint(0, 16, (6,))
+    cases = [
+        (torch.ops.kiln.rms_norm.default, (torch.randn(4, 64), torch.randn(64), 1e-6)),
+        (torch.ops.kiln.rms_norm_fwd.default, (torch.randn(4, 64, requires_grad=True),
+                                               torch.randn(64, requires_grad=True), 1e-6)),
+        (torch.ops.kiln.rms_norm_backward.default, (torch.randn(4, 64), torch.randn(4, 64), torch.randn(64),
+                                                    torch.rand(4) + 0.5)),
+        (torch.ops.kiln.add_rms_norm.default, (torch.randn(4, 64), torch.randn(4, 64), torch.randn(64), 1e-6)),
+        (torch.ops.kiln.act_and_mul.default, (torch.randn(4, 64), "gelu_tanh")),
+        (torch.ops.kiln.apply_rope_qk.default, (q, k, cos, sin, pos, "gptj")),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)
+
+
+@pytest.mark.parametrize("normalized", [256, (3, 256)])
+def test_rmsnorm_is_a_drop_in(normalized):
+    ref = torch.nn.RMSNorm(normalized, eps=1e-5)
+    mod = kt.RMSNorm(normalized, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn_like(ref.weight))
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3, 256)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = mod(xa), ref(xb)
+    torch.testing.assert_close(ya, yb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    torch.testing.assert_close(xa.grad, xb.grad)
+    torch.testing.assert_close(mod.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+    assert repr(mod).endswith(repr(ref)[len("RMSNorm"):])
+
+
+def test_compile_fullgraph_and_training():
+    def f(x, w, r):
+        y, h = kt.add_rms_norm(kt.rms_norm(x, [64], w, 1e-6), r, w)
+        return kt.silu_and_mul(y), h
+
+    args = (torch.randn(8, 64), torch.randn(64), torch.randn(8, 64))
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True)(*args)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch._dynamo.explain(f)(*args).graph_break_count == 0
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), kt.RMSNorm(64), torch.nn.Linear(64, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64), torch.nn.Linear(64, 4))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(16, 64)
+    torch.compile(model, fullgraph=True)(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_errors_are_kiln_errors():
+    with pytest.raises(kiln.DeviceError):
+        kt.fused_rmsnorm_rope(torch.randn(1, 4, 128), torch.ones(128), torch.ones(4, 64), torch.ones(4, 64))
+    with pytest.raises(kiln.ShapeMismatchError):
+        kt.add_rms_norm(torch.randn(4, 64), torch.randn(4, 64), torch.randn(32))
+    with pytest.raises(kiln.ShapeMismatchError):
+        kt.RMSNorm(64)(torch.randn(4, 32))
+    with pytest.raises(kiln.InvalidArgumentError):
+        kt.act_and_mul(torch.randn(4, 64), "relu")

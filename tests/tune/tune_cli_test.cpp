@@ -1,0 +1,172 @@
+// `kiln tune`, `kiln ls --tuned` and `kiln prewarm --problems` as processes: argument errors are
+// exit 2 with a message before anything runs, and `ls --tuned` shows a table the test filled.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cache/store.h"
+#include "cache/tuning.h"
+#include "kiln/family.h"
+#include "tests/test_util.h"
+
+namespace kiln::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Proc {
+  int rc = -1;
+  std::string out, err;
+  std::string all() const { return "exit " + std::to_string(rc) + "\n--- stdout\n" + out + "--- stderr\n" + err; }
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class TuneCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fs::create_directories(dir_.path() / "run");
+    ::chmod((dir_.path() / "run").c_str(), 0700);
+  }
+  fs::path cache_dir() const { return dir_.path() / "cache"; }
+
+  Proc kiln(const std::vector<std::string>& args) {
+    const fs::path out = dir_.path() / "stdout", err = dir_.path() / "stderr";
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setenv("KILN_CACHE_DIR", cache_dir().c_str(), 1);
+      ::setenv("XDG_RUNTIME_DIR", (dir_.path() / "run").c_str(), 1);
+      ::setenv("KILN_SOCKET", (dir_.path() / "run" / "none.sock").c_str(), 1);
+      int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      ::dup2(o, 1);
+      ::dup2(e, 2);
+      std::vector<std::string> a = {KILN_CLI_PATH};
+      a.insert(a.end(), args.begin(), args.end());
+      std::vector<char*> argv;
+      for (auto& s : a) argv.push_back(s.data());
+      argv.push_back(nullptr);
+      ::execv(KILN_CLI_PATH, argv.data());
+      ::_exit(127);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    Proc r;
+    r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+  }
+
+  void expect_usage_error(const std::vector<std::string>& args, const std::string& message) {
+    Proc p = kiln(args);
+    EXPECT_EQ(p.rc, 2) << p.all();
+    EXPECT_NE(p.err.find(message), std::string::npos) << "expected '" << message << "'\n" << p.all();
+    EXPECT_FALSE(fs::exists(cache_dir() / "kernels.sqlite")) << "a bad command must not create the cache";
+  }
+
+  fs::path write_file(const std::string& name, const std::string& text) {
+    const fs::path p = dir_.path() / name;
+    std::ofstream(p) << text;
+    return p;
+  }
+
+  TempDir dir_;
+};
+
+TEST_F(TuneCli, ArgumentErrorsAreUsageErrors) {
+  expect_usage_error({"tune", "--family", "rmsnorm"}, "give --shape SIZES or --all");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--all", "--shape", "rows=1,cols=8"}, "not both");
+  expect_usage_error({"tune", "--shape", "rows=1,cols=8"}, "--family is required");
+  expect_usage_error({"tune", "--family", "nope", "--shape", "rows=1"}, "unknown family 'nope'");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=4096,cols=x"}, "not a non-negative integer");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows4096"}, "expected name=size pairs");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1,cols=8,foo=2"}, "no dim named 'foo'");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1"}, "'cols' is missing");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=4,cols=0"}, "cols > 0");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--dtype", "i32", "--shape", "rows=1,cols=8"}, "bad dtype 'i32'");
+  expect_usage_error({"tune", "--family", "rope", "--all"}, "declares no benchmark shapes");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1,cols=8", "--device", "-1"}, "--device");
+}
+
+TEST_F(TuneCli, PrewarmProblemsFileErrorsNameTheLine) {
+  expect_usage_error({"prewarm"}, "--arch");
+  expect_usage_error({"prewarm", "--problems", (dir_.path() / "missing.txt").string()}, "cannot read problems file");
+  const auto bad = write_file("bad.txt", "# tuned on boot\nrmsnorm bf16 rows=4096,cols=4096\n\nrmsnorm bf16 rows=1\n");
+  expect_usage_error({"prewarm", "--problems", bad.string()}, "bad.txt:4: rmsnorm: the shape must name every dim");
+  const auto words = write_file("words.txt", "rmsnorm bf16\n");
+  expect_usage_error({"prewarm", "--problems", words.string()}, "words.txt:1: expected 'FAMILY DTYPE name=size,...'");
+  const auto empty = write_file("empty.txt", "# nothing\n\n");
+  expect_usage_error({"prewarm", "--problems", empty.string()}, "lists no problems");
+  // A bad problems file is refused before the catalog compile starts.
+  expect_usage_error({"prewarm", "--arch", "sm_90a", "--problems", (dir_.path() / "missing.txt").string()},
+                     "cannot read problems file");
+}
+
+TEST_F(TuneCli, LsTunedShowsTheTable) {
+  Proc empty = kiln({"ls", "--tuned"});
+  EXPECT_EQ(empty.rc, 0) << empty.all();
+  EXPECT_NE(empty.err.find("no tuned problems"), std::string::npos) << empty.all();
+  {
+    auto store = cache::Store::open(cache_dir() / "kernels.sqlite").value();
+    auto table = cache::TuningTable::open(*store).value();
+    const Family& f = *Registry::global().find("rmsnorm");
+    const Problem p = f.problem_from_shape(DType::bf16, {{"rows", 4096}, {"cols", 5120}}).value();
+    cache::TuningRecord r;
+    r.family = "rmsnorm";
+    r.signature = f.signature(p);
+    r.setup = {"sm_90a", "NVIDIA H100 80GB HBM3", "580.65.06 cuda 13000", "0123456789abcdef"};
+    r.winner = "block=512,dtype=bf16,vec=4";
+    r.winner_ms = 0.0321;
+    r.heuristic = "block=128,dtype=bf16,vec=4";
+    r.heuristic_ms = 0.0345;
+    r.problem = "rows=4096,cols=5120,x_row_stride=5120,y_row_stride=5120";
+    r.candidates = {{r.winner, cache::CandidateStatus::ok, 0.0321, 0.01, 20, ""},
+                    {r.heuristic, cache::CandidateStatus::ok, 0.0345, 0.01, 20, ""},
+                    {"block=64,dtype=bf16,vec=1", cache::CandidateStatus::compile_failed, -1, 0, 0, "nvrtc said no"}};
+    ASSERT_TRUE(table->put(r).ok());
+    cache::TuningRecord a = r;
+    a.family = "act_and_mul";
+    a.signature = "dtype=bf16,align=16,rows<=16,d=4096,x_row_stride=8192,out_row_stride=4096,activation=0";
+    a.setup.arch = "sm_80";
+    a.winner = a.candidates[0].params = "act=silu,block=256,dtype=bf16,vec=8";
+    ASSERT_TRUE(table->put(a).ok());
+  }
+  Proc text = kiln({"ls", "--tuned"});
+  ASSERT_EQ(text.rc, 0) << text.all();
+  for (const char* want : {"rmsnorm", "rows<=4096,cols=5120", "block=512,dtype=bf16,vec=4", "32.10", "34.50",
+                           "NVIDIA H100 80GB HBM3", "580.65.06 cuda 13000", "0123456789ab", "act_and_mul",
+                           "2 tuned problems"})
+    EXPECT_NE(text.out.find(want), std::string::npos) << want << "\n" << text.all();
+
+  Proc filtered = kiln({"ls", "--tuned", "--family", "act_and_mul"});
+  ASSERT_EQ(filtered.rc, 0) << filtered.all();
+  EXPECT_EQ(filtered.out.find("block=512,dtype=bf16,vec=4"), std::string::npos) << filtered.all();
+  EXPECT_NE(filtered.out.find("1 tuned problem"), std::string::npos) << filtered.all();
+
+  Proc js = kiln({"ls", "--tuned", "--json", "--arch", "sm_90a"});
+  ASSERT_EQ(js.rc, 0) << js.all();
+  auto j = nlohmann::json::parse(js.out, nullptr, false);
+  ASSERT_TRUE(j.is_array()) << js.all();
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_EQ(j[0]["winner"], "block=512,dtype=bf16,vec=4");
+  EXPECT_EQ(j[0]["device_name"], "NVIDIA H100 80GB HBM3");
+  ASSERT_EQ(j[0]["candidates"].size(), 3u);
+  EXPECT_EQ(j[0]["candidates"][2]["status"], "compile_failed");
+  EXPECT_EQ(j[0]["candidates"][2]["error"], "nvrtc said no");
+}
+
+}  // namespace
+}  // namespace kiln::testing
