@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Checks kiln's GPU benchmark against the memory-bound targets of issue 3, shape by shape.
+
+Reads the JSON of one `scripts/gpu_run.sh` call (kiln_bench_gpu's and bench/torch_anchors.py's,
+measured in the same command) and prints a Markdown table: kiln's time and share of the 1 GiB copy
+bandwidth, the fastest PyTorch variant on the same shape, their ratio, and the targets:
+  - tokens >= 4096: >= 95% of the copy (90% at hidden 16384, 85% at 65536), never slower than the
+    fastest PyTorch variant, and >= 1.10x it where that one is under 86% of the copy;
+  - RMSNorm backward: >= 85% of the copy and faster than torch.compile's backward.
+Usage: bench/targets.py BENCH_JSON TORCH_JSON
+"""
+import json
+import sys
+
+
+def floor_for(hidden):
+    return 0.85 if hidden >= 65536 else 0.90 if hidden >= 16384 else 0.95
+
+
+def main():
+    bench = json.load(open(sys.argv[1]))
+    torch = json.load(open(sys.argv[2]))
+    copy = bench["copy_gbs"]
+
+    def torch_rows(family, match):
+        return [r for r in torch.get(family, []) if all(r.get(k) == v for k, v in match.items())]
+
+    def fastest(rows):
+        best = None
+        for r in rows:
+            for key in ("eager_us", "F.rms_norm_us", "compile_us"):
+                if key in r and r[key] > 0 and (best is None or r[key] < best[1]):
+                    best = (key[:-3], r[key], r[key.replace("_us", "_gbs")])
+        return best
+
+    lines = ["| family | shape | kiln µs | % copy | floor | fastest PyTorch | its µs | its % copy | kiln speedup | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    met = total = 0
+    for family, key_fields in (("rmsnorm", ("hidden",)), ("add_rmsnorm", ("hidden",)),
+                               ("act_and_mul", ("d", "act")), ("rope", ("head_dim", "layout")),
+                               ("rmsnorm_rope", ("head_dim",)), ("rmsnorm_bwd", ("hidden",))):
+        for r in bench.get(family, []):
+            if r["tokens"] < 4096:
+                continue
+            match = {"tokens": r["tokens"], **{k: r[k] for k in key_fields}}
+            best = fastest(torch_rows(family, match))
+            width = r.get("hidden", r.get("d", 4096))
+            frac = r["fraction_of_copy"]
+            if family == "rmsnorm_bwd":
+                floor = 0.85
+                compile_rows = torch_rows(family, match)
+                ok = frac >= floor and compile_rows and r["median_us"] < compile_rows[0]["compile_us"]
+            else:
+                floor = floor_for(width)
+                ok = frac >= floor
+                if best:
+                    speed = best[1] / r["median_us"]
+                    ok = ok and speed >= (1.10 if best[2] / copy < 0.86 else 1.0)
+            total += 1
+            met += bool(ok)
+            shape = f"{r['tokens']} x " + ", ".join(f"{k}={r[k]}" for k in key_fields)
+            if best:
+                lines.append(f"| {family} | {shape} | {r['median_us']:.1f} | {100 * frac:.1f} | {100 * floor:.0f} | "
+                             f"{best[0]} | {best[1]:.1f} | {100 * best[2] / copy:.1f} | {best[1] / r['median_us']:.2f}x | "
+                             f"{'met' if ok else 'MISSED'} |")
+            else:
+                lines.append(f"| {family} | {shape} | {r['median_us']:.1f} | {100 * frac:.1f} | {100 * floor:.0f} | "
+                             f"(not measured) | | | | {'met' if ok else 'MISSED'} |")
+    print("\n".join(lines))
+    print(f"\n{met} of {total} shapes meet their targets (copy: {copy:.0f} GB/s, 1 GiB cuMemcpyDtoD).")
+    host = bench.get("host_us", {})
+    gpu = bench.get("gpu_us", {})
+    if host or gpu:
+        print(f"decode: host {json.dumps(host)}; GPU {json.dumps(gpu)}")
+
+
+if __name__ == "__main__":
+    main()
