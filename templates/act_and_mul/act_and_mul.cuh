@@ -36,7 +36,8 @@ act_and_mul(const T* x, T* out, long long total_packs, long long packs_per_row, 
     const P b = load_pack<T, VEC>(xr + d);
     P o;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) o.v[k] = from_float<T>(activate<ACT>(to_float(a.v[k])) * to_float(b.v[k]));
+    for (int k = 0; k < VEC; ++k)
+      o.v[k] = from_float<T>(activate<ACT, sizeof(T) == 4>(to_float(a.v[k])) * to_float(b.v[k]));
     store_pack<T, VEC>(out + row * out_stride + c, o);
   }
 }
