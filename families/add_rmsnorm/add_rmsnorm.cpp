@@ -149,11 +149,11 @@ class AddRmsNorm final : public Family {
 }  // namespace
 
 std::int64_t add_rmsnorm_smem_packs(const Params& params, const Problem& p) {
-  const auto pack_bytes = *params.get_int("vec") * std::int64_t(dtype_size(p.dtype));
   // The kernel's register cache: 8 registers of h per thread (templates/add_rmsnorm).
-  const std::int64_t cached = *params.get_int("block") * (8 / std::max<std::int64_t>(1, pack_bytes / 4));
-  const std::int64_t rest = p.dims[k_add_cols] / *params.get_int("vec") - cached;
-  return std::clamp<std::int64_t>(rest, 0, k_add_rmsnorm_max_smem / pack_bytes);
+  const auto vec = *params.get_int("vec");
+  const std::int64_t pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
+  return smem_cache_packs(p.dims[k_add_cols] / vec, *params.get_int("block"), register_cache_packs(8, pack_bytes),
+                          pack_bytes, k_add_rmsnorm_max_smem);
 }
 
 AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p) {

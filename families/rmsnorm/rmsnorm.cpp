@@ -185,10 +185,8 @@ namespace {
 // Packs per thread in the kernel's register cache (templates/rmsnorm/rmsnorm_fwd.cuh,
 // rmsnorm_cache_regs).
 std::int64_t cached_packs(const Params& params, const Problem& p) {
-  const auto block = *params.get_int("block");
-  const auto pack_bytes = *params.get_int("vec") * std::int64_t(dtype_size(p.dtype));
-  const std::int64_t cache_regs = block >= 1024 ? 8 : 16;
-  return cache_regs / std::max<std::int64_t>(1, pack_bytes / 4);
+  return register_cache_packs(*params.get_int("block") >= 1024 ? 8 : 16,
+                              *params.get_int("vec") * std::int64_t(dtype_size(p.dtype)));
 }
 }  // namespace
 
@@ -203,11 +201,9 @@ std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
 }
 
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
-  const auto block = *params.get_int("block");
-  const auto pack_bytes = *params.get_int("vec") * std::int64_t(dtype_size(p.dtype));
-  const std::int64_t cached = block * cached_packs(params, p);
-  const std::int64_t rest = p.dims[k_cols] / *params.get_int("vec") - cached;
-  return std::clamp<std::int64_t>(rest, 0, k_rmsnorm_max_smem / pack_bytes);
+  const auto vec = *params.get_int("vec");
+  return smem_cache_packs(p.dims[k_cols] / vec, *params.get_int("block"), cached_packs(params, p),
+                          vec * std::int64_t(dtype_size(p.dtype)), k_rmsnorm_max_smem);
 }
 
 RmsNormChoice rmsnorm_heuristic(const Problem& p) {
