@@ -1,7 +1,7 @@
 // GPU benchmark for the foundation: copy bandwidth, RMSNorm bandwidth over LLM shapes, host cost of
 // an op call against a bare cuLaunchKernel, compile and warm-hit latencies, daemon round trips.
 //
-//   kiln_bench_gpu [--json FILE] [--kilnd PATH] [--quick] [--only SECTION]
+//   kiln_bench_gpu [--json FILE] [--kilnd PATH] [--quick] [--only SECTION[,SECTION...]]
 //
 // Every timed shape is first checked against the CPU reference on fresh random data; timings are
 // medians of CUDA-event intervals after warm-up, with inputs rotated so that small shapes do not
@@ -203,6 +203,22 @@ int main(int argc, char** argv) {
                          args.pointers(), nullptr);
     }, n);
     const double op = host_us_per_call([&] { (void)rms_norm(xv, wv, yv, 1e-6, nullptr, rt.get()); }, n);
+    // Where the difference goes: the runtime's launch path alone (no validation), and the
+    // pointer checks the op makes (one cuPointerGetAttributes per tensor).
+    const double run_only = host_us_per_call([&] { (void)rt->run(f, p, bufs, nullptr); }, n);
+    const double ctx_query = host_us_per_call([&] {
+      CUcontext c;
+      drv->ctx_get_current(&c);
+    }, n);
+    const double ptr_checks = host_us_per_call([&] {
+      for (void* b : bufs) {
+        unsigned mem_type = 0;
+        int ordinal = -1;
+        CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+        void* values[2] = {&mem_type, &ordinal};
+        drv->pointer_get_attributes(2, attrs, values, reinterpret_cast<CUdeviceptr>(b));
+      }
+    }, n);
     // An empty kernel, compiled and loaded here: the floor for GPU time and for launch cost.
     jit::CompileRequest req{"extern \"C\" __global__ void kiln_empty() {}\n", "kiln_empty", {}, arch, false, nullptr};
     auto empty = jit::Nvrtc::get().value()->compile(req);
@@ -216,11 +232,14 @@ int main(int argc, char** argv) {
     const double empty_gpu = 1e3 * time_events([&](int) { launch_empty(); }, 50, 200);
     const double gpu_us = 1e3 * time_events([&](int) { (void)rms_norm(xv, wv, yv, 1e-6, nullptr, rt.get()); }, 50, 200);
     out["host_us"] = {{"bare_cuLaunchKernel_same_kernel", bare}, {"op_call", op}, {"ratio", op / bare},
-                      {"empty_kernel_launch", empty_host}};
+                      {"empty_kernel_launch", empty_host}, {"runtime_run_only", run_only},
+                      {"three_pointer_checks", ptr_checks}, {"cuCtxGetCurrent", ctx_query}};
     out["gpu_us"] = {{"empty_kernel", empty_gpu}, {"rmsnorm_1x4096", gpu_us}};
     std::printf("\nhost cost per call (handle cached), 1x4096 bf16: bare cuLaunchKernel %.2f us, kiln::rms_norm %.2f us "
                 "(%.2fx); empty-kernel launch %.2f us\n",
                 bare, op, op / bare, empty_host);
+    std::printf("  of which: Runtime::run alone %.2f us; three cuPointerGetAttributes %.2f us; cuCtxGetCurrent %.2f us\n",
+                run_only, ptr_checks, ctx_query);
     std::printf("GPU time (events, median): empty kernel %.2f us, rms_norm 1x4096 %.2f us (%.2fx)\n", empty_gpu, gpu_us,
                 gpu_us / empty_gpu);
   }

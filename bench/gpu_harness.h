@@ -31,8 +31,8 @@ double percentile(std::vector<double> v, double q);
 // like with like). Pass an index-dependent fn to rotate inputs as well.
 double time_events(const std::function<void(int)>& fn, int warmup, int iters);
 
-// Host microseconds per call of `fn` over n back-to-back calls (median of 5 repeats), synchronizing
-// before and after each repeat.
+// Host microseconds per call of `fn`: the median over n/64 batches of 64 back-to-back calls, with
+// the GPU drained between batches so that the launch queue never fills.
 double host_us_per_call(const std::function<void()>& fn, int n);
 
 // A device allocation (cuMemAlloc), freed on destruction.

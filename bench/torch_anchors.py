@@ -28,7 +28,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--only")
+    ap.add_argument("--only", help="anchor names under bench/torch/, comma-separated")
     args = ap.parse_args()
     # Every anchor compiles one graph per shape; dynamo's default limit (8) would silently fall
     # back to eager after the eighth and report eager numbers as torch.compile's.
@@ -38,7 +38,7 @@ def main():
     print(f"torch {res['torch']} on {res['device']}: copy 1 GiB {res['copy_gbs']:.1f} GB/s", flush=True)
     failed = False
     for path in sorted((pathlib.Path(__file__).parent / "torch").glob("*.py")):
-        if args.only and path.stem != args.only:
+        if args.only and path.stem not in args.only.split(","):
             continue
         print(f"\n== torch {path.stem} ==", flush=True)
         try:

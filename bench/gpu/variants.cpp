@@ -16,6 +16,7 @@
 #include "families/act_and_mul/act_and_mul.h"
 #include "families/add_rmsnorm/add_rmsnorm.h"
 #include "families/rmsnorm/rmsnorm.h"
+#include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_rope/rmsnorm_rope.h"
 #include "families/rope/rope.h"
 
@@ -55,6 +56,19 @@ std::vector<Case> cases(bool quick, int sms) {
     capped.dims[families::k_sms] = sms;
     out.push_back({"rmsnorm", shape(t, h) + " sms", capped});
     out.push_back({"add_rmsnorm", shape(t, h), rows_problem(t, h)});
+  }
+  // The backward's first stage (dx and the partial dw rows; the small reduction over slabs is
+  // left out). Its slab count follows each variant's block shape (see run()).
+  std::vector<std::pair<std::int64_t, std::int64_t>> bwd = {{4096, 4096}, {4096, 8192}, {32768, 4096},
+                                                            {32768, 16384}, {4096, 65536}};
+  if (quick) bwd = {{4096, 4096}, {32768, 16384}};
+  for (auto [t, h] : bwd) {
+    Problem p;
+    p.dtype = DType::bf16;
+    // Slabs as many as any variant takes (rmsnorm_bwd_slabs: at most SMs x 16), so the partial
+    // rows' buffer fits every variant; run() sets each variant's own count.
+    p.dims = {t, h, h, h, h, std::min<std::int64_t>(t, std::int64_t(sms) * 16), 8};
+    out.push_back({"rmsnorm_bwd", shape(t, h), p});
   }
   for (auto [t, d] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 14336}, {32768, 11008}}) {
     Problem p;
@@ -126,7 +140,8 @@ int run(Context& ctx) {
     const Params heuristic = f.heuristic(c.problem);
     const auto specs = f.buffers(heuristic, c.problem);
     std::size_t bytes = 0;
-    for (const auto& s : specs) bytes += std::size_t(s.elements) * dtype_size(s.dtype);
+    for (const auto& s : specs)  // the backward's partial dw rows are workspace, not traffic the op must move
+      if (s.name != "partial") bytes += std::size_t(s.elements) * dtype_size(s.dtype);
     const int sets = rotation_sets(bytes);
     const std::int64_t modulo = c.family == "rope" ? c.problem.dims[families::k_rope_max_pos]
                                                    : c.problem.dims[families::k_nr_seq];
@@ -140,10 +155,13 @@ int run(Context& ctx) {
     for (const Params& params : f.tuning_space(c.problem)) {
       auto k = (*rt)->kernel(KernelSpec{c.family, params});
       check(k.status(), "kernel");
+      Problem problem = c.problem;
+      if (c.family == "rmsnorm_bwd")
+        problem.dims[families::k_bwd_slabs] = families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_choice(params), problem, sms);
       std::vector<void*> ptrs(specs.size());
       double ms = time_events([&](int i) {
         for (std::size_t j = 0; j < specs.size(); ++j) ptrs[j] = bufs[i % sets][j]->get();
-        check((*rt)->launch(**k, c.problem, ptrs, nullptr), "launch");
+        check((*rt)->launch(**k, problem, ptrs, nullptr), "launch");
       }, 5, ctx.quick ? 15 : 40);
       results.emplace_back(ms, params.canonical());
     }

@@ -220,8 +220,20 @@ def host_overhead(loops):
         x.data_ptr(), w.data_ptr(), y.data_ptr()
         launch(func, 1, 1, 1, 32, 1, 1, 0, raw_stream(0), params, None)
 
+    # The parts of a kiln call: reading the three tensors into kiln_tensor structs, and the C op
+    # through ctypes on structs read once (validation, handle lookup, launch).
+    from kiln import _arrays
+    from kiln import ops as kops
+
+    prepared, prepared_stream, keep = _arrays.prepare((x, w, y, None))
+
+    def c_op_only():
+        kops._rms_norm(None, prepared[0], prepared[1], prepared[2], prepared[3], 1e-6, prepared_stream)
+
     rows = {
         "raw cuLaunchKernel (ctypes, prebuilt args)": raw,
+        "  part: kiln prepare() of 3 torch tensors": lambda: _arrays.prepare((x, w, y, None)),
+        "  part: kiln C op through ctypes, structs prepared": c_op_only,
         "raw cuLaunchKernel + data_ptr() x3 + current stream": raw_gathering,
         "kiln.rms_norm(x, w, out=y)": lambda: kiln.rms_norm(x, w, out=y),
         "kiln.rms_norm(x, w, out=y, stream=s)": lambda: kiln.rms_norm(x, w, out=y, stream=stream),
@@ -236,6 +248,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--host-only", action="store_true", help="only the host cost per call")
     args = ap.parse_args()
     warmup, iters, trials = (5, 20, 5) if args.quick else (10, 50, 9)
     props = torch.cuda.get_device_properties(0)
@@ -245,7 +258,7 @@ def main():
     contenders = ["kiln", "kiln.torch", "eager", "compile"]
     print(f"{'op':18s} {'shape':32s} " + " ".join(f"{c + ' us':>13s}" for c in contenders)
           + f" {'eager/kiln':>10s} {'compile/kiln':>12s} {'kiln GB/s':>9s}")
-    for name, shape, make in cases(args.quick):
+    for name, shape, make in ([] if args.host_only else cases(args.quick)):
         fns, nbytes = make()
         us = {c: gpu_time_us(fns[c], warmup, iters, trials) for c in contenders}
         gbs = nbytes / us["kiln"] / 1e3 if nbytes else float("nan")

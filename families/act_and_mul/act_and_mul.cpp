@@ -30,7 +30,7 @@ double activate(int act, double v) {
 class ActAndMul final : public Family {
  public:
   std::string_view name() const override { return "act_and_mul"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {

@@ -20,7 +20,7 @@ double round_to(DType t, double v) {
 class AddRmsNorm final : public Family {
  public:
   std::string_view name() const override { return "add_rmsnorm"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -114,12 +114,11 @@ class AddRmsNorm final : public Family {
             {"residual_out", BufferRole::output, p.dtype, extent(k_add_ro_stride)}};
   }
 
-  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     for (int i = 0; i < 5; ++i) out.add(b[i]);
     for (int d : {k_add_rows, k_add_cols, k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride})
       out.add(static_cast<long long>(p.dims[d]));
     out.add(static_cast<float>(p.scalars[k_add_eps]));
-    out.add(static_cast<int>(add_rmsnorm_smem_packs(params, p)));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {

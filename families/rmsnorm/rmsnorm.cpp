@@ -13,7 +13,7 @@ namespace {
 class RmsNorm final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm"; }
-  int version() const override { return 3; }
+  int version() const override { return 4; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -144,7 +144,7 @@ class RmsNorm final : public Family {
             {"inv_rms", BufferRole::output, DType::f32, rows}};
   }
 
-  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     out.add(b[0]);
     out.add(b[1]);
     out.add(b[2]);
@@ -154,7 +154,6 @@ class RmsNorm final : public Family {
     out.add(static_cast<long long>(p.dims[k_x_stride]));
     out.add(static_cast<long long>(p.dims[k_y_stride]));
     out.add(static_cast<float>(p.scalars[k_eps]));
-    out.add(static_cast<int>(rmsnorm_smem_packs(params, p)));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {

@@ -13,15 +13,11 @@ namespace {
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-RmsNormBwdChoice choice_of(const Params& params) {
-  return {int(*params.get_int("group")), int(*params.get_int("rows")), int(*params.get_int("vec")),
-          int(*params.get_int("packs")), int(*params.get_int("cluster"))};
-}
-
 Params params_of(DType t, const RmsNormBwdChoice& c) {
   return Params{{"dtype", std::string(dtype_name(t))}, {"group", std::int64_t(c.group)},
                 {"rows", std::int64_t(c.rows)},       {"vec", std::int64_t(c.vec)},
-                {"packs", std::int64_t(c.packs)},     {"cluster", std::int64_t(c.cluster)}};
+                {"packs", std::int64_t(c.packs)},     {"cluster", std::int64_t(c.cluster)},
+                {"sm_threads", std::int64_t(c.sm_threads)}};
 }
 
 // Packs of the row that one block of the cluster owns.
@@ -32,7 +28,7 @@ std::int64_t packs_per_block(const RmsNormBwdChoice& c, std::int64_t cols) {
 class RmsNormBwd final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm_bwd"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -41,6 +37,7 @@ class RmsNormBwd final : public Family {
         {"group", {32, 64, 128, 256, 512}, {}, "threads working on one row"},
         {"packs", {1, 2}, {}, "packs of dy and x per thread kept in registers"},
         {"rows", {1, 2, 4, 8}, {}, "rows in flight per block (one per group)"},
+        {"sm_threads", {512, 1024}, {}, "resident threads per SM the kernel is built for (its register cap: 128 or 64)"},
         {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
     };
     return defs;
@@ -52,23 +49,29 @@ class RmsNormBwd final : public Family {
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
-    const auto c = choice_of(params);
+    const auto c = rmsnorm_bwd_choice(params);
     KILN_TRY(check_access_width(name(), params));
-    // Kernels get 128 registers per thread, so at most 512 threads per block.
+    // At most 512 threads per block, so that even at 1024 threads per SM two blocks share an SM.
     if (c.group * c.rows > 512)
       return invalid_argument("rmsnorm_bwd: group * rows must be at most 512 threads (got " +
+                              std::to_string(c.group * c.rows) + ")");
+    // The 64-register cap pays for blocks that would otherwise be alone or two on an SM; smaller
+    // blocks already come many to an SM at 128 registers, and some of them spill under the cap.
+    if (c.sm_threads == 1024 && c.group * c.rows < 256)
+      return invalid_argument("rmsnorm_bwd: sm_threads=1024 needs blocks of at least 256 threads (got " +
                               std::to_string(c.group * c.rows) + ")");
     return {};
   }
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
-    const auto c = choice_of(params);
+    const auto c = rmsnorm_bwd_choice(params);
     Rendered r;
     r.source = "#include \"rmsnorm_bwd/rmsnorm_bwd.cuh\"\n";
     r.name_expression = std::string("kiln::rmsnorm_bwd<") + device_type(*params.get_str("dtype")) + ", " +
                         std::to_string(c.group) + ", " + std::to_string(c.rows) + ", " + std::to_string(c.vec) +
-                        ", " + std::to_string(c.packs) + ", " + std::to_string(c.cluster) + ">";
+                        ", " + std::to_string(c.packs) + ", " + std::to_string(c.cluster) + ", " +
+                        std::to_string(c.sm_threads) + ">";
     return r;
   }
 
@@ -89,8 +92,13 @@ class RmsNormBwd final : public Family {
               p.dims[k_bwd_cols] = cols;
               p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = cols;
               p.dims[k_bwd_max_cluster] = max_cluster;
-              Params params = heuristic(p);
-              if (seen.insert(params.canonical()).second) out.push_back(std::move(params));
+              // Each choice at both register caps: the tuner may pick either.
+              for (int sm_threads : {512, 1024}) {
+                auto c = rmsnorm_bwd_heuristic(p);
+                c.sm_threads = sm_threads;
+                Params params = params_of(t, c);
+                if (validate(params).ok() && seen.insert(params.canonical()).second) out.push_back(std::move(params));
+              }
             }
     return out;
   }
@@ -101,7 +109,7 @@ class RmsNormBwd final : public Family {
     if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm_bwd: rows longer than 2^31 elements");
     if (p.dims[k_bwd_dy_stride] < cols || p.dims[k_bwd_x_stride] < cols || p.dims[k_bwd_dx_stride] < cols)
       return shape_mismatch("rmsnorm_bwd: row strides must be at least the row length");
-    const auto c = choice_of(params);
+    const auto c = rmsnorm_bwd_choice(params);
     if (slabs < (rows > 0 ? 1 : 0) || slabs > std::max<std::int64_t>(rows, 1) || slabs * c.cluster > 0x7fffffff)
       return invalid_argument("rmsnorm_bwd: slabs must be between 1 and the row count");
     const auto dtype = *parse_dtype(*params.get_str("dtype"));
@@ -122,7 +130,7 @@ class RmsNormBwd final : public Family {
   }
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
-    const auto c = choice_of(params);
+    const auto c = rmsnorm_bwd_choice(params);
     LaunchGeometry g;
     g.grid.x = std::uint32_t(std::max<std::int64_t>(p.dims[k_bwd_slabs], 1) * c.cluster);
     g.block.x = std::uint32_t(c.group * c.rows);
@@ -132,23 +140,24 @@ class RmsNormBwd final : public Family {
   Params heuristic(const Problem& p) const override { return params_of(p.dtype, rmsnorm_bwd_heuristic(p)); }
 
   // Around the heuristic's choice: its vector width, every shape whose register cache holds the
-  // block's packs with at most half of it idle, and the heuristic itself.
+  // block's packs with at most half of it idle, at both register caps, and the heuristic itself.
   std::vector<Params> tuning_space(const Problem& p) const override {
     const auto h = rmsnorm_bwd_heuristic(p);
     std::vector<Params> out{params_of(p.dtype, h)};
     for (int cluster : {1, 2, 4, 8})
       for (int group : {32, 64, 128, 256, 512})
         for (int rows : {1, 2, 4, 8})
-          for (int packs : {1, 2}) {
-            const RmsNormBwdChoice c{group, rows, h.vec, packs, cluster};
-            const std::int64_t per_block = packs_per_block(c, p.dims[k_bwd_cols]);
-            const std::int64_t cache = std::int64_t(group) * packs;
-            if (per_block > cache || 2 * per_block <= cache) continue;
-            if (rows > std::max<std::int64_t>(1, p.dims[k_bwd_rows])) continue;
-            Params params = params_of(p.dtype, c);
-            if (params == out[0] || !validate(params).ok() || !check_problem(params, p).ok()) continue;
-            out.push_back(std::move(params));
-          }
+          for (int packs : {1, 2})
+            for (int sm_threads : {512, 1024}) {
+              const RmsNormBwdChoice c{group, rows, h.vec, packs, cluster, sm_threads};
+              const std::int64_t per_block = packs_per_block(c, p.dims[k_bwd_cols]);
+              const std::int64_t cache = std::int64_t(group) * packs;
+              if (per_block > cache || 2 * per_block <= cache) continue;
+              if (rows > std::max<std::int64_t>(1, p.dims[k_bwd_rows])) continue;
+              Params params = params_of(p.dtype, c);
+              if (params == out[0] || !validate(params).ok() || !check_problem(params, p).ok()) continue;
+              out.push_back(std::move(params));
+            }
     return out;
   }
 
@@ -202,10 +211,15 @@ class RmsNormBwd final : public Family {
 
 }  // namespace
 
+RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params) {
+  return {int(*params.get_int("group")), int(*params.get_int("rows")), int(*params.get_int("vec")),
+          int(*params.get_int("packs")), int(*params.get_int("cluster")), int(*params.get_int("sm_threads"))};
+}
+
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t cols = p.dims[k_bwd_cols];
-  RmsNormBwdChoice c{32, 1, 16 / esize, 1, 1};
+  RmsNormBwdChoice c{32, 1, 16 / esize, 1, 1, 512};
   // The widest access that every row start and the weight allow.
   while (c.vec > 1 && (p.alignment < std::uint32_t(c.vec * esize) || p.dims[k_bwd_dy_stride] % c.vec ||
                        p.dims[k_bwd_x_stride] % c.vec || p.dims[k_bwd_dx_stride] % c.vec || cols < c.vec))
@@ -216,14 +230,17 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   while (c.group < 512 && 2 * c.group < per_block) c.group *= 2;
   c.packs = per_block > c.group ? 2 : 1;
   while (c.group * c.rows < 256 && c.rows * 2 <= std::min<std::int64_t>(8, p.dims[k_bwd_rows])) c.rows *= 2;
+  // The 64-register cap wherever validate allows it: on an H100 it was the fastest variant at every
+  // benchmark shape, 1.1-1.5x the 128-register one (bench --only variants, docs/benchmarks.md).
+  if (c.group * c.rows >= 256) c.sm_threads = 1024;
   return c;
 }
 
 std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms) {
   const std::int64_t rows = p.dims[k_bwd_rows];
   if (rows <= 0) return 0;
-  // Kernels are built for 128 registers per thread: an SM holds 512 threads.
-  const int resident = std::max(1, 512 / (c.group * c.rows));
+  // The kernel's register cap lets an SM hold sm_threads threads.
+  const int resident = std::max(1, c.sm_threads / (c.group * c.rows));
   // The GPU may hold fewer clusters of 4 or 8 than SMs / cluster (they must fit in one GPC):
   // smaller slabs then keep the waves even. Rows this wide make the extra partial rows cheap.
   const int spread = c.cluster >= 4 ? c.cluster / 2 : 1;

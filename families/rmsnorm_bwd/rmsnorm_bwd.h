@@ -4,10 +4,12 @@
 //   dx = s * dy * w - x * s^3 * mean(dy * w * x),   dw = sum over rows of dy * x * s.
 //
 // Params: dtype {f32, f16, bf16}; group {32 .. 512} threads per row; rows {1, 2, 4, 8} rows in
-// flight per block (block = group * rows <= 512 threads: kernels get 128 registers per thread);
+// flight per block (block = group * rows <= 512 threads; kernels get 64 registers per thread and
+// keep dw in shared memory);
 // vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes); packs {1, 2} vec-packs
 // of dy and x kept in registers per thread; cluster {1, 2, 4, 8} blocks sharing a row (a
-// thread-block cluster, sm_90 and later).
+// thread-block cluster, sm_90 and later); sm_threads {512, 1024} resident threads per SM the
+// kernel is built for (a register cap of 128 or 64 per thread).
 // Problem: dims = {rows, cols, dy_row_stride, x_row_stride, dx_row_stride, slabs, max_cluster}
 // (strides in elements; slabs: how many row slabs, hence partial dw rows, the caller chose, see
 // rmsnorm_bwd_slabs; max_cluster: the largest cluster the device launches, 1 before sm_90). No
@@ -25,7 +27,8 @@
 //   packs, hidden > 8192 bf16 / 4096 f32, is re-read from memory).
 // - rows: enough groups for 256 threads per block (small rows get several rows per block, one
 //   per warp at 32 threads), never more than the problem's rows.
-// - slabs (rmsnorm_bwd_slabs): as many as blocks the GPU holds at once (SMs x 512 / block
+// - sm_threads: 1024 (the 64-register cap) for blocks of 256 threads or more, else 512.
+// - slabs (rmsnorm_bwd_slabs): as many as blocks the GPU holds at once (SMs x sm_threads / block
 //   threads, divided by the cluster size; times cluster / 2 for clusters of 4 and 8, whose GPC
 //   packing is uncertain, so that waves stay even), never more than there are batches of `rows`
 //   rows.
@@ -51,7 +54,10 @@ struct RmsNormBwdChoice {
   int vec;
   int packs;
   int cluster;
+  int sm_threads;  // resident threads per SM the kernel's register cap allows: 512 or 1024
 };
+// The choice that validated params hold.
+RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params);
 // Ignores dims[k_bwd_slabs]: the slab count follows from the choice.
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p);
 // The slab count for a choice on a GPU with `sms` multiprocessors (>= 1 when rows > 0).

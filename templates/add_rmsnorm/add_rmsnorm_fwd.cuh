@@ -24,7 +24,7 @@ template <typename T, int BLOCK, int VEC>
 __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
 add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T* residual_out, long long rows,
                 long long cols, long long x_stride, long long r_stride, long long y_stride, long long ro_stride,
-                float eps, int smem_packs) {
+                float eps) {
   using P = Pack<T, VEC>;
   // Row cache of 8 registers of h (two 16-byte packs); the residual packs loaded beside it take
   // as many again, briefly. The heuristic gives each thread at most two packs up to 1024 * 2
@@ -43,6 +43,7 @@ add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T*
   // Row lengths are below 2^31 (checked on the host), so in-row indices are 32-bit.
   const int packs = int(cols / VEC);
   const int n = int(cols);
+  const int smem_packs = int(dynamic_smem_bytes() / sizeof(P));
   const int smem_end = min(packs, first_uncached + smem_packs);
   const float inv_cols = 1.f / float(cols);
 

@@ -34,4 +34,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   }
 }
 
+// Bytes of dynamic shared memory this launch was given (the %dynamic_smem_size register), so a
+// kernel sizes its shared-memory cache from the launch itself and takes no argument for it.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
+
 }  // namespace kiln

@@ -28,7 +28,7 @@ constexpr int rmsnorm_cache_regs() { return BLOCK >= 1024 ? 8 : 16; }
 template <typename T, int BLOCK, int VEC>
 __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
 rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, float* __restrict__ inv_rms,
-            long long rows, long long cols, long long x_stride, long long y_stride, float eps, int smem_packs) {
+            long long rows, long long cols, long long x_stride, long long y_stride, float eps) {
   using P = Pack<T, VEC>;
   constexpr int k_regs_per_pack = sizeof(P) >= 4 ? int(sizeof(P)) / 4 : 1;
   constexpr int k_cached = rmsnorm_cache_regs<BLOCK>() / k_regs_per_pack;
@@ -46,6 +46,7 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
   const int n = int(cols);
   const float inv_cols = 1.f / float(cols);
   const int first_uncached = k_cached * BLOCK;
+  const int smem_packs = int(dynamic_smem_bytes() / sizeof(P));
   const int smem_end = min(packs, first_uncached + smem_packs);
 
   // Fewer blocks than rows (the host caps the grid near one wave) and rows that fit half the

@@ -79,10 +79,13 @@ __device__ __forceinline__ float group_sum(float v, float* scratch) {
 
 }  // namespace bwd
 
-// 128 registers per thread (512 threads per SM): the row cache, the next row's prefetch and dw
-// take most of them; at 64 they spill.
-template <typename T, int GROUP, int ROWS, int VEC, int PACKS, int CLUSTER>
-__global__ void __launch_bounds__(GROUP * ROWS, 512 / (GROUP * ROWS))
+// SM_THREADS resident threads per SM (a register cap of 65536 / SM_THREADS per thread: 128 or
+// 64). dw lives in shared memory (each thread only ever touches its own slots, so no barrier
+// guards them), which frees the registers it took beside the row cache and the next row's
+// prefetch; at 64 registers there is no room for the prefetch (it spilled 200 bytes), and twice
+// the threads keep loads in flight through the row reductions' barriers instead.
+template <typename T, int GROUP, int ROWS, int VEC, int PACKS, int CLUSTER, int SM_THREADS>
+__global__ void __launch_bounds__(GROUP * ROWS, SM_THREADS / (GROUP * ROWS))
 #if __CUDA_ARCH__ >= 900
 __cluster_dims__(CLUSTER, 1, 1)
 #endif
@@ -100,6 +103,9 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   __shared__ float scratch[2][32];
   __shared__ float row_sums[2][ROWS];
   __shared__ float combine[ROWS > 1 ? GROUP * ROWS : 1];
+  // dw of the cached columns, one slot per (group, pack, element, thread): consecutive threads
+  // use consecutive words, so the accesses are free of bank conflicts.
+  __shared__ float dws[ROWS * PACKS * VEC * GROUP];
 
   const int g = int(threadIdx.x) / GROUP;  // row group within the block
   const int t = int(threadIdx.x) % GROUP;  // thread within the group
@@ -128,36 +134,37 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   const T* wp = w + first;
   float* part = partial + slab * cols + first;
 
-  float dw[PACKS][VEC];
+  float* dw = dws + g * (PACKS * VEC * GROUP) + t;  // dw[(i * VEC + k) * GROUP]
 #pragma unroll
   for (int i = 0; i < PACKS; ++i)
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) dw[i][k] = 0.f;
+    for (int k = 0; k < VEC; ++k) dw[(i * VEC + k) * GROUP] = 0.f;
   float dw_tail = 0.f;
   // Packs past the register cache keep their dw in this block's partial row (ROWS == 1 only).
   for (int o = PACKS * GROUP * VEC; o < (block_packs - t) * VEC; o += GROUP * VEC)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) part[o + k] = 0.f;
 
-  // The cached packs of the current row; the next row's are loaded before this row's reduction,
-  // so the memory system stays busy through the barriers.
+  // The cached packs of the current row. At 512 threads per SM the next row's are loaded before
+  // this row's reduction, so the memory system stays busy through the barriers; at 1024 the
+  // registers for that are not there, and the other resident blocks keep loads in flight instead.
+  constexpr bool k_prefetch = SM_THREADS < 1024;
   P cdy[PACKS], cx[PACKS];
+  auto load_row = [&](P* a, P* b, long long ahead) {
 #pragma unroll
-  for (int i = 0; i < PACKS; ++i)
-    if (row < row_end && t + i * GROUP < block_packs) {
-      cdy[i] = load_pack<T, VEC>(dyp + i * GROUP * VEC);
-      cx[i] = load_pack<T, VEC>(xp + i * GROUP * VEC);
-    }
+    for (int i = 0; i < PACKS; ++i)
+      if (row + ahead < row_end && t + i * GROUP < block_packs) {
+        a[i] = load_pack<T, VEC>(dyp + ahead * dy_stride + i * GROUP * VEC);
+        b[i] = load_pack<T, VEC>(xp + ahead * x_stride + i * GROUP * VEC);
+      }
+  };
+  if constexpr (k_prefetch) load_row(cdy, cx, 0);
 
   for (int it = 0; it < iters; ++it) {
     const bool valid = row < row_end;
-    P ndy[PACKS], nx[PACKS];
-#pragma unroll
-    for (int i = 0; i < PACKS; ++i)
-      if (row + ROWS < row_end && t + i * GROUP < block_packs) {
-        ndy[i] = load_pack<T, VEC>(dyp + ROWS * dy_stride + i * GROUP * VEC);
-        nx[i] = load_pack<T, VEC>(xp + ROWS * x_stride + i * GROUP * VEC);
-      }
+    P ndy[k_prefetch ? PACKS : 1], nx[k_prefetch ? PACKS : 1];
+    if constexpr (k_prefetch) load_row(ndy, nx, ROWS);
+    else load_row(cdy, cx, 0);
     const float s = valid ? inv_rms[row] : 0.f;
 
     float acc = 0.f;
@@ -201,7 +208,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
         for (int k = 0; k < VEC; ++k) {
           const float fdy = to_float(cdy[i].v[k]), fx = to_float(cx[i].v[k]);
           out.v[k] = from_float<T>(s * fmaf(-fx, k2, fdy * to_float(wv.v[k])));
-          dw[i][k] = fmaf(fdy * fx, s, dw[i][k]);
+          dw[(i * VEC + k) * GROUP] = fmaf(fdy * fx, s, dw[(i * VEC + k) * GROUP]);
         }
         store_pack<T, VEC>(dxp + i * GROUP * VEC, out);
       }
@@ -222,11 +229,12 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
       dw_tail = fmaf(tdy * tx, s, dw_tail);
     }
 
+    if constexpr (k_prefetch)
 #pragma unroll
-    for (int i = 0; i < PACKS; ++i) {
-      cdy[i] = ndy[i];
-      cx[i] = nx[i];
-    }
+      for (int i = 0; i < PACKS; ++i) {
+        cdy[i] = ndy[i];
+        cx[i] = nx[i];
+      }
     row += ROWS;
     dyp += ROWS * dy_stride;
     xp += ROWS * x_stride;
@@ -234,27 +242,24 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   }
 
   if constexpr (ROWS > 1) {
-    // Group 0 gathers the other groups' dw, one register at a time.
-    auto gather = [&](float& v) {
-      combine[threadIdx.x] = v;
-      __syncthreads();
-      if (g == 0)
+    // Group 0 adds the other groups' dw to its own.
+    combine[threadIdx.x] = dw_tail;
+    __syncthreads();
+    if (g == 0) {
 #pragma unroll
-        for (int q = 1; q < ROWS; ++q) v += combine[q * GROUP + t];
-      __syncthreads();
-    };
+      for (int q = 1; q < ROWS; ++q) {
+        dw_tail += combine[q * GROUP + t];
 #pragma unroll
-    for (int i = 0; i < PACKS; ++i)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) gather(dw[i][k]);
-    gather(dw_tail);
+        for (int j = 0; j < PACKS * VEC; ++j) dw[j * GROUP] += dw[q * (PACKS * VEC * GROUP) + j * GROUP];
+      }
+    }
   }
   if (g == 0) {
 #pragma unroll
     for (int i = 0; i < PACKS; ++i)
       if (t + i * GROUP < block_packs)
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) part[i * GROUP * VEC + k] = dw[i][k];
+        for (int k = 0; k < VEC; ++k) part[i * GROUP * VEC + k] = dw[(i * VEC + k) * GROUP];
     if (t < tail) part[tail_off] = dw_tail;
   }
   // Blocks of a cluster may still read this block's row sums until every block gets here.

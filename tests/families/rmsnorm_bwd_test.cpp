@@ -35,9 +35,9 @@ Problem problem(DType t, std::int64_t rows, std::int64_t cols, std::int64_t slab
 }
 
 Params bwd_params(const char* dtype, std::int64_t group, std::int64_t rows, std::int64_t vec, std::int64_t packs,
-                  std::int64_t cluster) {
-  return Params{{"dtype", std::string(dtype)}, {"group", group}, {"rows", rows},
-                {"vec", vec},                  {"packs", packs}, {"cluster", cluster}};
+                  std::int64_t cluster, std::int64_t sm_threads = 512) {
+  return Params{{"dtype", std::string(dtype)}, {"group", group}, {"rows", rows},   {"vec", vec},
+                {"packs", packs},              {"cluster", cluster}, {"sm_threads", sm_threads}};
 }
 
 double inv_rms_of(const std::vector<double>& x, std::int64_t r, std::int64_t cols, double eps) {
@@ -64,6 +64,9 @@ TEST(RmsNormBwd, SchemaRejectsBadCombinations) {
   EXPECT_EQ(bwd().validate(bwd_params("f16", 128, 1, 8, 4, 1)).code(), Code::invalid_argument);    // packs
   EXPECT_EQ(bwd().validate(bwd_params("f16", 96, 1, 8, 1, 1)).code(), Code::invalid_argument);     // not enumerated
   EXPECT_EQ(bwd().validate(bwd_params("f64", 128, 1, 1, 1, 1)).code(), Code::invalid_argument);
+  EXPECT_TRUE(bwd().validate(bwd_params("bf16", 512, 1, 8, 2, 1, 1024)).ok());
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 2, 1, 768)).code(), Code::invalid_argument);
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 128, 1, 8, 2, 1, 1024)).code(), Code::invalid_argument);  // small block
   EXPECT_FALSE(bwd().validate(Params{{"dtype", std::string("f16")}}).ok());
   EXPECT_FALSE(bwd().render(bwd_params("f32", 256, 1, 8, 1, 1)).ok());
   EXPECT_TRUE(reduce().validate(Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}}).ok());

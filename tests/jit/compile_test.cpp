@@ -41,7 +41,11 @@ TEST_P(CatalogCompiles, EveryVariant) {
     // ptxas spills a few words in some 1024-thread variants (64-register cap); a row cache pushed
     // to local memory (hundreds of bytes) is what this catches.
     EXPECT_GE(a->entry.spill_bytes, 0) << "spill report not parsed";
-    EXPECT_LE(a->entry.spill_bytes, 32) << family_name << "(" << p.canonical() << ")\n" << a->entry.compile_log;
+    // rmsnorm_bwd's sm_threads=1024 variants spill up to ~90 bytes under their 64-register cap and
+    // still ran 1.1-1.5x faster than the unspilled 128-register ones on an H100 (docs/benchmarks.md).
+    const bool capped_on_purpose = family_name == "rmsnorm_bwd" && p.get_int("sm_threads") == 1024;
+    EXPECT_LE(a->entry.spill_bytes, capped_on_purpose ? 128 : 32)
+        << family_name << "(" << p.canonical() << ")\n" << a->entry.compile_log;
   }
   EXPECT_EQ(b.stats().compiles, std::int64_t(catalog.size()));
 }
