@@ -36,7 +36,7 @@ std::int64_t stride_of(const Problem& p, int slot) {
 class Rope final : public Family {
  public:
   std::string_view name() const override { return "rope"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {

@@ -1,10 +1,10 @@
 // Rotary position embedding applied to q and k in one launch, fp32 math.
 //
-// Work item: VEC rotation pairs of one head of one token. neox pairs (i, i + HEAD_DIM/2), so an
-// item loads VEC elements from each half of the head; gptj pairs (2i, 2i + 1), so an item loads
-// 2*VEC contiguous elements. Either way an item is two VEC-wide loads and two stores of q or k plus
-// VEC cos and VEC sin values of the token's cache row, which every head of the token shares (they
-// stay in L1). Items are numbered token-major, q heads before k heads, pairs fastest, so
+// Work item: VEC rotation pairs of one head of one token, as two VEC-wide loads and two stores of
+// q or k, one at offset `pair` in each half of the head. neox pairs (i, i + HEAD_DIM/2), so the
+// item holds VEC pairs split across its two packs; gptj pairs (2i, 2i + 1), so each pack holds
+// VEC / 2 whole pairs. Either way a warp's accesses are contiguous, and an item reads VEC cos and
+// VEC sin values of the token's cache row, which every head of the token shares (they stay in L1). Items are numbered token-major, q heads before k heads, pairs fastest, so
 // neighbouring threads read neighbouring bytes. Each element is read and written by one thread,
 // which is what makes q_out == q (in place) safe.
 //
@@ -46,49 +46,71 @@ __device__ __forceinline__ void rope_qk_items(const T* q, const T* k, const C* _
     }
 
     const long long pos = position_ids[token];
-    float c[VEC], s[VEC];
-    if (pos >= 0 && pos < max_pos) {
-      load_floats<C, VEC>(cos + pos * k_pairs + pair, c);
-      load_floats<C, VEC>(sin + pos * k_pairs + pair, s);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) c[j] = s[j] = __int_as_float(0x7fc00000);
-    }
+    const bool pos_ok = pos >= 0 && pos < max_pos;
+    const float k_nan = __int_as_float(0x7fc00000);
 
-    if constexpr (NEOX) {
+    if constexpr (NEOX || VEC == 1) {
+      float c[VEC], s[VEC];
+      if (pos_ok) {
+        load_floats<C, VEC>(cos + pos * k_pairs + pair, c);
+        load_floats<C, VEC>(sin + pos * k_pairs + pair, s);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) c[j] = s[j] = k_nan;
+      }
+      if constexpr (NEOX) {
+        const P a = load_pack<T, VEC>(src + pair);
+        const P b = load_pack<T, VEC>(src + pair + k_pairs);
+        P oa, ob;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float x1 = to_float(a.v[j]), x2 = to_float(b.v[j]);
+          oa.v[j] = from_float<T>(x1 * c[j] - x2 * s[j]);
+          ob.v[j] = from_float<T>(x2 * c[j] + x1 * s[j]);
+        }
+        store_pack<T, VEC>(dst + pair, oa);
+        store_pack<T, VEC>(dst + pair + k_pairs, ob);
+      } else {
+        // gptj, one pair: it spans two one-element packs.
+        const P a = load_pack<T, 1>(src + 2 * pair);
+        const P b = load_pack<T, 1>(src + 2 * pair + 1);
+        P oa, ob;
+        const float x0 = to_float(a.v[0]), x1 = to_float(b.v[0]);
+        oa.v[0] = from_float<T>(x0 * c[0] - x1 * s[0]);
+        ob.v[0] = from_float<T>(x1 * c[0] + x0 * s[0]);
+        store_pack<T, 1>(dst + 2 * pair, oa);
+        store_pack<T, 1>(dst + 2 * pair + 1, ob);
+      }
+    } else {
+      // gptj: the item's two packs are taken at the same offsets as neox's, `pair` into each half
+      // of the head (VEC / 2 whole pairs each), so that each load and store instruction of a warp
+      // covers one contiguous span; the VEC contiguous elements at 2 * pair made every instruction
+      // touch every other 16 bytes.
+      constexpr int k_half = VEC / 2;
+      float ca[k_half], sa[k_half], cb[k_half], sb[k_half];
+      if (pos_ok) {
+        load_floats<C, k_half>(cos + pos * k_pairs + pair / 2, ca);
+        load_floats<C, k_half>(sin + pos * k_pairs + pair / 2, sa);
+        load_floats<C, k_half>(cos + pos * k_pairs + (k_pairs + pair) / 2, cb);
+        load_floats<C, k_half>(sin + pos * k_pairs + (k_pairs + pair) / 2, sb);
+      } else {
+#pragma unroll
+        for (int j = 0; j < k_half; ++j) ca[j] = sa[j] = cb[j] = sb[j] = k_nan;
+      }
       const P a = load_pack<T, VEC>(src + pair);
       const P b = load_pack<T, VEC>(src + pair + k_pairs);
       P oa, ob;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float x1 = to_float(a.v[j]), x2 = to_float(b.v[j]);
-        oa.v[j] = from_float<T>(x1 * c[j] - x2 * s[j]);
-        ob.v[j] = from_float<T>(x2 * c[j] + x1 * s[j]);
+      for (int j = 0; j < k_half; ++j) {
+        const float a0 = to_float(a.v[2 * j]), a1 = to_float(a.v[2 * j + 1]);
+        oa.v[2 * j] = from_float<T>(a0 * ca[j] - a1 * sa[j]);
+        oa.v[2 * j + 1] = from_float<T>(a1 * ca[j] + a0 * sa[j]);
+        const float b0 = to_float(b.v[2 * j]), b1 = to_float(b.v[2 * j + 1]);
+        ob.v[2 * j] = from_float<T>(b0 * cb[j] - b1 * sb[j]);
+        ob.v[2 * j + 1] = from_float<T>(b1 * cb[j] + b0 * sb[j]);
       }
       store_pack<T, VEC>(dst + pair, oa);
       store_pack<T, VEC>(dst + pair + k_pairs, ob);
-    } else {
-      const P a = load_pack<T, VEC>(src + 2 * pair);
-      const P b = load_pack<T, VEC>(src + 2 * pair + VEC);
-      P oa, ob;
-      if constexpr (VEC == 1) {
-        // The one pair spans both one-element packs.
-        const float x0 = to_float(a.v[0]), x1 = to_float(b.v[0]);
-        oa.v[0] = from_float<T>(x0 * c[0] - x1 * s[0]);
-        ob.v[0] = from_float<T>(x1 * c[0] + x0 * s[0]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC / 2; ++j) {
-          const float a0 = to_float(a.v[2 * j]), a1 = to_float(a.v[2 * j + 1]);
-          oa.v[2 * j] = from_float<T>(a0 * c[j] - a1 * s[j]);
-          oa.v[2 * j + 1] = from_float<T>(a1 * c[j] + a0 * s[j]);
-          const float b0 = to_float(b.v[2 * j]), b1 = to_float(b.v[2 * j + 1]);
-          ob.v[2 * j] = from_float<T>(b0 * c[VEC / 2 + j] - b1 * s[VEC / 2 + j]);
-          ob.v[2 * j + 1] = from_float<T>(b1 * c[VEC / 2 + j] + b0 * s[VEC / 2 + j]);
-        }
-      }
-      store_pack<T, VEC>(dst + 2 * pair, oa);
-      store_pack<T, VEC>(dst + 2 * pair + VEC, ob);
     }
   }
 }
