@@ -75,16 +75,14 @@ class Rope final : public Family {
     return r;
   }
 
-  // What the heuristic picks for aligned tensors: 16-byte packs (neox) or 8-byte packs (gptj), 128
-  // or 256 threads.
+  // What the heuristic picks for aligned tensors: 16-byte packs, 128 or 256 threads.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f32", "f16", "bf16"})
       for (std::int64_t head_dim : k_head_dims)
         for (const char* layout : {"neox", "gptj"})
           for (std::int64_t block : {128, 256}) {
-            const std::int64_t pack = std::string_view(layout) == "gptj" ? 8 : 16;
-            const std::int64_t vec = pack / std::int64_t(dtype_size(*parse_dtype(dtype)));
+            const std::int64_t vec = 16 / std::int64_t(dtype_size(*parse_dtype(dtype)));
             out.push_back(Params{{"dtype", std::string(dtype)}, {"head_dim", head_dim}, {"layout", std::string(layout)},
                                  {"vec", vec}, {"block", block}});
           }
@@ -223,7 +221,7 @@ class Rope final : public Family {
 
 RopeChoice rope_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
-  int vec = (p.dims[k_rope_layout] == k_rope_gptj ? 8 : 16) / esize;
+  int vec = 16 / esize;
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.alignment < cos_access_bytes(vec))) vec /= 2;
   const int block = work_items(p, vec) >= 256 * 264 ? 256 : 128;
   return {vec, block};

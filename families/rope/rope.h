@@ -16,12 +16,12 @@
 // Buffers: q, k, cos, sin, position_ids (inputs), q_out, k_out (outputs); q_out and k_out may be q
 // and k themselves (in place).
 //
-// Heuristic: vec is the widest rotation-pair count, up to 16-byte q/k packs in neox and 8-byte
-// packs in gptj, whose q/k access (vec * sizeof(dtype)) and cos/sin access (min(vec * 4, 16)
-// bytes) the buffers' common alignment allows. gptj's two packs per item are adjacent, so 16-byte
-// packs make each thread read 32 contiguous bytes: measured on an H100 (bf16, 32 + 8 heads,
-// 32768 tokens, positions 0..32767), gptj reaches 82-83% of the copy bandwidth with 16-byte packs
-// and 89-93% with 8-byte ones; neox 93-97% with 16-byte packs, 90-94% with 8-byte ones.
+// Heuristic: vec is the widest rotation-pair count, up to 16-byte q/k packs, whose q/k access
+// (vec * sizeof(dtype)) and cos/sin access (min(vec * 4, 16) bytes) the buffers' common alignment
+// allows. gptj items used to take their two packs adjacent, so that each warp-wide access touched
+// every other 16 bytes and gptj ran best with 8-byte packs (89-93% of the copy bandwidth on an
+// H100, bf16, 32 + 8 heads, 32768 tokens; 82-83% with 16-byte ones); they now take them at the same
+// offsets as neox, which reaches 96-98% with 16-byte packs.
 // block is 256 threads when the problem has at least 256 * 264 work items (two blocks per SM on a
 // 132-SM H100 with every thread busy), else 128, so that small problems (decode) spread over more
 // SMs; block size made no measurable difference at 4096 and 32768 tokens. One work item per thread: each moves two

@@ -96,19 +96,14 @@ def as_stream(stream):
 _torch_raw_stream = None
 
 
-def _torch_stream_function():
-    """torch's fastest way to read a device's current stream handle."""
+def _torch_stream(index):
     global _torch_raw_stream
     if _torch_raw_stream is None:
         import torch
 
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         _torch_raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
-    return _torch_raw_stream
-
-
-def _torch_stream(index):
-    return _torch_stream_function()(index)
+    return _torch_raw_stream(index)
 
 
 def launch_stream(stream, descs):
@@ -288,71 +283,10 @@ def _classify(tp):
     return h
 
 
-# --- the fast path: every array a torch tensor (or None) ---
-#
-# The general path below dispatches on each array's type and builds its description in a
-# handler; from Python that costs about 1 µs per array, a large part of an op's host time. For a
-# pattern of argument types seen before where every array is a torch tensor, a function
-# generated for that pattern reads the tensors inline. Anything unusual in it (an unsupported
-# dtype, a 0-d tensor) falls back to the general path, which raises the right error.
-
-_fast = {}
-_NOT_FAST = object()
-
-
-def _make_fast(types):
-    torch = sys.modules.get("torch")
-    tensor = getattr(torch, "Tensor", None) if torch is not None else None
-    if (tensor is None or all(tp is type(None) for tp in types)
-            or not all(tp is type(None) or (issubclass(tp, tensor) and _classify(tp) is _torch) for tp in types)):
-        _fast[types] = _NOT_FAST
-        return _NOT_FAST
-    n = len(types)
-    lines = [f"def fast(arrays, stream):", f"    {', '.join(f'a{i}' for i in range(n))}{',' if n == 1 else ''} = arrays"]
-    descs, key, ranks, gs = [], [], [], []
-    for i, tp in enumerate(types):
-        if tp is type(None):
-            descs.append("None")
-            key.append("0")
-            continue
-        lines += [f"    g{i} = a{i}.get_device()",
-                  f"    d{i} = (a{i}.data_ptr(), dtab[a{i}.dtype], a{i}.shape, a{i}.stride(), "
-                  f"CUDA if g{i} >= 0 else CPU, g{i} if g{i} >= 0 else 0, TS if g{i} >= 0 else None, None)"]
-        descs.append(f"d{i}")
-        key.append(f"len(d{i}[2])")
-        ranks.append(f"key[{i}]")
-        gs.append(f"g{i}")
-    # The launch stream as the general path picks it: the caller's, else the current stream of the
-    # first CUDA tensor's device, else 0.
-    pick = "0"
-    for g in reversed(gs):
-        pick = f"raw_stream({g}) if {g} >= 0 else {pick}"
-    lines += [f"    key = ({', '.join(key)},)",
-              f"    if 0 in ({', '.join(ranks)},):",
-              "        raise KeyError  # a 0-d tensor: the general path raises the error",
-              "    packer = packers.get(key) or make_packer(key)",
-              f"    s = ({pick}) if stream is None else as_stream(stream)",
-              f"    descs = ({', '.join(descs)},)",
-              "    return packer(scratch, *descs), s, descs"]
-    scope = {"dtab": _torch_dtypes or _torch_dtype_table(), "CUDA": CUDA, "CPU": CPU, "TS": _TORCH_STREAM,
-             "packers": _packers, "make_packer": _make_packer, "scratch": _scratch, "as_stream": as_stream,
-             "raw_stream": _torch_stream_function()}
-    exec("\n".join(lines) + "\n", scope)
-    _fast[types] = scope["fast"]
-    return scope["fast"]
-
-
 def prepare(arrays, stream=None):
     """(kiln_tensor addresses, launch stream, descriptions) for an op's arrays, in one pass. The
     addresses point into the calling thread's scratch buffer until its next prepare; keep the
     descriptions (they hold DLPack capsules) until the C call returns."""
-    types = tuple(map(type, arrays))
-    fast = _fast.get(types) or _make_fast(types)
-    if fast is not _NOT_FAST:
-        try:
-            return fast(arrays, stream)
-        except KeyError:
-            pass  # an unsupported dtype or a 0-d tensor: the general path raises the error
     descs, key = [], []
     for a in arrays:
         if a is None:

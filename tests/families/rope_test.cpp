@@ -162,14 +162,14 @@ TEST(Rope, ReferenceWritesNanForPositionsOutsideTheCache) {
 
 TEST(Rope, HeuristicPicksWidestAlignedAccessAndBlockBySize) {
   auto big = rope_heuristic(problem(DType::bf16, 16384, 32, 8, 128));
-  EXPECT_EQ(big.vec, 8);  // 16-byte packs in neox
+  EXPECT_EQ(big.vec, 8);  // 16-byte packs
   EXPECT_EQ(big.block, 256);
   auto decode = rope_heuristic(problem(DType::bf16, 1, 32, 8, 128));
   EXPECT_EQ(decode.vec, 8);
-  EXPECT_EQ(rope_heuristic(problem(DType::bf16, 1, 32, 8, 128, false)).vec, 4);  // 8-byte packs in gptj
+  EXPECT_EQ(rope_heuristic(problem(DType::bf16, 1, 32, 8, 128, false)).vec, 8);  // gptj too
   EXPECT_EQ(decode.block, 128);
   EXPECT_EQ(rope_heuristic(problem(DType::f32, 4096, 32, 8, 64)).vec, 4);
-  EXPECT_EQ(rope_heuristic(problem(DType::f32, 4096, 32, 8, 64, false)).vec, 2);
+  EXPECT_EQ(rope_heuristic(problem(DType::f32, 4096, 32, 8, 64, false)).vec, 4);
   EXPECT_EQ(rope_heuristic(problem(DType::f16, 4096, 32, 8, 64, true, 16, 8)).vec, 2);  // f32 cos limits to 8 bytes
   EXPECT_EQ(rope_heuristic(problem(DType::bf16, 4096, 32, 8, 64, true, 16, 2)).vec, 1);
   EXPECT_EQ(rope_heuristic(problem(DType::f32, 4096, 32, 8, 64, true, 16, 4)).vec, 1);
