@@ -1,10 +1,10 @@
-"""Loads libkiln.so and declares the C ABI's prototypes once (kiln.h, ABI version 2)."""
+"""Loads libkiln.so and declares the C ABI's prototypes once (kiln.h, ABI version 3)."""
 import ctypes
 import os
 
 from ._errors import error_for
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _P = ctypes.c_void_p
 _I32 = ctypes.c_int32
@@ -20,6 +20,9 @@ _OPS = {
     "kiln_rms_norm_rope": (_P, _P, _P, _P, _P, _P, _F64, _I64, _P),
     "kiln_rms_norm_backward": (_P, _P, _P, _P, _P, _P, _P, _P, _P),
     "kiln_rms_norm_backward_workspace_elements": (_P, _P),
+    "kiln_quantize_fp8": (_P, _P, _P, _P, _I32, _I32, _P),
+    "kiln_fp8_gemm": (_P, _P, _P, _P, _P, _P, _P),
+    "kiln_fused_gated_mlp": (_P, _P, _P, _P, _P, _I32, _P),
     "kiln_runtime_create": (ctypes.c_char_p, _P),
     "kiln_runtime_get_counters": (_P, _P),
     "kiln_pointer_device": (_P, _P, _P),

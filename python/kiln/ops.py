@@ -10,7 +10,7 @@ passed are allocated like the first input (torch, NumPy, or an array-API namespa
 import ctypes
 
 from . import _arrays as A
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, ShapeMismatchError, UnsupportedDtypeError
 from ._lib import check, lib, raise_for
 
 _rms_norm = lib.kiln_rms_norm_inv
@@ -19,9 +19,15 @@ _act_and_mul = lib.kiln_act_and_mul
 _apply_rope_qk = lib.kiln_apply_rope_qk
 _rms_norm_rope = lib.kiln_rms_norm_rope
 _rms_norm_backward = lib.kiln_rms_norm_backward
+_quantize_fp8 = lib.kiln_quantize_fp8
+_fp8_gemm = lib.kiln_fp8_gemm
+_fused_gated_mlp = lib.kiln_fused_gated_mlp
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 ROPE_LAYOUTS = {"neox": 0, "gptj": 1}
+FP8_GRANULARITIES = {"tensor": 0, "1x128": 1, "128x128": 2}
+GATED_ACTIVATIONS = {"silu": 0, "gelu": 1}
+FP8_SCALINGS = ("tensor", "block")
 
 
 class Runtime:
@@ -199,6 +205,111 @@ def rms_norm_rope(x, weight, cos, sin, eps=1e-6, num_heads=None, *, out=None, st
         out = A.empty(x, _shape(x))
     p, s, keep = A.prepare((x, weight, cos, sin, out), stream)
     code = _rms_norm_rope(_rt(runtime), p[0], p[1], p[2], p[3], p[4], eps, num_heads or 0, s)
+    if code:
+        raise_for(code)
+    return out
+
+
+# --- tensor-core GEMMs ---
+
+
+def _ceil128(n):
+    return -(-n // 128)
+
+
+def _dtype_name(a):
+    """The element type of an array as kiln names it ("uint8", "float16", ...), from .dtype."""
+    return str(getattr(a, "dtype", "")).replace("torch.", "")
+
+
+_OUTPUT_DTYPES = {"float16": A.F16, "f16": A.F16, "half": A.F16, "bfloat16": A.BF16, "bf16": A.BF16}
+
+
+def quantize_fp8(x, granularity="tensor", *, transpose=False, q=None, scale=None, stream=None, runtime=None):
+    """(q, scale): x (f32/f16/bf16, contiguous) as e4m3 codes (uint8) and f32 scales, one per
+    granularity group: "tensor" (one scale), "1x128" (per 128 values of a row, for activations)
+    or "128x128" (per block, for weights). Dequantize as e4m3_value(q) * scale. transpose (rank-2
+    x; "tensor" and "128x128") writes q as [cols, rows]: a [K, N] weight becomes the K-major operand
+    fp8_gemm takes (pass q.T)."""
+    g = _choice(FP8_GRANULARITIES, granularity, "granularity")
+    shape = _shape(x)
+    cols = shape[-1] if shape else 0
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    if q is None:
+        q = A.empty(x, (shape[1], shape[0]) if transpose and len(shape) == 2 else shape, A.U8)
+    if scale is None:
+        if g == 0:
+            scale_shape = (1,)
+        elif g == 1:
+            scale_shape = (rows, _ceil128(cols))
+        else:
+            scale_shape = (_ceil128(cols), _ceil128(rows)) if transpose else (_ceil128(rows), _ceil128(cols))
+        scale = A.empty(x, scale_shape, A.F32)
+    p, s, keep = A.prepare((x, q, scale), stream)
+    code = _quantize_fp8(_rt(runtime), p[0], p[1], p[2], g, 1 if transpose else 0, s)
+    if code:
+        raise_for(code)
+    return q, scale
+
+
+def fp8_gemm(a, b, a_scale=None, b_scale=None, output_dtype="float16", *, scaling="tensor", out=None, stream=None,
+             runtime=None):
+    """out [M, N] = a [M, K] x b [K, N] in e4m3 with fp32 accumulation, f16 or bf16 out.
+
+    Floating a or b are quantized first (scaling "tensor": one scale each; "block": 1x128 blocks
+    for a, 128x128 for b, as DeepSeek-V3). Pre-quantized operands are uint8 e4m3 codes and need
+    their scales (f32: one element, or [M, ceil(K/128)] for a and [ceil(N/128), ceil(K/128)] for b);
+    a pre-quantized b must be K-major, i.e. the transposed view of a contiguous [N, K] array
+    (quantize_fp8(w, transpose=True) gives one). K must be a multiple of 16."""
+    if scaling not in FP8_SCALINGS:
+        raise InvalidArgumentError(f"scaling must be one of {', '.join(FP8_SCALINGS)} (got {scaling!r})")
+    name = output_dtype if isinstance(output_dtype, str) else (getattr(output_dtype, "__name__", None)
+                                                                or str(output_dtype).replace("torch.", ""))
+    out_code = _OUTPUT_DTYPES.get(name)
+    if out_code is None:
+        raise UnsupportedDtypeError(f"fp8_gemm: output_dtype must be float16 or bfloat16 (got {output_dtype!r})")
+    block = scaling == "block"
+    keep = []
+    if _dtype_name(a) == "uint8":
+        if a_scale is None:
+            raise InvalidArgumentError("fp8_gemm: a is pre-quantized (uint8) and needs a_scale")
+    else:
+        a, a_scale = quantize_fp8(a, "1x128" if block else "tensor", stream=stream, runtime=runtime)
+    if _dtype_name(b) == "uint8":
+        if b_scale is None:
+            raise InvalidArgumentError("fp8_gemm: b is pre-quantized (uint8) and needs b_scale")
+    else:
+        bq, b_scale = quantize_fp8(b, "128x128" if block else "tensor", transpose=True, stream=stream,
+                                   runtime=runtime)
+        keep.append(bq)
+        b = bq.T
+    if out is None:
+        ashape, bshape = _shape(a), _shape(b)
+        if len(ashape) != 2 or len(bshape) != 2:
+            raise ShapeMismatchError(f"fp8_gemm: a and b must be matrices (got {ashape} and {bshape})")
+        out = A.empty(a, (ashape[0], bshape[1]), out_code)
+    p, s, keep_arrays = A.prepare((a, b, a_scale, b_scale, out), stream)
+    code = _fp8_gemm(_rt(runtime), p[0], p[1], p[2], p[3], p[4], s)
+    if code:
+        raise_for(code)
+    return out
+
+
+def fused_gated_mlp(x, gate_weight, up_weight, activation="silu", *, out=None, stream=None, runtime=None):
+    """out = act(x gate_weight^T) * (x up_weight^T), both projections in one kernel and the
+    intermediate never written. x [..., hidden] f16/bf16 contiguous; gate_weight, up_weight
+    [intermediate, hidden]; activation "silu" or "gelu"; out [..., intermediate]."""
+    act = _choice(GATED_ACTIVATIONS, activation, "activation")
+    if out is None:
+        shape, wshape = _shape(x), _shape(gate_weight)
+        if not shape or len(wshape) != 2:
+            raise ShapeMismatchError(f"fused_gated_mlp: x must be [..., hidden] and the weights [intermediate, hidden] "
+                                     f"(got {shape} and {wshape})")
+        out = A.empty(x, shape[:-1] + (wshape[0],))
+    p, s, keep = A.prepare((x, gate_weight, up_weight, out), stream)
+    code = _fused_gated_mlp(_rt(runtime), p[0], p[1], p[2], p[3], act, s)
     if code:
         raise_for(code)
     return out

@@ -4,6 +4,10 @@ autograd for RMSNorm and the fused RMSNorm + RoPE, and modules:
 
 - RMSNorm: a drop-in for torch.nn.RMSNorm (same constructor, state_dict keys and results).
 - FusedRMSNormRoPE(hidden_dim, head_dim, eps): owns the RMSNorm weight, forward(x, cos, sin).
+- FusedGatedMLP(hidden_dim, intermediate_dim, activation): act(x Wg^T) * (x Wu^T) in one kernel,
+  with autograd.
+- FP8Linear(in_features, out_features, bias): nn.Linear through kiln's FP8 GEMM; the weight is
+  quantized on first use and again whenever it changes.
 
 Ops launch on the current CUDA stream. CPU tensors run kiln's CPU fallbacks (the fused RMSNorm +
 RoPE is CUDA only: DeviceError). Errors are kiln's exceptions, raised before any launch.
@@ -15,10 +19,10 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops
-from ._errors import ShapeMismatchError
+from ._errors import InvalidArgumentError, ShapeMismatchError
 
 __all__ = ["rms_norm", "add_rms_norm", "act_and_mul", "silu_and_mul", "apply_rope_qk", "fused_rmsnorm_rope",
-           "RMSNorm", "FusedRMSNormRoPE"]
+           "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "RMSNorm", "FusedRMSNormRoPE", "FusedGatedMLP", "FP8Linear"]
 
 _KILN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -187,6 +191,85 @@ def _rope_grad(ctx, dout):
 _rms_norm_rope.register_autograd(_rope_grad, setup_context=_rope_setup)
 
 
+def _fused_gated_mlp_impl(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str) -> Tensor:
+    x = x.contiguous()
+    out = _new(x, (*x.shape[:-1], gate_weight.shape[0]))
+    if out.numel() == 0 or x.shape[-1] == 0:  # empty tensors have null pointers, which kiln rejects
+        return out.zero_()
+    return _ops.fused_gated_mlp(x, gate_weight.contiguous(), up_weight.contiguous(), activation, out=out)
+
+
+_fused_gated_mlp = torch.library.custom_op("kiln::fused_gated_mlp", _fused_gated_mlp_impl, mutates_args=())
+
+
+@_fused_gated_mlp.register_fake
+def _(x, gate_weight, up_weight, activation):
+    return x.new_empty((*x.shape[:-1], gate_weight.shape[0]))
+
+
+def _gated_setup(ctx, inputs, output):
+    x, gate_weight, up_weight, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, gate_weight, up_weight)
+
+
+def _gated_grad(ctx, dout):
+    # The forward never keeps x Wg^T or x Wu^T; the backward recomputes them with cuBLAS, then
+    # dg = dout * u * act'(g), du = dout * act(g), dx = dg Wg + du Wu, dWg = dg^T x, dWu = du^T x.
+    x, wg, wu = ctx.saved_tensors
+    x2 = x.reshape(-1, x.shape[-1])
+    g = (x2 @ wg.t()).float()
+    u = (x2 @ wu.t()).float()
+    d = dout.reshape(-1, dout.shape[-1]).float()
+    if ctx.activation == "silu":
+        sig = torch.sigmoid(g)
+        act, dact = g * sig, sig * (1 + g * (1 - sig))
+    else:
+        cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
+        act, dact = g * cdf, cdf + g * torch.exp(-0.5 * g * g) * 0.3989422804014327
+    dg = (d * u * dact).to(x.dtype)
+    du = (d * act).to(x.dtype)
+    dx = (dg @ wg + du @ wu).reshape(x.shape)
+    return dx, dg.t() @ x2, du.t() @ x2, None
+
+
+_fused_gated_mlp.register_autograd(_gated_grad, setup_context=_gated_setup)
+
+
+def _quantize_fp8_impl(x: Tensor, granularity: str, transpose: bool) -> Tuple[Tensor, Tensor]:
+    return _ops.quantize_fp8(x.contiguous(), granularity, transpose=transpose)
+
+
+_quantize_fp8 = torch.library.custom_op("kiln::quantize_fp8", _quantize_fp8_impl, mutates_args=())
+
+
+@_quantize_fp8.register_fake
+def _(x, granularity, transpose):
+    rows = math.prod(x.shape[:-1]) if x.dim() > 1 else 1
+    cols = x.shape[-1]
+    q_shape = (x.shape[1], x.shape[0]) if transpose and x.dim() == 2 else x.shape
+    if granularity == "tensor":
+        s_shape = (1,)
+    elif granularity == "1x128":
+        s_shape = (rows, -(-cols // 128))
+    else:
+        s_shape = (-(-cols // 128), -(-rows // 128)) if transpose else (-(-rows // 128), -(-cols // 128))
+    return x.new_empty(q_shape, dtype=torch.uint8), x.new_empty(s_shape, dtype=torch.float32)
+
+
+def _fp8_gemm_impl(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, output_dtype: torch.dtype) -> Tensor:
+    return _ops.fp8_gemm(a, b, a_scale, b_scale, output_dtype,
+                         out=torch.empty((a.shape[0], b.shape[1]), dtype=output_dtype, device=a.device))
+
+
+_fp8_gemm = torch.library.custom_op("kiln::fp8_gemm", _fp8_gemm_impl, mutates_args=())
+
+
+@_fp8_gemm.register_fake
+def _(a, b, a_scale, b_scale, output_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=output_dtype)
+
+
 # --- functions ---
 
 
@@ -276,6 +359,42 @@ def fused_rmsnorm_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps:
     return torch.ops.kiln.rms_norm_rope(x, weight, cos, sin, eps, heads)
 
 
+def fused_gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str = "silu") -> Tensor:
+    """act(x gate_weight^T) * (x up_weight^T), x [..., hidden] f16/bf16, weights [intermediate,
+    hidden], activation "silu" or "gelu"; both projections in one kernel. Differentiable (the
+    backward recomputes the projections with cuBLAS)."""
+    if _eager() and not _needs_grad(x, gate_weight, up_weight):
+        return _fused_gated_mlp_impl(x, gate_weight, up_weight, activation)
+    return torch.ops.kiln.fused_gated_mlp(x, gate_weight, up_weight, activation)
+
+
+def quantize_fp8(x: Tensor, granularity: str = "tensor", transpose: bool = False) -> Tuple[Tensor, Tensor]:
+    """(q uint8 e4m3 codes, f32 scale): see kiln.quantize_fp8 (no autograd)."""
+    if _eager():
+        return _quantize_fp8_impl(x, granularity, transpose)
+    return torch.ops.kiln.quantize_fp8(x, granularity, transpose)
+
+
+def fp8_gemm(a: Tensor, b: Tensor, a_scale: Optional[Tensor] = None, b_scale: Optional[Tensor] = None,
+             output_dtype: torch.dtype = torch.float16, scaling: str = "tensor") -> Tensor:
+    """a [M, K] x b [K, N] in e4m3 (fp32 accumulation) -> output_dtype (f16 or bf16). Floating
+    operands are quantized first (scaling "tensor" or "block"); uint8 operands are e4m3 codes and
+    need their scales, b K-major (q.t() of a contiguous [N, K] q). No autograd."""
+    block = scaling == "block"
+    if a.dtype != torch.uint8:
+        a, a_scale = quantize_fp8(a, "1x128" if block else "tensor")
+    elif a_scale is None:
+        raise InvalidArgumentError("fp8_gemm: a is pre-quantized (uint8) and needs a_scale")
+    if b.dtype != torch.uint8:
+        bq, b_scale = quantize_fp8(b, "128x128" if block else "tensor", True)
+        b = bq.t()
+    elif b_scale is None:
+        raise InvalidArgumentError("fp8_gemm: b is pre-quantized (uint8) and needs b_scale")
+    if _eager():
+        return _fp8_gemm_impl(a, b, a_scale, b_scale, output_dtype)
+    return torch.ops.kiln.fp8_gemm(a, b, a_scale, b_scale, output_dtype)
+
+
 # --- modules ---
 
 
@@ -328,3 +447,81 @@ class FusedRMSNormRoPE(torch.nn.Module):
 
     def extra_repr(self):
         return f"{self.hidden_dim}, head_dim={self.head_dim}, eps={self.eps}"
+
+
+class FusedGatedMLP(torch.nn.Module):
+    """The gated expansion of a transformer MLP, act(x Wg^T) * (x Wu^T), in one kernel: owns
+    gate_weight and up_weight ([intermediate_dim, hidden_dim]); the down projection stays outside."""
+
+    def __init__(self, hidden_dim: int, intermediate_dim: int, activation: str = "silu", device=None, dtype=None):
+        super().__init__()
+        if activation not in _ops.GATED_ACTIVATIONS:
+            raise InvalidArgumentError(f"FusedGatedMLP: activation must be silu or gelu (got {activation!r})")
+        self.hidden_dim, self.intermediate_dim, self.activation = hidden_dim, intermediate_dim, activation
+        self.gate_weight = torch.nn.Parameter(torch.empty(intermediate_dim, hidden_dim, device=device, dtype=dtype))
+        self.up_weight = torch.nn.Parameter(torch.empty(intermediate_dim, hidden_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # nn.Linear's default initialisation for each projection.
+        torch.nn.init.kaiming_uniform_(self.gate_weight, a=math.sqrt(5))
+        torch.nn.init.kaiming_uniform_(self.up_weight, a=math.sqrt(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fused_gated_mlp(x, self.gate_weight, self.up_weight, self.activation)
+
+    def extra_repr(self):
+        return f"{self.hidden_dim}, {self.intermediate_dim}, activation={self.activation}"
+
+
+class FP8Linear(torch.nn.Module):
+    """nn.Linear (y = x W^T + b) through kiln's FP8 GEMM, for inference: the weight stays a
+    floating-point parameter and is quantized (e4m3 with its scale, "tensor" or "block" scaling)
+    on first use and again whenever it changes (its version counter moves, or its device or
+    dtype). Activations are quantized on every call. f16/bf16 inputs give outputs of their dtype,
+    f32 inputs bf16 results cast back to f32. No autograd through the FP8 path."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, scaling: str = "tensor",
+                 device=None, dtype=None):
+        super().__init__()
+        if scaling not in _ops.FP8_SCALINGS:
+            raise InvalidArgumentError(f"FP8Linear: scaling must be tensor or block (got {scaling!r})")
+        self.in_features, self.out_features, self.scaling = in_features, out_features, scaling
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self._cache = None  # ((weight version, device, dtype, address), q [out, in] uint8, scale)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+        self._cache = None
+
+    def quantized_weight(self) -> Tuple[Tensor, Tensor]:
+        """(q, scale) of the current weight: q [out_features, in_features] uint8, whose q.t() is the
+        K-major operand of fp8_gemm."""
+        w = self.weight
+        key = (w._version, w.device, w.dtype, w.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                q, scale = quantize_fp8(w.detach(), "128x128" if self.scaling == "block" else "tensor")
+            self._cache = (key, q, scale)
+        return self._cache[1], self._cache[2]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ShapeMismatchError(f"FP8Linear: input ends in {x.shape[-1]}, expected {self.in_features}")
+        q, scale = self.quantized_weight()
+        out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        x2 = x.reshape(-1, self.in_features)
+        y = fp8_gemm(x2, q.t(), None, scale, out_dtype, self.scaling)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"scaling={self.scaling}"

@@ -30,7 +30,7 @@ def test_import_does_not_import_torch():
 
 
 def test_library_ships_inside_the_package():
-    assert kiln.abi_version() >= kiln.ABI_VERSION == 2
+    assert kiln.abi_version() >= kiln.ABI_VERSION == 3
     if "KILN_LIBRARY" not in os.environ:
         assert os.path.dirname(kiln.library_path) == os.path.dirname(kiln.__file__)
         assert os.path.isfile(kiln.library_path)
@@ -293,3 +293,170 @@ def test_runtime_modes_and_counters(rng):
         assert c["module_loads"] == 0  # host arrays never load a kernel
     with pytest.raises(kiln.InvalidArgumentError, match="closed"):
         kiln.rms_norm(x, w, out=out, runtime=rt)
+
+
+# --- FP8 GEMM, its quantization, the fused gated MLP (CPU references in libkiln) ---
+
+
+def e4m3_values():
+    """The value of every e4m3 code (1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no
+    infinities, 0x7F/0xFF NaN), written out here independently of kiln's own decoder."""
+    out = np.empty(256, dtype=np.float64)
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        exp, man = (code >> 3) & 0xF, code & 0x7
+        if exp == 0xF and man == 0x7:
+            out[code] = np.nan
+        elif exp == 0:
+            out[code] = sign * man / 8.0 * 2.0 ** -6
+        else:
+            out[code] = sign * (1 + man / 8.0) * 2.0 ** (exp - 7)
+    return out
+
+
+E4M3 = e4m3_values()
+
+
+_FINITE = np.unique(E4M3[np.isfinite(E4M3)])  # sorted, -448 .. 448
+_EVEN = np.array([min(c for c in range(256) if E4M3[c] == v) % 2 == 0 for v in _FINITE])
+
+
+def nearest_e4m3(v):
+    """Round to the nearest finite e4m3 value (ties to the even code), saturating at +-448."""
+    v = np.clip(v, -448.0, 448.0)
+    i = np.clip(np.searchsorted(_FINITE, v), 1, len(_FINITE) - 1)
+    lo, hi = _FINITE[i - 1], _FINITE[i]
+    up = ((hi - v) < (v - lo)) | (((hi - v) == (v - lo)) & _EVEN[i])
+    return np.where(up, hi, lo)
+
+
+def expand_scales(scale, granularity, shape):
+    """Each element's scale, from quantize_fp8's scale array."""
+    if granularity == "tensor":
+        return np.full(shape, scale.reshape(-1)[0], dtype=np.float64)
+    s = np.repeat(scale.astype(np.float64), 128, axis=-1)
+    if granularity == "128x128":
+        s = np.repeat(s, 128, axis=0)
+    return s[:shape[0], :shape[1]]
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "1x128", "128x128"])
+def test_quantize_fp8_matches_an_independent_reference(rng, granularity):
+    x = (rng.standard_normal((130, 300)) * 3).astype(np.float32)
+    q, scale = kiln.quantize_fp8(x, granularity)
+    assert q.dtype == np.uint8 and q.shape == x.shape and scale.dtype == np.float32
+    x64 = x.astype(np.float64)
+    # Each group's scale is its largest magnitude over 448.
+    rb, cb = -(-x.shape[0] // 128), -(-x.shape[1] // 128)
+    if granularity == "tensor":
+        want = np.array([np.abs(x64).max()])
+    elif granularity == "1x128":
+        want = np.array([[np.abs(x64[r, j * 128:(j + 1) * 128]).max() for j in range(cb)] for r in range(x.shape[0])])
+    else:
+        want = np.array([[np.abs(x64[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]).max() for j in range(cb)]
+                         for i in range(rb)])
+    np.testing.assert_allclose(scale.reshape(want.shape), want / 448.0, rtol=1e-6)
+    # Every code is the e4m3 value nearest to x / scale (the f32 scale kiln stored).
+    s = expand_scales(scale, granularity, x.shape)
+    np.testing.assert_array_equal(E4M3[q], nearest_e4m3((x / s.astype(np.float32)).astype(np.float64)))
+    # So the round trip stays within half an e4m3 step (1/16 relative, or the subnormal step) of x.
+    assert np.all(np.abs(E4M3[q] * s - x64) <= np.abs(x64) / 16 + s * 2.0 ** -10)
+
+
+def test_quantize_fp8_transposed_for_a_weight(rng):
+    w = rng.standard_normal((64, 48)).astype(np.float32)  # [K, N]
+    q, scale = kiln.quantize_fp8(w, "tensor", transpose=True)
+    assert q.shape == (48, 64)
+    q2, scale2 = kiln.quantize_fp8(np.ascontiguousarray(w.T), "tensor")
+    np.testing.assert_array_equal(q, q2)
+    np.testing.assert_array_equal(scale, scale2)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+def test_fp8_gemm_matches_the_dequantized_product(rng, scaling, out_dtype):
+    if out_dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes", reason="bf16 NumPy arrays need ml_dtypes")
+    m, k, n = 37, 160, 45  # M and N off any tile, K two 128-blocks deep (one partial)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    out = kiln.fp8_gemm(a, b, output_dtype=out_dtype, scaling=scaling)
+    assert out.shape == (m, n) and out.dtype.name == out_dtype
+    # The same product from kiln's quantized operands, dequantized and multiplied in float64.
+    gran_a, gran_b = ("1x128", "128x128") if scaling == "block" else ("tensor", "tensor")
+    qa, sa = kiln.quantize_fp8(a, gran_a)
+    qb, sb = kiln.quantize_fp8(b, gran_b, transpose=True)  # [N, K]
+    if scaling == "block":
+        da = E4M3[qa] * np.repeat(sa, 128, axis=1)[:, :k]
+        db = E4M3[qb] * np.repeat(np.repeat(sb, 128, axis=0), 128, axis=1)[:n, :k]
+    else:
+        da, db = E4M3[qa] * sa[0], E4M3[qb] * sb[0]
+    want = da @ db.T
+    got = out.astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    # And near the unquantized product (e4m3 keeps 3 mantissa bits).
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.06
+
+
+def test_fp8_gemm_takes_pre_quantized_operands(rng):
+    a = rng.standard_normal((8, 32)).astype(np.float32)
+    w = rng.standard_normal((24, 32)).astype(np.float32)  # [N, K], as a Linear's weight
+    qa, sa = kiln.quantize_fp8(a)
+    qw, sw = kiln.quantize_fp8(w)
+    out = kiln.fp8_gemm(qa, qw.T, sa, sw)
+    want = (E4M3[qa] * sa[0]) @ (E4M3[qw] * sw[0]).T
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_fp8_gemm_errors(rng):
+    a = rng.standard_normal((8, 32)).astype(np.float32)
+    qa, sa = kiln.quantize_fp8(a)
+    qw, sw = kiln.quantize_fp8(rng.standard_normal((16, 32)).astype(np.float32))
+    with pytest.raises(kiln.InvalidArgumentError, match="a_scale"):
+        kiln.fp8_gemm(qa, qw.T, None, sw)
+    with pytest.raises(kiln.InvalidArgumentError, match="b_scale"):
+        kiln.fp8_gemm(qa, qw.T, sa, None)
+    with pytest.raises(kiln.ShapeMismatchError):  # K of 20 is not a multiple of 16
+        kiln.fp8_gemm(rng.standard_normal((8, 20)).astype(np.float32), rng.standard_normal((20, 8)).astype(np.float32))
+    with pytest.raises(kiln.ShapeMismatchError):  # inner dimensions differ
+        kiln.fp8_gemm(a, rng.standard_normal((48, 8)).astype(np.float32))
+    with pytest.raises(kiln.InvalidArgumentError):  # a row-major [K, N] pre-quantized b
+        kiln.fp8_gemm(qa, np.ascontiguousarray(qw.T), sa, sw)
+    with pytest.raises(kiln.UnsupportedDtypeError):
+        kiln.fp8_gemm(a, a.T.copy(), output_dtype="float32")
+    with pytest.raises(kiln.InvalidArgumentError):
+        kiln.fp8_gemm(a, a.T.copy(), scaling="rowwise")
+    with pytest.raises(kiln.InvalidArgumentError):
+        kiln.quantize_fp8(a, "2x2")
+
+
+def ref_gated(x, wg, wu, act):
+    g = x.astype(np.float64) @ wg.astype(np.float64).T
+    u = x.astype(np.float64) @ wu.astype(np.float64).T
+    if act == "silu":
+        a = g / (1 + np.exp(-g))
+    else:
+        a = 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2)))
+    return a * u
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_fused_gated_mlp_matches_numpy(rng, act):
+    x = rng.standard_normal((2, 5, 40)).astype(np.float16)
+    wg = (rng.standard_normal((72, 40)) * 0.2).astype(np.float16)
+    wu = (rng.standard_normal((72, 40)) * 0.2).astype(np.float16)
+    out = kiln.fused_gated_mlp(x, wg, wu, act)
+    assert out.shape == (2, 5, 72) and out.dtype == np.float16
+    np.testing.assert_allclose(out.astype(np.float64), ref_gated(x, wg, wu, act), rtol=1e-2, atol=1e-2)
+
+
+def test_fused_gated_mlp_errors(rng):
+    x = rng.standard_normal((4, 40)).astype(np.float16)
+    w = rng.standard_normal((8, 40)).astype(np.float16)
+    with pytest.raises(kiln.InvalidArgumentError):
+        kiln.fused_gated_mlp(x, w, w, "relu")
+    with pytest.raises(kiln.ShapeMismatchError):
+        kiln.fused_gated_mlp(x, w, rng.standard_normal((8, 32)).astype(np.float16))
+    with pytest.raises(kiln.UnsupportedDtypeError):
+        kiln.fused_gated_mlp(x.astype(np.float32), w.astype(np.float32), w.astype(np.float32))
