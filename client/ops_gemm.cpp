@@ -35,9 +35,10 @@ Status require_contiguous(const TensorView& t, const char* op, const char* name)
   return {};
 }
 
-Status require_aligned(const TensorView& t, const char* op, const char* name) {
-  if (reinterpret_cast<std::uintptr_t>(t.data) % 16)
-    return invalid_argument(std::string(op) + ": " + name + " must be 16-byte aligned (the kernels copy 16-byte pieces)");
+// Operands move in 16-byte pieces; scales are read as single floats.
+Status require_aligned(const TensorView& t, const char* op, const char* name, std::uintptr_t bytes = 16) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % bytes)
+    return invalid_argument(std::string(op) + ": " + name + " must be " + std::to_string(bytes) + "-byte aligned");
   return {};
 }
 
@@ -121,7 +122,7 @@ Status quantize_fp8(const TensorView& x, const TensorView& q, const TensorView& 
   if (transpose && x.rank != 2) return shape_mismatch("quantize_fp8: transpose takes a rank-2 x");
   for (const auto& [t, name] : {std::pair{&x, "x"}, {&q, "q"}, {&scale, "scale"}}) {
     KILN_TRY(require_contiguous(*t, op, name));
-    KILN_TRY(require_aligned(*t, op, name));
+    KILN_TRY(require_aligned(*t, op, name, t == &scale ? 4 : 16));
   }
   const std::int64_t cols = x.shape[x.rank - 1], rows = cols ? x.numel() / cols : 0;
   bool q_ok = q.rank == x.rank;
@@ -197,6 +198,8 @@ Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_sc
   KILN_TRY(require_contiguous(out, op, "out"));
   KILN_TRY(require_contiguous(a_scale, op, "a_scale"));
   KILN_TRY(require_contiguous(b_scale, op, "b_scale"));
+  KILN_TRY(require_aligned(a_scale, op, "a_scale", 4));
+  KILN_TRY(require_aligned(b_scale, op, "b_scale", 4));
   if (!(b.strides[0] == 1 && (b.strides[1] == k || n <= 1)) && !(k <= 1 && b.is_contiguous()))
     return invalid_argument(
         "fp8_gemm: b must be K-major ([K, N] with strides {1, K}: the transposed view of a contiguous [N, K] "

@@ -38,9 +38,9 @@ inline std::uint8_t float_to_e4m3(float f) {
 
 // The scale quantize_fp8 stores for a group whose largest magnitude is amax: the value an e4m3
 // code is multiplied by to dequantize (amax / 448, at least FLT_MIN so that x / scale is finite).
-inline float fp8_scale_for(float amax) {
-  const float s = amax / k_e4m3_max;
-  return s < 1.17549435e-38f ? 1.17549435e-38f : s;
-}
+// The per-tensor amax pass keeps the unclamped amax / 448 (division by 448 is monotonic, so the
+// largest rounded quotient is the quotient of the largest magnitude); this clamps it.
+inline float fp8_clamp_scale(float s) { return s < 1.17549435e-38f ? 1.17549435e-38f : s; }
+inline float fp8_scale_for(float amax) { return fp8_clamp_scale(amax / k_e4m3_max); }
 
 }  // namespace kiln

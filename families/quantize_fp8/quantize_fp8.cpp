@@ -138,7 +138,7 @@ class QuantizeFp8 final : public Family {
       q[tr ? c * rows + r : r * cols + c] = float_to_e4m3(x(r, c) / s);
     };
     if (mode == k_q_tensor) {
-      const float s = fp8_scale_for(scale[0]);
+      const float s = fp8_clamp_scale(scale[0]);
       scale[0] = s;
       for (std::int64_t r = 0; r < rows; ++r)
         for (std::int64_t c = 0; c < cols; ++c) put(r, c, s);

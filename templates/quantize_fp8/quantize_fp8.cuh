@@ -30,7 +30,8 @@ __device__ __forceinline__ unsigned char f32_to_e4m3(float f) {
   return (unsigned char)(sign | min(code, 0x7Eu));
 }
 
-__device__ __forceinline__ float scale_for(float amax) { return fmaxf(amax / 448.0f, 1.17549435e-38f); }
+__device__ __forceinline__ float clamp_scale(float s) { return fmaxf(s, 1.17549435e-38f); }
+__device__ __forceinline__ float scale_for(float amax) { return clamp_scale(amax / 448.0f); }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -77,7 +78,7 @@ quantize_fp8(const T* __restrict__ x, unsigned char* __restrict__ q, float* __re
       if (lane == 0 && r0 + i < rows) scale[(r0 + i) * blocks_c + blockIdx.x] = s[i];
     }
   } else if (MODE == MODE_TENSOR) {
-    const float t = scale_for(scale[0]);
+    const float t = clamp_scale(scale[0]);  // the amax pass left amax / 448
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = t;
     // Every block reads scale[0] and clamps it the same way, so rewriting it clamped is harmless.
