@@ -117,9 +117,10 @@ inline std::string name_expression(Kind kind, const std::string& operand, const 
 }
 
 // Buffers in kernel order: a, b0, b1, a_scale, b_scale, out (unused ones passed as null), then
-// m, n, k, tiles_m, tiles_n.
-inline void pack(const Tile& t, const Problem& p, void* a, void* b0, void* b1, void* a_scale, void* b_scale, void* out,
-                 ArgPack& args) {
+// m, n, k, tiles_m, tiles_n; the wgmma path adds tensor maps of a, b0 and b1 (b0's again when
+// there is no b1). `es`: operand element bytes.
+inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void* b0, void* b1, void* a_scale,
+                 void* b_scale, void* out, ArgPack& args) {
   args.add(a);
   args.add(b0);
   args.add(b1);
@@ -131,6 +132,11 @@ inline void pack(const Tile& t, const Problem& p, void* a, void* b0, void* b1, v
   args.add(int(p.dims[k_k]));
   args.add(int((p.dims[k_m] + t.bm - 1) / t.bm));
   args.add(int((p.dims[k_n] + t.bn - 1) / t.bn));
+  if (!t.wgmma) return;
+  const std::uint64_t row_bytes = std::uint64_t(p.dims[k_k] * es);
+  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm)});
+  args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
+  args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
 }
 
 // The default tile for a problem: 128 x 128 (gated on mma: 128 x 64), halved while the tiles

@@ -144,7 +144,7 @@ class Fp8Gemm final : public Family {
   }
 
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
-    g::pack(g::tile_of(params), p, b[0], b[1], nullptr, b[2], b[3], b[4], out);
+    g::pack(g::tile_of(params), p, 1, b[0], b[1], nullptr, b[2], b[3], b[4], out);
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {

@@ -131,7 +131,7 @@ class GatedMlp final : public Family {
   }
 
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
-    g::pack(g::tile_of(params), p, b[0], b[1], b[2], nullptr, nullptr, b[3], out);
+    g::pack(g::tile_of(params), p, std::int64_t(dtype_size(p.dtype)), b[0], b[1], b[2], nullptr, nullptr, b[3], out);
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {

@@ -1,15 +1,13 @@
 // The sm_90a path of the GEMM core: wgmma from shared memory (both operands through 128-byte
 // swizzle descriptors), warp-specialized. Warpgroups 0 .. BM/64 - 1 are consumers (64 rows of the
 // tile each, accumulators in registers, setmaxnreg raised); the last warpgroup is the producer
-// (registers lowered) that fills a STAGES-deep ring of shared-memory stages with cp.async. Each
-// stage has a `full` mbarrier (producer -> consumers) and an `empty` one (consumers -> producer).
-// The grid is persistent: CTA i takes tiles i, i + grid, ... in grouped order, and the ring runs
-// on across tiles, so the producer loads the next tile while the consumers store this one.
-//
-// The producer waits for its own copies (cp.async.wait_group) and fences them into the async
-// proxy before it arrives on `full`: cp.async writes are ordinary (generic-proxy) stores, and
-// wgmma reads shared memory through the async proxy. One copy group stays in flight behind the
-// one being marked, two stages of loads per producer thread in all.
+// (registers lowered) whose one elected thread fills a STAGES-deep ring of shared-memory stages
+// with bulk tensor copies (TMA: cp.async.bulk.tensor, tensor maps passed as __grid_constant__
+// parameters, the 128-byte swizzle applied by the copy engine, zeros past the matrix edges). Each
+// stage has a `full` mbarrier (the copies complete their bytes on it) and an `empty` one
+// (consumers -> producer). The grid is persistent: CTA i takes tiles i, i + grid, ... in grouped
+// order, and the ring runs on across tiles, so the producer loads the next tile while the
+// consumers store this one.
 //
 // Off sm_90a (no wgmma, no setmaxnreg) the kernel compiles to a trap: families run this path only
 // on devices of compute capability 9.0.
@@ -44,6 +42,25 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   } while (!done);
 }
 
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// A CUtensorMap, opaque (the driver encodes it; jit::encode_tensor_maps).
+struct __align__(64) TmaDesc {
+  unsigned long long bits[16];
+};
+
+// Box (128 bytes x rows) at byte column `col`, row `row` of the map -> shared `dst`; completes
+// its bytes on `bar`.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc* map, int col, int row, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(col), "r"(row), "r"(bar)
+      : "memory");
+}
+
 __device__ __forceinline__ void warpgroup_arrive() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -60,7 +77,9 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
 }
 
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma(KILN_GEMM_PARAMS) {
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+    gemm_wgmma(KILN_GEMM_PARAMS, const __grid_constant__ TmaDesc map_a, const __grid_constant__ TmaDesc map_b0,
+               const __grid_constant__ TmaDesc map_b1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int CONSUMERS = BM / 64, NI = BN / 8;
   constexpr bool DUAL = KIND == k_gated, FP8 = KIND != k_gated, BLOCK = KIND == k_fp8_block;
@@ -72,23 +91,22 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma(KILN_GEMM_P
   const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
 
   const int wg = threadIdx.x / 128;
-  const long long ld = (long long)k * (FP8 ? 1 : 2);
-  const int ktiles = int((ld + k_row_bytes - 1) / k_row_bytes);
+  const int ktiles = int(((long long)k * (FP8 ? 1 : 2) + k_row_bytes - 1) / k_row_bytes);
   const int kblocks = (k + k_scale_block - 1) / k_scale_block;
   const int tiles = tiles_m * tiles_n;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 128);
+      mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, CONSUMERS * 128);
     }
   }
   __syncthreads();
 
   if (wg == CONSUMERS) {
-    // Producer.
+    // Producer: one thread issues every copy.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
-    const int tid = threadIdx.x - CONSUMERS * 128;
+    if (threadIdx.x != CONSUMERS * 128) return;
     int it = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       int tm, tn;
@@ -96,23 +114,12 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma(KILN_GEMM_P
       for (int kt = 0; kt < ktiles; ++kt, ++it) {
         const int s = it % STAGES;
         if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
-        const unsigned st = base + s * STAGE_BYTES;
-        const long long kb = (long long)kt * k_row_bytes;
-        load_tile<BM, 128>(st, a, m, ld, (long long)tm * BM, kb, tid);
-        load_tile<BN, 128>(st + A_BYTES, b0, n, ld, (long long)tn * BN, kb, tid);
-        if (DUAL) load_tile<BN, 128>(st + A_BYTES + B_BYTES, b1, n, ld, (long long)tn * BN, kb, tid);
-        cp_async_commit();
-        if (it > 0) {
-          cp_async_wait<1>();
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          mbar_arrive(full + 8 * ((it - 1) % STAGES));
-        }
+        const unsigned st = base + s * STAGE_BYTES, bar = full + 8 * s;
+        mbar_expect_tx(bar, STAGE_BYTES);
+        tma_load_2d(st, &map_a, kt * k_row_bytes, tm * BM, bar);
+        tma_load_2d(st + A_BYTES, &map_b0, kt * k_row_bytes, tn * BN, bar);
+        if (DUAL) tma_load_2d(st + A_BYTES + B_BYTES, &map_b1, kt * k_row_bytes, tn * BN, bar);
       }
-    }
-    if (it > 0) {
-      cp_async_wait<0>();
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      mbar_arrive(full + 8 * ((it - 1) % STAGES));
     }
     return;
   }

@@ -285,7 +285,8 @@ TEST(GemmFamilies, ArgumentsPackInKernelOrder) {
   ArgPack args;
   f.pack_args(h, p, bufs, args);
   ASSERT_FALSE(args.overflow());
-  ASSERT_EQ(args.count(), 11u);
+  ASSERT_EQ(*h.get_str("path"), "wgmma");
+  ASSERT_EQ(args.count(), 14u);  // 11 values, then the tensor maps of x, wg and wu
   EXPECT_EQ(*static_cast<void**>(args.pointers()[0]), &x);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[1]), &wg);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[2]), &wu);
@@ -297,6 +298,24 @@ TEST(GemmFamilies, ArgumentsPackInKernelOrder) {
   const auto bm = *h.get_int("bm"), bn = *h.get_int("bn");
   EXPECT_EQ(*static_cast<int*>(args.pointers()[9]), (300 + bm - 1) / bm);
   EXPECT_EQ(*static_cast<int*>(args.pointers()[10]), (1000 + bn - 1) / bn);
+  ASSERT_EQ(args.tensor_maps(), 3u);
+  const void* bases[3] = {&x, &wg, &wu};
+  for (std::size_t i = 0; i < 3; ++i) {
+    const TensorMapRequest& r = args.tensor_map_request(i);
+    EXPECT_EQ(r.base, bases[i]);
+    EXPECT_EQ(r.row_bytes, 512u * 2);
+    EXPECT_EQ(r.rows, i == 0 ? 300u : 1000u);
+    EXPECT_EQ(r.box_rows, std::uint32_t(i == 0 ? bm : bn));
+    EXPECT_EQ(args.tensor_map_slot(i), args.pointers()[11 + i]);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(args.tensor_map_slot(i)) % 64, 0u);
+  }
+  // The sm_80 path takes no maps.
+  Problem a100 = p;
+  a100.dims[g::k_cc] = 80;
+  ArgPack plain;
+  f.pack_args(f.heuristic(a100), a100, bufs, plain);
+  EXPECT_EQ(plain.count(), 11u);
+  EXPECT_EQ(plain.tensor_maps(), 0u);
 }
 
 // The typed ops on host memory: CPU fallbacks, and every error before any resolve.
