@@ -139,12 +139,14 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
 }
 
-// The default tile for a problem: 128 x 128 (gated on mma: 128 x 64), halved while the tiles
-// would leave most SMs idle (decode-sized M, narrow N), stages as deep as shared memory allows
-// up to 4 (mma: 3).
+// The default tile for a problem: 128 x 128 (gated on mma: 128 x 64; per-tensor fp8 on wgmma:
+// 128 x 256, half the shared-memory traffic per flop of A, when that still gives every SM a
+// tile), halved while the tiles would leave most SMs idle (decode-sized M, narrow N), stages as
+// deep as shared memory allows up to 4 (mma: 3).
 inline Tile default_tile(Kind kind, const Problem& p) {
   Tile t{p.dims[k_cc] == 90, 128, (kind == k_gated && p.dims[k_cc] != 90) ? 64 : 128, 4, 8};
   const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]);
+  if (t.wgmma && kind == k_fp8_tensor && tiles(Tile{true, 128, 256, 4, 8}, p) >= sms) t.bn = 256;
   if (tiles(t, p) < sms) t.bm = 64;
   if (tiles(t, p) < sms) t.bn = 64;
   t.stages = t.wgmma ? 4 : 3;

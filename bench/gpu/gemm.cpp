@@ -5,6 +5,7 @@
 // TFLOP/s = 2 M N K / time (gated: 4 M N K, two projections).
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "bench/gpu_harness.h"
@@ -190,10 +191,66 @@ int gated(Context& ctx, nlohmann::json& rows) {
   return 0;
 }
 
+// Every variant of the tuning space at fp8 8192^3 (per tensor) and the gated MLP at 4096 x 11008
+// x 4096, ranked: the data behind default_tile (families/gemm_util.h). Correctness is the other
+// parts' and the GPU tests' job. Only with KILN_BENCH_GEMM_VARIANTS=1 (it compiles ~70 variants).
+int variants(Context& ctx, nlohmann::json& rows) {
+  const int sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
+  struct Case {
+    const char* family;
+    std::int64_t m, n, k, mode;
+    DType dtype;
+    double flops;
+  };
+  const Case cases[] = {{"fp8_gemm", 8192, 8192, 8192, families::k_fp8_per_tensor, DType::bf16, 2.0 * 8192 * 8192 * 8192},
+                        {"fp8_gemm", 8192, 8192, 8192, families::k_fp8_blockwise, DType::bf16, 2.0 * 8192 * 8192 * 8192},
+                        {"gated_mlp", 4096, 11008, 4096, 0, DType::bf16, 4.0 * 4096 * 11008 * 4096}};
+  std::printf("\ngemm variants\n%10s %6s %6s %6s %10s %9s  %s\n", "family", "M", "N", "K", "median_us", "TFLOP/s",
+              "variant");
+  for (const Case& c : cases) {
+    const Family& f = *Registry::global().find(c.family);
+    Problem p;
+    p.dtype = c.dtype;
+    p.dims = {c.m, c.n, c.k, c.mode, sms, cc};
+    const auto space = f.tuning_space(p);
+    const auto specs = f.buffers(space.front(), p);
+    std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+    std::vector<void*> ptrs;
+    for (const auto& b : specs) {
+      auto host = random_matrix(ctx, b.dtype == DType::u8 ? DType::u8 : b.dtype == DType::f32 ? DType::f32 : DType::bf16,
+                                1, b.elements, 0.05f);
+      if (b.dtype == DType::f32)
+        for (std::size_t i = 0; i < host.size(); i += 4) {
+          const float one = 1.0f / 64;
+          std::memcpy(host.data() + i, &one, 4);
+        }
+      bufs.push_back(std::make_unique<DeviceBuffer>(host.size()));
+      bufs.back()->upload(host.data());
+      ptrs.push_back(bufs.back()->get());
+    }
+    for (const Params& v : space) {
+      auto k = ctx.runtime->kernel(KernelSpec{c.family, v});
+      check(k.status(), "kernel");
+      auto call = [&](int) { check(ctx.runtime->launch(**k, p, ptrs, nullptr), "launch"); };
+      call(0);
+      check(ctx.driver->ctx_synchronize(), "sync");
+      const double ms = time_events(call, 3, 10);
+      const double tflops = c.flops / (ms * 1e-3) / 1e12;
+      std::printf("%10s %6lld %6lld %6lld %10.1f %9.1f  %s\n", c.family, (long long)c.m, (long long)c.n, (long long)c.k,
+                  ms * 1e3, tflops, v.canonical().c_str());
+      rows.push_back({{"kind", std::string("variant_") + c.family}, {"m", c.m}, {"n", c.n}, {"k", c.k},
+                      {"median_us", ms * 1e3}, {"tflops", tflops}, {"variant", v.canonical()}});
+    }
+  }
+  return 0;
+}
+
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
   int rc = fp8(ctx, rows);
   if (rc == 0) rc = gated(ctx, rows);
+  if (const char* v = std::getenv("KILN_BENCH_GEMM_VARIANTS"); rc == 0 && v && std::string(v) == "1")
+    rc = variants(ctx, rows);
   (*ctx.out)["gemm"] = rows;
   return rc;
 }

@@ -65,8 +65,8 @@ class Fp8Gemm final : public Family {
       for (const char* s : {"tensor", "block"})
         for (bool wgmma : {false, true})
           for (int bm : {64, 128})
-            for (int bn : {64, 128}) {
-              if (bm == 128 && bn == 64) continue;
+            for (int bn : {64, 128, 256}) {
+              if ((bm == 128 && bn == 64) || (bm == 64 && bn == 256)) continue;
               Params p = make(g::Tile{wgmma, bm, bn, wgmma ? 4 : 3, 8}, o, s);
               if (validate(p).ok()) out.push_back(std::move(p));
             }

@@ -131,9 +131,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   // are compiled away.
   float acc[1][NI][4], acc1[1][NI][4], part[1][NI][4];
   // One stage: 4 instructions of 32 bytes of K (+2 per step in descriptor units) into d, plus the
-  // up projection into acc1; `accumulate` 0 starts d afresh.
-  auto mma_stage = [&](float(&d)[1][NI][4], unsigned long long da, unsigned long long db, unsigned long long db1,
-                       int accumulate) {
+  // up projection into acc1; `accumulate` 0 starts d afresh. Returns with the batch in flight.
+  auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
+    const unsigned long long da = smem_desc(st + wg * 64 * k_row_bytes), db = smem_desc(st + A_BYTES),
+                             db1 = smem_desc(st + A_BYTES + B_BYTES);
     fence_fragments(d);
     if (DUAL) fence_fragments(acc1);
     warpgroup_arrive();
@@ -143,7 +144,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       if (DUAL) Wgmma<MmaT, BN>::run(acc1, da + 2 * kk, db1 + 2 * kk, accumulate || kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  auto settle = [&](float(&d)[1][NI][4]) {
     fence_fragments(d);
     if (DUAL) fence_fragments(acc1);
   };
@@ -158,12 +160,25 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const float b_blk = BLOCK ? __ldg(b_scale + (long long)(col0 / k_scale_block) * kblocks + kt) : 0.0f;
       mbar_wait(full + 8 * s, (it / STAGES) & 1);
       const unsigned st = base + s * STAGE_BYTES;
-      const unsigned long long da = smem_desc(st + wg * 64 * k_row_bytes), db = smem_desc(st + A_BYTES),
-                               db1 = smem_desc(st + A_BYTES + B_BYTES);
-      if (BLOCK) mma_stage(part, da, db, db1, 0);
-      else mma_stage(acc, da, db, db1, kt > 0);
-      mbar_arrive(empty + 8 * s);
-      if (BLOCK) promote_block(acc, part, a_scale, m, kblocks, kt, row0, b_blk);
+      if (BLOCK) {
+        // The partial sums are needed in registers now: wait for this stage's batch.
+        issue_stage(part, st, 0);
+        wgmma_wait<0>();
+        settle(part);
+        mbar_arrive(empty + 8 * s);
+        promote_block(acc, part, a_scale, m, kblocks, kt, row0, b_blk);
+      } else {
+        // Keep one batch in flight: when the previous one is done, its stage goes back.
+        issue_stage(acc, st, kt > 0);
+        wgmma_wait<1>();
+        settle(acc);
+        if (kt > 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+      }
+    }
+    if (!BLOCK) {
+      wgmma_wait<0>();
+      settle(acc);
+      mbar_arrive(empty + 8 * ((it - 1) % STAGES));
     }
     if (DUAL) {
       store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) {

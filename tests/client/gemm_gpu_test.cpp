@@ -118,8 +118,9 @@ TEST_F(GemmGpu, Fp8GemmMatchesReferenceOnEveryPathScalingAndOutput) {
   for (const auto& path : paths())
     for (const char* scaling : {"tensor", "block"})
       for (DType out : {DType::f16, DType::bf16})
-        for (auto [bm, bn] : {std::pair{128, 128}, {64, 64}, {64, 128}})
+        for (auto [bm, bn] : {std::pair{128, 128}, {64, 64}, {64, 128}, {128, 256}})
           for (const Shape& s : k_shapes) {
+            if (bn == 256 && (path == "mma" || std::string(scaling) == "block")) continue;
             const Params params = gemm_params(path, bm, bn, path == "wgmma" ? 4 : 3,
                                               {{"out", dtype_name(out)}, {"scaling", scaling}});
             const bool block = std::string(scaling) == "block";
