@@ -27,7 +27,7 @@ inline std::vector<ParamDef> tile_params() {
   return {
       {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
       {"bm", {64, 128}, {}, "tile rows (M)"},
-      {"bn", {64, 128, 256}, {}, "tile columns (N)"},
+      {"bn", {32, 64, 128, 192, 256}, {}, "tile columns (N)"},
       {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
   };
@@ -60,11 +60,13 @@ inline std::uint32_t max_shared_bytes(std::int64_t cc) {
 
 // Rules on the tile alone: the mma path's warps cover 32 columns each (bn <= 128 keeps their
 // accumulators in registers); wgmma with two accumulators (gated) or block-scale partial sums
-// keeps bn <= 128 for the same reason; block scales need a tile inside one 128-column block.
+// keeps bn <= 128 for the same reason, which also keeps a block-scaled tile inside one
+// 128-column scale block (bn divides 128).
 inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
   if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
+  if (!t.wgmma && t.bn % 32) return invalid_argument(f + ": the mma path takes bn a multiple of 32");
   if (shared_bytes(kind, t) > 227 * 1024)
     return invalid_argument(f + ": " + std::to_string(shared_bytes(kind, t)) + " bytes of shared memory exceed 227 KiB");
   return {};
@@ -139,19 +141,69 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
 }
 
-// The default tile for a problem: 128 x 128 (gated on mma: 128 x 64; per-tensor fp8 on wgmma:
-// 128 x 256, half the shared-memory traffic per flop of A, when that still gives every SM a
-// tile), halved while the tiles would leave most SMs idle (decode-sized M, narrow N), stages as
-// deep as shared memory allows up to 4 (mma: 3).
+// Stages for a tile: at least 96 KiB of loads in flight (small tiles of decode-sized problems
+// are bound by memory, not by the tensor cores), 4 to 6, as the device's shared memory allows.
+inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
+  const std::int64_t stage = (t.bm + (kind == k_gated ? 2 : 1) * t.bn) * 128;
+  t.stages = int(std::clamp<std::int64_t>((96 * 1024 + stage - 1) / stage, 4, 6));
+  while (t.stages > 2 && shared_bytes(kind, t) > max_shared_bytes(cc)) --t.stages;
+  return t.stages;
+}
+
+// The wgmma path's candidate tiles for a kind, largest first.
+inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
+  if (kind == k_fp8_tensor) return {{128, 256}, {128, 192}, {128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  if (kind == k_fp8_block) return {{128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  return {{128, 128}, {128, 64}, {64, 64}};
+}
+
+// The default tile. wgmma: the candidate with the least modelled time, waves x (bm bn + 64 (bm +
+// bn)), where a wave is one tile per SM (the grid is persistent) and a tile costs its tensor-core
+// work plus a term for its loads per step of K, which dominates for the small tiles that
+// decode-sized problems need to occupy every SM; ties go to the larger tile. mma: 128 x 128
+// (gated 128 x 64), bm and then bn halved while the tiles leave SMs idle. Stages: default_stages.
 inline Tile default_tile(Kind kind, const Problem& p) {
-  Tile t{p.dims[k_cc] == 90, 128, (kind == k_gated && p.dims[k_cc] != 90) ? 64 : 128, 4, 8};
-  const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]);
-  if (t.wgmma && kind == k_fp8_tensor && tiles(Tile{true, 128, 256, 4, 8}, p) >= sms) t.bn = 256;
-  if (tiles(t, p) < sms) t.bm = 64;
-  if (tiles(t, p) < sms) t.bn = 64;
-  t.stages = t.wgmma ? 4 : 3;
-  while (t.stages > 2 && shared_bytes(kind, t) > max_shared_bytes(p.dims[k_cc])) --t.stages;
+  const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]), cc = p.dims[k_cc];
+  Tile t{cc == 90, 128, 128, 4, 8};
+  if (t.wgmma) {
+    std::int64_t best = -1;
+    for (auto [bm, bn] : wgmma_tiles(kind)) {
+      const Tile c{true, bm, bn, 4, 8};
+      const std::int64_t cost = (tiles(c, p) + sms - 1) / sms * (std::int64_t(bm) * bn + 64 * (bm + bn));
+      if (best < 0 || cost < best) {
+        best = cost;
+        t = c;
+      }
+    }
+  } else {
+    if (kind == k_gated) t.bn = 64;
+    if (tiles(t, p) < sms) t.bm = 64;
+    if (tiles(t, p) < sms) t.bn = 64;
+  }
+  t.stages = default_stages(kind, t, cc);
   return t;
+}
+
+// The heuristic's tiles for every problem (the catalog's tiles): the wgmma candidates and the mma
+// halvings, each with default_stages on the device the path is for.
+inline std::vector<Tile> default_tiles(Kind kind) {
+  std::vector<Tile> out;
+  for (auto [bm, bn] : wgmma_tiles(kind)) {
+    Tile t{true, bm, bn, 4, 8};
+    t.stages = default_stages(kind, t, 90);
+    out.push_back(t);
+  }
+  for (auto [bm, bn] : kind == k_gated ? std::vector<std::pair<int, int>>{{128, 64}, {64, 64}}
+                                       : std::vector<std::pair<int, int>>{{128, 128}, {64, 128}, {64, 64}})
+    for (std::int64_t cc : {80, 86}) {
+      Tile t{false, bm, bn, 4, 8};
+      t.stages = default_stages(kind, t, cc);
+      if (std::find_if(out.begin(), out.end(), [&](const Tile& o) {
+            return !o.wgmma && o.bm == t.bm && o.bn == t.bn && o.stages == t.stages;
+          }) == out.end())
+        out.push_back(t);
+    }
+  return out;
 }
 
 // Every tile of the heuristic's path that validates and fits the problem.
@@ -159,7 +211,7 @@ template <class MakeParams, class Check>
 std::vector<Params> tile_space(const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
   for (int bm : {64, 128})
-    for (int bn : {64, 128, 256})
+    for (int bn : {32, 64, 128, 192, 256})
       for (int stages : {3, 4, 5, 6})
         for (int group : {8, 16}) {
           Params p = make(Tile{base.wgmma, bm, bn, stages, group});

@@ -57,19 +57,13 @@ class Fp8Gemm final : public Family {
                   {"scaling", scaling}};
   }
 
-  // The heuristic's tiles on H100 (132 SMs) and A100 (108 SMs) for the benchmark shapes, for both
-  // outputs and scalings.
+  // Every tile the heuristic can pick (gemm::default_tiles), for both outputs and scalings.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* o : {"f16", "bf16"})
       for (const char* s : {"tensor", "block"})
-        for (bool wgmma : {false, true})
-          for (int bm : {64, 128})
-            for (int bn : {64, 128, 256}) {
-              if ((bm == 128 && bn == 64) || (bm == 64 && bn == 256)) continue;
-              Params p = make(g::Tile{wgmma, bm, bn, wgmma ? 4 : 3, 8}, o, s);
-              if (validate(p).ok()) out.push_back(std::move(p));
-            }
+        for (const g::Tile& t : g::default_tiles(std::string(s) == "block" ? g::k_fp8_block : g::k_fp8_tensor))
+          out.push_back(make(t, o, s));
     return out;
   }
 

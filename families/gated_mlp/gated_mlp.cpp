@@ -56,15 +56,12 @@ class GatedMlp final : public Family {
                   {"act", act}};
   }
 
-  // The heuristic's tiles (H100: wgmma 128x128 and its halvings; A100: mma 128x64 and 64x64).
+  // Every tile the heuristic can pick (gemm::default_tiles), for both dtypes and activations.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* d : {"f16", "bf16"})
-      for (const char* a : {"silu", "gelu"}) {
-        for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
-          out.push_back(make(g::Tile{true, bm, bn, 4, 8}, d, a));
-        for (auto [bm, bn] : {std::pair{128, 64}, {64, 64}}) out.push_back(make(g::Tile{false, bm, bn, 3, 8}, d, a));
-      }
+      for (const char* a : {"silu", "gelu"})
+        for (const g::Tile& t : g::default_tiles(g::k_gated)) out.push_back(make(t, d, a));
     return out;
   }
 

@@ -138,7 +138,9 @@ __global__ void __launch_bounds__(2 * BN) gemm_mma(KILN_GEMM_PARAMS) {
         }
     }
     if (BLOCK) {
-      promote_block(acc, part, a_scale, m, kblocks, kt, int(row_a) + wm * (BM / 2), b_blk);
+      float sc[MI][2];
+      load_block_scales(sc, a_scale, m, kblocks, kt, int(row_a) + wm * (BM / 2), b_blk);
+      promote_block(acc, part, sc);
       zero_fragments(part);
     }
   }

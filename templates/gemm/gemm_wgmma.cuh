@@ -155,18 +155,24 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     tile_coords<GROUP>(t, tiles_m, tiles_n, tm, tn);
     const int row0 = tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
     zero_fragments(acc);
+    // Block scales of k-block kt, loaded one k-block ahead (their latency hides behind a stage).
+    float sc[1][2] = {}, sc_next[1][2] = {};
+    auto b_scale_of = [&](int kb) { return __ldg(b_scale + (long long)(col0 / k_scale_block) * kblocks + kb); };
+    if (BLOCK) load_block_scales(sc, a_scale, m, kblocks, 0, row0, b_scale_of(0));
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % STAGES;
-      const float b_blk = BLOCK ? __ldg(b_scale + (long long)(col0 / k_scale_block) * kblocks + kt) : 0.0f;
       mbar_wait(full + 8 * s, (it / STAGES) & 1);
       const unsigned st = base + s * STAGE_BYTES;
       if (BLOCK) {
         // The partial sums are needed in registers now: wait for this stage's batch.
         issue_stage(part, st, 0);
+        if (kt + 1 < ktiles) load_block_scales(sc_next, a_scale, m, kblocks, kt + 1, row0, b_scale_of(kt + 1));
         wgmma_wait<0>();
         settle(part);
         mbar_arrive(empty + 8 * s);
-        promote_block(acc, part, a_scale, m, kblocks, kt, row0, b_blk);
+        promote_block(acc, part, sc);
+        sc[0][0] = sc_next[0][0];
+        sc[0][1] = sc_next[0][1];
       } else {
         // Keep one batch in flight: when the previous one is done, its stage goes back.
         issue_stage(acc, st, kt > 0);
