@@ -7,6 +7,9 @@ bandwidth, the fastest PyTorch variant on the same shape, their ratio, and the t
   - tokens >= 4096: >= 95% of the copy (90% at hidden 16384, 85% at 65536), never slower than the
     fastest PyTorch variant, and >= 1.10x it where that one is under 86% of the copy;
   - RMSNorm backward: >= 85% of the copy and faster than torch.compile's backward.
+And the compute-bound targets of issue 8 (TFLOP/s beside cuBLAS in the same run):
+  - fp8_gemm per tensor >= 1.0x torch._scaled_mm (tensorwise), block-scaled >= 0.9x it;
+  - fused gated MLP >= 1.10x PyTorch's eager silu(x @ Wg^T) * (x @ Wu^T).
 Usage: bench/targets.py BENCH_JSON TORCH_JSON
 """
 import json
@@ -68,10 +71,40 @@ def main():
                              f"(not measured) | | | | {'met' if ok else 'MISSED'} |")
     print("\n".join(lines))
     print(f"\n{met} of {total} shapes meet their targets (copy: {copy:.0f} GB/s, 1 GiB cuMemcpyDtoD).")
+    gemm_targets(bench, torch)
     host = bench.get("host_us", {})
     gpu = bench.get("gpu_us", {})
     if host or gpu:
         print(f"decode: host {json.dumps(host)}; GPU {json.dumps(gpu)}")
+
+
+def gemm_targets(bench, torch):
+    rows = [r for r in bench.get("gemm", []) if r["kind"] in ("fp8", "gated_mlp")]
+    if not rows:
+        return
+    anchors = {(r["kind"], r["m"], r["n"], r["k"]): r for r in torch.get("gemm", [])}
+    lines = ["", "| kernel | M x N x K | kiln µs | kiln TFLOP/s | cuBLAS anchor | its TFLOP/s | ratio | target | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    met = total = 0
+    for r in rows:
+        fp8 = r["kind"] == "fp8"
+        anchor = anchors.get(("fp8" if fp8 else "gated_mlp", r["m"], r["n"], r["k"]))
+        what = "scaled_mm_tensorwise" if fp8 else "gated_silu_eager"
+        target = (1.0 if r["scales"] == "tensor" else 0.9) if fp8 else 1.10
+        name = f"fp8_gemm {r['scales']}" if fp8 else "fused_gated_mlp"
+        shape = f"{r['m']} x {r['n']} x {r['k']}"
+        total += 1
+        if not anchor or what + "_us" not in anchor:
+            lines.append(f"| {name} | {shape} | {r['median_us']:.1f} | {r['tflops']:.1f} | (not measured) | | | "
+                         f"{target:.2f}x | MISSED |")
+            continue
+        ratio = anchor[what + "_us"] / r["median_us"]
+        ok = ratio >= target
+        met += ok
+        lines.append(f"| {name} | {shape} | {r['median_us']:.1f} | {r['tflops']:.1f} | {what} | "
+                     f"{anchor[what + '_tflops']:.1f} | {ratio:.2f}x | {target:.2f}x | {'met' if ok else 'MISSED'} |")
+    print("\n".join(lines))
+    print(f"\n{met} of {total} GEMM shapes meet their targets.")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ class RuntimeImpl final : public Runtime {
     ArgPack args;
     k.family->pack_args(k.params, problem, buffers, args);
     if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    KILN_TRY(jit::encode_tensor_maps(args));
     const jit::Driver* d = jit::Driver::get().value();
     return d->check(d->launch_kernel(static_cast<CUfunction>(k.function), g.grid.x, g.grid.y, g.grid.z, g.block.x,
                                      g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),
@@ -129,6 +130,7 @@ class RuntimeImpl final : public Runtime {
     ArgPack args;
     family.pack_args(entry.kernel->params, problem, buffers, args);
     if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    KILN_TRY(jit::encode_tensor_maps(args));
     const LaunchGeometry& g = entry.geometry;
     return d->check(d->launch_kernel(static_cast<CUfunction>(entry.kernel->function), g.grid.x, g.grid.y, g.grid.z,
                                      g.block.x, g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),

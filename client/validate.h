@@ -27,11 +27,12 @@ struct RowView {
 };
 Result<RowView> as_rows(const TensorView& t, const char* name);
 
-// The largest power of two (at most 16) dividing the address and every byte stride given.
-// The number of SMs of CUDA device `ordinal`, read once per device (a lock-free table after
-// that: typed ops call this on every launch).
+// The number of SMs of CUDA device `ordinal`, and its compute capability as major * 10 + minor,
+// each read once per device (a lock-free table after that: typed ops call these on every launch).
 Result<int> sm_count(int ordinal);
+Result<int> compute_capability(int ordinal);
 
+// The largest power of two (at most 16) dividing the address and every byte stride given.
 std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
                                std::initializer_list<std::int64_t> byte_strides);
 

@@ -116,6 +116,7 @@ Status launch(const Family& f, const Params& params, const Problem& p, CUfunctio
   ArgPack args;
   f.pack_args(params, p, std::span<void* const>(bufs.data(), bufs.size()), args);
   if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+  KILN_TRY(encode_tensor_maps(args));
   return d->check(d->launch_kernel(fn, g.grid.x, g.grid.y, g.grid.z, g.block.x, g.block.y, g.block.z, g.shared_bytes,
                                    nullptr, args.pointers(), nullptr),
                   "cuLaunchKernel");

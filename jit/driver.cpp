@@ -90,4 +90,23 @@ Status allow_dynamic_smem(CUfunction fn) {
                   "cuFuncSetAttribute");
 }
 
+Status encode_tensor_maps(ArgPack& args) {
+  if (args.tensor_maps() == 0) return {};
+  KILN_ASSIGN_OR_RETURN(const Driver* d, Driver::get());
+  for (std::size_t i = 0; i < args.tensor_maps(); ++i) {
+    const TensorMapRequest& r = args.tensor_map_request(i);
+    const cuuint64_t dims[2] = {r.row_bytes, r.rows};
+    const cuuint64_t strides[1] = {r.row_bytes};
+    const cuuint32_t box[2] = {128, r.box_rows};
+    const cuuint32_t element_strides[2] = {1, 1};
+    KILN_TRY(d->check(d->tensor_map_encode_tiled(static_cast<CUtensorMap*>(args.tensor_map_slot(i)),
+                                                 CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(r.base), dims,
+                                                 strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                      "cuTensorMapEncodeTiled"));
+  }
+  return {};
+}
+
 }  // namespace kiln::jit

@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "kiln/family.h"
 #include "kiln/status.h"
 
 namespace kiln::jit {
@@ -52,7 +53,8 @@ namespace kiln::jit {
   X(event_synchronize, cuEventSynchronize)                 \
   X(event_elapsed_time, cuEventElapsedTime)                \
   X(func_get_attribute, cuFuncGetAttribute)                \
-  X(func_set_attribute, cuFuncSetAttribute)
+  X(func_set_attribute, cuFuncSetAttribute)              \
+  X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)
 
 struct Driver {
 #define KILN_CU_FIELD(field, fn) decltype(&::fn) field = nullptr;
@@ -74,5 +76,9 @@ Result<CUcontext> current_context(int device_ordinal = 0);
 // grants one block. Families size it per problem (LaunchGeometry::shared_bytes), and above 48 KiB
 // the driver refuses a launch without this opt-in; every loader calls it once per function.
 Status allow_dynamic_smem(CUfunction fn);
+
+// Encodes every tensor map `args` holds (family.h, TensorMapRequest) into its slot. Every launcher
+// calls it between pack_args and cuLaunchKernel; without maps it costs nothing.
+Status encode_tensor_maps(ArgPack& args);
 
 }  // namespace kiln::jit

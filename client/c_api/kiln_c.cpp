@@ -72,6 +72,12 @@ kiln_code guarded(F&& f) {
 
 }  // namespace
 
+static_assert(int(kiln::Fp8Granularity::tensor) == KILN_FP8_TENSOR &&
+              int(kiln::Fp8Granularity::row_1x128) == KILN_FP8_ROW_1X128 &&
+              int(kiln::Fp8Granularity::tile_128) == KILN_FP8_TILE_128);
+static_assert(int(kiln::GatedActivation::silu) == KILN_GATED_SILU &&
+              int(kiln::GatedActivation::gelu) == KILN_GATED_GELU);
+
 extern "C" {
 
 int kiln_abi_version(void) { return KILN_ABI_VERSION; }
@@ -142,6 +148,43 @@ kiln_code kiln_act_and_mul(kiln_runtime* rt, const kiln_tensor* x, const kiln_te
     kiln::TensorView v[2];
     if (auto s = to_views({x, out}, {"x", "out"}, v); !s.ok()) return fail(s);
     return finish(kiln::act_and_mul(v[0], v[1], static_cast<kiln::Activation>(activation), stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_quantize_fp8(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* q, const kiln_tensor* scale,
+                            int32_t granularity, int32_t transpose, void* stream) {
+  return guarded([&] {
+    if (granularity < KILN_FP8_TENSOR || granularity > KILN_FP8_TILE_128)
+      return fail(kiln::invalid_argument("quantize_fp8: granularity must be tensor (0), row_1x128 (1) or tile_128 (2)"));
+    kiln::TensorView v[3];
+    if (auto s = to_views({x, q, scale}, {"x", "q", "scale"}, v); !s.ok()) return fail(s);
+    return finish(kiln::quantize_fp8(v[0], v[1], v[2], static_cast<kiln::Fp8Granularity>(granularity), transpose != 0,
+                                     stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_fp8_gemm(kiln_runtime* rt, const kiln_tensor* a, const kiln_tensor* b, const kiln_tensor* a_scale,
+                        const kiln_tensor* b_scale, const kiln_tensor* out, void* stream) {
+  return guarded([&] {
+    if (!a_scale) return fail(kiln::invalid_argument("fp8_gemm: a is pre-quantized (u8 e4m3 codes) and needs a_scale"));
+    if (!b_scale) return fail(kiln::invalid_argument("fp8_gemm: b is pre-quantized (u8 e4m3 codes) and needs b_scale"));
+    kiln::TensorView v[5];
+    if (auto s = to_views({a, b, a_scale, b_scale, out}, {"a", "b", "a_scale", "b_scale", "out"}, v); !s.ok())
+      return fail(s);
+    return finish(kiln::fp8_gemm(v[0], v[1], v[2], v[3], v[4], stream, runtime_of(rt)));
+  });
+}
+
+kiln_code kiln_fused_gated_mlp(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* gate_weight,
+                               const kiln_tensor* up_weight, const kiln_tensor* out, int32_t activation, void* stream) {
+  return guarded([&] {
+    if (activation != KILN_GATED_SILU && activation != KILN_GATED_GELU)
+      return fail(kiln::invalid_argument("fused_gated_mlp: activation must be silu (0) or gelu (1)"));
+    kiln::TensorView v[4];
+    if (auto s = to_views({x, gate_weight, up_weight, out}, {"x", "gate_weight", "up_weight", "out"}, v); !s.ok())
+      return fail(s);
+    return finish(kiln::fused_gated_mlp(v[0], v[1], v[2], v[3], static_cast<kiln::GatedActivation>(activation), stream,
+                                        runtime_of(rt)));
   });
 }
 

@@ -73,33 +73,66 @@ struct BufferSpec {
   std::int64_t elements = 0;  // elements to allocate (row strides included)
 };
 
+// A 2-D tiled tensor map (CUtensorMap, for the bulk tensor copy engine) as plain data: a family
+// describes it in pack_args without touching CUDA, and the launcher encodes it
+// (jit::encode_tensor_maps) into its argument slot before the launch. The map views `rows` rows of
+// `row_bytes` bytes (a multiple of 16; rows `row_bytes` apart) as bytes, copied in boxes of
+// `box_rows` x 128 bytes with the 128-byte swizzle; reads past either edge give zeros.
+struct TensorMapRequest {
+  const void* base = nullptr;
+  std::uint64_t row_bytes = 0;
+  std::uint64_t rows = 0;
+  std::uint32_t box_rows = 0;
+};
+
 // The kernel's argument block, built without allocation: values are copied into aligned slots and
-// `pointers()` is what cuLaunchKernel takes.
+// `pointers()` is what cuLaunchKernel takes. Tensor maps take 128-byte slots (64-byte aligned)
+// that stay zero until encoded.
 class ArgPack {
  public:
-  static constexpr std::size_t k_capacity = 256;
+  static constexpr std::size_t k_capacity = 768;
   static constexpr std::size_t k_max_args = 24;
+  static constexpr std::size_t k_max_tensor_maps = 4;
+  static constexpr std::size_t k_tensor_map_bytes = 128;
 
   template <class T>
   void add(const T& v) {
     static_assert(sizeof(T) <= 16 && std::is_trivially_copyable_v<T>);
-    used_ = (used_ + alignof(T) - 1) / alignof(T) * alignof(T);
-    if (used_ + sizeof(T) > k_capacity || count_ == k_max_args) { overflow_ = true; return; }
-    std::memcpy(storage_ + used_, &v, sizeof(T));
-    ptrs_[count_++] = storage_ + used_;
-    used_ += sizeof(T);
+    if (void* slot = reserve(sizeof(T), alignof(T))) std::memcpy(slot, &v, sizeof(T));
+  }
+  void add_tensor_map(const TensorMapRequest& r) {
+    if (maps_ == k_max_tensor_maps) { overflow_ = true; return; }
+    void* slot = reserve(k_tensor_map_bytes, 64);
+    if (!slot) return;
+    std::memset(slot, 0, k_tensor_map_bytes);
+    map_slots_[maps_] = slot;
+    map_requests_[maps_++] = r;
   }
   void** pointers() { return ptrs_; }
   std::size_t count() const { return count_; }
   bool overflow() const { return overflow_; }
-  void clear() { used_ = 0; count_ = 0; overflow_ = false; }
+  std::size_t tensor_maps() const { return maps_; }
+  const TensorMapRequest& tensor_map_request(std::size_t i) const { return map_requests_[i]; }
+  void* tensor_map_slot(std::size_t i) { return map_slots_[i]; }
+  void clear() { used_ = 0; count_ = 0; maps_ = 0; overflow_ = false; }
 
  private:
-  alignas(16) unsigned char storage_[k_capacity];
+  void* reserve(std::size_t bytes, std::size_t align) {
+    used_ = (used_ + align - 1) / align * align;
+    if (used_ + bytes > k_capacity || count_ == k_max_args) { overflow_ = true; return nullptr; }
+    void* slot = storage_ + used_;
+    ptrs_[count_++] = slot;
+    used_ += bytes;
+    return slot;
+  }
+  alignas(64) unsigned char storage_[k_capacity];
   void* ptrs_[k_max_args] = {};
   std::size_t used_ = 0;
   std::size_t count_ = 0;
   bool overflow_ = false;
+  void* map_slots_[k_max_tensor_maps] = {};
+  TensorMapRequest map_requests_[k_max_tensor_maps] = {};
+  std::size_t maps_ = 0;
 };
 
 class Family {

@@ -7,7 +7,8 @@
  * and struct layouts never change meaning. A caller that needs version N checks
  * kiln_abi_version() >= N at load time. Version 1: runtime and kiln_rms_norm. Version 2: every
  * typed op (RMSNorm with inv_rms and backward, add + RMSNorm, activation-and-mul, RoPE, RMSNorm +
- * RoPE), the runtime counters and kiln_pointer_device.
+ * RoPE), the runtime counters and kiln_pointer_device. Version 3: kiln_quantize_fp8, kiln_fp8_gemm,
+ * kiln_fused_gated_mlp.
  *
  * Each op is the C++ op of the same name in kiln/ops.h, with that contract: it validates every
  * tensor and returns KILN_DEVICE_ERROR, KILN_SHAPE_MISMATCH, KILN_UNSUPPORTED_DTYPE or
@@ -24,7 +25,7 @@
 extern "C" {
 #endif
 
-#define KILN_ABI_VERSION 2
+#define KILN_ABI_VERSION 3
 
 /* Same values as kiln::Code. */
 typedef enum kiln_code {
@@ -127,6 +128,26 @@ kiln_code kiln_rms_norm_backward(kiln_runtime* rt, const kiln_tensor* dy, const 
                                  const kiln_tensor* dw, const kiln_tensor* workspace, void* stream);
 /* The f32 elements kiln_rms_norm_backward needs as workspace for tensors like x (0 on the CPU). */
 kiln_code kiln_rms_norm_backward_workspace_elements(const kiln_tensor* x, int64_t* out);
+
+/* Same values as kiln::Fp8Granularity. */
+typedef enum kiln_fp8_granularity { KILN_FP8_TENSOR = 0, KILN_FP8_ROW_1X128 = 1, KILN_FP8_TILE_128 = 2 } kiln_fp8_granularity;
+
+/* x -> e4m3 codes q (u8) and f32 scales; granularity: a kiln_fp8_granularity; transpose != 0
+ * writes q as [cols, rows] (tensor and tile granularity). */
+kiln_code kiln_quantize_fp8(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* q, const kiln_tensor* scale,
+                            int32_t granularity, int32_t transpose, void* stream);
+
+/* out = a b with e4m3 operands (u8 codes) and their scales (per tensor or block-wise, told apart
+ * by their shapes); b K-major ([K, N] with strides {1, K}). a_scale and b_scale are required. */
+kiln_code kiln_fp8_gemm(kiln_runtime* rt, const kiln_tensor* a, const kiln_tensor* b, const kiln_tensor* a_scale,
+                        const kiln_tensor* b_scale, const kiln_tensor* out, void* stream);
+
+/* Same values as kiln::GatedActivation. */
+typedef enum kiln_gated_activation { KILN_GATED_SILU = 0, KILN_GATED_GELU = 1 } kiln_gated_activation;
+
+/* out = act(x gate_weight^T) * (x up_weight^T); activation: a kiln_gated_activation. */
+kiln_code kiln_fused_gated_mlp(kiln_runtime* rt, const kiln_tensor* x, const kiln_tensor* gate_weight,
+                               const kiln_tensor* up_weight, const kiln_tensor* out, int32_t activation, void* stream);
 
 /* Same fields as kiln::RuntimeCounters. */
 typedef struct kiln_runtime_counters {

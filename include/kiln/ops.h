@@ -110,4 +110,55 @@ Status rms_norm_backward(const TensorView& dy, const TensorView& x, const Tensor
 // the current CUDA context's device (0 for host tensors or no rows).
 Result<std::int64_t> rms_norm_backward_workspace_elements(const TensorView& x);
 
+// ---- tensor-core GEMMs (docs/kernels.md: fp8_gemm, gated_mlp, quantize_fp8) ----
+
+// How quantize_fp8 groups values under one scale.
+enum class Fp8Granularity {
+  tensor,     // one scale for the whole tensor (two passes over x)
+  row_1x128,  // one per 128 consecutive values of a row (activations, DeepSeek-V3)
+  tile_128,   // one per 128 x 128 block (weights)
+};
+
+// x (f32, f16 or bf16, contiguous, viewed as [rows, cols] with cols its last dimension) -> q (e4m3
+// codes as u8) and scale (f32, contiguous): for each group with largest magnitude amax,
+// scale = max(amax / 448, FLT_MIN), q = e4m3(x / scale) rounded to nearest even and saturated to
+// +-448 (common/fp8.h; a NaN gives 0x7F). Dequantize as e4m3_value(q) * scale.
+// q: x's shape, or with transpose (rank-2 x, tensor and tile_128 only) [cols, rows]: a [K, N]
+// weight becomes the K-major [N, K] operand fp8_gemm takes. scale: one element (tensor),
+// [rows, ceil(cols / 128)] (row_1x128), [ceil(rows / 128), ceil(cols / 128)] (tile_128; with
+// transpose [ceil(cols / 128), ceil(rows / 128)]). x, q and scale need 16-byte aligned addresses.
+// Host tensors (all three) run the CPU reference.
+// Errors before any launch: device_error, shape_mismatch, unsupported_dtype, invalid_argument.
+Status quantize_fp8(const TensorView& x, const TensorView& q, const TensorView& scale, Fp8Granularity granularity,
+                    bool transpose = false, Stream stream = nullptr, Runtime* runtime = nullptr);
+
+// out[m, n] = sum_k a[m, k] b[k, n] * scales, e4m3 operands (u8 codes), fp32 accumulation, f16 or
+// bf16 out ([M, N], contiguous).
+// a: [M, K] u8, contiguous. b: [K, N] u8 K-major, i.e. strides {1, K}: the transposed view of a
+// contiguous [N, K] tensor (torch: w.t() of w [N, K], as torch._scaled_mm takes it); quantize_fp8
+// with transpose makes one from a row-major [K, N] weight. A row-major [K, N] b is an
+// invalid_argument (the tensor cores read fp8 operands K-major only).
+// Scales, f32 contiguous, required (a null data pointer is invalid_argument): per tensor, a_scale
+// and b_scale have one element each; block-wise (DeepSeek-V3), a_scale is [M, ceil(K/128)] (1x128
+// blocks) and b_scale [ceil(N/128), ceil(K/128)] (128x128 blocks of the [N, K] weight); any other
+// pair of shapes is shape_mismatch. K must be a multiple of 16 (shape_mismatch); M and N are free.
+// a, b and out need 16-byte aligned addresses. Host tensors (all five) run the CPU reference.
+// Errors before any launch: device_error, shape_mismatch, unsupported_dtype, invalid_argument.
+Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale, const TensorView& b_scale,
+                const TensorView& out, Stream stream = nullptr, Runtime* runtime = nullptr);
+
+// The gate activation of fused_gated_mlp.
+enum class GatedActivation { silu, gelu };
+
+// out = act(x gate_weight^T) * (x up_weight^T), both projections of an input tile in one kernel
+// (fp32 accumulation), the activation in its epilogue; the intermediate is never written.
+// x: [..., hidden] contiguous, f16 or bf16; gate_weight, up_weight: [intermediate, hidden]
+// contiguous, x's dtype; out: [..., intermediate] contiguous, x's leading shape and dtype. hidden
+// must be a multiple of 8 (shape_mismatch); x, the weights and out need 16-byte aligned
+// addresses. Host tensors (all four) run the CPU reference.
+// Errors before any launch: device_error, shape_mismatch, unsupported_dtype, invalid_argument.
+Status fused_gated_mlp(const TensorView& x, const TensorView& gate_weight, const TensorView& up_weight,
+                       const TensorView& out, GatedActivation act = GatedActivation::silu, Stream stream = nullptr,
+                       Runtime* runtime = nullptr);
+
 }  // namespace kiln

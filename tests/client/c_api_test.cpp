@@ -17,7 +17,41 @@ kiln_tensor host(void* data, kiln_dtype dtype, int rank, const int64_t* shape) {
 
 std::string last_error() { return kiln_last_error(); }
 
-TEST(CApi, VersionTwo) { EXPECT_GE(kiln_abi_version(), 2); }
+TEST(CApi, VersionThree) { EXPECT_GE(kiln_abi_version(), 3); }
+
+// Version 3: quantize, FP8 GEMM and the fused gated MLP on host memory.
+TEST(CApi, QuantizeFp8GemmAndGatedMlp) {
+  const int64_t xs[2] = {2, 16}, ss[1] = {1}, ws[2] = {3, 16}, os[2] = {2, 3};
+  alignas(16) float x[32], w[48], sa[1], sb[1];
+  for (int i = 0; i < 32; ++i) x[i] = float(i % 5) - 2.0f;
+  for (int i = 0; i < 48; ++i) w[i] = float(i % 3) - 1.0f;
+  alignas(16) uint8_t qa[32], qw[48];
+  kiln_tensor tx = host(x, KILN_F32, 2, xs), tqa = host(qa, KILN_U8, 2, xs), tsa = host(sa, KILN_F32, 1, ss);
+  kiln_tensor tw = host(w, KILN_F32, 2, ws), tqw = host(qw, KILN_U8, 2, ws), tsb = host(sb, KILN_F32, 1, ss);
+  ASSERT_EQ(kiln_quantize_fp8(nullptr, &tx, &tqa, &tsa, KILN_FP8_TENSOR, 0, nullptr), KILN_OK) << last_error();
+  ASSERT_EQ(kiln_quantize_fp8(nullptr, &tw, &tqw, &tsb, KILN_FP8_TENSOR, 0, nullptr), KILN_OK) << last_error();
+  EXPECT_FLOAT_EQ(sa[0], 2.0f / 448);
+  EXPECT_EQ(kiln_quantize_fp8(nullptr, &tx, &tqa, &tsa, 7, 0, nullptr), KILN_INVALID_ARGUMENT);
+  // b is the transposed view of qw [3, 16]: shape [16, 3], strides {1, 16}.
+  const int64_t bshape[2] = {16, 3}, bstrides[2] = {1, 16};
+  kiln_tensor tb{qw, KILN_U8, 2, bshape, bstrides, KILN_CPU, 0};
+  alignas(16) uint16_t out[6];
+  kiln_tensor to = host(out, KILN_F16, 2, os);
+  ASSERT_EQ(kiln_fp8_gemm(nullptr, &tqa, &tb, &tsa, &tsb, &to, nullptr), KILN_OK) << last_error();
+  EXPECT_EQ(kiln_fp8_gemm(nullptr, &tqa, &tb, nullptr, &tsb, &to, nullptr), KILN_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("a_scale"), std::string::npos);
+  kiln_tensor row_major = host(qw, KILN_U8, 2, bshape);
+  EXPECT_EQ(kiln_fp8_gemm(nullptr, &tqa, &row_major, &tsa, &tsb, &to, nullptr), KILN_INVALID_ARGUMENT);
+
+  alignas(16) uint16_t hx[32], hg[48], hu[48], ho[6];
+  for (int i = 0; i < 32; ++i) hx[i] = 0x3C00;  // 1.0 in f16
+  for (int i = 0; i < 48; ++i) hg[i] = hu[i] = 0x2C00;  // 1/16
+  kiln_tensor gx = host(hx, KILN_F16, 2, xs), gg = host(hg, KILN_F16, 2, ws), gu = host(hu, KILN_F16, 2, ws),
+              go = host(ho, KILN_F16, 2, os);
+  ASSERT_EQ(kiln_fused_gated_mlp(nullptr, &gx, &gg, &gu, &go, KILN_GATED_SILU, nullptr), KILN_OK) << last_error();
+  EXPECT_EQ(ho[0], 0x39D9);  // silu(1) * 1 = 0.7310586 -> f16 0x39D9
+  EXPECT_EQ(kiln_fused_gated_mlp(nullptr, &gx, &gg, &gu, &go, 5, nullptr), KILN_INVALID_ARGUMENT);
+}
 
 TEST(CApi, RmsNormWithInvRmsAndBackward) {
   const int64_t xs[2] = {2, 4}, ws[1] = {4}, rs[1] = {2};

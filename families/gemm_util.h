@@ -1,0 +1,223 @@
+// Host side of the GEMM core (templates/gemm/) that the GEMM families share: the tile parameters,
+// their rules, shared-memory size, launch geometry, argument order and the tuning space around a
+// choice. Problem dims of every GEMM family: {m, n, k, mode, sms, cc} (mode is the family's own:
+// scaling or activation; sms bounds the persistent grid; cc is the device's compute capability
+// as major * 10 + minor, which decides the arch path).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kiln/family.h"
+
+namespace kiln::families::gemm {
+
+enum Dim { k_m = 0, k_n = 1, k_k = 2, k_mode = 3, k_sms = 4, k_cc = 5 };
+
+// Kernel kinds (templates/gemm/gemm_common.cuh).
+enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2 };
+
+inline std::vector<std::string> problem_dims() { return {"m", "n", "k", "mode", "sms", "cc"}; }
+
+// The parameters every GEMM variant has.
+inline std::vector<ParamDef> tile_params() {
+  return {
+      {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
+      {"bm", {64, 128}, {}, "tile rows (M)"},
+      {"bn", {32, 64, 128, 192, 256}, {}, "tile columns (N)"},
+      {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"},
+      {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
+  };
+}
+
+struct Tile {
+  bool wgmma;
+  int bm, bn, stages, group;
+};
+inline Tile tile_of(const Params& p) {
+  return {*p.get_str("path") == "wgmma", int(*p.get_int("bm")), int(*p.get_int("bn")), int(*p.get_int("stages")),
+          int(*p.get_int("group"))};
+}
+
+inline std::int64_t element_bytes(Kind kind, DType operand) { return kind == k_gated ? dtype_size(operand) : 1; }
+
+// Dynamic shared memory: the stages (128 bytes of K per row of A and of each B), 1024 bytes of
+// slack to align them to the swizzle atom, and the wgmma path's two mbarriers per stage.
+inline std::uint32_t shared_bytes(Kind kind, const Tile& t) {
+  const int b_tiles = kind == k_gated ? 2 : 1;
+  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0));
+}
+
+// What one block may use on a device of compute capability cc (the opt-in maximum).
+inline std::uint32_t max_shared_bytes(std::int64_t cc) {
+  if (cc == 90 || cc == 100) return 227 * 1024;
+  if (cc == 80 || cc == 87) return 163 * 1024;
+  return 99 * 1024;
+}
+
+// Rules on the tile alone: the mma path's warps cover 32 columns each (bn <= 128 keeps their
+// accumulators in registers); wgmma with two accumulators (gated) or block-scale partial sums
+// keeps bn <= 128 for the same reason, which also keeps a block-scaled tile inside one
+// 128-column scale block (bn divides 128).
+inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
+  const std::string f(family);
+  if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
+  if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
+  if (!t.wgmma && t.bn % 32) return invalid_argument(f + ": the mma path takes bn a multiple of 32");
+  if (shared_bytes(kind, t) > 227 * 1024)
+    return invalid_argument(f + ": " + std::to_string(shared_bytes(kind, t)) + " bytes of shared memory exceed 227 KiB");
+  return {};
+}
+
+// Shape rules common to the GEMM families; `operand` is the A/B element type.
+inline Status check_shape(std::string_view family, Kind kind, DType operand, const Tile& t, const Problem& p) {
+  const std::string f(family);
+  const auto m = p.dims[k_m], n = p.dims[k_n], k = p.dims[k_k];
+  if (m < 1 || n < 1 || k < 1) return shape_mismatch(f + ": m, n and k must be positive");
+  if (m >= (std::int64_t(1) << 31) || n >= (std::int64_t(1) << 31) || k >= (std::int64_t(1) << 31))
+    return shape_mismatch(f + ": m, n and k must be below 2^31");
+  const auto es = element_bytes(kind, operand);
+  if ((k * es) % 16)
+    return shape_mismatch(f + ": k must be a multiple of " + std::to_string(16 / es) +
+                          " (rows of A and B are copied in 16-byte pieces)");
+  if (p.alignment < 16) return invalid_argument(f + ": A, B and out need 16-byte aligned base addresses");
+  if (p.dims[k_sms] < 1) return invalid_argument(f + ": sms must be positive");
+  const auto cc = p.dims[k_cc];
+  if (t.wgmma && cc != 90)
+    return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
+                            std::to_string(cc / 10) + "." + std::to_string(cc % 10));
+  if (!t.wgmma && cc < 80) return invalid_argument(f + ": needs compute capability 8.0 or later");
+  if (shared_bytes(kind, t) > max_shared_bytes(cc))
+    return invalid_argument(f + ": the variant needs " + std::to_string(shared_bytes(kind, t)) +
+                            " bytes of shared memory, more than compute capability " + std::to_string(cc) + " grants");
+  return {};
+}
+
+inline std::int64_t tiles(const Tile& t, const Problem& p) {
+  return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((p.dims[k_n] + t.bn - 1) / t.bn);
+}
+
+inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
+  LaunchGeometry g;
+  const std::int64_t n_tiles = tiles(t, p);
+  // wgmma: persistent (at most one CTA per SM); mma: one CTA per tile.
+  g.grid.x = std::uint32_t(std::clamp<std::int64_t>(t.wgmma ? std::min(n_tiles, p.dims[k_sms]) : n_tiles, 1, 0x7fffffff));
+  g.block.x = std::uint32_t(t.wgmma ? (t.bm / 64 + 1) * 128 : 2 * t.bn);
+  g.shared_bytes = shared_bytes(kind, t);
+  return g;
+}
+
+// The kernel's name expression (templates/gemm/gemm_{mma,wgmma}.cuh).
+inline std::string name_expression(Kind kind, const std::string& operand, const std::string& out, int act,
+                                   const Tile& t) {
+  return std::string("kiln::gemm::") + (t.wgmma ? "gemm_wgmma<" : "gemm_mma<") + std::to_string(int(kind)) + ", " +
+         operand + ", " + out + ", " + std::to_string(act) + ", " + std::to_string(t.bm) + ", " + std::to_string(t.bn) +
+         ", " + std::to_string(t.stages) + ", " + std::to_string(t.group) + ">";
+}
+
+// Buffers in kernel order: a, b0, b1, a_scale, b_scale, out (unused ones passed as null), then
+// m, n, k, tiles_m, tiles_n; the wgmma path adds tensor maps of a, b0 and b1 (b0's again when
+// there is no b1). `es`: operand element bytes.
+inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void* b0, void* b1, void* a_scale,
+                 void* b_scale, void* out, ArgPack& args) {
+  args.add(a);
+  args.add(b0);
+  args.add(b1);
+  args.add(a_scale);
+  args.add(b_scale);
+  args.add(out);
+  args.add(int(p.dims[k_m]));
+  args.add(int(p.dims[k_n]));
+  args.add(int(p.dims[k_k]));
+  args.add(int((p.dims[k_m] + t.bm - 1) / t.bm));
+  args.add(int((p.dims[k_n] + t.bn - 1) / t.bn));
+  if (!t.wgmma) return;
+  const std::uint64_t row_bytes = std::uint64_t(p.dims[k_k] * es);
+  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm)});
+  args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
+  args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
+}
+
+// Stages for a tile: at least 96 KiB of loads in flight (small tiles of decode-sized problems
+// are bound by memory, not by the tensor cores), 4 to 6, as the device's shared memory allows.
+inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
+  const std::int64_t stage = (t.bm + (kind == k_gated ? 2 : 1) * t.bn) * 128;
+  t.stages = int(std::clamp<std::int64_t>((96 * 1024 + stage - 1) / stage, 4, 6));
+  while (t.stages > 2 && shared_bytes(kind, t) > max_shared_bytes(cc)) --t.stages;
+  return t.stages;
+}
+
+// The wgmma path's candidate tiles for a kind, largest first.
+inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
+  if (kind == k_fp8_tensor) return {{128, 256}, {128, 192}, {128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  if (kind == k_fp8_block) return {{128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  return {{128, 128}, {128, 64}, {64, 64}};
+}
+
+// The default tile. wgmma: the candidate with the least modelled time, waves x (bm bn + 64 (bm +
+// bn)), where a wave is one tile per SM (the grid is persistent) and a tile costs its tensor-core
+// work plus a term for its loads per step of K, which dominates for the small tiles that
+// decode-sized problems need to occupy every SM; ties go to the larger tile. mma: 128 x 128
+// (gated 128 x 64), bm and then bn halved while the tiles leave SMs idle. Stages: default_stages.
+inline Tile default_tile(Kind kind, const Problem& p) {
+  const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]), cc = p.dims[k_cc];
+  Tile t{cc == 90, 128, 128, 4, 8};
+  if (t.wgmma) {
+    std::int64_t best = -1;
+    for (auto [bm, bn] : wgmma_tiles(kind)) {
+      const Tile c{true, bm, bn, 4, 8};
+      const std::int64_t cost = (tiles(c, p) + sms - 1) / sms * (std::int64_t(bm) * bn + 64 * (bm + bn));
+      if (best < 0 || cost < best) {
+        best = cost;
+        t = c;
+      }
+    }
+  } else {
+    if (kind == k_gated) t.bn = 64;
+    if (tiles(t, p) < sms) t.bm = 64;
+    if (tiles(t, p) < sms) t.bn = 64;
+  }
+  t.stages = default_stages(kind, t, cc);
+  return t;
+}
+
+// The heuristic's tiles for every problem (the catalog's tiles): the wgmma candidates and the mma
+// halvings, each with default_stages on the device the path is for.
+inline std::vector<Tile> default_tiles(Kind kind) {
+  std::vector<Tile> out;
+  for (auto [bm, bn] : wgmma_tiles(kind)) {
+    Tile t{true, bm, bn, 4, 8};
+    t.stages = default_stages(kind, t, 90);
+    out.push_back(t);
+  }
+  for (auto [bm, bn] : kind == k_gated ? std::vector<std::pair<int, int>>{{128, 64}, {64, 64}}
+                                       : std::vector<std::pair<int, int>>{{128, 128}, {64, 128}, {64, 64}})
+    for (std::int64_t cc : {80, 86}) {
+      Tile t{false, bm, bn, 4, 8};
+      t.stages = default_stages(kind, t, cc);
+      if (std::find_if(out.begin(), out.end(), [&](const Tile& o) {
+            return !o.wgmma && o.bm == t.bm && o.bn == t.bn && o.stages == t.stages;
+          }) == out.end())
+        out.push_back(t);
+    }
+  return out;
+}
+
+// Every tile of the heuristic's path that validates and fits the problem.
+template <class MakeParams, class Check>
+std::vector<Params> tile_space(const Tile& base, MakeParams make, Check check) {
+  std::vector<Params> out;
+  for (int bm : {64, 128})
+    for (int bn : {32, 64, 128, 192, 256})
+      for (int stages : {3, 4, 5, 6})
+        for (int group : {8, 16}) {
+          Params p = make(Tile{base.wgmma, bm, bn, stages, group});
+          if (check(p)) out.push_back(std::move(p));
+        }
+  return out;
+}
+
+}  // namespace kiln::families::gemm
