@@ -10,14 +10,16 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
+#include <map>
 #include <memory>
+#include <type_traits>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "kiln/plugin.h"
 #include "kiln/spec.h"
 #include "kiln/status.h"
 #include "kiln/types.h"
@@ -71,36 +73,52 @@ struct BufferSpec {
   BufferRole role = BufferRole::input;
   DType dtype = DType::f32;
   std::int64_t elements = 0;  // elements to allocate (row strides included)
+  // Integer inputs that index something (positions, ids): every value must lie in
+  // [0, index_bound). 0: no bound (float buffers, outputs).
+  std::int64_t index_bound = 0;
 };
 
 // The kernel's argument block, built without allocation: values are copied into aligned slots and
-// `pointers()` is what cuLaunchKernel takes.
+// `pointers()` is what cuLaunchKernel takes. It is the plugin ABI's kiln_arg_pack (same layout), so
+// a plugin's C++ family and kiln fill one block.
 class ArgPack {
  public:
-  static constexpr std::size_t k_capacity = 256;
-  static constexpr std::size_t k_max_args = 24;
+  static constexpr std::size_t k_capacity = KILN_ARG_PACK_CAPACITY;
+  static constexpr std::size_t k_max_args = KILN_ARG_PACK_MAX_ARGS;
 
+  ArgPack() { clear(); }
   template <class T>
   void add(const T& v) {
     static_assert(sizeof(T) <= 16 && std::is_trivially_copyable_v<T>);
-    used_ = (used_ + alignof(T) - 1) / alignof(T) * alignof(T);
-    if (used_ + sizeof(T) > k_capacity || count_ == k_max_args) { overflow_ = true; return; }
-    std::memcpy(storage_ + used_, &v, sizeof(T));
-    ptrs_[count_++] = storage_ + used_;
-    used_ += sizeof(T);
+    kiln_arg_pack_add(&raw_, &v, sizeof(T), alignof(T));
   }
-  void** pointers() { return ptrs_; }
-  std::size_t count() const { return count_; }
-  bool overflow() const { return overflow_; }
-  void clear() { used_ = 0; count_ = 0; overflow_ = false; }
+  void** pointers() { return raw_.slots; }
+  std::size_t count() const { return raw_.count; }
+  bool overflow() const { return raw_.overflow != 0; }
+  void clear() { raw_.used = 0; raw_.count = 0; raw_.overflow = 0; }
+  kiln_arg_pack* raw() { return &raw_; }
+  // The ArgPack whose storage is `raw` (a standard-layout class and its first member share an
+  // address): how a plugin's C++ family fills the block kiln passed it.
+  static ArgPack& over(kiln_arg_pack* raw) { return *reinterpret_cast<ArgPack*>(raw); }
 
  private:
-  alignas(16) unsigned char storage_[k_capacity];
-  void* ptrs_[k_max_args] = {};
-  std::size_t used_ = 0;
-  std::size_t count_ = 0;
-  bool overflow_ = false;
+  kiln_arg_pack raw_;
 };
+static_assert(std::is_standard_layout_v<ArgPack> && sizeof(ArgPack) == sizeof(kiln_arg_pack));
+
+// Where a family comes from: the plugin that registered it (built-in families come from the
+// built-in plugin, "builtin"). Its name, version and template hash are part of every cache key of
+// its kernels (docs/cache-format.md), so a rebuilt plugin never gets a stale kernel.
+struct PluginInfo {
+  std::string name;
+  std::string version;
+  std::string path;            // the shared library, or "(built in)"
+  std::string templates_hash;  // SHA-256 over every template file the plugin ships (path and bytes)
+  std::vector<std::string> families;
+};
+
+// Template files by path ("layernorm/layernorm.cuh" -> source).
+using TemplateFiles = std::map<std::string, std::string>;
 
 class Family {
  public:
@@ -155,6 +173,20 @@ class Family {
                                              const std::vector<std::pair<std::string, std::int64_t>>& shape) const;
   // The shapes `kiln tune --all` tunes (the family's benchmark shapes); empty when none declared.
   virtual std::vector<Problem> benchmark_problems(DType dtype) const { return {}; }
+
+  // ---- the launch path and the family's origin (kiln/plugin.h, docs/plugins.md) ----
+  // A handle for validated `params` that pack_bound takes, valid while the family lives; null
+  // when the family has none. Families that decode their parameters once override both (the
+  // plugin adapter binds the plugin's own variant handle), so a launch never re-reads params.
+  virtual const void* bind(const Params& params) const { return nullptr; }
+  virtual void pack_bound(const void* bound, const Params& params, const Problem& problem,
+                          std::span<void* const> buffers, ArgPack& out) const {
+    pack_args(params, problem, buffers, out);
+  }
+  // The plugin that registered the family; null for one added to a Registry directly (tests).
+  virtual const PluginInfo* plugin() const { return nullptr; }
+  // Headers the family ships, looked up before kiln's own templates; null for none.
+  virtual const TemplateFiles* template_files() const { return nullptr; }
 };
 
 // The bucket a size falls in for tuning: the smallest power of two >= n (0 for n <= 0).
