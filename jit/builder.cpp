@@ -33,11 +33,14 @@ Result<Prepared> prepare(const Registry& registry, const TemplateSet& templates,
   KILN_ASSIGN_OR_RETURN(p.family, registry.resolve(spec));
   KILN_ASSIGN_OR_RETURN(p.rendered, p.family->render(spec.params));
   KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
-  KILN_ASSIGN_OR_RETURN(auto closure, templates.closure(p.rendered.source));
+  KILN_ASSIGN_OR_RETURN(auto closure, templates.closure(p.rendered.source, p.family->template_files()));
   KeyInputs in;
   in.family = std::string(p.family->name());
   in.family_version = p.family->version();
   in.params = spec.params.canonical();
+  const PluginInfo* plugin = p.family->plugin();
+  in.plugin = plugin ? plugin->name + " " + plugin->version : "-";
+  in.plugin_templates = plugin ? plugin->templates_hash : "-";
   in.arch = arch;
   in.nvrtc_version = nvrtc->version();
   // The rendered source (the instantiation) is hashed along with the headers it includes.
@@ -109,7 +112,7 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
     }
     KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
     CompileRequest req{prepared.rendered.source, prepared.rendered.name_expression, prepared.rendered.options, arch,
-                       options_.use_pch, &templates()};
+                       options_.use_pch, &templates(), prepared.family->template_files()};
     auto run = [&](const CompileRequest& r) { return options_.compiler ? options_.compiler(r) : nvrtc->compile(r); };
     auto compiled = run(req);
     // NVRTC's automatic PCH needs file-backed memory; with the disk full (or a file size limit)
