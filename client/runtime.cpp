@@ -79,7 +79,7 @@ class RuntimeImpl final : public Runtime {
       d->module_unload(loaded->module);
       return s;
     }
-    loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx};
+    loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx, family->bind(spec.params)};
     std::lock_guard lock(mu_);
     ++counters_.module_loads;
     const Kernel* out = &loaded->kernel;
@@ -91,8 +91,8 @@ class RuntimeImpl final : public Runtime {
     KILN_TRY(k.family->check_problem(k.params, problem));
     const LaunchGeometry g = k.family->geometry(k.params, problem);
     ArgPack args;
-    k.family->pack_args(k.params, problem, buffers, args);
-    if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    k.family->pack_bound(k.bound, k.params, problem, buffers, args);
+    if (args.overflow()) return internal_error("the kernel arguments could not be packed (more than the argument block holds, or the family failed: see stderr)");
     const jit::Driver* d = jit::Driver::get().value();
     return d->check(d->launch_kernel(static_cast<CUfunction>(k.function), g.grid.x, g.grid.y, g.grid.z, g.block.x,
                                      g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),
@@ -127,8 +127,8 @@ class RuntimeImpl final : public Runtime {
       fast_.emplace(key, entry);
     }
     ArgPack args;
-    family.pack_args(entry.kernel->params, problem, buffers, args);
-    if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    family.pack_bound(entry.kernel->bound, entry.kernel->params, problem, buffers, args);
+    if (args.overflow()) return internal_error("the kernel arguments could not be packed (more than the argument block holds, or the family failed: see stderr)");
     const LaunchGeometry& g = entry.geometry;
     return d->check(d->launch_kernel(static_cast<CUfunction>(entry.kernel->function), g.grid.x, g.grid.y, g.grid.z,
                                      g.block.x, g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),
