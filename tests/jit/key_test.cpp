@@ -72,8 +72,8 @@ TEST(TemplateClosure, FollowsIncludesAndHashesBytes) {
   EXPECT_FALSE(set.closure("#include \"nope/missing.cuh\"\n").ok());
 }
 
-// A family's own headers (a plugin's templates) are found before kiln's and take part in the hash.
-TEST(TemplateClosure, OverlayHeadersComeFirstAndAreHashed) {
+// A family's own headers (a plugin's templates) are found after kiln's and take part in the hash.
+TEST(TemplateClosure, OverlayHeadersAddToTheSetAndAreHashed) {
   TemplateSet set = TemplateSet::embedded();
   const std::string src = "#include \"mine/k.cuh\"\n";
   TemplateSet::Overlay overlay = {{"mine/k.cuh", "#include \"common/dtype.cuh\"\n"}};
@@ -87,6 +87,8 @@ TEST(TemplateClosure, OverlayHeadersComeFirstAndAreHashed) {
   EXPECT_FALSE(set.closure(src).ok()) << "without the overlay the header does not exist";
   ASSERT_NE(set.find("mine/k.cuh", &overlay), nullptr);
   EXPECT_EQ(set.find("mine/k.cuh"), nullptr);
+  TemplateSet::Overlay shadow = {{"common/dtype.cuh", "// not kiln's\n"}};
+  EXPECT_EQ(set.find("common/dtype.cuh", &shadow), set.find("common/dtype.cuh")) << "kiln's own header wins";
 }
 
 // The builder's key over real templates: a byte changed in an included header changes it; a byte
