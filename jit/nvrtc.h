@@ -23,7 +23,7 @@ struct CompileRequest {
   std::string arch;                  // exact, e.g. sm_90a
   bool use_pch = false;              // NVRTC's automatic precompiled headers (-pch)
   const TemplateSet* templates = nullptr;  // null: TemplateSet::active()
-  // The family's own headers (Family::template_files()), found before `templates`; not owned.
+  // Headers `templates` lacks that the source needs (a plugin's own); not owned.
   const std::map<std::string, std::string>* overlay = nullptr;
 };
 

@@ -77,10 +77,10 @@ Result<TemplateSet> TemplateSet::from_directory(const std::string& dir) {
 }
 
 const std::string* TemplateSet::find(const std::string& path, const Overlay* overlay) const {
+  if (auto it = files_.find(path); it != files_.end()) return &it->second;
   if (overlay)
     if (auto o = overlay->find(path); o != overlay->end()) return &o->second;
-  auto it = files_.find(path);
-  return it == files_.end() ? nullptr : &it->second;
+  return nullptr;
 }
 
 Result<TemplateSet::Closure> TemplateSet::closure(std::string_view source, const Overlay* overlay) const {

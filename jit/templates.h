@@ -29,7 +29,9 @@ class TemplateSet {
   static TemplateSet embedded();
 
   const std::map<std::string, std::string>& files() const { return files_; }
-  // `overlay`: a family's own headers (Family::template_files()), looked up before this set.
+  // `overlay`: a family's own headers (Family::template_files()), looked up after this set: a
+  // plugin adds headers, it never replaces kiln's (the loader refuses one that would), and the
+  // built-in plugin's copies of kiln's headers never hide this set (KILN_TEMPLATE_DIR, tests).
   using Overlay = std::map<std::string, std::string>;
   const std::string* find(const std::string& path, const Overlay* overlay = nullptr) const;
   std::string origin() const { return origin_; }

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "common/half.h"
+#include "families/family_util.h"  // header-only helpers kiln's families share; plugins may use them
 #include "jit/templates.h"  // EmbeddedFile: the table cmake/embed_templates.cmake writes
 #include "kiln/plugin_cpp.h"
 
@@ -23,11 +24,8 @@ using namespace kiln;
 enum LayerNormDim { k_rows = 0, k_cols = 1 };
 enum LayerNormScalar { k_eps = 0 };
 
-const char* device_type(const std::string& dtype) {
-  if (dtype == "f16") return "kiln::f16_t";
-  if (dtype == "bf16") return "kiln::bf16_t";
-  return "float";
-}
+using families::check_access_width;
+using families::device_type;
 
 class LayerNorm final : public Family {
  public:
@@ -47,12 +45,7 @@ class LayerNorm final : public Family {
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
-    const auto vec = *params.get_int("vec");
-    const auto dtype = *params.get_str("dtype");
-    if (vec * std::int64_t(dtype_size(*parse_dtype(dtype))) > 16)
-      return invalid_argument("layernorm: vec * sizeof(dtype) must be at most 16 bytes (got vec=" +
-                              std::to_string(vec) + " for " + dtype + ")");
-    return {};
+    return check_access_width(name(), params);
   }
 
   Result<Rendered> render(const Params& params) const override {
@@ -173,7 +166,7 @@ class LayerNorm final : public Family {
   }
 };
 
-std::vector<plugin_bridge::FamilyExport> families() {
+std::vector<plugin_bridge::FamilyExport> layernorm_families() {
   std::vector<std::pair<std::string, std::string>> templates;
   for (const auto& f : jit::embedded_templates()) templates.emplace_back(f.path, std::string(f.bytes));
   return {{std::make_shared<LayerNorm>(), std::move(templates)}};
@@ -181,4 +174,4 @@ std::vector<plugin_bridge::FamilyExport> families() {
 
 }  // namespace
 
-KILN_PLUGIN("kiln-example-layernorm", "1.0.0", families)
+KILN_PLUGIN("kiln-example-layernorm", "1.0.0", layernorm_families)
