@@ -11,7 +11,7 @@
 namespace kiln::plugin {
 namespace {
 
-using plugin_bridge::detail::to_c;
+using plugin_bridge::detail::as_c;
 using plugin_bridge::detail::to_params;
 using plugin_bridge::detail::to_problem;
 
@@ -123,19 +123,17 @@ class PluginFamily final : public Family {
 
   Status check_problem(const Params& params, const Problem& problem) const override {
     KILN_ASSIGN_OR_RETURN(const void* v, bound(params));
-    const kiln_problem p = to_c(problem);
     Error err;
-    return check(vt_->check_problem(ctx_, v, &p, &err.e), err, "check_problem");
+    return check(vt_->check_problem(ctx_, v, as_c(problem), &err.e), err, "check_problem");
   }
 
   LaunchGeometry geometry(const Params& params, const Problem& problem) const override {
     LaunchGeometry g;
     auto v = bound(params);
     if (!v.ok()) return failed_geometry(v.status());
-    const kiln_problem p = to_c(problem);
     Error err;
     kiln_geometry out{};
-    Status s = check(vt_->geometry(ctx_, *v, &p, &out, &err.e), err, "geometry");
+    Status s = check(vt_->geometry(ctx_, *v, as_c(problem), &out, &err.e), err, "geometry");
     if (!s.ok()) return failed_geometry(s);
     g.grid = {out.grid[0], out.grid[1], out.grid[2]};
     g.block = {out.block[0], out.block[1], out.block[2]};
@@ -146,10 +144,9 @@ class PluginFamily final : public Family {
   std::vector<BufferSpec> buffers(const Params& params, const Problem& problem) const override {
     auto v = bound(params);
     if (!v.ok()) return report(v.status(), std::vector<BufferSpec>{});
-    const kiln_problem p = to_c(problem);
     Error err;
     kiln_buffer_list list{};
-    Status s = check(vt_->buffers(ctx_, *v, &p, &list, &err.e), err, "buffers");
+    Status s = check(vt_->buffers(ctx_, *v, as_c(problem), &list, &err.e), err, "buffers");
     if (!s.ok()) return report(s, std::vector<BufferSpec>{});
     std::vector<BufferSpec> out;
     for (std::uint32_t i = 0; i < list.count && list.items; ++i) {
@@ -178,9 +175,8 @@ class PluginFamily final : public Family {
       }
       handle = *v;
     }
-    const kiln_problem p = to_c(problem);
     Error err;
-    const int rc = vt_->pack_args(ctx_, handle, &p, buffers.data(), std::uint32_t(buffers.size()), out.raw(), &err.e);
+    const int rc = vt_->pack_args(ctx_, handle, as_c(problem), buffers.data(), std::uint32_t(buffers.size()), out.raw(), &err.e);
     if (rc != KILN_OK) {
       out.raw()->overflow = 1;  // the launch is refused
       report(check(rc, err, "pack_args"), 0);
@@ -189,9 +185,8 @@ class PluginFamily final : public Family {
 
   Status cpu_reference(const Params& params, const Problem& problem, std::span<void* const> buffers) const override {
     KILN_ASSIGN_OR_RETURN(const void* v, bound(params));
-    const kiln_problem p = to_c(problem);
     Error err;
-    return check(vt_->cpu_reference(ctx_, v, &p, buffers.data(), std::uint32_t(buffers.size()), &err.e), err,
+    return check(vt_->cpu_reference(ctx_, v, as_c(problem), buffers.data(), std::uint32_t(buffers.size()), &err.e), err,
                  "cpu_reference");
   }
 
@@ -212,10 +207,9 @@ class PluginFamily final : public Family {
 
   std::string signature(const Problem& problem) const override {
     if (!vt_->signature) return Family::signature(problem);
-    const kiln_problem p = to_c(problem);
     Error err;
     kiln_text t{};
-    Status s = check(vt_->signature(ctx_, &p, &t, &err.e), err, "signature");
+    Status s = check(vt_->signature(ctx_, as_c(problem), &t, &err.e), err, "signature");
     if (!s.ok()) return report(s, Family::signature(problem));
     std::string out = t.text ? t.text : "";
     vt_->release(ctx_, t.owner);
@@ -224,10 +218,9 @@ class PluginFamily final : public Family {
 
   Problem tuning_problem(const Problem& problem) const override {
     if (!vt_->tuning_problem) return Family::tuning_problem(problem);
-    const kiln_problem p = to_c(problem);
     Error err;
     kiln_problem out{};
-    Status s = check(vt_->tuning_problem(ctx_, &p, &out, &err.e), err, "tuning_problem");
+    Status s = check(vt_->tuning_problem(ctx_, as_c(problem), &out, &err.e), err, "tuning_problem");
     if (!s.ok()) return report(s, Family::tuning_problem(problem));
     return to_problem(&out);
   }
@@ -288,10 +281,9 @@ class PluginFamily final : public Family {
 
   std::vector<Params> params_list(int (*fn)(void*, const kiln_problem*, kiln_params_list*, kiln_plugin_error*),
                                   const Problem& problem, const char* what) const {
-    const kiln_problem p = to_c(problem);
     Error err;
     kiln_params_list list{};
-    Status s = check(fn(ctx_, &p, &list, &err.e), err, what);
+    Status s = check(fn(ctx_, as_c(problem), &list, &err.e), err, what);
     if (!s.ok()) return report(s, std::vector<Params>{});
     std::vector<Params> out;
     for (std::uint32_t i = 0; i < list.count && list.items; ++i) out.push_back(to_params(&list.items[i]));

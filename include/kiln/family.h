@@ -64,6 +64,14 @@ struct Problem {
   std::array<std::int64_t, k_max_dims> dims{};
   std::array<double, k_max_scalars> scalars{};
 };
+// The plugin ABI's kiln_problem has this layout: the launch path hands a Problem to a plugin by
+// address, without a copy (kiln/plugin_cpp.h, plugin/adapter.cpp).
+static_assert(std::is_standard_layout_v<Problem> && sizeof(Problem) == sizeof(kiln_problem) &&
+              offsetof(Problem, dtype) == offsetof(kiln_problem, dtype) &&
+              offsetof(Problem, alignment) == offsetof(kiln_problem, alignment) &&
+              offsetof(Problem, dims) == offsetof(kiln_problem, dims) &&
+              offsetof(Problem, scalars) == offsetof(kiln_problem, scalars) && sizeof(DType) == 1 &&
+              Problem::k_max_dims == KILN_PLUGIN_MAX_DIMS && Problem::k_max_scalars == KILN_PLUGIN_MAX_SCALARS);
 
 enum class BufferRole : std::uint8_t { input, output };
 

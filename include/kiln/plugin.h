@@ -105,9 +105,12 @@ typedef struct kiln_template_file {
 } kiln_template_file;
 
 /* kiln::Problem: sizes and scalars named by the family's dims / scalars, the element type and the
- * smallest byte alignment of the buffers' addresses and row strides. */
+ * smallest byte alignment of the buffers' addresses and row strides. The same layout as
+ * kiln::Problem (checked in kiln/family.h), so a launch passes the problem without copying it;
+ * `reserved` bytes are undefined on input and ignored on output. */
 typedef struct kiln_problem {
-  int32_t dtype; /* kiln_dtype */
+  uint8_t dtype; /* kiln_dtype */
+  uint8_t reserved[3];
   uint32_t alignment;
   int64_t dims[KILN_PLUGIN_MAX_DIMS];
   double scalars[KILN_PLUGIN_MAX_SCALARS];

@@ -47,6 +47,11 @@ inline Params to_params(const kiln_params* p) {
   return out;
 }
 
+// A problem kiln passed in: a kiln::Problem by address (one layout; family.h checks it).
+inline const Problem& as_problem(const kiln_problem* p) { return *reinterpret_cast<const Problem*>(p); }
+inline const kiln_problem* as_c(const Problem& p) { return reinterpret_cast<const kiln_problem*>(&p); }
+
+// A problem a plugin wrote into a kiln_problem, copied field by field (its reserved bytes aside).
 inline Problem to_problem(const kiln_problem* p) {
   Problem out;
   out.dtype = static_cast<DType>(p->dtype);
@@ -57,8 +62,8 @@ inline Problem to_problem(const kiln_problem* p) {
 }
 
 inline kiln_problem to_c(const Problem& p) {
-  kiln_problem out;
-  out.dtype = std::int32_t(p.dtype);
+  kiln_problem out{};
+  out.dtype = std::uint8_t(p.dtype);
   out.alignment = p.alignment;
   std::memcpy(out.dims, p.dims.data(), sizeof(out.dims));
   std::memcpy(out.scalars, p.scalars.data(), sizeof(out.scalars));
@@ -198,11 +203,11 @@ class ExportedFamily {
   }
   static void unbind(void*, void* v) { delete static_cast<Params*>(v); }
   static int check_problem(void* ctx, const void* v, const kiln_problem* p, kiln_plugin_error* err) {
-    return guarded(err, [&] { return fam(ctx).check_problem(variant(v), to_problem(p)); });
+    return guarded(err, [&] { return fam(ctx).check_problem(variant(v), as_problem(p)); });
   }
   static int geometry(void* ctx, const void* v, const kiln_problem* p, kiln_geometry* out, kiln_plugin_error* err) {
     return guarded(err, [&] {
-      const LaunchGeometry g = fam(ctx).geometry(variant(v), to_problem(p));
+      const LaunchGeometry g = fam(ctx).geometry(variant(v), as_problem(p));
       *out = kiln_geometry{{g.grid.x, g.grid.y, g.grid.z}, {g.block.x, g.block.y, g.block.z}, g.shared_bytes};
       return Status();
     });
@@ -210,7 +215,7 @@ class ExportedFamily {
   static int buffers(void* ctx, const void* v, const kiln_problem* p, kiln_buffer_list* out, kiln_plugin_error* err) {
     return guarded(err, [&] {
       auto h = std::make_unique<BuffersHolder>();
-      h->specs = fam(ctx).buffers(variant(v), to_problem(p));
+      h->specs = fam(ctx).buffers(variant(v), as_problem(p));
       for (const auto& b : h->specs)
         h->items.push_back(
             kiln_buffer_spec{b.name.c_str(), std::int32_t(b.role), std::int32_t(b.dtype), b.elements, b.index_bound});
@@ -222,13 +227,13 @@ class ExportedFamily {
   static int pack_args(void* ctx, const void* v, const kiln_problem* p, void* const* buffers, std::uint32_t n,
                        kiln_arg_pack* out, kiln_plugin_error* err) {
     return guarded(err, [&] {
-      fam(ctx).pack_args(variant(v), to_problem(p), std::span<void* const>(buffers, n), ArgPack::over(out));
+      fam(ctx).pack_args(variant(v), as_problem(p), std::span<void* const>(buffers, n), ArgPack::over(out));
       return Status();
     });
   }
   static int cpu_reference(void* ctx, const void* v, const kiln_problem* p, void* const* buffers, std::uint32_t n,
                            kiln_plugin_error* err) {
-    return guarded(err, [&] { return fam(ctx).cpu_reference(variant(v), to_problem(p), std::span<void* const>(buffers, n)); });
+    return guarded(err, [&] { return fam(ctx).cpu_reference(variant(v), as_problem(p), std::span<void* const>(buffers, n)); });
   }
   static int params_list(std::vector<Params> params, kiln_params_list* out) {
     auto h = std::make_unique<ParamsList>();
@@ -240,20 +245,20 @@ class ExportedFamily {
   }
   static int heuristic(void* ctx, const kiln_problem* p, kiln_params_list* out, kiln_plugin_error* err) {
     return guarded(err, [&] {
-      params_list({fam(ctx).heuristic(to_problem(p))}, out);
+      params_list({fam(ctx).heuristic(as_problem(p))}, out);
       return Status();
     });
   }
   static int tuning_space(void* ctx, const kiln_problem* p, kiln_params_list* out, kiln_plugin_error* err) {
     return guarded(err, [&] {
-      params_list(fam(ctx).tuning_space(to_problem(p)), out);
+      params_list(fam(ctx).tuning_space(as_problem(p)), out);
       return Status();
     });
   }
   static int signature(void* ctx, const kiln_problem* p, kiln_text* out, kiln_plugin_error* err) {
     return guarded(err, [&] {
       auto h = std::make_unique<TextHolder>();
-      h->text = fam(ctx).signature(to_problem(p));
+      h->text = fam(ctx).signature(as_problem(p));
       *out = kiln_text{h->text.c_str(), nullptr};
       out->owner = static_cast<Owned*>(h.release());
       return Status();
@@ -261,7 +266,7 @@ class ExportedFamily {
   }
   static int tuning_problem(void* ctx, const kiln_problem* p, kiln_problem* out, kiln_plugin_error* err) {
     return guarded(err, [&] {
-      *out = to_c(fam(ctx).tuning_problem(to_problem(p)));
+      *out = to_c(fam(ctx).tuning_problem(as_problem(p)));
       return Status();
     });
   }
