@@ -58,7 +58,7 @@ class RuntimeImpl final : public Runtime {
     }
     KILN_ASSIGN_OR_RETURN(const Family* family, Registry::global().resolve(spec));
     KILN_ASSIGN_OR_RETURN(std::string arch, arch_of(ctx));
-    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(spec, arch));
+    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(*family, spec, arch));
     // The bytes were verified on their way here: by the store (size and SHA-256) on a cache hit,
     // by DaemonClient on arrival from kilnd, or they were compiled in this process just now.
 
@@ -303,23 +303,36 @@ class RuntimeImpl final : public Runtime {
   }
 
   // Daemon first (unless embedded); a daemon that cannot be reached falls back to the embedded
-  // builder in automatic mode. Errors about the request itself are returned as they are.
-  Result<jit::Artifact> resolve(const KernelSpec& spec, const std::string& arch) {
+  // builder in automatic mode. Errors about the request itself are returned as they are, except
+  // that a daemon without this process's build of the family (plugins differ between the two)
+  // is never trusted with it: the kernel is built here, in any mode but `daemon`.
+  Result<jit::Artifact> resolve(const Family& family, const KernelSpec& spec, const std::string& arch) {
     if (opts_.mode != ResolverMode::embedded) {
       KILN_TRY(connect_daemon());
       if (daemon_) {
         auto art = daemon_->get_kernel(spec, arch);
-        if (art.ok()) {
+        Status other = art.ok() ? client::same_family_build(family, art->entry)
+                                : art.status().code() == Code::not_found
+                                      ? Status(Code::not_found, "kilnd has no family '" + spec.family +
+                                                                    "': " + art.status().message())
+                                      : Status();
+        if (art.ok() && other.ok()) {
           std::lock_guard lock(mu_);
           ++counters_.from_daemon;
           last_resolver_ = "daemon";
           return art;
         }
-        const Code c = art.status().code();
-        if (c != Code::unavailable && c != Code::timeout && c != Code::io_error && c != Code::shutting_down)
+        const Code c = art.ok() ? Code::ok : art.status().code();
+        if (!other.ok()) {
+          if (opts_.mode == ResolverMode::daemon) return other;
+          if (!warned_family_.exchange(true))
+            std::fprintf(stderr, "kiln: %s; compiling such kernels in this process\n", other.message().c_str());
+        } else if (c != Code::unavailable && c != Code::timeout && c != Code::io_error && c != Code::shutting_down) {
           return art.status();
-        daemon_.reset();
-        if (opts_.mode == ResolverMode::daemon) return art.status();
+        } else {
+          daemon_.reset();
+          if (opts_.mode == ResolverMode::daemon) return art.status();
+        }
       }
     }
     open_embedded();
@@ -343,6 +356,7 @@ class RuntimeImpl final : public Runtime {
   std::unordered_map<std::string, TunedMemo> tuned_memo_;  // under mu_
   jit::AutotuneMode autotune_ = jit::AutotuneMode::off;
   std::atomic<bool> warned_tuning_{false};
+  std::atomic<bool> warned_family_{false};
   std::unordered_map<std::string, std::unique_ptr<Loaded>> table_;
   std::unordered_map<CUcontext, std::string> arch_by_ctx_;
   std::unordered_map<FastKey, FastEntry, FastHash> fast_;

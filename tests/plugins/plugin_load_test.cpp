@@ -259,6 +259,34 @@ TEST(PluginLoad, KilndServesPluginKernelsAndSurvivesBrokenPlugins) {
   EXPECT_TRUE(contains(art->entry.key_text, "plugin kiln-example-layernorm 1.0.0")) << art->entry.key_text;
   EXPECT_TRUE(contains(k->log(), "libc_wrong_version.so skipped: built for plugin ABI version 99")) << k->log();
   EXPECT_TRUE(k->running());
+
+  // The runtime launches a kilnd kernel only when kilnd has this process's build of the family.
+  TempDir mine;
+  Registry same, edited;
+  ASSERT_EQ(plugin::load(same, {private_copy(example_plugin(), mine.path(), "a.so")}).loaded.size(), 1u);
+  ASSERT_EQ(plugin::load(edited, {private_copy(example_plugin_changed(), mine.path(), "b.so")}).loaded.size(), 1u);
+  EXPECT_TRUE(client::same_family_build(*same.find("layernorm"), art->entry).ok());
+  Status other = client::same_family_build(*edited.find("layernorm"), art->entry);
+  EXPECT_EQ(other.code(), Code::unavailable);
+  EXPECT_TRUE(contains(other.message(), "kilnd serves another build of family 'layernorm' (plugin "
+                                        "kiln-example-layernorm 1.0.0, plugin_templates ")) << other.message();
+  EXPECT_FALSE(client::same_family_build(*Registry::global().find("rmsnorm"), art->entry).ok());
+}
+
+// A kilnd without the plugin answers not_found for its family (the runtime then compiles in
+// process rather than failing the call); kiln's own families it serves as always.
+TEST(PluginLoad, KilndWithoutThePluginDoesNotKnowItsFamily) {
+  if (!jit::Nvrtc::get().ok()) GTEST_SKIP() << "NVRTC unavailable";
+  DaemonEnv env;
+  auto o = env.options({"--jobs", "1"});
+  o.env["KILN_PLUGIN_PATH"] = "";
+  auto k = Kilnd::spawn(o);
+  ASSERT_TRUE(k->wait_ready()) << k->log();
+  auto c = client::DaemonClient::connect(env.socket());
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  auto art = (*c)->get_kernel(*KernelSpec::parse("layernorm(block=256,dtype=bf16,vec=8)"), "sm_90a");
+  ASSERT_FALSE(art.ok());
+  EXPECT_EQ(art.status().code(), Code::not_found) << art.status().to_string();
 }
 
 }  // namespace
