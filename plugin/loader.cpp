@@ -5,12 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
-#include <cctype>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 #include "common/sha256.h"

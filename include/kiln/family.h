@@ -3,7 +3,9 @@
 // A family turns a validated parameter set into CUDA source for NVRTC, says how to launch the
 // kernel for a problem, which variants exist (the catalog, for prewarm), which to try when tuning,
 // which to pick by default, and how to compute the same thing on the CPU (the test oracle).
-// This is the C++ side of the plugin ABI: built-in families implement it directly.
+// This is the C++ side of the plugin ABI (kiln/plugin.h): families implement it, and
+// kiln/plugin_cpp.h exports them through the C ABI, the built-in ones included; what a Registry
+// holds is the loader's adapter over that ABI (plugin/loader.h, docs/plugins.md).
 #pragma once
 
 #include <array>
@@ -12,11 +14,11 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <type_traits>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "kiln/plugin.h"
@@ -193,14 +195,16 @@ class Family {
   }
   // The plugin that registered the family; null for one added to a Registry directly (tests).
   virtual const PluginInfo* plugin() const { return nullptr; }
-  // Headers the family ships, looked up before kiln's own templates; null for none.
+  // Headers the family ships (a plugin's templates), looked up after kiln's own, which they may
+  // not replace; null for none.
   virtual const TemplateFiles* template_files() const { return nullptr; }
 };
 
 // The bucket a size falls in for tuning: the smallest power of two >= n (0 for n <= 0).
 std::int64_t tuning_bucket(std::int64_t n);
 
-// Families by name. Thread-safe. The global registry starts with the built-in families.
+// Families by name. Thread-safe. The global registry is filled once, on first use, by the plugin
+// loader: the built-in families, then the plugins of KILN_PLUGIN_PATH or the default directory.
 class Registry {
  public:
   static Registry& global();
