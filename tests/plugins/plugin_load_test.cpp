@@ -133,10 +133,10 @@ TEST(PluginLoad, FilesThatAreNotPluginsAreSkipped) {
   ::chmod(text.c_str(), 0644);
   EXPECT_TRUE(contains(reason_for(r, text.string()), "not a loadable shared library")) << reason_for(r, text.string());
   EXPECT_EQ(reason_for(r, (dir.path() / "missing.so").string()), "no such file or directory");
-  // A real shared library that is no plugin: libc's math library has no entry point.
-  plugin::Report rep = plugin::load(r, {"/lib/x86_64-linux-gnu/libm.so.6"}, true);
-  if (!rep.skipped.empty()) {
-    EXPECT_TRUE(contains(rep.skipped[0].reason, "missing symbol kiln_plugin_entry")) << rep.skipped[0].reason;
+  // A real shared library that is no plugin (the math library) has no entry point.
+  const std::string libm = "/lib/x86_64-linux-gnu/libm.so.6";
+  if (fs::exists(libm)) {
+    EXPECT_EQ(reason_for(r, libm), "missing symbol kiln_plugin_entry (not a kiln plugin?)");
   }
   EXPECT_TRUE(r.all().empty());
 }
