@@ -125,6 +125,61 @@ TEST(PluginLoad, ANamesakeOfTheBuiltInPluginOrATruncatedDescriptorIsRefused) {
   EXPECT_EQ(rep.skipped[0].path, "/x/libnamesake.so");
 }
 
+// Descriptor checks on the C fixture's descriptor with one thing wrong at a time: template paths
+// and text, a catalog entry the schema rejects, bucketed_dim, two families with one name.
+TEST(PluginLoad, DescriptorsWithBadTemplatesOrCatalogsAreRefused) {
+  TempDir dir;
+  void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(lib, nullptr) << ::dlerror();
+  const kiln_plugin& good = *reinterpret_cast<kiln_plugin_entry_fn>(::dlsym(lib, KILN_PLUGIN_ENTRY_SYMBOL))();
+  auto refusal = [&](const kiln_family* families, std::uint32_t count) {
+    kiln_plugin p = good;
+    p.families = families;
+    p.family_count = count;
+    Registry r;
+    plugin::Report rep;
+    Status s = plugin::register_plugin(r, &p, "/x/lib.so", rep);
+    EXPECT_EQ(r.all().empty(), !s.ok()) << "all families or none";
+    return s.message();
+  };
+  const kiln_family base = good.families[0];
+  EXPECT_EQ(refusal(&base, 1), "") << "the unaltered descriptor registers";
+
+  for (const char* path : {"../etc/passwd.cuh", "/abs.cuh", "a//b.cuh", "a/./b.cuh", "sp ace.cuh"}) {
+    const kiln_template_file t{path, "x", 1};
+    kiln_family f = base;
+    f.templates = &t;
+    EXPECT_TRUE(contains(refusal(&f, 1), "is not a relative path")) << path;
+  }
+  const char bad_utf8[] = "// \xff\xfe\n";
+  const kiln_template_file binary{"c_scale/scale.cuh", bad_utf8, sizeof bad_utf8 - 1};
+  kiln_family f = base;
+  f.templates = &binary;
+  EXPECT_EQ(refusal(&f, 1), "template 'c_scale/scale.cuh' is not UTF-8 text");
+  const kiln_template_file other{"c_scale/scale.cuh", "// another body\n", 16};
+  kiln_family two[2] = {base, base};
+  two[1].name = "c_scale_two";
+  two[1].templates = &other;
+  EXPECT_EQ(refusal(two, 2), "two families ship different templates at 'c_scale/scale.cuh'");
+  two[1] = base;
+  EXPECT_EQ(refusal(two, 2), "it provides family 'c_scale' twice");
+
+  const kiln_param wrong_block[] = {{"block", nullptr, 96}, {"dtype", "f32", 0}};
+  const kiln_params catalog{wrong_block, 2};
+  f = base;
+  f.catalog = &catalog;
+  f.catalog_count = 1;
+  EXPECT_TRUE(contains(refusal(&f, 1), "catalog entry block=96,dtype=f32 does not validate: c_scale: parameter "
+                                       "'block' must be one of {128, 256}"))
+      << refusal(&f, 1);
+  f = base;
+  f.bucketed_dim = 1;
+  EXPECT_TRUE(contains(refusal(&f, 1), "bucketed_dim is not a dims slot"));
+  f = base;
+  f.catalog_count = 0;
+  EXPECT_TRUE(contains(refusal(&f, 1), "an empty catalog"));
+}
+
 TEST(PluginLoad, FilesThatAreNotPluginsAreSkipped) {
   TempDir dir;
   Registry r;
