@@ -320,6 +320,24 @@ Result<json> DaemonClient::stats() {
   return out;
 }
 
+Status same_family_build(const Family& family, const cache::Entry& entry) {
+  const PluginInfo* p = family.plugin();
+  const std::string plugin = p ? p->name + " " + p->version : "-";
+  const std::string hash = p ? p->templates_hash : "-";
+  if (entry.family_version == family.version() && entry.key_text.find("\nplugin " + plugin + "\n") != std::string::npos &&
+      entry.key_text.find("\nplugin_templates " + hash + "\n") != std::string::npos)
+    return {};
+  auto line = [&](const std::string& name) {
+    const auto at = entry.key_text.find("\n" + name + " ");
+    return at == std::string::npos ? std::string("(none)")
+                                   : entry.key_text.substr(at + 1, entry.key_text.find('\n', at + 1) - at - 1);
+  };
+  return unavailable("kilnd serves another build of family '" + std::string(family.name()) + "' (" + line("plugin") +
+                     ", " + line("plugin_templates").substr(0, 29) + ", family_version " +
+                     std::to_string(entry.family_version) + "; this process: plugin " + plugin + ", templates " +
+                     hash.substr(0, 12) + ", family_version " + std::to_string(family.version()) + ")");
+}
+
 Status DaemonClient::shutdown() {
   std::lock_guard<std::mutex> lock(mu_);
   auto r = call(json{{"op", "shutdown"}}, std::max(timeout_, k_min_query_timeout));

@@ -93,4 +93,10 @@ class DaemonClient {
   std::mutex mu_;
 };
 
+// ok when `entry`, served by kilnd, was built from this process's build of `family`: the same
+// family version, and the same plugin name, version and template hash in its key. kilnd loads its
+// plugins from its own environment, so the two can differ; a kernel of another build must not be
+// launched with this build's geometry and arguments. Code::unavailable says what differs.
+Status same_family_build(const Family& family, const cache::Entry& entry);
+
 }  // namespace kiln::client

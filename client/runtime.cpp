@@ -58,7 +58,7 @@ class RuntimeImpl final : public Runtime {
     }
     KILN_ASSIGN_OR_RETURN(const Family* family, Registry::global().resolve(spec));
     KILN_ASSIGN_OR_RETURN(std::string arch, arch_of(ctx));
-    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(spec, arch));
+    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(*family, spec, arch));
     // The bytes were verified on their way here: by the store (size and SHA-256) on a cache hit,
     // by DaemonClient on arrival from kilnd, or they were compiled in this process just now.
 
@@ -79,7 +79,7 @@ class RuntimeImpl final : public Runtime {
       d->module_unload(loaded->module);
       return s;
     }
-    loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx};
+    loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx, family->bind(spec.params)};
     std::lock_guard lock(mu_);
     ++counters_.module_loads;
     const Kernel* out = &loaded->kernel;
@@ -91,8 +91,8 @@ class RuntimeImpl final : public Runtime {
     KILN_TRY(k.family->check_problem(k.params, problem));
     const LaunchGeometry g = k.family->geometry(k.params, problem);
     ArgPack args;
-    k.family->pack_args(k.params, problem, buffers, args);
-    if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    k.family->pack_bound(k.bound, k.params, problem, buffers, args);
+    if (args.overflow()) return internal_error("the kernel arguments could not be packed (more than the argument block holds, or the family failed: see stderr)");
     KILN_TRY(jit::encode_tensor_maps(args));
     const jit::Driver* d = jit::Driver::get().value();
     return d->check(d->launch_kernel(static_cast<CUfunction>(k.function), g.grid.x, g.grid.y, g.grid.z, g.block.x,
@@ -128,8 +128,8 @@ class RuntimeImpl final : public Runtime {
       fast_.emplace(key, entry);
     }
     ArgPack args;
-    family.pack_args(entry.kernel->params, problem, buffers, args);
-    if (args.overflow()) return internal_error("kernel arguments exceed the argument block");
+    family.pack_bound(entry.kernel->bound, entry.kernel->params, problem, buffers, args);
+    if (args.overflow()) return internal_error("the kernel arguments could not be packed (more than the argument block holds, or the family failed: see stderr)");
     KILN_TRY(jit::encode_tensor_maps(args));
     const LaunchGeometry& g = entry.geometry;
     return d->check(d->launch_kernel(static_cast<CUfunction>(entry.kernel->function), g.grid.x, g.grid.y, g.grid.z,
@@ -305,23 +305,36 @@ class RuntimeImpl final : public Runtime {
   }
 
   // Daemon first (unless embedded); a daemon that cannot be reached falls back to the embedded
-  // builder in automatic mode. Errors about the request itself are returned as they are.
-  Result<jit::Artifact> resolve(const KernelSpec& spec, const std::string& arch) {
+  // builder in automatic mode. Errors about the request itself are returned as they are, except
+  // that a daemon without this process's build of the family (plugins differ between the two)
+  // is never trusted with it: the kernel is built here, in any mode but `daemon`.
+  Result<jit::Artifact> resolve(const Family& family, const KernelSpec& spec, const std::string& arch) {
     if (opts_.mode != ResolverMode::embedded) {
       KILN_TRY(connect_daemon());
       if (daemon_) {
         auto art = daemon_->get_kernel(spec, arch);
-        if (art.ok()) {
+        Status other = art.ok() ? client::same_family_build(family, art->entry)
+                                : art.status().code() == Code::not_found
+                                      ? Status(Code::not_found, "kilnd has no family '" + spec.family +
+                                                                    "': " + art.status().message())
+                                      : Status();
+        if (art.ok() && other.ok()) {
           std::lock_guard lock(mu_);
           ++counters_.from_daemon;
           last_resolver_ = "daemon";
           return art;
         }
-        const Code c = art.status().code();
-        if (c != Code::unavailable && c != Code::timeout && c != Code::io_error && c != Code::shutting_down)
+        const Code c = art.ok() ? Code::ok : art.status().code();
+        if (!other.ok()) {
+          if (opts_.mode == ResolverMode::daemon) return other;
+          if (!warned_family_.exchange(true))
+            std::fprintf(stderr, "kiln: %s; compiling such kernels in this process\n", other.message().c_str());
+        } else if (c != Code::unavailable && c != Code::timeout && c != Code::io_error && c != Code::shutting_down) {
           return art.status();
-        daemon_.reset();
-        if (opts_.mode == ResolverMode::daemon) return art.status();
+        } else {
+          daemon_.reset();
+          if (opts_.mode == ResolverMode::daemon) return art.status();
+        }
       }
     }
     open_embedded();
@@ -345,6 +358,7 @@ class RuntimeImpl final : public Runtime {
   std::unordered_map<std::string, TunedMemo> tuned_memo_;  // under mu_
   jit::AutotuneMode autotune_ = jit::AutotuneMode::off;
   std::atomic<bool> warned_tuning_{false};
+  std::atomic<bool> warned_family_{false};
   std::unordered_map<std::string, std::unique_ptr<Loaded>> table_;
   std::unordered_map<CUcontext, std::string> arch_by_ctx_;
   std::unordered_map<FastKey, FastEntry, FastHash> fast_;

@@ -1,45 +1,16 @@
 #include <algorithm>
 
 #include "kiln/family.h"
+#include "plugin/loader.h"
 
 namespace kiln {
 
-Status Family::validate(const Params& params) const {
-  const auto& defs = schema();
-  for (const auto& [name, value] : params.values()) {
-    // Captured through a reference: clang before 16 (the fuzz build) cannot capture a structured binding.
-    const std::string& wanted = name;
-    auto def = std::find_if(defs.begin(), defs.end(), [&](const ParamDef& d) { return d.name == wanted; });
-    if (def == defs.end())
-      return invalid_argument(std::string(this->name()) + ": unknown parameter '" + name + "'");
-    if (def->is_int()) {
-      auto v = params.get_int(name);
-      if (!v || std::find(def->ints.begin(), def->ints.end(), *v) == def->ints.end()) {
-        std::string allowed;
-        for (auto i : def->ints) allowed += (allowed.empty() ? "" : ", ") + std::to_string(i);
-        return invalid_argument(std::string(this->name()) + ": parameter '" + name + "' must be one of {" +
-                                allowed + "}");
-      }
-    } else {
-      auto v = params.get_str(name);
-      if (!v || std::find(def->choices.begin(), def->choices.end(), *v) == def->choices.end()) {
-        std::string allowed;
-        for (const auto& c : def->choices) allowed += (allowed.empty() ? "" : ", ") + c;
-        return invalid_argument(std::string(this->name()) + ": parameter '" + name + "' must be one of {" +
-                                allowed + "}");
-      }
-    }
-  }
-  for (const auto& d : defs)
-    if (!params.has(d.name))
-      return invalid_argument(std::string(this->name()) + ": missing parameter '" + d.name + "'");
-  return {};
-}
-
 Registry& Registry::global() {
   static Registry* r = [] {
+    // The built-in families, then KILN_PLUGIN_PATH's (or the default directory's) plugins, all
+    // through one loader (plugin/loader.h).
     auto* reg = new Registry;
-    register_builtin_families(*reg);
+    plugin::populate_global(*reg);
     return reg;
   }();
   return *r;

@@ -161,7 +161,8 @@ Result<jit::CompileOutput> CompileWorkers::compile(const jit::CompileRequest& re
 
   const json request = {{"source", req.source},   {"name_expression", req.name_expression},
                         {"options", req.options}, {"arch", req.arch},
-                        {"use_pch", req.use_pch}};
+                        {"use_pch", req.use_pch},
+                        {"overlay", req.overlay ? *req.overlay : std::map<std::string, std::string>{}}};
   const auto until = Clock::now() + deadline_;
   std::string reply_text, cubin;
   int r = write_chunk(w.to_child, request.dump()) ? 1 : -1;
@@ -231,6 +232,8 @@ int run_compile_worker() {
     req.options = q.value("options", std::vector<std::string>{});
     req.arch = q.value("arch", std::string());
     req.use_pch = q.value("use_pch", false);
+    const auto overlay = q.value("overlay", std::map<std::string, std::string>{});
+    if (!overlay.empty()) req.overlay = &overlay;
     json reply;
     std::string cubin;
     auto nvrtc = jit::Nvrtc::get();

@@ -14,6 +14,7 @@
 #include "common/paths.h"
 #include "daemon/compile_workers.h"
 #include "daemon/server.h"
+#include "kiln/family.h"
 
 namespace {
 
@@ -132,6 +133,10 @@ int main(int argc, char** argv) {
   options.socket = socket_flag.empty() ? kiln::socket_path() : std::filesystem::path(socket_flag);
   options.cache_file = cache_dir_flag.empty() ? kiln::cache_file()
                                               : std::filesystem::path(cache_dir_flag) / "kernels.sqlite";
+
+  // Plugins load now, once: a skipped one is in the log from the start, and none can surprise a
+  // request later (docs/plugins.md).
+  (void)kiln::Registry::global();
 
   bool already_running = false;
   auto server = Server::create(options, &already_running);

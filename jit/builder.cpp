@@ -24,6 +24,9 @@ struct Prepared {
   const Family* family = nullptr;
   Rendered rendered;
   Key key;
+  // The headers of the closure only the family ships: what a compile (or a worker) needs besides
+  // kiln's template set.
+  std::map<std::string, std::string> own_headers;
 };
 
 Result<Prepared> prepare(const Registry& registry, const TemplateSet& templates, const KernelSpec& spec,
@@ -33,11 +36,17 @@ Result<Prepared> prepare(const Registry& registry, const TemplateSet& templates,
   KILN_ASSIGN_OR_RETURN(p.family, registry.resolve(spec));
   KILN_ASSIGN_OR_RETURN(p.rendered, p.family->render(spec.params));
   KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
-  KILN_ASSIGN_OR_RETURN(auto closure, templates.closure(p.rendered.source));
+  const TemplateFiles* own = p.family->template_files();
+  KILN_ASSIGN_OR_RETURN(auto closure, templates.closure(p.rendered.source, own));
+  for (const auto& h : closure.headers)
+    if (!templates.find(h)) p.own_headers.emplace(h, *templates.find(h, own));
   KeyInputs in;
   in.family = std::string(p.family->name());
   in.family_version = p.family->version();
   in.params = spec.params.canonical();
+  const PluginInfo* plugin = p.family->plugin();
+  in.plugin = plugin ? plugin->name + " " + plugin->version : "-";
+  in.plugin_templates = plugin ? plugin->templates_hash : "-";
   in.arch = arch;
   in.nvrtc_version = nvrtc->version();
   // The rendered source (the instantiation) is hashed along with the headers it includes.
@@ -109,7 +118,7 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
     }
     KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
     CompileRequest req{prepared.rendered.source, prepared.rendered.name_expression, prepared.rendered.options, arch,
-                       options_.use_pch, &templates()};
+                       options_.use_pch, &templates(), &prepared.own_headers};
     auto run = [&](const CompileRequest& r) { return options_.compiler ? options_.compiler(r) : nvrtc->compile(r); };
     auto compiled = run(req);
     // NVRTC's automatic PCH needs file-backed memory; with the disk full (or a file size limit)

@@ -26,8 +26,9 @@ Key make_key(const KeyInputs& in) {
                                opts + "\narch " + in.arch + "\n";
   Key k;
   k.toolchain = sha256_hex(toolchain_text);
-  k.text = "kiln-key 1\nfamily " + in.family + "\nfamily_version " + std::to_string(in.family_version) +
-           "\nparams " + in.params + "\n" + toolchain_text;
+  k.text = "kiln-key 2\nfamily " + in.family + "\nfamily_version " + std::to_string(in.family_version) +
+           "\nplugin " + in.plugin + "\nplugin_templates " + in.plugin_templates + "\nparams " + in.params +
+           "\n" + toolchain_text;
   k.hex = sha256_hex(k.text);
   return k;
 }

@@ -1,4 +1,5 @@
-// Cache keys: a semantic part (family, family version, canonical params) and a toolchain
+// Cache keys: a semantic part (family, family version, the plugin that provides the family and the
+// hash of its template files, canonical params) and a toolchain
 // fingerprint (NVRTC version, hash of the template closure, canonical options, exact arch).
 // No absolute paths, no mtimes: the same inputs give the same key on every machine.
 #pragma once
@@ -14,6 +15,8 @@ struct KeyInputs {
   std::string family;
   int family_version = 0;
   std::string params;       // canonical
+  std::string plugin;            // "name version" of the plugin that registered the family, or "-"
+  std::string plugin_templates;  // its PluginInfo::templates_hash, or "-"
   std::string arch;
   std::string nvrtc_version;
   std::string template_hash;

@@ -108,11 +108,11 @@ std::string Nvrtc::version() const { return std::to_string(major_) + "." + std::
 
 Result<CompileOutput> Nvrtc::compile(const CompileRequest& req) const {
   const TemplateSet& templates = req.templates ? *req.templates : TemplateSet::active();
-  KILN_ASSIGN_OR_RETURN(auto closure, templates.closure(req.source));
+  KILN_ASSIGN_OR_RETURN(auto closure, templates.closure(req.source, req.overlay));
   std::vector<const char*> header_src, header_names;
   for (const auto& h : closure.headers) {
     header_names.push_back(h.c_str());
-    header_src.push_back(templates.find(h)->c_str());
+    header_src.push_back(templates.find(h, req.overlay)->c_str());
   }
 
   CompileOutput out;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,8 @@ struct CompileRequest {
   std::string arch;                  // exact, e.g. sm_90a
   bool use_pch = false;              // NVRTC's automatic precompiled headers (-pch)
   const TemplateSet* templates = nullptr;  // null: TemplateSet::active()
+  // Headers `templates` lacks that the source needs (a plugin's own); not owned.
+  const std::map<std::string, std::string>* overlay = nullptr;
 };
 
 struct CompileOutput {

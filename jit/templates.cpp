@@ -76,19 +76,21 @@ Result<TemplateSet> TemplateSet::from_directory(const std::string& dir) {
   return s;
 }
 
-const std::string* TemplateSet::find(const std::string& path) const {
-  auto it = files_.find(path);
-  return it == files_.end() ? nullptr : &it->second;
+const std::string* TemplateSet::find(const std::string& path, const Overlay* overlay) const {
+  if (auto it = files_.find(path); it != files_.end()) return &it->second;
+  if (overlay)
+    if (auto o = overlay->find(path); o != overlay->end()) return &o->second;
+  return nullptr;
 }
 
-Result<TemplateSet::Closure> TemplateSet::closure(std::string_view source) const {
+Result<TemplateSet::Closure> TemplateSet::closure(std::string_view source, const Overlay* overlay) const {
   std::set<std::string> seen;
   std::vector<std::string> todo = quoted_includes(source);
   while (!todo.empty()) {
     std::string h = todo.back();
     todo.pop_back();
     if (!seen.insert(h).second) continue;
-    const std::string* body = find(h);
+    const std::string* body = find(h, overlay);
     if (!body) return not_found("template header '" + h + "' not found in the " + origin_ + " templates");
     for (auto& inc : quoted_includes(*body)) todo.push_back(inc);
   }
@@ -96,7 +98,7 @@ Result<TemplateSet::Closure> TemplateSet::closure(std::string_view source) const
   c.headers.assign(seen.begin(), seen.end());
   Sha256 hash;
   for (const auto& h : c.headers) {
-    const std::string& body = *find(h);
+    const std::string& body = *find(h, overlay);
     std::string head = h + "\n" + std::to_string(body.size()) + "\n";
     hash.update(head);
     hash.update(body);

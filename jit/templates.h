@@ -29,7 +29,11 @@ class TemplateSet {
   static TemplateSet embedded();
 
   const std::map<std::string, std::string>& files() const { return files_; }
-  const std::string* find(const std::string& path) const;
+  // `overlay`: a family's own headers (Family::template_files()), looked up after this set: a
+  // plugin adds headers, it never replaces kiln's (the loader refuses one that would), and the
+  // built-in plugin's copies of kiln's headers never hide this set (KILN_TEMPLATE_DIR, tests).
+  using Overlay = std::map<std::string, std::string>;
+  const std::string* find(const std::string& path, const Overlay* overlay = nullptr) const;
   std::string origin() const { return origin_; }
 
   // The headers that `source` includes with #include "..." directly or transitively, sorted,
@@ -38,7 +42,7 @@ class TemplateSet {
     std::vector<std::string> headers;
     std::string hash;
   };
-  Result<Closure> closure(std::string_view source) const;
+  Result<Closure> closure(std::string_view source, const Overlay* overlay = nullptr) const;
 
  private:
   std::map<std::string, std::string> files_;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds a Release tree in build-gpu/ and stages what the GPU machine needs in gpu-dist/ (small
-# enough to carry): kilnd, kiln, the `gpu` test binaries, the GPU benchmark, the PyTorch anchors
-# and scripts/gpu_run.sh. On the device: `gpu-dist/scripts/gpu_run.sh [--quick]`. Binaries link
+# enough to carry): kilnd, kiln, the `gpu` test binaries and the plugins they load, the GPU
+# benchmark, the PyTorch anchors and scripts/gpu_run.sh. On the device: `gpu-dist/scripts/gpu_run.sh [--quick]`. Binaries link
 # libstdc++, libgcc and SQLite statically, so they run on the GPU machine's Ubuntu.
 set -euo pipefail
 # KILN_SRC builds another checkout (a clean worktree, say) and stages it into this one.
@@ -17,6 +17,11 @@ cp "$src/build-gpu/kilnd" "$src/build-gpu/kiln" "$root/gpu-dist/"
 echo "$src/build-gpu" > "$root/gpu-dist/BUILD_PATH"
 find "$src/build-gpu/tests" -maxdepth 1 -type f -perm -u+x -name "kiln_gpu_tests_*" -exec cp {} "$root/gpu-dist/tests/" \;
 cp "$src/build-gpu/bench/kiln_bench_gpu" "$root/gpu-dist/bench/"
+# The plugins the tests load (the example and the C fixture), where the test binaries look for
+# them: next to their own folder, as in the build tree (tests/plugin_util.h).
+mkdir -p "$root/gpu-dist/plugins/layernorm" "$root/gpu-dist/tests/test_plugins"
+cp "$src/build-gpu/plugins/layernorm/libkiln_layernorm.so" "$root/gpu-dist/plugins/layernorm/"
+cp "$src/build-gpu/tests/test_plugins/libc_ok.so" "$root/gpu-dist/tests/test_plugins/"
 # The run script and the PyTorch anchors travel with the binaries they go with, so a device call
 # runs what was built even when the checkout it copies holds other work in progress.
 mkdir -p "$root/gpu-dist/scripts"

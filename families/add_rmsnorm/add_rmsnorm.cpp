@@ -104,6 +104,22 @@ class AddRmsNorm final : public Family {
     return out;
   }
 
+  // The rmsnorm benchmark shapes (docs/benchmarks.md): tokens x hidden, every tensor contiguous.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    for (std::int64_t rows : {1, 16, 512, 4096, 32768})
+      for (std::int64_t cols : {2048, 4096, 5120, 8192, 16384, 65536}) {
+        Problem p;
+        p.dtype = dtype;
+        p.dims[k_add_rows] = rows;
+        p.dims[k_add_cols] = cols;
+        for (int s : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride}) p.dims[s] = cols;
+        p.scalars[k_add_eps] = 1e-6;
+        out.push_back(p);
+      }
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto rows = p.dims[k_add_rows], cols = p.dims[k_add_cols];
     auto extent = [&](int stride_dim) { return rows == 0 ? 0 : (rows - 1) * p.dims[stride_dim] + cols; };

@@ -117,6 +117,7 @@ class Fp8Gemm final : public Family {
   // 8192^3 and the LLM shapes (M in {128, 4096}, NxK in {7168x16384, 4096x7168, 2112x7168}).
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;
+    if (dtype != DType::f16 && dtype != DType::bf16) return out;  // the problem's dtype is the output's
     for (std::int64_t mode : {k_fp8_per_tensor, k_fp8_blockwise}) {
       out.push_back(problem_from_shape(dtype, {{"m", 8192}, {"n", 8192}, {"k", 8192}, {"mode", mode}}).value());
       for (std::int64_t m : {128, 4096})

@@ -101,6 +101,21 @@ class QuantizeFp8 final : public Family {
 
   std::vector<Params> tuning_space(const Problem& p) const override { return {heuristic(p)}; }
 
+  // What fp8_gemm's callers quantize: activations per 1x128 block, a weight per 128x128 tile
+  // transposed to K-major, and per-tensor scaling's two passes (amax, then quantize).
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    auto add = [&](std::int64_t rows, std::int64_t cols, std::int64_t mode, std::int64_t transpose) {
+      out.push_back(
+          problem_from_shape(dtype, {{"rows", rows}, {"cols", cols}, {"mode", mode}, {"transpose", transpose}}).value());
+    };
+    add(4096, 7168, k_q_row, 0);
+    add(7168, 16384, k_q_tile, 1);
+    add(8192, 8192, k_q_amax, 0);
+    add(8192, 8192, k_q_tensor, 0);
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto rows = p.dims[k_q_rows], cols = p.dims[k_q_cols], mode = p.dims[k_q_mode];
     const std::int64_t scales = mode == k_q_row    ? rows * ceil_div(cols, 128)

@@ -161,6 +161,24 @@ class RmsNormBwd final : public Family {
     return out;
   }
 
+  // Training shapes, contiguous, on an H100-sized GPU (132 SMs) without clusters (max_cluster 1,
+  // so every GPU runs them): the slab count the typed op would pick for the heuristic's choice.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    for (std::int64_t rows : {16, 512, 4096, 16384})
+      for (std::int64_t cols : {2048, 4096, 8192}) {
+        Problem p;
+        p.dtype = dtype;
+        p.dims[k_bwd_rows] = rows;
+        p.dims[k_bwd_cols] = cols;
+        p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = cols;
+        p.dims[k_bwd_max_cluster] = 1;
+        p.dims[k_bwd_slabs] = rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(p), p, 132);
+        out.push_back(p);
+      }
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto rows = p.dims[k_bwd_rows], cols = p.dims[k_bwd_cols];
     auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };

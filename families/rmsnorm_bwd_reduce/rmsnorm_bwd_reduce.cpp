@@ -69,6 +69,20 @@ class RmsNormBwdReduce final : public Family {
     return out;
   }
 
+  // Slab counts the backward pass produces on GPUs of 1 to 132 SMs, for common hidden sizes.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    for (std::int64_t slabs : {1, 37, 264})
+      for (std::int64_t cols : {2048, 4096, 8192}) {
+        Problem p;
+        p.dtype = dtype;
+        p.dims[k_red_slabs] = slabs;
+        p.dims[k_red_cols] = cols;
+        out.push_back(p);
+      }
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     return {{"partial", BufferRole::input, DType::f32, p.dims[k_red_slabs] * p.dims[k_red_cols]},
             {"dw", BufferRole::output, p.dtype, p.dims[k_red_cols]}};

@@ -144,6 +144,28 @@ class RmsNormRope final : public Family {
     return out;
   }
 
+  // Query-key norm shapes: 32 heads of 64 or 128, batches of one to 4096 tokens in sequences of up
+  // to 1024, cos/sin in f32 and in the tensors' own dtype.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    for (std::int64_t head_dim : {64, 128})
+      for (std::int64_t rows : {1, 512, 4096})
+        for (DType cos : {DType::f32, dtype}) {
+          Problem p;
+          p.dtype = dtype;
+          p.dims[k_nr_rows] = rows;
+          p.dims[k_nr_head_dim] = head_dim;
+          p.dims[k_nr_num_heads] = 32;
+          p.dims[k_nr_hidden] = 32 * head_dim;
+          p.dims[k_nr_seq] = std::min<std::int64_t>(rows, 1024);
+          p.dims[k_nr_cos_dtype] = std::int64_t(cos);
+          p.scalars[k_nr_eps] = 1e-6;
+          out.push_back(p);
+          if (cos == dtype) break;
+        }
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto rows = p.dims[k_nr_rows], hidden = p.dims[k_nr_hidden];
     const auto table = p.dims[k_nr_seq] * p.dims[k_nr_head_dim];

@@ -154,6 +154,28 @@ class Rope final : public Family {
     return out;
   }
 
+  // The rope benchmark shapes (bench/gpu/rope.cpp): 32 query and 8 key heads of 64 or 128, both
+  // layouts, contiguous tokens, positions below 4096.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    for (std::int64_t layout : {k_rope_neox, k_rope_gptj})
+      for (std::int64_t head_dim : {64, 128})
+        for (std::int64_t tokens : {1, 16, 512, 4096}) {
+          Problem p;
+          p.dtype = dtype;
+          p.dims[k_rope_tokens] = tokens;
+          p.dims[k_rope_q_heads] = 32;
+          p.dims[k_rope_kv_heads] = 8;
+          p.dims[k_rope_head_dim] = head_dim;
+          p.dims[k_rope_layout] = layout;
+          p.dims[k_rope_max_pos] = 4096;
+          p.scalars[k_rope_q_stride] = p.scalars[k_rope_q_out_stride] = double(32 * head_dim);
+          p.scalars[k_rope_k_stride] = p.scalars[k_rope_k_out_stride] = double(8 * head_dim);
+          out.push_back(p);
+        }
+    return out;
+  }
+
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto tokens = p.dims[k_rope_tokens], d = p.dims[k_rope_head_dim];
     auto extent = [&](int stride_slot, std::int64_t heads) {
@@ -165,7 +187,7 @@ class Rope final : public Family {
             {"k", BufferRole::input, p.dtype, extent(k_rope_k_stride, kvh)},
             {"cos", BufferRole::input, DType::f32, table},
             {"sin", BufferRole::input, DType::f32, table},
-            {"position_ids", BufferRole::input, DType::i64, tokens},
+            {"position_ids", BufferRole::input, DType::i64, tokens, p.dims[k_rope_max_pos]},
             {"q_out", BufferRole::output, p.dtype, extent(k_rope_q_out_stride, qh)},
             {"k_out", BufferRole::output, p.dtype, extent(k_rope_k_out_stride, kvh)}};
   }

@@ -3,21 +3,25 @@
 // A family turns a validated parameter set into CUDA source for NVRTC, says how to launch the
 // kernel for a problem, which variants exist (the catalog, for prewarm), which to try when tuning,
 // which to pick by default, and how to compute the same thing on the CPU (the test oracle).
-// This is the C++ side of the plugin ABI: built-in families implement it directly.
+// This is the C++ side of the plugin ABI (kiln/plugin.h): families implement it, and
+// kiln/plugin_cpp.h exports them through the C ABI, the built-in ones included; what a Registry
+// holds is the loader's adapter over that ABI (plugin/loader.h, docs/plugins.md).
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
+#include "kiln/plugin.h"
 #include "kiln/spec.h"
 #include "kiln/status.h"
 #include "kiln/types.h"
@@ -62,6 +66,14 @@ struct Problem {
   std::array<std::int64_t, k_max_dims> dims{};
   std::array<double, k_max_scalars> scalars{};
 };
+// The plugin ABI's kiln_problem has this layout: the launch path hands a Problem to a plugin by
+// address, without a copy (kiln/plugin_cpp.h, plugin/adapter.cpp).
+static_assert(std::is_standard_layout_v<Problem> && sizeof(Problem) == sizeof(kiln_problem) &&
+              offsetof(Problem, dtype) == offsetof(kiln_problem, dtype) &&
+              offsetof(Problem, alignment) == offsetof(kiln_problem, alignment) &&
+              offsetof(Problem, dims) == offsetof(kiln_problem, dims) &&
+              offsetof(Problem, scalars) == offsetof(kiln_problem, scalars) && sizeof(DType) == 1 &&
+              Problem::k_max_dims == KILN_PLUGIN_MAX_DIMS && Problem::k_max_scalars == KILN_PLUGIN_MAX_SCALARS);
 
 enum class BufferRole : std::uint8_t { input, output };
 
@@ -71,69 +83,63 @@ struct BufferSpec {
   BufferRole role = BufferRole::input;
   DType dtype = DType::f32;
   std::int64_t elements = 0;  // elements to allocate (row strides included)
+  // Integer inputs that index something (positions, ids): every value must lie in
+  // [0, index_bound). 0: no bound (float buffers, outputs).
+  std::int64_t index_bound = 0;
 };
 
-// A 2-D tiled tensor map (CUtensorMap, for the bulk tensor copy engine) as plain data: a family
-// describes it in pack_args without touching CUDA, and the launcher encodes it
-// (jit::encode_tensor_maps) into its argument slot before the launch. The map views `rows` rows of
-// `row_bytes` bytes (a multiple of 16; rows `row_bytes` apart) as bytes, copied in boxes of
-// `box_rows` x 128 bytes with the 128-byte swizzle; reads past either edge give zeros.
-struct TensorMapRequest {
-  const void* base = nullptr;
-  std::uint64_t row_bytes = 0;
-  std::uint64_t rows = 0;
-  std::uint32_t box_rows = 0;
-};
+// A tensor map for the bulk tensor copy engine, as plain data (plugin.h: kiln_tensor_map_request):
+// a family asks for one in pack_args without touching CUDA, and the launcher encodes it
+// (jit::encode_tensor_maps) into its argument slot before the launch.
+using TensorMapRequest = kiln_tensor_map_request;
 
 // The kernel's argument block, built without allocation: values are copied into aligned slots and
-// `pointers()` is what cuLaunchKernel takes. Tensor maps take 128-byte slots (64-byte aligned)
-// that stay zero until encoded.
+// `pointers()` is what cuLaunchKernel takes; tensor maps take 128-byte slots (64-byte aligned)
+// that stay zero until encoded. It is the plugin ABI's kiln_arg_pack (same layout), so a
+// plugin's C++ family and kiln fill one block.
 class ArgPack {
  public:
-  static constexpr std::size_t k_capacity = 768;
-  static constexpr std::size_t k_max_args = 24;
-  static constexpr std::size_t k_max_tensor_maps = 4;
-  static constexpr std::size_t k_tensor_map_bytes = 128;
+  static constexpr std::size_t k_capacity = KILN_ARG_PACK_CAPACITY;
+  static constexpr std::size_t k_max_args = KILN_ARG_PACK_MAX_ARGS;
+  static constexpr std::size_t k_max_tensor_maps = KILN_ARG_PACK_MAX_TENSOR_MAPS;
 
+  ArgPack() { clear(); }
   template <class T>
   void add(const T& v) {
     static_assert(sizeof(T) <= 16 && std::is_trivially_copyable_v<T>);
-    if (void* slot = reserve(sizeof(T), alignof(T))) std::memcpy(slot, &v, sizeof(T));
+    kiln_arg_pack_add(&raw_, &v, sizeof(T), alignof(T));
   }
-  void add_tensor_map(const TensorMapRequest& r) {
-    if (maps_ == k_max_tensor_maps) { overflow_ = true; return; }
-    void* slot = reserve(k_tensor_map_bytes, 64);
-    if (!slot) return;
-    std::memset(slot, 0, k_tensor_map_bytes);
-    map_slots_[maps_] = slot;
-    map_requests_[maps_++] = r;
-  }
-  void** pointers() { return ptrs_; }
-  std::size_t count() const { return count_; }
-  bool overflow() const { return overflow_; }
-  std::size_t tensor_maps() const { return maps_; }
-  const TensorMapRequest& tensor_map_request(std::size_t i) const { return map_requests_[i]; }
-  void* tensor_map_slot(std::size_t i) { return map_slots_[i]; }
-  void clear() { used_ = 0; count_ = 0; maps_ = 0; overflow_ = false; }
+  void add_tensor_map(const TensorMapRequest& r) { kiln_arg_pack_add_tensor_map(&raw_, &r); }
+  void** pointers() { return raw_.slots; }
+  std::size_t count() const { return raw_.count; }
+  bool overflow() const { return raw_.overflow != 0; }
+  std::size_t tensor_maps() const { return raw_.map_count; }
+  const TensorMapRequest& tensor_map_request(std::size_t i) const { return raw_.maps[i]; }
+  void* tensor_map_slot(std::size_t i) { return raw_.map_slots[i]; }
+  void clear() { raw_.used = 0; raw_.count = 0; raw_.overflow = 0; raw_.map_count = 0; }
+  kiln_arg_pack* raw() { return &raw_; }
+  // The ArgPack whose storage is `raw` (a standard-layout class and its first member share an
+  // address): how a plugin's C++ family fills the block kiln passed it.
+  static ArgPack& over(kiln_arg_pack* raw) { return *reinterpret_cast<ArgPack*>(raw); }
 
  private:
-  void* reserve(std::size_t bytes, std::size_t align) {
-    used_ = (used_ + align - 1) / align * align;
-    if (used_ + bytes > k_capacity || count_ == k_max_args) { overflow_ = true; return nullptr; }
-    void* slot = storage_ + used_;
-    ptrs_[count_++] = slot;
-    used_ += bytes;
-    return slot;
-  }
-  alignas(64) unsigned char storage_[k_capacity];
-  void* ptrs_[k_max_args] = {};
-  std::size_t used_ = 0;
-  std::size_t count_ = 0;
-  bool overflow_ = false;
-  void* map_slots_[k_max_tensor_maps] = {};
-  TensorMapRequest map_requests_[k_max_tensor_maps] = {};
-  std::size_t maps_ = 0;
+  kiln_arg_pack raw_;
 };
+static_assert(std::is_standard_layout_v<ArgPack> && sizeof(ArgPack) == sizeof(kiln_arg_pack));
+
+// Where a family comes from: the plugin that registered it (built-in families come from the
+// built-in plugin, "builtin"). Its name, version and template hash are part of every cache key of
+// its kernels (docs/cache-format.md), so a rebuilt plugin never gets a stale kernel.
+struct PluginInfo {
+  std::string name;
+  std::string version;
+  std::string path;            // the shared library, or "(built in)"
+  std::string templates_hash;  // SHA-256 over every template file the plugin ships (path and bytes)
+  std::vector<std::string> families;
+};
+
+// Template files by path ("layernorm/layernorm.cuh" -> source).
+using TemplateFiles = std::map<std::string, std::string>;
 
 class Family {
  public:
@@ -188,12 +194,28 @@ class Family {
                                              const std::vector<std::pair<std::string, std::int64_t>>& shape) const;
   // The shapes `kiln tune --all` tunes (the family's benchmark shapes); empty when none declared.
   virtual std::vector<Problem> benchmark_problems(DType dtype) const { return {}; }
+
+  // ---- the launch path and the family's origin (kiln/plugin.h, docs/plugins.md) ----
+  // A handle for validated `params` that pack_bound takes, valid while the family lives; null
+  // when the family has none. Families that decode their parameters once override both (the
+  // plugin adapter binds the plugin's own variant handle), so a launch never re-reads params.
+  virtual const void* bind(const Params& params) const { return nullptr; }
+  virtual void pack_bound(const void* bound, const Params& params, const Problem& problem,
+                          std::span<void* const> buffers, ArgPack& out) const {
+    pack_args(params, problem, buffers, out);
+  }
+  // The plugin that registered the family; null for one added to a Registry directly (tests).
+  virtual const PluginInfo* plugin() const { return nullptr; }
+  // Headers the family ships (a plugin's templates), looked up after kiln's own, which they may
+  // not replace; null for none.
+  virtual const TemplateFiles* template_files() const { return nullptr; }
 };
 
 // The bucket a size falls in for tuning: the smallest power of two >= n (0 for n <= 0).
 std::int64_t tuning_bucket(std::int64_t n);
 
-// Families by name. Thread-safe. The global registry starts with the built-in families.
+// Families by name. Thread-safe. The global registry is filled once, on first use, by the plugin
+// loader: the built-in families, then the plugins of KILN_PLUGIN_PATH or the default directory.
 class Registry {
  public:
   static Registry& global();

@@ -51,6 +51,7 @@ struct Kernel {
   std::string lowered_name;
   void* function = nullptr;  // CUfunction
   void* context = nullptr;   // CUcontext it was loaded in
+  const void* bound = nullptr;  // family->bind(params): what the launch path packs arguments with
 };
 
 struct RuntimeCounters {

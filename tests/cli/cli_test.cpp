@@ -22,6 +22,7 @@
 #include <sqlite3.h>
 
 #include "kiln/family.h"
+#include "tests/plugin_util.h"
 
 #ifndef KILN_CLI_PATH
 #error "KILN_CLI_PATH must name the built kiln executable"
@@ -563,6 +564,50 @@ TEST_F(CliTest, DaemonStartReportsAKilndThatCannotRun) {
   EXPECT_EQ(r.rc, 1) << r.all();
   EXPECT_NE(r.err.find("no-such-kilnd"), std::string::npos) << r.all();
   EXPECT_EQ(s.kiln({"daemon", "status"}).rc, 3);
+}
+
+// Plugin families are families like the built-in ones: `kiln plugins` lists what loaded and what
+// was skipped (with why), prewarm compiles a plugin's catalog, ls lists it, why names the plugin
+// in the key.
+TEST(CliPlugins, ListsPluginsAndTreatsTheirFamiliesLikeBuiltIns) {
+  Sandbox s;
+  const fs::path dir = s.root() / "plugins";
+  fs::create_directories(dir);
+  ::chmod(dir.c_str(), 0755);
+  kiln::testing::private_copy(kiln::testing::c_plugin("ok"), dir);
+  kiln::testing::private_copy(kiln::testing::c_plugin("wrong_version"), dir);
+  s.set_env("KILN_PLUGIN_PATH", dir.string());
+
+  const json j = s.kiln_json({"plugins", "--json"});
+  ASSERT_EQ(j.at("loaded").size(), 2u) << j.dump(2);
+  EXPECT_EQ(j.at("loaded")[0].at("name"), "builtin");
+  EXPECT_EQ(j.at("loaded")[1].at("name"), "c-scale");
+  EXPECT_EQ(j.at("loaded")[1].at("families"), json::array({"c_scale"}));
+  EXPECT_EQ(j.at("loaded")[1].at("templates_hash").get<std::string>().size(), 64u);
+  ASSERT_EQ(j.at("skipped").size(), 1u);
+  EXPECT_NE(j.at("skipped")[0].at("reason").get<std::string>().find("plugin ABI version 99"), std::string::npos);
+  EXPECT_EQ(j.at("search_path"), json::array({dir.string()}));
+
+  const Proc table = s.kiln({"plugins"});
+  ASSERT_EQ(table.rc, 0) << table.all();
+  EXPECT_NE(table.out.find("c-scale"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("skipped:"), std::string::npos) << table.out;
+  EXPECT_NE(table.err.find("libc_wrong_version.so skipped: built for plugin ABI version 99"), std::string::npos)
+      << "one log line per skipped plugin: " << table.err;
+
+  const json pw = s.kiln_json({"prewarm", "--arch", k_arch, "--family", "c_scale", "--json"});
+  EXPECT_EQ(pw.at("compiled"), 2) << pw.dump(2);
+  EXPECT_EQ(pw.at("failed"), 0);
+  const json ls = s.kiln_json({"ls", "--family", "c_scale", "--json"});
+  EXPECT_EQ(listed_params(ls), (std::set<std::string>{"block=128,dtype=f32", "block=256,dtype=f32"}));
+  const Proc why = s.kiln({"why", "c_scale(block=128,dtype=f32)", "--arch", k_arch});
+  ASSERT_EQ(why.rc, 0) << why.all();
+  EXPECT_NE(why.out.find("plugin c-scale 0.3.1"), std::string::npos) << why.out;
+  EXPECT_NE(why.out.find("cached  yes"), std::string::npos) << why.out;
+
+  s.set_env("KILN_PLUGIN_PATH", "");
+  const Proc gone = s.kiln({"why", "c_scale(block=128,dtype=f32)", "--arch", k_arch});
+  EXPECT_EQ(gone.rc, 2) << "without the plugin its family is unknown: " << gone.all();
 }
 
 }  // namespace

@@ -15,6 +15,8 @@ KeyInputs base() {
   in.family = "rmsnorm";
   in.family_version = 1;
   in.params = "block=256,dtype=bf16,vec=8";
+  in.plugin = "builtin 0.1.0";
+  in.plugin_templates = std::string(64, 'c');
   in.arch = "sm_90a";
   in.nvrtc_version = "13.0";
   in.template_hash = std::string(64, 'a');
@@ -36,6 +38,9 @@ TEST(Key, EveryPartChangesTheKey) {
   };
   EXPECT_TRUE(changed([](KeyInputs& i) { i.family = "rmsnorm2"; }));
   EXPECT_TRUE(changed([](KeyInputs& i) { i.family_version = 2; }));
+  EXPECT_TRUE(changed([](KeyInputs& i) { i.plugin = "builtin 0.1.1"; }));
+  EXPECT_TRUE(changed([](KeyInputs& i) { i.plugin = "acme 0.1.0"; }));
+  EXPECT_TRUE(changed([](KeyInputs& i) { i.plugin_templates[7] = 'd'; }));
   EXPECT_TRUE(changed([](KeyInputs& i) { i.params = "block=128,dtype=bf16,vec=8"; }));
   EXPECT_TRUE(changed([](KeyInputs& i) { i.arch = "sm_90"; }));  // sm_90a is not sm_90
   EXPECT_TRUE(changed([](KeyInputs& i) { i.nvrtc_version = "13.1"; }));
@@ -65,6 +70,25 @@ TEST(TemplateClosure, FollowsIncludesAndHashesBytes) {
   std::vector<std::string> want = {"common/dtype.cuh", "common/reduce.cuh", "rmsnorm/rmsnorm_fwd.cuh"};
   EXPECT_EQ(c->headers, want);
   EXPECT_FALSE(set.closure("#include \"nope/missing.cuh\"\n").ok());
+}
+
+// A family's own headers (a plugin's templates) are found after kiln's and take part in the hash.
+TEST(TemplateClosure, OverlayHeadersAddToTheSetAndAreHashed) {
+  TemplateSet set = TemplateSet::embedded();
+  const std::string src = "#include \"mine/k.cuh\"\n";
+  TemplateSet::Overlay overlay = {{"mine/k.cuh", "#include \"common/dtype.cuh\"\n"}};
+  auto a = set.closure(src, &overlay);
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  EXPECT_EQ(a->headers, (std::vector<std::string>{"common/dtype.cuh", "mine/k.cuh"}));
+  overlay["mine/k.cuh"] += "// edited\n";
+  auto b = set.closure(src, &overlay);
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE(a->hash, b->hash);
+  EXPECT_FALSE(set.closure(src).ok()) << "without the overlay the header does not exist";
+  ASSERT_NE(set.find("mine/k.cuh", &overlay), nullptr);
+  EXPECT_EQ(set.find("mine/k.cuh"), nullptr);
+  TemplateSet::Overlay shadow = {{"common/dtype.cuh", "// not kiln's\n"}};
+  EXPECT_EQ(set.find("common/dtype.cuh", &shadow), set.find("common/dtype.cuh")) << "kiln's own header wins";
 }
 
 // The builder's key over real templates: a byte changed in an included header changes it; a byte

@@ -97,7 +97,6 @@ TEST_F(TuneCli, ArgumentErrorsAreUsageErrors) {
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1"}, "'cols' is missing");
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=4,cols=0"}, "cols > 0");
   expect_usage_error({"tune", "--family", "rmsnorm", "--dtype", "i32", "--shape", "rows=1,cols=8"}, "bad dtype 'i32'");
-  expect_usage_error({"tune", "--family", "rope", "--all"}, "declares no benchmark shapes");
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1,cols=8", "--device", "-1"}, "--device");
 }
 

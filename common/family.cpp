@@ -1,10 +1,43 @@
-// The Family base's tuning defaults: signatures with a power-of-two bucket, the problem a bucket
-// is tuned on, and problems from named sizes.
+// The Family base's defaults: schema validation, signatures with a power-of-two bucket, the
+// problem a bucket is tuned on, and problems from named sizes. Part of the family SDK that plugins
+// link (kiln_family_sdk), so nothing here may reach the registry.
 #include <algorithm>
 
 #include "kiln/family.h"
 
 namespace kiln {
+
+Status Family::validate(const Params& params) const {
+  const auto& defs = schema();
+  for (const auto& [name, value] : params.values()) {
+    // Captured through a reference: clang before 16 (the fuzz build) cannot capture a structured binding.
+    const std::string& wanted = name;
+    auto def = std::find_if(defs.begin(), defs.end(), [&](const ParamDef& d) { return d.name == wanted; });
+    if (def == defs.end())
+      return invalid_argument(std::string(this->name()) + ": unknown parameter '" + name + "'");
+    if (def->is_int()) {
+      auto v = params.get_int(name);
+      if (!v || std::find(def->ints.begin(), def->ints.end(), *v) == def->ints.end()) {
+        std::string allowed;
+        for (auto i : def->ints) allowed += (allowed.empty() ? "" : ", ") + std::to_string(i);
+        return invalid_argument(std::string(this->name()) + ": parameter '" + name + "' must be one of {" +
+                                allowed + "}");
+      }
+    } else {
+      auto v = params.get_str(name);
+      if (!v || std::find(def->choices.begin(), def->choices.end(), *v) == def->choices.end()) {
+        std::string allowed;
+        for (const auto& c : def->choices) allowed += (allowed.empty() ? "" : ", ") + c;
+        return invalid_argument(std::string(this->name()) + ": parameter '" + name + "' must be one of {" +
+                                allowed + "}");
+      }
+    }
+  }
+  for (const auto& d : defs)
+    if (!params.has(d.name))
+      return invalid_argument(std::string(this->name()) + ": missing parameter '" + d.name + "'");
+  return {};
+}
 
 std::int64_t tuning_bucket(std::int64_t n) {
   if (n <= 0) return 0;

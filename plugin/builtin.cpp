@@ -1,0 +1,30 @@
+// kiln's built-in families as a plugin: exported through the C++ bridge (kiln/plugin_cpp.h) and
+// registered by the loader like any shared-library plugin, so the whole plugin path runs under
+// every built-in family's tests.
+#include "jit/templates.h"
+#include "kiln/plugin_cpp.h"
+#include "plugin/loader.h"
+
+namespace kiln::plugin {
+
+const kiln_plugin* builtin_descriptor() {
+  static plugin_bridge::ExportedPlugin plugin("builtin", KILN_VERSION, [] {
+    // The families as families/*/ register them (cmake/builtin_families.cpp.in); kept for the
+    // process's life, like a loaded plugin's.
+    static Registry* staging = [] {
+      auto* r = new Registry;
+      register_builtin_families(*r);
+      return r;
+    }();
+    // They ship kiln's template set (embedded, or KILN_TEMPLATE_DIR): its hash is in their keys.
+    std::vector<std::pair<std::string, std::string>> templates(jit::TemplateSet::active().files().begin(),
+                                                               jit::TemplateSet::active().files().end());
+    std::vector<plugin_bridge::FamilyExport> out;
+    for (const Family* f : staging->all())
+      out.push_back({std::shared_ptr<const Family>(std::shared_ptr<const Family>(), f), templates});
+    return out;
+  });
+  return plugin.descriptor();
+}
+
+}  // namespace kiln::plugin

@@ -1,0 +1,122 @@
+// The GPU half of the conformance test (docs/plugins.md): for every registered family (built-in,
+// the example plugin loaded from its .so, the C fixture plugin, and whatever KILN_PLUGIN_PATH
+// adds), the heuristic's variant for each of the family's benchmark problems, in every dtype it
+// supports, matches the family's CPU reference: fresh random inputs (normal floats; integer inputs
+// uniform below their index bound), outputs poisoned with NaN bytes on both sides, so an element
+// the kernel never writes fails. Tolerance per output dtype: relative L2 error 1e-5 (f32), 2e-3
+// (f16), 1e-2 (bf16); integer outputs exact. Problems over k_max_elements (all buffers together)
+// (3 x 2^24) are left out so the CPU reference stays quick; the test prints what it checked and left out.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "common/half.h"
+#include "jit/driver.h"
+#include "tests/conformance/conformance_util.h"
+#include "tests/gpu_util.h"
+
+namespace kiln::testing {
+namespace {
+
+constexpr std::int64_t k_max_elements = std::int64_t(3) << 24;  // 4096 x 4096 in and out fits
+
+std::vector<unsigned char> random_input(const BufferSpec& b, std::mt19937& rng) {
+  if (is_floating(b.dtype)) return random_bytes(b.dtype, b.elements, rng);
+  std::vector<unsigned char> out(std::size_t(b.elements) * dtype_size(b.dtype));
+  std::uniform_int_distribution<std::int64_t> dist(0, (b.index_bound > 0 ? b.index_bound : 1000) - 1);
+  for (std::int64_t i = 0; i < b.elements; ++i) store_from_double(out.data(), b.dtype, i, double(dist(rng)));
+  return out;
+}
+
+// Relative L2 error over the elements either side wrote (both NaN: a gap neither writes, such as
+// the space between strided rows); an element only one side wrote counts as a mismatch.
+struct Compared {
+  double rel_l2 = 0;
+  std::int64_t one_sided = 0;
+};
+Compared compare(const void* got, const void* want, DType t, std::int64_t n) {
+  double num = 0, den = 0;
+  Compared c;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double g = load_as_double(got, t, i), w = load_as_double(want, t, i);
+    if (std::isnan(g) && std::isnan(w)) continue;
+    if (std::isnan(g) || std::isnan(w)) {
+      ++c.one_sided;
+      continue;
+    }
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  c.rel_l2 = den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+  return c;
+}
+
+class ConformanceGpu : public GpuFixture, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(ConformanceGpu, HeuristicVariantsMatchTheCpuReference) {
+  const Family& f = *Registry::global().find(GetParam());
+  const jit::Driver* d = jit::Driver::get().value();
+  int checked = 0, left_out = 0;
+  for (DType dtype : family_dtypes(f)) {
+    for (const Problem& p : f.benchmark_problems(dtype)) {
+      const Params v = f.heuristic(p);
+      const std::string what = std::string(f.name()) + "(" + v.canonical() + ") on " + f.signature(p) +
+                               " (seed " + std::to_string(seed_) + ")";
+      ASSERT_TRUE(f.check_problem(v, p).ok()) << what;
+      const auto specs = f.buffers(v, p);
+      std::int64_t total = 0;
+      for (const auto& b : specs) total += b.elements;
+      if (total > k_max_elements) {
+        ++left_out;
+        continue;
+      }
+      std::vector<std::vector<unsigned char>> want;
+      std::vector<std::unique_ptr<DeviceBuffer>> dev;
+      std::vector<void*> host_ptrs, dev_ptrs;
+      for (const auto& b : specs) {
+        const std::size_t bytes = std::size_t(b.elements) * dtype_size(b.dtype);
+        want.push_back(b.role == BufferRole::input ? random_input(b, rng_) : std::vector<unsigned char>(bytes, 0xFF));
+        dev.push_back(std::make_unique<DeviceBuffer>(bytes));
+        if (b.role == BufferRole::input) dev.back()->upload(want.back().data());
+        else dev.back()->poison();
+        host_ptrs.push_back(want.back().data());
+        dev_ptrs.push_back(dev.back()->get());
+      }
+      auto k = rt_->kernel(KernelSpec{std::string(f.name()), v});
+      ASSERT_TRUE(k.ok()) << what << ": " << k.status().to_string();
+      Status s = rt_->launch(**k, p, dev_ptrs, nullptr);
+      ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+      ASSERT_EQ(d->ctx_synchronize(), CUDA_SUCCESS) << what;
+      s = f.cpu_reference(v, p, host_ptrs);
+      ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        if (specs[i].role != BufferRole::output) continue;
+        std::vector<unsigned char> got(want[i].size());
+        dev[i]->download(got.data());
+        const Compared c = compare(got.data(), want[i].data(), specs[i].dtype, specs[i].elements);
+        EXPECT_EQ(c.one_sided, 0) << what << ": " << specs[i].name << " has elements only one side wrote";
+        const double tol = is_floating(specs[i].dtype) ? tolerance(specs[i].dtype) : 0.0;
+        EXPECT_LE(c.rel_l2, tol) << what << ": " << specs[i].name << " (" << dtype_name(specs[i].dtype) << ")";
+      }
+      ++checked;
+    }
+  }
+  std::printf("%s: %d problems checked, %d left out (over %lld elements)\n", GetParam().c_str(), checked, left_out,
+              static_cast<long long>(k_max_elements));
+  EXPECT_GT(checked, 0) << GetParam() << ": no benchmark problem small enough to check";
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFamilies, ConformanceGpu, ::testing::ValuesIn(conformance_families()),
+                         [](const auto& info) { return info.param; });
+
+// The example plugin must be among them when it was built: the families above came from its .so.
+TEST(ConformanceGpuPlugins, TheExamplePluginIsCovered) {
+  const Family* f = Registry::global().find("layernorm");
+  ASSERT_NE(f, nullptr) << "the example plugin did not load: "
+                        << (register_test_plugins().skipped.empty() ? "" : register_test_plugins().skipped[0].reason);
+  EXPECT_NE(f->plugin()->path, plugin::k_builtin_path);
+}
+
+}  // namespace
+}  // namespace kiln::testing

@@ -1,0 +1,348 @@
+// The plugin loader on real shared libraries: the example plugin and a plain-C plugin load; broken
+// ones (built by CMake from tests/plugins/fixtures/c_plugin.c), files that are not libraries, and
+// files or directories others could write are skipped with one reason each; conflicts keep the
+// first; the built-in families come through the same loader; kilnd loads plugins, serves their
+// kernels (compiled in its worker processes) and survives broken ones.
+#include <gtest/gtest.h>
+#include <dlfcn.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "client/daemon_client.h"
+#include "jit/nvrtc.h"
+#include "plugin/loader.h"
+#include "tests/daemon/kilnd_harness.h"
+#include "tests/plugin_util.h"
+
+namespace kiln::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The reason `file` was skipped when loaded alone into `r`; "" if it loaded.
+std::string reason_for(Registry& r, const std::string& file) {
+  plugin::Report rep = plugin::load(r, {file}, /*quiet=*/true);
+  if (!rep.loaded.empty()) return "";
+  EXPECT_EQ(rep.skipped.size(), 1u);
+  return rep.skipped.empty() ? "(no reason)" : rep.skipped[0].reason;
+}
+
+TEST(PluginLoad, TheExamplePluginLoadsIntoARegistry) {
+  TempDir dir;
+  const std::string file = private_copy(example_plugin(), dir.path());
+  Registry r;
+  plugin::Report rep = plugin::load(r, {file}, true);
+  ASSERT_EQ(rep.loaded.size(), 1u) << (rep.skipped.empty() ? "" : rep.skipped[0].reason);
+  EXPECT_TRUE(rep.skipped.empty());
+  const PluginInfo& info = *rep.loaded[0];
+  EXPECT_EQ(info.name, "kiln-example-layernorm");
+  EXPECT_EQ(info.version, "1.0.0");
+  EXPECT_EQ(info.path, fs::canonical(file).string());
+  EXPECT_EQ(info.families, std::vector<std::string>{"layernorm"});
+  EXPECT_EQ(info.templates_hash.size(), 64u);
+  const Family* f = r.find("layernorm");
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(f->plugin(), rep.loaded[0].get());
+  ASSERT_NE(f->template_files(), nullptr);
+  EXPECT_EQ(f->template_files()->count("layernorm/layernorm_fwd.cuh"), 1u);
+}
+
+TEST(PluginLoad, APluginWrittenInCLoads) {
+  TempDir dir;
+  Registry r;
+  EXPECT_EQ(reason_for(r, private_copy(c_plugin("ok"), dir.path())), "");
+  const Family* f = r.find("c_scale");
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(f->plugin()->name, "c-scale");
+  EXPECT_EQ(f->catalog().size(), 2u);
+  // Its optional hooks are absent: kiln's defaults stand in.
+  Problem p;
+  p.dims[0] = 1000;
+  EXPECT_EQ(f->signature(p), "dtype=f32,align=16,n<=1024");
+  auto rendered = f->render(f->catalog()[1]);
+  ASSERT_TRUE(rendered.ok()) << rendered.status().to_string();
+  EXPECT_EQ(rendered->name_expression, "c_scale::scale<256>");
+}
+
+struct Broken {
+  const char* kind;
+  const char* reason;
+};
+
+class BrokenPlugin : public ::testing::TestWithParam<Broken> {};
+
+TEST_P(BrokenPlugin, IsSkippedWithItsReason) {
+  TempDir dir;
+  Registry r;
+  // "builtin_name" provides a family named like a built-in: the registry holds the built-ins.
+  plugin::Report builtins;
+  ASSERT_TRUE(plugin::register_plugin(r, plugin::builtin_descriptor(), plugin::k_builtin_path, builtins).ok());
+  const std::size_t before = r.all().size();
+  const std::string reason = reason_for(r, private_copy(c_plugin(GetParam().kind), dir.path()));
+  EXPECT_TRUE(contains(reason, GetParam().reason)) << reason;
+  EXPECT_EQ(r.all().size(), before) << "a skipped plugin registered a family";
+  EXPECT_NE(r.find("rmsnorm"), nullptr);
+  EXPECT_EQ(r.find("rmsnorm")->plugin()->name, "builtin") << "the first provider of a name is kept";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, BrokenPlugin,
+    ::testing::Values(Broken{"wrong_version", "built for plugin ABI version 99; this kiln loads version 1"},
+                      Broken{"failing_init", "its init failed (code 10): c-scale: no license file at /etc/c-scale.lic"},
+                      Broken{"empty_name", "family #0 is invalid: its name is missing"},
+                      Broken{"bad_schema", "parameter 'block' must list either integers or string choices"},
+                      Broken{"builtin_name", "conflict: family 'rmsnorm' is already provided by plugin 'builtin'"},
+                      Broken{"no_entry", "missing symbol kiln_plugin_entry"},
+                      Broken{"shadow_template", "template 'common/dtype.cuh' would shadow kiln's own template"},
+                      Broken{"missing_function", "its vtable lacks pack_args"}),
+    [](const auto& info) { return std::string(info.param.kind); });
+
+// A plugin that calls itself "builtin" is a conflict too, and so is one whose descriptor is too
+// small for this ABI: checked on the real C fixture's descriptor, altered.
+TEST(PluginLoad, ANamesakeOfTheBuiltInPluginOrATruncatedDescriptorIsRefused) {
+  TempDir dir;
+  void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(lib, nullptr) << ::dlerror();
+  auto entry = reinterpret_cast<kiln_plugin_entry_fn>(::dlsym(lib, KILN_PLUGIN_ENTRY_SYMBOL));
+  ASSERT_NE(entry, nullptr);
+  Registry r;
+  plugin::Report rep;
+  ASSERT_TRUE(plugin::register_plugin(r, plugin::builtin_descriptor(), plugin::k_builtin_path, rep).ok());
+  kiln_plugin namesake = *entry();
+  namesake.name = "builtin";
+  EXPECT_EQ(plugin::register_plugin(r, &namesake, "/x/libnamesake.so", rep).message(),
+            "conflict: a plugin named 'builtin' is already loaded from (built in); the first is kept");
+  kiln_plugin small = *entry();
+  small.struct_size = 8;
+  EXPECT_NE(plugin::register_plugin(r, &small, "/x/libsmall.so", rep).message().find("struct_size 8 is below"),
+            std::string::npos);
+  EXPECT_EQ(r.find("c_scale"), nullptr);
+  ASSERT_EQ(rep.skipped.size(), 2u);
+  EXPECT_EQ(rep.skipped[0].path, "/x/libnamesake.so");
+}
+
+// Descriptor checks on the C fixture's descriptor with one thing wrong at a time: template paths
+// and text, a catalog entry the schema rejects, bucketed_dim, two families with one name.
+TEST(PluginLoad, DescriptorsWithBadTemplatesOrCatalogsAreRefused) {
+  TempDir dir;
+  void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(lib, nullptr) << ::dlerror();
+  const kiln_plugin& good = *reinterpret_cast<kiln_plugin_entry_fn>(::dlsym(lib, KILN_PLUGIN_ENTRY_SYMBOL))();
+  auto refusal = [&](const kiln_family* families, std::uint32_t count) {
+    kiln_plugin p = good;
+    p.families = families;
+    p.family_count = count;
+    Registry r;
+    plugin::Report rep;
+    Status s = plugin::register_plugin(r, &p, "/x/lib.so", rep);
+    EXPECT_EQ(r.all().empty(), !s.ok()) << "all families or none";
+    return s.message();
+  };
+  const kiln_family base = good.families[0];
+  EXPECT_EQ(refusal(&base, 1), "") << "the unaltered descriptor registers";
+
+  for (const char* path : {"../etc/passwd.cuh", "/abs.cuh", "a//b.cuh", "a/./b.cuh", "sp ace.cuh"}) {
+    const kiln_template_file t{path, "x", 1};
+    kiln_family f = base;
+    f.templates = &t;
+    EXPECT_TRUE(contains(refusal(&f, 1), "is not a relative path")) << path;
+  }
+  const char bad_utf8[] = "// \xff\xfe\n";
+  const kiln_template_file binary{"c_scale/scale.cuh", bad_utf8, sizeof bad_utf8 - 1};
+  kiln_family f = base;
+  f.templates = &binary;
+  EXPECT_EQ(refusal(&f, 1), "template 'c_scale/scale.cuh' is not UTF-8 text");
+  const kiln_template_file other{"c_scale/scale.cuh", "// another body\n", 16};
+  kiln_family two[2] = {base, base};
+  two[1].name = "c_scale_two";
+  two[1].templates = &other;
+  EXPECT_EQ(refusal(two, 2), "two families ship different templates at 'c_scale/scale.cuh'");
+  two[1] = base;
+  EXPECT_EQ(refusal(two, 2), "it provides family 'c_scale' twice");
+
+  const kiln_param wrong_block[] = {{"block", nullptr, 96}, {"dtype", "f32", 0}};
+  const kiln_params catalog{wrong_block, 2};
+  f = base;
+  f.catalog = &catalog;
+  f.catalog_count = 1;
+  EXPECT_TRUE(contains(refusal(&f, 1), "catalog entry block=96,dtype=f32 does not validate: c_scale: parameter "
+                                       "'block' must be one of {128, 256}"))
+      << refusal(&f, 1);
+  f = base;
+  f.bucketed_dim = 1;
+  EXPECT_TRUE(contains(refusal(&f, 1), "bucketed_dim is not a dims slot"));
+  f = base;
+  f.catalog_count = 0;
+  EXPECT_TRUE(contains(refusal(&f, 1), "an empty catalog"));
+}
+
+TEST(PluginLoad, FilesThatAreNotPluginsAreSkipped) {
+  TempDir dir;
+  Registry r;
+  const auto text = dir.path() / "libnotes.so";
+  std::ofstream(text) << "not an ELF file\n";
+  ::chmod(text.c_str(), 0644);
+  EXPECT_TRUE(contains(reason_for(r, text.string()), "not a loadable shared library")) << reason_for(r, text.string());
+  EXPECT_EQ(reason_for(r, (dir.path() / "missing.so").string()), "no such file or directory");
+  // A real shared library that is no plugin (the math library) has no entry point.
+  const std::string libm = "/lib/x86_64-linux-gnu/libm.so.6";
+  if (fs::exists(libm)) {
+    EXPECT_EQ(reason_for(r, libm), "missing symbol kiln_plugin_entry (not a kiln plugin?)");
+  }
+  EXPECT_TRUE(r.all().empty());
+}
+
+TEST(PluginLoad, FilesAndDirectoriesOthersCanWriteAreSkipped) {
+  TempDir dir;
+  Registry r;
+  const std::string file = private_copy(c_plugin("ok"), dir.path());
+  ::chmod(file.c_str(), 0775);
+  EXPECT_EQ(reason_for(r, file), "the file is writable by group or others (mode 0775)");
+  ::chmod(file.c_str(), 0757);
+  EXPECT_EQ(reason_for(r, file), "the file is writable by group or others (mode 0757)");
+  ::chmod(file.c_str(), 0755);
+
+  const fs::path open_dir = dir.path() / "open";
+  fs::create_directory(open_dir);
+  const std::string inside = private_copy(c_plugin("ok"), open_dir);
+  ::chmod(open_dir.c_str(), 0777);
+  EXPECT_EQ(reason_for(r, inside), "its directory is writable by group or others (mode 0777)");
+  EXPECT_EQ(reason_for(r, open_dir.string()), "the directory is writable by group or others (mode 0777)");
+  EXPECT_TRUE(r.all().empty());
+  ::chmod(open_dir.c_str(), 0700);
+  EXPECT_EQ(reason_for(r, inside), "") << "the same file loads once nobody else can write it";
+}
+
+TEST(PluginLoad, FilesOwnedBySomeoneElseAreSkipped) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another user";
+  TempDir dir;
+  Registry r;
+  const std::string file = private_copy(c_plugin("ok"), dir.path());
+  ASSERT_EQ(::chown(file.c_str(), 4242, 4242), 0);
+  EXPECT_TRUE(contains(reason_for(r, file), "the file is owned by uid 4242, neither this user")) << reason_for(r, file);
+  EXPECT_TRUE(r.all().empty());
+}
+
+TEST(PluginLoad, TwoPluginsOfOneNameKeepTheFirst) {
+  TempDir dir;
+  Registry r;
+  const std::string a = private_copy(example_plugin(), dir.path(), "liba.so");
+  const std::string b = private_copy(example_plugin(), dir.path(), "libb.so");
+  plugin::Report rep = plugin::load(r, {a, b, a}, true);
+  ASSERT_EQ(rep.loaded.size(), 1u);
+  EXPECT_EQ(rep.loaded[0]->path, fs::canonical(a).string());
+  ASSERT_EQ(rep.skipped.size(), 2u);
+  EXPECT_EQ(rep.skipped[0].path, fs::canonical(b).string());
+  EXPECT_TRUE(contains(rep.skipped[0].reason, "conflict: a plugin named 'kiln-example-layernorm' is already loaded from " +
+                                                  fs::canonical(a).string()))
+      << rep.skipped[0].reason;
+  EXPECT_TRUE(contains(rep.skipped[1].reason, "the same file is already listed")) << rep.skipped[1].reason;
+  EXPECT_EQ(r.find("layernorm")->plugin()->path, fs::canonical(a).string());
+}
+
+TEST(PluginLoad, ADirectoryContributesItsSharedLibrariesInNameOrder) {
+  TempDir dir;
+  Registry r;
+  private_copy(example_plugin(), dir.path(), "libz_layernorm.so");
+  private_copy(c_plugin("ok"), dir.path(), "liba_scale.so");
+  std::ofstream(dir.path() / "README") << "not a plugin, not a .so: ignored\n";
+  plugin::Report rep = plugin::load(r, {dir.path().string()}, true);
+  ASSERT_EQ(rep.loaded.size(), 2u);
+  EXPECT_TRUE(rep.skipped.empty()) << rep.skipped[0].path << ": " << rep.skipped[0].reason;
+  EXPECT_EQ(rep.loaded[0]->name, "c-scale");
+  EXPECT_EQ(rep.loaded[1]->name, "kiln-example-layernorm");
+}
+
+TEST(PluginLoad, SearchPathComesFromTheEnvironment) {
+  {
+    ScopedEnv p("KILN_PLUGIN_PATH", "/opt/a.so::/opt/dir");
+    EXPECT_EQ(plugin::search_path(), (std::vector<std::string>{"/opt/a.so", "/opt/dir"}));
+  }
+  {
+    ScopedEnv p("KILN_PLUGIN_PATH", "");
+    EXPECT_TRUE(plugin::search_path().empty()) << "an empty KILN_PLUGIN_PATH turns plugins off";
+  }
+  ScopedEnv xdg("XDG_DATA_HOME", "/data");
+  ::unsetenv("KILN_PLUGIN_PATH");
+  EXPECT_EQ(plugin::search_path(), std::vector<std::string>{"/data/kiln/plugins"});
+  ScopedEnv rel("XDG_DATA_HOME", "relative");
+  ScopedEnv home("HOME", "/home/u");
+  EXPECT_EQ(plugin::default_dir(), "/home/u/.local/share/kiln/plugins");
+}
+
+TEST(PluginLoad, BuiltInFamiliesComeThroughTheLoader) {
+  const plugin::Report& rep = plugin::process_report();
+  ASSERT_FALSE(rep.loaded.empty());
+  EXPECT_EQ(rep.loaded[0]->name, "builtin");
+  EXPECT_EQ(rep.loaded[0]->path, plugin::k_builtin_path);
+  EXPECT_EQ(rep.loaded[0]->version, KILN_VERSION);
+  for (const char* name : {"rmsnorm", "add_rmsnorm", "act_and_mul", "rope", "rmsnorm_rope", "rmsnorm_bwd"}) {
+    const Family* f = Registry::global().find(name);
+    ASSERT_NE(f, nullptr) << name;
+    ASSERT_NE(f->plugin(), nullptr) << name;
+    EXPECT_EQ(f->plugin()->name, "builtin");
+    EXPECT_NE(f->bind(f->catalog()[0]), nullptr) << name << ": the launch path binds a handle";
+  }
+}
+
+// kilnd with a plugin directory holding the example and a broken plugin: it starts, logs the
+// skipped one, and compiles the example's kernels in its worker processes (which get the
+// plugin's templates with each request).
+TEST(PluginLoad, KilndServesPluginKernelsAndSurvivesBrokenPlugins) {
+  if (!jit::Nvrtc::get().ok()) GTEST_SKIP() << "NVRTC unavailable";
+  DaemonEnv env;
+  const fs::path plugins = env.root() / "plugins";
+  fs::create_directory(plugins);
+  ::chmod(plugins.c_str(), 0755);
+  private_copy(example_plugin(), plugins);
+  private_copy(c_plugin("wrong_version"), plugins);
+  auto o = env.options({"--jobs", "1"});
+  o.env["KILN_PLUGIN_PATH"] = plugins.string();
+  auto k = Kilnd::spawn(o);
+  ASSERT_TRUE(k->wait_ready()) << k->log();
+  auto c = client::DaemonClient::connect(env.socket());
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  auto spec = KernelSpec::parse("layernorm(block=256,dtype=bf16,vec=8)");
+  ASSERT_TRUE(spec.ok());
+  auto art = (*c)->get_kernel(*spec, "sm_90a");
+  ASSERT_TRUE(art.ok()) << art.status().to_string() << "\n" << k->log();
+  EXPECT_GT(art->entry.cubin.size(), 100u);
+  EXPECT_TRUE(contains(art->entry.key_text, "plugin kiln-example-layernorm 1.0.0")) << art->entry.key_text;
+  EXPECT_TRUE(contains(k->log(), "libc_wrong_version.so skipped: built for plugin ABI version 99")) << k->log();
+  EXPECT_TRUE(k->running());
+
+  // The runtime launches a kilnd kernel only when kilnd has this process's build of the family.
+  TempDir mine;
+  Registry same, edited;
+  ASSERT_EQ(plugin::load(same, {private_copy(example_plugin(), mine.path(), "a.so")}).loaded.size(), 1u);
+  ASSERT_EQ(plugin::load(edited, {private_copy(example_plugin_changed(), mine.path(), "b.so")}).loaded.size(), 1u);
+  EXPECT_TRUE(client::same_family_build(*same.find("layernorm"), art->entry).ok());
+  Status other = client::same_family_build(*edited.find("layernorm"), art->entry);
+  EXPECT_EQ(other.code(), Code::unavailable);
+  EXPECT_TRUE(contains(other.message(), "kilnd serves another build of family 'layernorm' (plugin "
+                                        "kiln-example-layernorm 1.0.0, plugin_templates ")) << other.message();
+  EXPECT_FALSE(client::same_family_build(*Registry::global().find("rmsnorm"), art->entry).ok());
+}
+
+// A kilnd without the plugin answers not_found for its family (the runtime then compiles in
+// process rather than failing the call); kiln's own families it serves as always.
+TEST(PluginLoad, KilndWithoutThePluginDoesNotKnowItsFamily) {
+  if (!jit::Nvrtc::get().ok()) GTEST_SKIP() << "NVRTC unavailable";
+  DaemonEnv env;
+  auto o = env.options({"--jobs", "1"});
+  o.env["KILN_PLUGIN_PATH"] = "";
+  auto k = Kilnd::spawn(o);
+  ASSERT_TRUE(k->wait_ready()) << k->log();
+  auto c = client::DaemonClient::connect(env.socket());
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  auto art = (*c)->get_kernel(*KernelSpec::parse("layernorm(block=256,dtype=bf16,vec=8)"), "sm_90a");
+  ASSERT_FALSE(art.ok());
+  EXPECT_EQ(art.status().code(), Code::not_found) << art.status().to_string();
+}
+
+}  // namespace
+}  // namespace kiln::testing
