@@ -66,7 +66,6 @@ inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
   if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
-  if (!t.wgmma && t.bn % 32) return invalid_argument(f + ": the mma path takes bn a multiple of 32");
   if (shared_bytes(kind, t) > 227 * 1024)
     return invalid_argument(f + ": " + std::to_string(shared_bytes(kind, t)) + " bytes of shared memory exceed 227 KiB");
   return {};
