@@ -54,18 +54,26 @@ Result<DeviceKind> common_device(const char* op, std::initializer_list<std::pair
   return where;
 }
 
-// Fills the device-dependent GEMM dims (persistent grid bound, compute capability).
-Status fill_device_dims(Problem& p, DeviceKind where, int ordinal) {
-  if (where == DeviceKind::cpu) {
-    p.dims[g::k_sms] = 1;
-    p.dims[g::k_cc] = 90;
-    return {};
+// A GEMM family's problem (families/gemm_util.h), with the device-dependent dims (persistent
+// grid bound, compute capability) of the tensors' device.
+Result<Problem> gemm_problem(DType dtype, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode,
+                             DeviceKind where, int ordinal) {
+  Problem p;
+  p.dtype = dtype;
+  p.alignment = 16;
+  p.dims[g::k_m] = m;
+  p.dims[g::k_n] = n;
+  p.dims[g::k_k] = k;
+  p.dims[g::k_mode] = mode;
+  p.dims[g::k_sms] = 1;
+  p.dims[g::k_cc] = 90;
+  if (where == DeviceKind::cuda) {
+    KILN_ASSIGN_OR_RETURN(int sms, client::sm_count(ordinal));
+    KILN_ASSIGN_OR_RETURN(int cc, client::compute_capability(ordinal));
+    p.dims[g::k_sms] = sms;
+    p.dims[g::k_cc] = cc;
   }
-  KILN_ASSIGN_OR_RETURN(int sms, client::sm_count(ordinal));
-  KILN_ASSIGN_OR_RETURN(int cc, client::compute_capability(ordinal));
-  p.dims[g::k_sms] = sms;
-  p.dims[g::k_cc] = cc;
-  return {};
+  return p;
 }
 
 Result<Runtime*> runtime_or_shared(Runtime* runtime) {
@@ -224,14 +232,7 @@ Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_sc
   if (m == 0 || n == 0) return {};
   if (k == 0) return write_zeros(out, where, stream);
 
-  Problem p;
-  p.dtype = out.dtype;
-  p.alignment = 16;
-  p.dims[g::k_m] = m;
-  p.dims[g::k_n] = n;
-  p.dims[g::k_k] = k;
-  p.dims[g::k_mode] = mode;
-  KILN_TRY(fill_device_dims(p, where, a.device.index));
+  KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(out.dtype, m, n, k, mode, where, a.device.index));
   void* buffers[5] = {a.data, b.data, a_scale.data, b_scale.data, out.data};
   return dispatch("fp8_gemm", p, buffers, where, stream, runtime);
 }
@@ -282,14 +283,7 @@ Status fused_gated_mlp(const TensorView& x, const TensorView& gate_weight, const
   if (m == 0 || inter == 0) return {};
   if (hidden == 0) return write_zeros(out, where, stream);
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.alignment = 16;
-  p.dims[g::k_m] = m;
-  p.dims[g::k_n] = inter;
-  p.dims[g::k_k] = hidden;
-  p.dims[g::k_mode] = mode;
-  KILN_TRY(fill_device_dims(p, where, x.device.index));
+  KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(x.dtype, m, inter, hidden, mode, where, x.device.index));
   void* buffers[4] = {x.data, gate_weight.data, up_weight.data, out.data};
   return dispatch("gated_mlp", p, buffers, where, stream, runtime);
 }

@@ -66,7 +66,6 @@ inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
   if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
-  if (!t.wgmma && t.bn % 32) return invalid_argument(f + ": the mma path takes bn a multiple of 32");
   if (shared_bytes(kind, t) > 227 * 1024)
     return invalid_argument(f + ": " + std::to_string(shared_bytes(kind, t)) + " bytes of shared memory exceed 227 KiB");
   return {};
@@ -79,6 +78,8 @@ inline Status check_shape(std::string_view family, Kind kind, DType operand, con
   if (m < 1 || n < 1 || k < 1) return shape_mismatch(f + ": m, n and k must be positive");
   if (m >= (std::int64_t(1) << 31) || n >= (std::int64_t(1) << 31) || k >= (std::int64_t(1) << 31))
     return shape_mismatch(f + ": m, n and k must be below 2^31");
+  if (((m + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn) >= (std::int64_t(1) << 31))
+    return shape_mismatch(f + ": more than 2^31 output tiles");
   const auto es = element_bytes(kind, operand);
   if ((k * es) % 16)
     return shape_mismatch(f + ": k must be a multiple of " + std::to_string(16 / es) +
@@ -219,5 +220,46 @@ std::vector<Params> tile_space(const Tile& base, MakeParams make, Check check) {
         }
   return out;
 }
+
+// Params with `base`'s own parameters and tile t's.
+inline Params with_tile(Params base, const Tile& t) {
+  base.set("path", t.wgmma ? "wgmma" : "mma")
+      .set("bm", std::int64_t(t.bm))
+      .set("bn", std::int64_t(t.bn))
+      .set("stages", std::int64_t(t.stages))
+      .set("group", std::int64_t(t.group));
+  return base;
+}
+
+// What the GEMM families share: dims, tile validation, geometry, the tuning space around the
+// heuristic's choice, and problem_from_shape's defaults (mode 0, an H100: 132 SMs, sm_90a).
+class GemmFamily : public Family {
+ public:
+  virtual Kind kind(const Params& params) const = 0;
+
+  std::vector<std::string> problem_dims() const override { return gemm::problem_dims(); }
+  std::vector<std::string> problem_scalars() const override { return {}; }
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    return validate_tile(name(), kind(params), tile_of(params));
+  }
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    return gemm::geometry(kind(params), tile_of(params), p);
+  }
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    const Params h = heuristic(p);
+    return tile_space(
+        tile_of(h), [&](const Tile& t) { return with_tile(h, t); },
+        [&](const Params& c) { return validate(c).ok() && check_problem(c, p).ok(); });
+  }
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    auto full = shape;
+    for (auto [name, value] : {std::pair<const char*, std::int64_t>{"mode", 0}, {"sms", 132}, {"cc", 90}})
+      if (std::none_of(shape.begin(), shape.end(), [&](const auto& d) { return d.first == name; }))
+        full.emplace_back(name, value);
+    return Family::problem_from_shape(dtype, full);
+  }
+};
 
 }  // namespace kiln::families::gemm

@@ -16,7 +16,7 @@ g::Kind kind_of(const Params& p) { return *p.get_str("scaling") == "block" ? g::
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-class Fp8Gemm final : public Family {
+class Fp8Gemm final : public g::GemmFamily {
  public:
   std::string_view name() const override { return "fp8_gemm"; }
   int version() const override { return 1; }
@@ -30,13 +30,7 @@ class Fp8Gemm final : public Family {
     }();
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return g::problem_dims(); }
-  std::vector<std::string> problem_scalars() const override { return {}; }
-
-  Status validate(const Params& params) const override {
-    KILN_TRY(Family::validate(params));
-    return g::validate_tile(name(), kind_of(params), g::tile_of(params));
-  }
+  g::Kind kind(const Params& params) const override { return kind_of(params); }
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
@@ -47,14 +41,8 @@ class Fp8Gemm final : public Family {
     return r;
   }
 
-  Params make(const g::Tile& t, const std::string& out, const std::string& scaling) const {
-    return Params{{"path", std::string(t.wgmma ? "wgmma" : "mma")},
-                  {"bm", std::int64_t(t.bm)},
-                  {"bn", std::int64_t(t.bn)},
-                  {"stages", std::int64_t(t.stages)},
-                  {"group", std::int64_t(t.group)},
-                  {"out", out},
-                  {"scaling", scaling}};
+  static Params make(const g::Tile& t, const std::string& out, const std::string& scaling) {
+    return g::with_tile(Params{{"out", out}, {"scaling", scaling}}, t);
   }
 
   // Every tile the heuristic can pick (gemm::default_tiles), for both outputs and scalings.
@@ -81,37 +69,10 @@ class Fp8Gemm final : public Family {
     return g::check_shape(name(), kind_of(params), DType::u8, g::tile_of(params), p);
   }
 
-  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
-    return g::geometry(kind_of(params), g::tile_of(params), p);
-  }
-
   Params heuristic(const Problem& p) const override {
     const bool block = p.dims[g::k_mode] == k_fp8_blockwise;
     const g::Tile t = g::default_tile(block ? g::k_fp8_block : g::k_fp8_tensor, p);
     return make(t, p.dtype == DType::f16 ? "f16" : "bf16", block ? "block" : "tensor");
-  }
-
-  std::vector<Params> tuning_space(const Problem& p) const override {
-    const Params h = heuristic(p);
-    return g::tile_space(
-        g::tile_of(h), [&](const g::Tile& t) { return make(t, *h.get_str("out"), *h.get_str("scaling")); },
-        [&](const Params& c) { return validate(c).ok() && check_problem(c, p).ok(); });
-  }
-
-  // Defaults: per-tensor scaling, an H100 (132 SMs, sm_90a).
-  Result<Problem> problem_from_shape(DType dtype,
-                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    auto full = shape;
-    bool mode = false, sms = false, cc = false;
-    for (const auto& [n, v] : shape) {
-      mode |= n == "mode";
-      sms |= n == "sms";
-      cc |= n == "cc";
-    }
-    if (!mode) full.emplace_back("mode", std::int64_t(k_fp8_per_tensor));
-    if (!sms) full.emplace_back("sms", 132);
-    if (!cc) full.emplace_back("cc", 90);
-    return Family::problem_from_shape(dtype, full);
   }
 
   // 8192^3 and the LLM shapes (M in {128, 4096}, NxK in {7168x16384, 4096x7168, 2112x7168}).

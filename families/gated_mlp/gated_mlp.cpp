@@ -14,7 +14,7 @@ namespace g = gemm;
 
 int act_of(const Params& p) { return *p.get_str("act") == "gelu" ? k_gated_gelu : k_gated_silu; }
 
-class GatedMlp final : public Family {
+class GatedMlp final : public g::GemmFamily {
  public:
   std::string_view name() const override { return "gated_mlp"; }
   int version() const override { return 1; }
@@ -28,13 +28,7 @@ class GatedMlp final : public Family {
     }();
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return g::problem_dims(); }
-  std::vector<std::string> problem_scalars() const override { return {}; }
-
-  Status validate(const Params& params) const override {
-    KILN_TRY(Family::validate(params));
-    return g::validate_tile(name(), g::k_gated, g::tile_of(params));
-  }
+  g::Kind kind(const Params&) const override { return g::k_gated; }
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
@@ -46,14 +40,8 @@ class GatedMlp final : public Family {
     return r;
   }
 
-  Params make(const g::Tile& t, const std::string& dtype, const std::string& act) const {
-    return Params{{"path", std::string(t.wgmma ? "wgmma" : "mma")},
-                  {"bm", std::int64_t(t.bm)},
-                  {"bn", std::int64_t(t.bn)},
-                  {"stages", std::int64_t(t.stages)},
-                  {"group", std::int64_t(t.group)},
-                  {"dtype", dtype},
-                  {"act", act}};
+  static Params make(const g::Tile& t, const std::string& dtype, const std::string& act) {
+    return g::with_tile(Params{{"dtype", dtype}, {"act", act}}, t);
   }
 
   // Every tile the heuristic can pick (gemm::default_tiles), for both dtypes and activations.
@@ -79,36 +67,9 @@ class GatedMlp final : public Family {
     return g::check_shape(name(), g::k_gated, t, g::tile_of(params), p);
   }
 
-  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
-    return g::geometry(g::k_gated, g::tile_of(params), p);
-  }
-
   Params heuristic(const Problem& p) const override {
     return make(g::default_tile(g::k_gated, p), p.dtype == DType::f16 ? "f16" : "bf16",
                 p.dims[g::k_mode] == k_gated_gelu ? "gelu" : "silu");
-  }
-
-  std::vector<Params> tuning_space(const Problem& p) const override {
-    const Params h = heuristic(p);
-    return g::tile_space(
-        g::tile_of(h), [&](const g::Tile& t) { return make(t, *h.get_str("dtype"), *h.get_str("act")); },
-        [&](const Params& c) { return validate(c).ok() && check_problem(c, p).ok(); });
-  }
-
-  // Defaults: SiLU, an H100 (132 SMs, sm_90a).
-  Result<Problem> problem_from_shape(DType dtype,
-                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    auto full = shape;
-    bool mode = false, sms = false, cc = false;
-    for (const auto& [n, v] : shape) {
-      mode |= n == "mode";
-      sms |= n == "sms";
-      cc |= n == "cc";
-    }
-    if (!mode) full.emplace_back("mode", std::int64_t(k_gated_silu));
-    if (!sms) full.emplace_back("sms", 132);
-    if (!cc) full.emplace_back("cc", 90);
-    return Family::problem_from_shape(dtype, full);
   }
 
   // M = 4096 tokens, hidden 4096, intermediate 11008 and 14336.

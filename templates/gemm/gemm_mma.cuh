@@ -78,8 +78,9 @@ __global__ void __launch_bounds__(2 * BN) gemm_mma(KILN_GEMM_PARAMS) {
     if (DUAL) load_tile<BN, NT>(s + A_BYTES + B_BYTES, b1, n, ld, row_b, kb, tid);
   };
 
-  // part: block-scaled k-block partial sums (unused, and compiled away, otherwise).
-  float acc[MI][NI][4], acc1[DUAL ? MI : 1][DUAL ? NI : 1][4], part[MI][NI][4];
+  // acc1: the up projection (gated); part: block-scaled k-block partial sums. Unused ones are
+  // compiled away.
+  float acc[MI][NI][4], acc1[MI][NI][4], part[MI][NI][4];
   zero_fragments(acc);
   zero_fragments(acc1);
   zero_fragments(part);
