@@ -77,6 +77,9 @@ class GatedMlp final : public g::GemmFamily {
     std::vector<Problem> out;
     for (std::int64_t n : {11008, 14336})
       out.push_back(problem_from_shape(dtype, {{"m", 4096}, {"n", n}, {"k", 4096}}).value());
+    // Decode on a small model (hidden 2048, intermediate 5632): also the one shape small enough
+    // for the GPU conformance test's fp64 reference.
+    out.push_back(problem_from_shape(dtype, {{"m", 128}, {"n", 5632}, {"k", 2048}}).value());
     return out;
   }
 

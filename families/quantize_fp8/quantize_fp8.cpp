@@ -101,8 +101,9 @@ class QuantizeFp8 final : public Family {
 
   std::vector<Params> tuning_space(const Problem& p) const override { return {heuristic(p)}; }
 
-  // What fp8_gemm's callers quantize: activations per 1x128 block, a weight per 128x128 tile
-  // transposed to K-major, and per-tensor scaling's two passes (amax, then quantize).
+  // What fp8_gemm's callers quantize: activations per 1x128 block (prefill and decode), a weight
+  // per 128x128 tile transposed to K-major, and per-tensor scaling's two passes (amax, then
+  // quantize).
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;
     auto add = [&](std::int64_t rows, std::int64_t cols, std::int64_t mode, std::int64_t transpose) {
@@ -110,7 +111,9 @@ class QuantizeFp8 final : public Family {
           problem_from_shape(dtype, {{"rows", rows}, {"cols", cols}, {"mode", mode}, {"transpose", transpose}}).value());
     };
     add(4096, 7168, k_q_row, 0);
+    add(128, 7168, k_q_row, 0);
     add(7168, 16384, k_q_tile, 1);
+    add(2048, 2048, k_q_tile, 1);
     add(8192, 8192, k_q_amax, 0);
     add(8192, 8192, k_q_tensor, 0);
     return out;
