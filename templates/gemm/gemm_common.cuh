@@ -117,34 +117,36 @@ __device__ __forceinline__ void store_fragments(TOut* out, int m, int n, int row
 
 // Block-scaled fp8, the DeepSeek-V3 promotion of the tensor-core partial sums to fp32 every 128 of
 // K: acc += part * a_scale[row, kb] * b_scale for the k-block kb just finished. a_scale is
-// [m, kblocks] row-major; b_scale is the one scale of the tile's 128-column block. The scales of a
-// thread's rows are loaded apart from their use, so a kernel can fetch the next k-block's while
-// the tensor cores work.
+// [m, kblocks] row-major; b_scale is the one scale of the tile's 128-column block. The a scales
+// of a thread's rows are loaded apart from their use (and multiplied only there), so a kernel can
+// fetch the next k-block's a whole stage before it needs them.
 template <int MI>
 __device__ __forceinline__ void load_block_scales(float (&s)[MI][2], const float* a_scale, int m, int kblocks, int kb,
-                                                  int row0, float b_scale) {
+                                                  int row0) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row0 + 16 * mi + (lane >> 2) + 8 * h;
-      s[mi][h] = row < m ? __ldg(a_scale + (long long)row * kblocks + kb) * b_scale : 0.0f;
+      s[mi][h] = row < m ? __ldg(a_scale + (long long)row * kblocks + kb) : 0.0f;
     }
 }
 
 template <int MI, int NI>
 __device__ __forceinline__ void promote_block(float (&acc)[MI][NI][4], float (&part)[MI][NI][4],
-                                              const float (&s)[MI][2]) {
+                                              const float (&sa)[MI][2], float b_scale) {
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      const float s = sa[mi][h] * b_scale;
 #pragma unroll
       for (int ni = 0; ni < NI; ++ni) {
-        acc[mi][ni][2 * h] += part[mi][ni][2 * h] * s[mi][h];
-        acc[mi][ni][2 * h + 1] += part[mi][ni][2 * h + 1] * s[mi][h];
+        acc[mi][ni][2 * h] += part[mi][ni][2 * h] * s;
+        acc[mi][ni][2 * h + 1] += part[mi][ni][2 * h + 1] * s;
       }
+    }
 }
 
 template <int MI, int NI>

@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(2 * BN) gemm_mma(KILN_GEMM_PARAMS) {
     }
     if (BLOCK) {
       float sc[MI][2];
-      load_block_scales(sc, a_scale, m, kblocks, kt, int(row_a) + wm * (BM / 2), b_blk);
-      promote_block(acc, part, sc);
+      load_block_scales(sc, a_scale, m, kblocks, kt, int(row_a) + wm * (BM / 2));
+      promote_block(acc, part, sc, b_blk);
       zero_fragments(part);
     }
   }

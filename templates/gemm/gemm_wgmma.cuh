@@ -156,9 +156,12 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     const int row0 = tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
     zero_fragments(acc);
     // Block scales of k-block kt, loaded one k-block ahead (their latency hides behind a stage).
-    float sc[1][2] = {}, sc_next[1][2] = {};
-    auto b_scale_of = [&](int kb) { return __ldg(b_scale + (long long)(col0 / k_scale_block) * kblocks + kb); };
-    if (BLOCK) load_block_scales(sc, a_scale, m, kblocks, 0, row0, b_scale_of(0));
+    float sa[1][2] = {}, sa_next[1][2] = {}, sb = 0.0f, sb_next = 0.0f;
+    const float* b_scales = BLOCK ? b_scale + (long long)(col0 / k_scale_block) * kblocks : nullptr;
+    if (BLOCK) {
+      load_block_scales(sa, a_scale, m, kblocks, 0, row0);
+      sb = __ldg(b_scales);
+    }
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % STAGES;
       mbar_wait(full + 8 * s, (it / STAGES) & 1);
@@ -166,13 +169,17 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       if (BLOCK) {
         // The partial sums are needed in registers now: wait for this stage's batch.
         issue_stage(part, st, 0);
-        if (kt + 1 < ktiles) load_block_scales(sc_next, a_scale, m, kblocks, kt + 1, row0, b_scale_of(kt + 1));
+        if (kt + 1 < ktiles) {
+          load_block_scales(sa_next, a_scale, m, kblocks, kt + 1, row0);
+          sb_next = __ldg(b_scales + kt + 1);
+        }
         wgmma_wait<0>();
         settle(part);
         mbar_arrive(empty + 8 * s);
-        promote_block(acc, part, sc);
-        sc[0][0] = sc_next[0][0];
-        sc[0][1] = sc_next[0][1];
+        promote_block(acc, part, sa, sb);
+        sa[0][0] = sa_next[0][0];
+        sa[0][1] = sa_next[0][1];
+        sb = sb_next;
       } else {
         // Keep one batch in flight: when the previous one is done, its stage goes back.
         issue_stage(acc, st, kt > 0);

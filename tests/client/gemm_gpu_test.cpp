@@ -1,7 +1,8 @@
 // The tensor-core families on the GPU against their CPU references (fp64 accumulation): fresh
 // random data every run (never zeros), outputs poisoned before each launch, sizes that are not
-// multiples of any tile (M, N odd; K a multiple of 16 but not of 128), both arch paths where the
-// device allows (the mma.sync path runs on sm_90 too), per-tensor and block scales, f16 and bf16.
+// multiples of any tile (M, N odd; K a multiple of 16 but not of 128), persistent grids smaller
+// than the tile count (each CTA walks several tiles), both arch paths where the device allows (the
+// mma.sync path runs on sm_90 too), per-tensor and block scales, f16 and bf16.
 // quantize_fp8 must match its reference bit for bit.
 #include <gtest/gtest.h>
 
@@ -39,14 +40,17 @@ class GemmGpu : public testing::GpuFixture {
     if (cc_ == 90) p.push_back("wgmma");
     return p;
   }
-  Problem gemm_problem(DType t, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode) const {
+  // sms > 0 bounds the wgmma path's persistent grid below the device's SM count, so each CTA walks
+  // several tiles and its stage ring runs on across them (the large benchmark shapes do the same).
+  Problem gemm_problem(DType t, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode,
+                       std::int64_t sms = 0) const {
     Problem p;
     p.dtype = t;
     p.dims[g::k_m] = m;
     p.dims[g::k_n] = n;
     p.dims[g::k_k] = k;
     p.dims[g::k_mode] = mode;
-    p.dims[g::k_sms] = sms_;
+    p.dims[g::k_sms] = sms > 0 ? sms : sms_;
     p.dims[g::k_cc] = cc_;
     return p;
   }
@@ -110,8 +114,9 @@ Params gemm_params(const std::string& path, int bm, int bn, int stages, std::ini
 
 struct Shape {
   std::int64_t m, n, k;
+  std::int64_t sms = 0;  // 0: the device's
 };
-const Shape k_shapes[] = {{200, 328, 528}, {1, 77, 144}, {257, 130, 1040}, {64, 256, 256}};
+const Shape k_shapes[] = {{200, 328, 528}, {1, 77, 144}, {257, 130, 1040}, {64, 256, 256}, {300, 520, 784, 3}};
 
 TEST_F(GemmGpu, Fp8GemmMatchesReferenceOnEveryPathScalingAndOutput) {
   const Family& f = *Registry::global().find("fp8_gemm");
@@ -124,7 +129,8 @@ TEST_F(GemmGpu, Fp8GemmMatchesReferenceOnEveryPathScalingAndOutput) {
             const Params params = gemm_params(path, bm, bn, path == "wgmma" ? 4 : 3,
                                               {{"out", dtype_name(out)}, {"scaling", scaling}});
             const bool block = std::string(scaling) == "block";
-            const Problem p = gemm_problem(out, s.m, s.n, s.k, block ? families::k_fp8_blockwise : families::k_fp8_per_tensor);
+            const Problem p =
+                gemm_problem(out, s.m, s.n, s.k, block ? families::k_fp8_blockwise : families::k_fp8_per_tensor, s.sms);
             SCOPED_TRACE(params.canonical() + " " + std::to_string(s.m) + "x" + std::to_string(s.n) + "x" +
                          std::to_string(s.k) + " seed " + std::to_string(seed_));
             ASSERT_TRUE(f.check_problem(params, p).ok()) << f.check_problem(params, p).to_string();
@@ -149,11 +155,12 @@ TEST_F(GemmGpu, GatedMlpMatchesReferenceOnEveryPathDtypeAndActivation) {
     for (const char* act : {"silu", "gelu"})
       for (DType t : {DType::f16, DType::bf16})
         for (auto [bm, bn] : {std::pair{128, 64}, {64, 64}, {128, 128}, {64, 32}})
-          for (const Shape& s : {Shape{133, 200, 264}, Shape{5, 72, 64}, Shape{300, 136, 520}}) {
+          for (const Shape& s : {Shape{133, 200, 264}, Shape{5, 72, 64}, Shape{300, 136, 520}, Shape{330, 400, 136, 2}}) {
             if (path == "mma" && bn == 128) continue;
             const Params params = gemm_params(path, bm, bn, path == "wgmma" ? 4 : 3, {{"dtype", dtype_name(t)}, {"act", act}});
             const Problem p =
-                gemm_problem(t, s.m, s.n, s.k, std::string(act) == "gelu" ? families::k_gated_gelu : families::k_gated_silu);
+                gemm_problem(t, s.m, s.n, s.k, std::string(act) == "gelu" ? families::k_gated_gelu : families::k_gated_silu,
+                             s.sms);
             SCOPED_TRACE(params.canonical() + " " + std::to_string(s.m) + "x" + std::to_string(s.n) + "x" +
                          std::to_string(s.k) + " seed " + std::to_string(seed_));
             ASSERT_TRUE(f.check_problem(params, p).ok()) << f.check_problem(params, p).to_string();
