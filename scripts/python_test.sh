@@ -20,6 +20,7 @@ CMAKE_GENERATOR="Unix Makefiles" "$venv/bin/python" -m pip install -q --disable-
   --config-settings=cmake.build-type=RelWithDebInfo \
   --config-settings=cmake.define.KILN_BUILD_TESTS=ON \
   --config-settings=cmake.define.KILN_BUILD_BENCH=ON \
+  --config-settings=cmake.define.KILN_BUILD_PLUGINS=ON \
   "$root/python"
 cd "$build"
 "$venv/bin/python" -m pytest -q -rs "$root/tests/python"
