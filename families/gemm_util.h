@@ -137,9 +137,9 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add(int((p.dims[k_n] + t.bn - 1) / t.bn));
   if (!t.wgmma) return;
   const std::uint64_t row_bytes = std::uint64_t(p.dims[k_k] * es);
-  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm)});
-  args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
-  args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn)});
+  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm), 0});
+  args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
+  args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
 }
 
 // Stages for a tile: at least 96 KiB of loads in flight (small tiles of decode-sized problems
@@ -255,9 +255,10 @@ class GemmFamily : public Family {
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     auto full = shape;
-    for (auto [name, value] : {std::pair<const char*, std::int64_t>{"mode", 0}, {"sms", 132}, {"cc", 90}})
-      if (std::none_of(shape.begin(), shape.end(), [&](const auto& d) { return d.first == name; }))
-        full.emplace_back(name, value);
+    for (const auto& dim : {std::pair<const char*, std::int64_t>{"mode", 0}, {"sms", 132}, {"cc", 90}})
+      // Not a structured binding: clang before 16 (the fuzz build) cannot capture one.
+      if (std::none_of(shape.begin(), shape.end(), [&](const auto& d) { return d.first == dim.first; }))
+        full.emplace_back(dim.first, dim.second);
     return Family::problem_from_shape(dtype, full);
   }
 };
