@@ -39,6 +39,9 @@ Result<const Driver*> Driver::get() {
   if (!d->field) missing += std::string(" ") + KILN_CU_STR(fn);
     KILN_CUDA_DRIVER_FUNCTIONS(KILN_CU_LOAD)
 #undef KILN_CU_LOAD
+#define KILN_CU_LOAD_OPTIONAL(field, fn) d->field = reinterpret_cast<decltype(d->field)>(dlsym(lib, KILN_CU_STR(fn)));
+    KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(KILN_CU_LOAD_OPTIONAL)
+#undef KILN_CU_LOAD_OPTIONAL
     if (!missing.empty()) {
       failure = unavailable("the CUDA driver lacks required entry points (driver too old?):" + missing);
       delete d;
@@ -93,6 +96,9 @@ Status allow_dynamic_smem(CUfunction fn) {
 Status encode_tensor_maps(ArgPack& args) {
   if (args.tensor_maps() == 0) return {};
   KILN_ASSIGN_OR_RETURN(const Driver* d, Driver::get());
+  if (!d->tensor_map_encode_tiled)
+    return unavailable("this CUDA driver has no cuTensorMapEncodeTiled (it is older than CUDA 12), which the kernel's "
+                       "tensor maps need");
   for (std::size_t i = 0; i < args.tensor_maps(); ++i) {
     const TensorMapRequest& r = args.tensor_map_request(i);
     const cuuint64_t dims[2] = {r.row_bytes, r.rows};

@@ -53,12 +53,17 @@ namespace kiln::jit {
   X(event_synchronize, cuEventSynchronize)                 \
   X(event_elapsed_time, cuEventElapsedTime)                \
   X(func_get_attribute, cuFuncGetAttribute)                \
-  X(func_set_attribute, cuFuncSetAttribute)              \
-  X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)
+  X(func_set_attribute, cuFuncSetAttribute)
+
+// Entry points that only some paths use, null when the driver lacks them: cuTensorMapEncodeTiled
+// came with CUDA 12, and only the sm_90a GEMM path (which needs such a driver anyway) encodes
+// tensor maps, so an older driver still runs everything else.
+#define KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(X) X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)
 
 struct Driver {
 #define KILN_CU_FIELD(field, fn) decltype(&::fn) field = nullptr;
   KILN_CUDA_DRIVER_FUNCTIONS(KILN_CU_FIELD)
+  KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(KILN_CU_FIELD)
 #undef KILN_CU_FIELD
 
   // Loads libcuda and calls cuInit(0) once. Thread-safe.
