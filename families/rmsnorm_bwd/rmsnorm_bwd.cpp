@@ -93,8 +93,8 @@ class RmsNormBwd final : public Family {
               p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = cols;
               p.dims[k_bwd_max_cluster] = max_cluster;
               // Each choice at both register caps: the tuner may pick either.
+              auto c = rmsnorm_bwd_heuristic(p);
               for (int sm_threads : {512, 1024}) {
-                auto c = rmsnorm_bwd_heuristic(p);
                 c.sm_threads = sm_threads;
                 Params params = params_of(t, c);
                 if (validate(params).ok() && seen.insert(params.canonical()).second) out.push_back(std::move(params));
