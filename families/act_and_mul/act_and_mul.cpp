@@ -202,7 +202,8 @@ ActAndMulChoice act_and_mul_heuristic(const Problem& p) {
   const auto d = p.dims[k_am_d];
   // Measured on an H100 (bench section `variants`, 2026-11-22): 8-byte accesses and 128-thread
   // blocks were best or within 1% of the best for SiLU and GELU at 4096x14336 and 32768x11008;
-  // 16-byte accesses lost 7-10% with GELU (erf), whose arithmetic then limits the issue rate.
+  // 16-byte accesses lost 7-10% with GELU (erf) computed with erff, and tie with the fitted form
+  // of templates/act_and_mul/activations.cuh.
   int vec = std::max(1, 8 / esize);
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || d % vec || p.dims[k_am_x_stride] % vec ||
                      p.dims[k_am_out_stride] % vec))

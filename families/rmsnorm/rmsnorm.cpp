@@ -200,9 +200,12 @@ std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
 }
 
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
-  const auto vec = *params.get_int("vec");
-  return smem_cache_packs(p.dims[k_cols] / vec, *params.get_int("block"), cached_packs(params, p),
-                          vec * std::int64_t(dtype_size(p.dtype)), k_rmsnorm_max_smem);
+  const auto vec = *params.get_int("vec"), block = *params.get_int("block");
+  const std::int64_t packs = p.dims[k_cols] / vec, pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
+  const std::int64_t cached = cached_packs(params, p);
+  // Rows that fit the register cache stage the weight (cp.async moves 4 bytes and more).
+  if (packs <= block * cached) return pack_bytes < 4 ? 0 : packs;
+  return smem_cache_packs(packs, block, cached, pack_bytes, k_rmsnorm_max_smem);
 }
 
 RmsNormChoice rmsnorm_heuristic(const Problem& p) {

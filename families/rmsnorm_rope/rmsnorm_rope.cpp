@@ -119,6 +119,7 @@ class RmsNormRope final : public Family {
     LaunchGeometry g;
     g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_nr_rows], 1, 0x7fffffff));
     g.block.x = std::uint32_t(*params.get_int("block"));
+    g.shared_bytes = std::uint32_t(rmsnorm_rope_weight_smem(params, p));
     return g;
   }
 
@@ -217,6 +218,16 @@ class RmsNormRope final : public Family {
 };
 
 }  // namespace
+
+std::int64_t rmsnorm_rope_weight_smem(const Params& params, const Problem& p) {
+  // The kernel's register cache (templates/rmsnorm_rope/rmsnorm_rope_fwd.cuh): 16 registers per
+  // thread, 8 in 1024-thread blocks; an item is two packs.
+  const auto block = *params.get_int("block"), vec = *params.get_int("vec");
+  const std::int64_t pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
+  const std::int64_t cached = (block >= 1024 ? 8 : 16) / ((2 * pack_bytes + 3) / 4);
+  const std::int64_t items = p.dims[k_nr_hidden] / (2 * vec);
+  return pack_bytes >= 4 && items <= cached * block ? p.dims[k_nr_hidden] * std::int64_t(dtype_size(p.dtype)) : 0;
+}
 
 RmsNormRopeChoice rmsnorm_rope_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));

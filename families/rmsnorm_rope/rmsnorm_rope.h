@@ -29,6 +29,11 @@ enum RmsNormRopeDim { k_nr_rows = 0, k_nr_hidden = 1, k_nr_head_dim = 2, k_nr_se
                       k_nr_cos_dtype = 5 };
 enum RmsNormRopeScalar { k_nr_eps = 0 };
 
+// Dynamic shared memory for the weight, which the kernel stages before its first reduction: the
+// row's bytes when the row fits the register cache and packs are 4 bytes or more (cp.async), else 0
+// (the weight is then read after each reduction).
+std::int64_t rmsnorm_rope_weight_smem(const Params& params, const Problem& p);
+
 struct RmsNormRopeChoice {
   int block;
   int vec;

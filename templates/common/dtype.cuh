@@ -54,4 +54,25 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   *reinterpret_cast<Pack<T, N>*>(p) = v;
 }
 
+// Copies one pack from global to shared memory without passing through registers (cp.async,
+// sm_80 and newer; 4, 8 or 16 bytes), completed for the calling thread by cp_async_wait_all. Older
+// architectures copy through a register. Requires: both addresses aligned to the pack's size.
+template <typename T, int N>
+__device__ __forceinline__ void cp_async_pack(Pack<T, N>* smem, const T* gmem) {
+  constexpr int k_bytes = int(sizeof(Pack<T, N>));
+  static_assert(k_bytes == 4 || k_bytes == 8 || k_bytes == 16, "cp.async moves 4, 8 or 16 bytes");
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(s), "l"(gmem), "n"(k_bytes) : "memory");
+#else
+  *smem = load_pack<T, N>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 }  // namespace kiln

