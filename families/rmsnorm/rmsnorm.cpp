@@ -203,8 +203,9 @@ std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
   const auto vec = *params.get_int("vec"), block = *params.get_int("block");
   const std::int64_t packs = p.dims[k_cols] / vec, pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
   const std::int64_t cached = cached_packs(params, p);
-  // Rows that fit the register cache stage the weight (cp.async moves 4 bytes and more).
-  if (packs <= block * cached) return pack_bytes < 4 ? 0 : packs;
+  // Rows that fit the register cache: blocks under 1024 threads with packs of 8 bytes and more
+  // stage the weight there (templates/rmsnorm/rmsnorm_fwd.cuh, k_w_smem).
+  if (packs <= block * cached) return block < 1024 && pack_bytes >= 8 ? packs : 0;
   return smem_cache_packs(packs, block, cached, pack_bytes, k_rmsnorm_max_smem);
 }
 

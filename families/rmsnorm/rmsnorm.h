@@ -6,7 +6,7 @@
 // device's SM count, or 0 for one block per row), scalars = {eps}.
 // Buffers: x (input), w (input, [cols]), y (output), inv_rms (output, f32 [rows]; may be null:
 // then it is not written). Rows longer than the register cache keep the rest in dynamic shared
-// memory (rmsnorm_smem_packs), up to 96 KiB; rows that fit it stage the weight there.
+// memory (rmsnorm_smem_packs), up to 96 KiB; rows that fit it may stage the weight there.
 // Heuristic (measured on an H100 with bench section `variants` and the tuner): from 2048 rows,
 // 8-byte accesses and the smallest block of 64..512 threads giving at most eight packs per thread
 // (longer rows keep the rest in shared memory); under 2048 rows 4-byte accesses and 16 packs per
@@ -32,8 +32,10 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p);
 // Packs of dynamic shared memory the kernel gets. Rows longer than the register cache: the packs
 // past it that the kernel keeps there (the rest, if any, it reads twice), at most
 // k_rmsnorm_max_smem bytes, which lets a 64K-element bf16 row be read once by a 1024-thread block
-// and leaves room for two such blocks per H100 SM. Rows that fit it: room for the weight (packs of
-// 4 bytes and more), which the kernel stages there once, before its first reduction.
+// and leaves room for two such blocks per H100 SM. Rows that fit it: room for the weight in blocks
+// under 1024 threads with packs of 8 bytes and more, which the kernel stages there once, before its
+// first reduction (1024-thread blocks keep the weight in registers; other rows read it after the
+// reduction, as before).
 constexpr std::int64_t k_rmsnorm_max_smem = 96 * 1024;
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p);
 

@@ -63,9 +63,9 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
       if (p < packs) cur[i] = load_pack<T, VEC>(x + row * x_stride + p * VEC);
     }
     // The weight, the same for every row, staged once in shared memory when the host gave room
-    // (packs of 4 bytes and more; see the register-cache path below).
-    const bool w_staged = sizeof(P) >= 4 && smem_packs >= packs;
-    if constexpr (sizeof(P) >= 4) {
+    // (see the register-cache path below).
+    const bool w_staged = sizeof(P) >= 8 && smem_packs >= packs;
+    if constexpr (sizeof(P) >= 8) {
       if (w_staged) {
 #pragma unroll
         for (int i = 0; i < k_half; ++i) {
@@ -125,18 +125,21 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
   }
 
   // Rows that fit the register cache: the weight is loaded right behind x, so that no row waits
-  // for it after its reduction (measured on an H100 at 4096x2048 bf16: 16.4 µs against 18.3 µs with
-  // the weight loaded after the reduction). Packs of 4 bytes and more go to shared memory (the host
-  // sizes it), copied once per block with cp.async, which takes no registers; narrower packs (rows
-  // of a few tokens, 1024 threads) are loaded into registers for each row. A loop of its own, so
+  // for it after its reduction. 1024-thread blocks (an 8-register row cache) keep it in registers,
+  // loaded for each row; smaller blocks with packs of 8 bytes and more stage it in shared memory
+  // (the host sizes it), copied once per block with cp.async, which takes no registers. Measured on
+  // an H100 (bf16, bench/exp/rms_exp2.cu): 4096x2048 16.4 µs against 18.4 with the weight read
+  // after the reduction, 1x16384 5.3 against 5.8; staging 4-byte packs (fewer than 2048 rows) lost
+  // 7-12% at 512 rows, so those keep the weight load after the reduction. A loop of its own, so
   // that the longer rows' path keeps its registers.
-  constexpr bool k_w_smem = sizeof(P) >= 4;
-  if (packs <= first_uncached && (!k_w_smem || smem_packs >= packs)) {
+  constexpr bool k_w_regs = BLOCK >= 1024;
+  constexpr bool k_w_smem = !k_w_regs && sizeof(P) >= 8;
+  if (packs <= first_uncached && (k_w_regs || (k_w_smem && smem_packs >= packs))) {
     bool first = true;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
       const T* xr = x + row * x_stride;
       T* yr = y + row * y_stride;
-      P cached[k_cached], wr[k_w_smem ? 1 : k_cached];
+      P cached[k_cached], wr[k_w_regs ? k_cached : 1];
 #pragma unroll
       for (int i = 0; i < k_cached; ++i) {
         const int p = int(threadIdx.x) + i * BLOCK;

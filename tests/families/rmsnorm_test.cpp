@@ -98,11 +98,13 @@ TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
   auto params = [](std::int64_t block, std::int64_t vec) {
     return Params{{"dtype", std::string("bf16")}, {"block", block}, {"vec", vec}};
   };
-  // 1024 threads x 8 registers = 4 packs of 8 bytes each: 4096 packs in registers, and the
-  // weight's 4096 packs staged in shared memory.
-  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), problem(DType::bf16, 1, 4096 * 4)), 4096);
-  // Packs of 2 bytes are not staged (cp.async moves 4 bytes and more).
-  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 1), problem(DType::bf16, 1, 4096)), 0);
+  // 1024 threads x 8 registers = 4 packs of 8 bytes each: 4096 packs in registers (the weight
+  // too: no shared memory).
+  EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), problem(DType::bf16, 1, 4096 * 4)), 0);
+  // 512 threads x 16 registers = 8 packs of 8 bytes each: the row fits, the weight is staged.
+  EXPECT_EQ(rmsnorm_smem_packs(params(512, 4), problem(DType::bf16, 1, 4096 * 4)), 4096);
+  // Packs of 4 bytes are not staged.
+  EXPECT_EQ(rmsnorm_smem_packs(params(512, 2), problem(DType::bf16, 1, 4096 * 2)), 0);
   // 512 threads x 16 registers = 8 packs of 8 bytes each, the next 100 packs in shared memory.
   EXPECT_EQ(rmsnorm_smem_packs(params(512, 4), problem(DType::bf16, 1, (4096 + 100) * 4)), 100);
   // 64K bf16 = 16384 packs: 12288 (96 KiB) in shared memory, the whole row read once.
