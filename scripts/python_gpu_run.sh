@@ -3,11 +3,12 @@
 # then scripts/stage_python.sh): installs the staged kiln wheel from the file into a private
 # folder, runs the Python GPU tests (every op and module against PyTorch, torch.compile, CUDA
 # graphs, daemon and embedded) and the side-by-side benchmark. Logs and JSON go to $OUT.
-#   scripts/python_gpu_run.sh [--quick] [tests|bench]     (default: both, within the 600 s of one call)
+#   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench]     (default: both, within the 600 s of one call)
+# --host-only: the benchmark times only the host cost per call (side_by_side.py --host-only).
 set -uo pipefail
-quick="" what=both
+quick="" host="" what=both
 for a in "$@"; do
-  case "$a" in --quick) quick=--quick ;; tests|bench) what=$a ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
+  case "$a" in --quick) quick=--quick ;; --host-only) host=--host-only ;; tests|bench) what=$a ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
 done
 root=$PWD
 out=${OUT:-gpu-out}
@@ -40,7 +41,7 @@ if [ "$what" != bench ]; then
   if grep -E "^SKIPPED" "$out/python_tests.log" | grep -v ml_dtypes; then echo "PYTHON GPU TESTS WERE SKIPPED"; rc=1; fi
 fi
 if [ "$what" != tests ]; then
-  PYTHONUNBUFFERED=1 timeout -k 5 170 "$py" "$root/bench/python/side_by_side.py" $quick \
+  PYTHONUNBUFFERED=1 timeout -k 5 170 "$py" "$root/bench/python/side_by_side.py" $quick $host \
     --json "$out/python_bench.json" 2>&1 | tee "$out/python_bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

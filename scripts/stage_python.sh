@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the kiln wheel (py3-none-linux_x86_64: libkiln.so and the pure-Python package) and stages
-# it in gpu-dist/python/ with the wheels of pytest and its dependencies, for a GPU machine that has
-# Python and torch but no compiler or network. Run it after scripts/stage_gpu.sh, which empties
-# gpu-dist/ (and provides the kilnd the daemon test starts). Then, on the GPU machine:
+# Builds the kiln wheel (cp310-abi3-linux_x86_64: libkiln.so, the extension module kiln._fast and
+# the Python package) and stages it in gpu-dist/python/ with the wheels of pytest and its
+# dependencies, for a GPU machine that has Python and torch but no compiler or network. Run it
+# after scripts/stage_gpu.sh, which empties gpu-dist/ (and provides the kilnd the daemon test
+# starts). Then, on the GPU machine:
 #   scripts/python_gpu_run.sh      # the GPU tests and the side-by-side benchmark, logs in $OUT
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

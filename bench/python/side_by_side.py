@@ -220,20 +220,40 @@ def host_overhead(loops):
         x.data_ptr(), w.data_ptr(), y.data_ptr()
         launch(func, 1, 1, 1, 32, 1, 1, 0, raw_stream(0), params, None)
 
-    # The parts of a kiln call: reading the three tensors into kiln_tensor structs, and the C op
-    # through ctypes on structs read once (validation, handle lookup, launch).
-    from kiln import _arrays
+    # The parts of a kiln call: kiln._fast reading the three tensors and the current stream (the
+    # op's own path, stopped before the C op), and the C op alone through ctypes on kiln_tensor
+    # structs built once here (validation, handle lookup, launch; plus ctypes' own cost).
+    from kiln import _fast
     from kiln import ops as kops
 
-    prepared, prepared_stream, keep = _arrays.prepare((x, w, y, None))
+    class KT(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("rank", ctypes.c_int32),
+                    ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                    ("device_kind", ctypes.c_int32), ("device_index", ctypes.c_int32)]
+
+    def kt_of(t):
+        n = t.dim()
+        shape, strides = (ctypes.c_int64 * n)(*t.shape), (ctypes.c_int64 * n)(*t.stride())
+        s = KT(t.data_ptr(), 2, n, shape, strides, 1, t.get_device())
+        s._keep = (shape, strides)
+        return s
+
+    structs = [kt_of(t) for t in (x, w, y)]
+    from kiln._lib import lib as kiln_lib
+
+    c_op = kiln_lib.kiln_rms_norm_inv
+    c_op_args = (None, *[ctypes.byref(s) for s in structs], None, ctypes.c_double(1e-6), ctypes.c_void_p(stream))
 
     def c_op_only():
-        kops._rms_norm(None, prepared[0], prepared[1], prepared[2], prepared[3], 1e-6, prepared_stream)
+        c_op(*c_op_args)
+
+    fast_call = _fast.call
 
     rows = {
         "raw cuLaunchKernel (ctypes, prebuilt args)": raw,
-        "  part: kiln prepare() of 3 torch tensors": lambda: _arrays.prepare((x, w, y, None)),
+        "  part: kiln._fast reads 3 torch tensors + current stream": lambda: fast_call(kops._READ, None, None, x, w, y),
         "  part: kiln C op through ctypes, structs prepared": c_op_only,
+        "  part: kiln._fast.call, no Python wrapper": lambda: fast_call(kops._RMS_NORM, None, None, x, w, y, None, 1e-6),
         "raw cuLaunchKernel + data_ptr() x3 + current stream": raw_gathering,
         "kiln.rms_norm(x, w, out=y)": lambda: kiln.rms_norm(x, w, out=y),
         "kiln.rms_norm(x, w, out=y, stream=s)": lambda: kiln.rms_norm(x, w, out=y, stream=stream),

@@ -1,17 +1,14 @@
-"""Arrays in, kiln_tensor structs out.
+"""Arrays in, kiln_tensor descriptions out.
 
-An op (prepare) describes each array as (data, dtype code, shape, strides in elements, device
-kind, device index, stream hint, keep-alive) with a handler picked once per Python type: PyTorch
-tensors, NumPy arrays, __cuda_array_interface__ producers (CuPy, Numba, JAX on a GPU), DLPack
-producers, and anything with __array_interface__. It then packs the descriptions into a
-per-thread scratch buffer whose layout is a struct.Struct cached per tuple of ranks, so a call
-costs one pack_into and no ctypes objects. The scratch buffer holds the kiln_tensor structs (40 bytes each, first)
-and their shape and stride arrays (fixed addresses, after them).
+kiln._fast (python/src/_fast.c) reads the arrays of every op call. Torch tensors it reads itself;
+every other array it describes through describe() here, as (data, dtype code, shape, strides in
+elements, device kind, device index, stream hint, keep-alive), with a handler picked once per
+Python type: NumPy arrays, __cuda_array_interface__ producers (CuPy, Numba, JAX on a GPU), DLPack
+producers, and anything with __array_interface__. The handler of torch tensors (_torch) is here
+too: _fast uses it to know torch's types, and falls back to it for a dtype kiln does not take.
 """
 import ctypes
-import struct
 import sys
-import threading
 
 from ._errors import DeviceError, InvalidArgumentError, ShapeMismatchError, UnsupportedDtypeError
 from ._lib import check, lib
@@ -22,56 +19,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "uint8", "int32", "int64")
 ITEMSIZE = (4, 2, 2, 1, 4, 8)
 _BY_NAME = {name: code for code, name in enumerate(DTYPE_NAMES)}
 
-MAX_TENSORS = 8
 MAX_RANK = 8
-_HEADER = 40  # sizeof(kiln_tensor)
-_SHAPES_AT = _HEADER * MAX_TENSORS
-_SHAPE_SLOT = 16 * 8  # 8 sizes then 8 strides, int64
-
-
-class _Scratch(threading.local):
-    def __init__(self):
-        self.buf = ctypes.create_string_buffer(_SHAPES_AT + _SHAPE_SLOT * MAX_TENSORS)
-        base = ctypes.addressof(self.buf)
-        self.slots = tuple(base + _HEADER * i for i in range(MAX_TENSORS))
-        self.shapes = tuple(base + _SHAPES_AT + _SHAPE_SLOT * i for i in range(MAX_TENSORS))
-        self.strides = tuple(a + 8 * MAX_RANK for a in self.shapes)
-
-
-_scratch = _Scratch()
-_packers = {}
-
-
-def _make_packer(key):
-    """Generates the packer for one pattern of ranks (0: a None slot): a single Struct.pack_into
-    with every value in place, no loop. Like namedtuple, through exec of generated source."""
-    ranks = [r for r in key if r]
-    for r in ranks:
-        if r > MAX_RANK:
-            raise ShapeMismatchError(f"kiln takes tensors of rank 1..{MAX_RANK}, not {r}")
-    fmt = ["<", "QiiQQii" * len(ranks), f"{_SHAPES_AT - _HEADER * len(ranks)}x"]
-    for r in ranks:
-        pad = 8 * (MAX_RANK - r)
-        fmt.append(f"{r}q{pad}x{r}q{pad}x" if pad else f"{r}q{r}q")
-    names = [f"d{i}" for i in range(len(key))]
-    headers, arrays, slots, j = [], [], [], 0
-    for i, r in enumerate(key):
-        if not r:
-            slots.append("None")
-            continue
-        d = names[i]
-        headers.append(f"{d}[0], {d}[1], {r}, h[{j}], t[{j}], {d}[4], {d}[5]")
-        arrays.append(f"*{d}[2], *{d}[3]")
-        slots.append(f"s[{j}]")
-        j += 1
-    src = (f"def packer(sc, {', '.join(names)}):\n"
-           "    s, h, t = sc.slots, sc.shapes, sc.strides\n"
-           f"    pack_into(sc.buf, 0, {', '.join(headers + arrays)})\n"
-           f"    return ({', '.join(slots)},)\n")
-    scope = {"pack_into": struct.Struct("".join(fmt)).pack_into}
-    exec(src, scope)
-    _packers[key] = scope["packer"]
-    return scope["packer"]
 
 
 # --- streams ---
@@ -93,30 +41,12 @@ def as_stream(stream):
     return int(handle)
 
 
-_torch_raw_stream = None
+def torch_stream_function():
+    """f(device index) -> the raw handle of torch's current stream on that device (for _fast)."""
+    import torch
 
-
-def _torch_stream(index):
-    global _torch_raw_stream
-    if _torch_raw_stream is None:
-        import torch
-
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _torch_raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
-    return _torch_raw_stream(index)
-
-
-def launch_stream(stream, descs):
-    """The stream an op launches on: the caller's, else the first CUDA tensor's hint, else 0."""
-    if stream is not None:
-        return as_stream(stream)
-    for d in descs:
-        if d is not None and d[4] == CUDA:
-            hint = d[6]
-            if hint is _TORCH_STREAM:
-                return _torch_stream(d[5])
-            return hint or 0
-    return 0
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 # --- handlers, one per kind of array ---
@@ -124,7 +54,8 @@ def launch_stream(stream, descs):
 _torch_dtypes = None
 
 
-def _torch_dtype_table():
+def torch_dtype_table():
+    """{torch dtype: kiln dtype code} (for _fast, which compares dtypes by identity)."""
     global _torch_dtypes
     import torch
 
@@ -134,7 +65,7 @@ def _torch_dtype_table():
 
 
 def _torch(t, stream):
-    table = _torch_dtypes or _torch_dtype_table()
+    table = _torch_dtypes or torch_dtype_table()
     code = table.get(t.dtype)
     if code is None:
         raise UnsupportedDtypeError(f"kiln does not take {t.dtype} tensors (float32, float16, bfloat16, uint8, int32, int64)")
@@ -283,27 +214,14 @@ def _classify(tp):
     return h
 
 
-def prepare(arrays, stream=None):
-    """(kiln_tensor addresses, launch stream, descriptions) for an op's arrays, in one pass. The
-    addresses point into the calling thread's scratch buffer until its next prepare; keep the
-    descriptions (they hold DLPack capsules) until the C call returns."""
-    descs, key = [], []
-    for a in arrays:
-        if a is None:
-            descs.append(None)
-            key.append(0)
-        else:
-            tp = type(a)
-            d = (_handlers.get(tp) or _classify(tp))(a, stream)
-            descs.append(d)
-            key.append(len(d[2]) or -1)
-    key = tuple(key)
-    packer = _packers.get(key)
-    if packer is None:
-        if -1 in key:
-            raise ShapeMismatchError(f"kiln takes tensors of rank 1..{MAX_RANK}, not 0-d scalars")
-        packer = _make_packer(key)
-    return packer(_scratch, *descs), launch_stream(stream, descs), descs
+def handler_for(tp):
+    """The handler of a Python type (cached)."""
+    return _handlers.get(tp) or _classify(tp)
+
+
+def describe(a, stream):
+    """The description of one array; raises kiln's errors for arrays kiln cannot read."""
+    return (_handlers.get(type(a)) or _classify(type(a)))(a, stream)
 
 
 def empty(like, shape, dtype=None):
@@ -312,7 +230,7 @@ def empty(like, shape, dtype=None):
     if h is _torch:
         if dtype is None:
             return like.new_empty(shape)
-        table = _torch_dtypes or _torch_dtype_table()
+        table = _torch_dtypes or torch_dtype_table()
         return like.new_empty(shape, dtype=next(k for k, v in table.items() if v == dtype))
     if h is _numpy:
         import numpy

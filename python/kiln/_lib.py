@@ -1,4 +1,4 @@
-"""Loads libkiln.so and declares the C ABI's prototypes once (kiln.h, ABI version 3)."""
+"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 3)."""
 import ctypes
 import os
 
@@ -7,22 +7,10 @@ from ._errors import error_for
 ABI_VERSION = 3
 
 _P = ctypes.c_void_p
-_I32 = ctypes.c_int32
-_I64 = ctypes.c_int64
-_F64 = ctypes.c_double
 
-# name: (argtypes); every op returns a kiln_code (int).
+# name: (argtypes) of what ctypes calls; each returns a kiln_code (int). The ops themselves are
+# called by kiln._fast, which takes their addresses from this handle.
 _OPS = {
-    "kiln_rms_norm_inv": (_P, _P, _P, _P, _P, _F64, _P),
-    "kiln_add_rms_norm": (_P, _P, _P, _P, _P, _P, _F64, _P),
-    "kiln_act_and_mul": (_P, _P, _P, _I32, _P),
-    "kiln_apply_rope_qk": (_P, _P, _P, _P, _P, _P, _P, _P, _I32, _P),
-    "kiln_rms_norm_rope": (_P, _P, _P, _P, _P, _P, _F64, _I64, _P),
-    "kiln_rms_norm_backward": (_P, _P, _P, _P, _P, _P, _P, _P, _P),
-    "kiln_rms_norm_backward_workspace_elements": (_P, _P),
-    "kiln_quantize_fp8": (_P, _P, _P, _P, _I32, _I32, _P),
-    "kiln_fp8_gemm": (_P, _P, _P, _P, _P, _P, _P),
-    "kiln_fused_gated_mlp": (_P, _P, _P, _P, _P, _I32, _P),
     "kiln_runtime_create": (ctypes.c_char_p, _P),
     "kiln_runtime_get_counters": (_P, _P),
     "kiln_pointer_device": (_P, _P, _P),

@@ -10,18 +10,22 @@ passed are allocated like the first input (torch, NumPy, or an array-API namespa
 import ctypes
 
 from . import _arrays as A
+from . import _fast
 from ._errors import InvalidArgumentError, ShapeMismatchError, UnsupportedDtypeError
 from ._lib import check, lib, raise_for
 
-_rms_norm = lib.kiln_rms_norm_inv
-_add_rms_norm = lib.kiln_add_rms_norm
-_act_and_mul = lib.kiln_act_and_mul
-_apply_rope_qk = lib.kiln_apply_rope_qk
-_rms_norm_rope = lib.kiln_rms_norm_rope
-_rms_norm_backward = lib.kiln_rms_norm_backward
-_quantize_fp8 = lib.kiln_quantize_fp8
-_fp8_gemm = lib.kiln_fp8_gemm
-_fused_gated_mlp = lib.kiln_fused_gated_mlp
+# Every op is one _fast.call(op id, runtime, stream, *arrays, *scalars); the ids are the order of
+# the C functions here (python/src/_fast.c has the same list and each op's arguments).
+_OP_FUNCTIONS = (None, "kiln_rms_norm_inv", "kiln_add_rms_norm", "kiln_act_and_mul", "kiln_apply_rope_qk",
+                 "kiln_rms_norm_rope", "kiln_rms_norm_backward", "kiln_rms_norm_backward_workspace_elements",
+                 "kiln_quantize_fp8", "kiln_fp8_gemm", "kiln_fused_gated_mlp")
+(_READ, _RMS_NORM, _ADD_RMS_NORM, _ACT_AND_MUL, _APPLY_ROPE_QK, _RMS_NORM_ROPE, _RMS_NORM_BACKWARD,
+ _WORKSPACE_ELEMENTS, _QUANTIZE_FP8, _FP8_GEMM, _FUSED_GATED_MLP) = range(len(_OP_FUNCTIONS))
+assert len(_OP_FUNCTIONS) == _fast.OP_COUNT, "kiln._fast does not match kiln.ops"
+_fast.init(tuple(name and ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _OP_FUNCTIONS),
+           A.describe, A.handler_for, A._torch, A.torch_dtype_table, A.torch_stream_function, A._TORCH_STREAM,
+           A.as_stream, raise_for, ShapeMismatchError)
+_call = _fast.call
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 ROPE_LAYOUTS = {"neox": 0, "gptj": 1}
@@ -120,10 +124,7 @@ def rms_norm(x, weight, eps=1e-6, *, out=None, inv_rms=None, stream=None, runtim
     """out = x * rsqrt(mean(x^2, last dim) + eps) * weight; also fills inv_rms (f32, one value per row) if given."""
     if out is None:
         out = A.empty(x, _shape(x))
-    p, s, keep = A.prepare((x, weight, out, inv_rms), stream)
-    code = _rms_norm(_rt(runtime), p[0], p[1], p[2], p[3], eps, s)
-    if code:
-        raise_for(code)
+    _call(_RMS_NORM, runtime, stream, x, weight, out, inv_rms, eps)
     return out
 
 
@@ -140,19 +141,13 @@ def rms_norm_backward(dy, x, weight, inv_rms, *, dx=None, dw=None, workspace=Non
         dx = A.empty(x, _shape(x))
     if dw is None:
         dw = A.empty(weight, _shape(weight))
-    p, s, keep = A.prepare((dy, x, weight, inv_rms, dx, dw, workspace), stream)
-    code = _rms_norm_backward(_rt(runtime), p[0], p[1], p[2], p[3], p[4], p[5], p[6], s)
-    if code:
-        raise_for(code)
+    _call(_RMS_NORM_BACKWARD, runtime, stream, dy, x, weight, inv_rms, dx, dw, workspace)
     return dx, dw
 
 
 def rms_norm_backward_workspace_elements(x):
     """The f32 elements rms_norm_backward needs as workspace for arrays like x (0 on the CPU)."""
-    p, _, keep = A.prepare((x,))
-    n = ctypes.c_int64()
-    check(lib.kiln_rms_norm_backward_workspace_elements(p[0], ctypes.byref(n)))
-    return n.value
+    return _call(_WORKSPACE_ELEMENTS, None, None, x)
 
 
 def add_rms_norm(x, residual, weight, eps=1e-6, *, out=None, residual_out=None, stream=None, runtime=None):
@@ -162,10 +157,7 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, out=None, residual_out=None, 
         out = A.empty(x, _shape(x))
     if residual_out is None:
         residual_out = A.empty(x, _shape(x))
-    p, s, keep = A.prepare((x, residual, weight, out, residual_out), stream)
-    code = _add_rms_norm(_rt(runtime), p[0], p[1], p[2], p[3], p[4], eps, s)
-    if code:
-        raise_for(code)
+    _call(_ADD_RMS_NORM, runtime, stream, x, residual, weight, out, residual_out, eps)
     return out, residual_out
 
 
@@ -175,10 +167,7 @@ def act_and_mul(x, activation="silu", *, out=None, stream=None, runtime=None):
     if out is None:
         shape = _shape(x)
         out = A.empty(x, shape[:-1] + (shape[-1] // 2,) if shape else shape)
-    p, s, keep = A.prepare((x, out), stream)
-    code = _act_and_mul(_rt(runtime), p[0], p[1], act, s)
-    if code:
-        raise_for(code)
+    _call(_ACT_AND_MUL, runtime, stream, x, out, act)
     return out
 
 
@@ -191,10 +180,7 @@ def apply_rope_qk(q, k, cos, sin, position_ids, layout="neox", *, q_out=None, k_
         q_out = A.empty(q, _shape(q))
     if k_out is None:
         k_out = A.empty(k, _shape(k))
-    p, s, keep = A.prepare((q, k, cos, sin, position_ids, q_out, k_out), stream)
-    code = _apply_rope_qk(_rt(runtime), p[0], p[1], p[2], p[3], p[4], p[5], p[6], lay, s)
-    if code:
-        raise_for(code)
+    _call(_APPLY_ROPE_QK, runtime, stream, q, k, cos, sin, position_ids, q_out, k_out, lay)
     return q_out, k_out
 
 
@@ -203,10 +189,7 @@ def rms_norm_rope(x, weight, cos, sin, eps=1e-6, num_heads=None, *, out=None, st
     [seq, head_dim] or [1, seq, 1, head_dim]; num_heads None infers hidden / head_dim."""
     if out is None:
         out = A.empty(x, _shape(x))
-    p, s, keep = A.prepare((x, weight, cos, sin, out), stream)
-    code = _rms_norm_rope(_rt(runtime), p[0], p[1], p[2], p[3], p[4], eps, num_heads or 0, s)
-    if code:
-        raise_for(code)
+    _call(_RMS_NORM_ROPE, runtime, stream, x, weight, cos, sin, out, eps, num_heads or 0)
     return out
 
 
@@ -247,10 +230,7 @@ def quantize_fp8(x, granularity="tensor", *, transpose=False, q=None, scale=None
         else:
             scale_shape = (_ceil128(cols), _ceil128(rows)) if transpose else (_ceil128(rows), _ceil128(cols))
         scale = A.empty(x, scale_shape, A.F32)
-    p, s, keep = A.prepare((x, q, scale), stream)
-    code = _quantize_fp8(_rt(runtime), p[0], p[1], p[2], g, 1 if transpose else 0, s)
-    if code:
-        raise_for(code)
+    _call(_QUANTIZE_FP8, runtime, stream, x, q, scale, g, 1 if transpose else 0)
     return q, scale
 
 
@@ -290,10 +270,7 @@ def fp8_gemm(a, b, a_scale=None, b_scale=None, output_dtype="float16", *, scalin
         if len(ashape) != 2 or len(bshape) != 2:
             raise ShapeMismatchError(f"fp8_gemm: a and b must be matrices (got {ashape} and {bshape})")
         out = A.empty(a, (ashape[0], bshape[1]), out_code)
-    p, s, keep_arrays = A.prepare((a, b, a_scale, b_scale, out), stream)
-    code = _fp8_gemm(_rt(runtime), p[0], p[1], p[2], p[3], p[4], s)
-    if code:
-        raise_for(code)
+    _call(_FP8_GEMM, runtime, stream, a, b, a_scale, b_scale, out)
     return out
 
 
@@ -308,8 +285,5 @@ def fused_gated_mlp(x, gate_weight, up_weight, activation="silu", *, out=None, s
             raise ShapeMismatchError(f"fused_gated_mlp: x must be [..., hidden] and the weights [intermediate, hidden] "
                                      f"(got {shape} and {wshape})")
         out = A.empty(x, shape[:-1] + (wshape[0],))
-    p, s, keep = A.prepare((x, gate_weight, up_weight, out), stream)
-    code = _fused_gated_mlp(_rt(runtime), p[0], p[1], p[2], p[3], act, s)
-    if code:
-        raise_for(code)
+    _call(_FUSED_GATED_MLP, runtime, stream, x, gate_weight, up_weight, out, act)
     return out

@@ -44,6 +44,15 @@ def test_library_exports_only_the_c_abi():
     assert names and all(n.startswith("kiln_") for n in names), [n for n in names if not n.startswith("kiln_")][:5]
 
 
+def test_ops_go_through_the_abi3_extension():
+    from kiln import _fast
+
+    assert _fast.__file__.endswith("_fast.abi3.so")
+    assert os.path.dirname(_fast.__file__) == os.path.dirname(kiln.__file__)
+    with pytest.raises(TypeError):
+        _fast.call(1, None, None)  # rms_norm without its arrays
+
+
 # --- CPU fallbacks vs NumPy ---
 
 
@@ -276,6 +285,47 @@ def test_backward_errors(rng):
         kiln.rms_norm_backward(x, x, w, inv.astype(np.float16))
     with pytest.raises(kiln.ShapeMismatchError, match="one value per row"):
         kiln.rms_norm_backward(x, x, w, np.ones(3, np.float32))
+
+
+class FakeCudaArray:
+    """A __cuda_array_interface__ at address 0 (no memory: kiln takes it as CUDA without asking the
+    driver), to check which stream an op would launch on without a GPU."""
+
+    def __init__(self, stream=None):
+        self._stream = stream
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"version": 3, "shape": (2, 64), "typestr": "<f4", "data": (0, False), "strides": None,
+                "stream": self._stream}
+
+
+class StreamObject:
+    cuda_stream = 0x1234
+
+
+def test_launch_stream_choice(rng):
+    from kiln import _fast, ops
+
+    def stream_of(*arrays, stream=None):
+        return _fast.call(ops._READ, None, stream, *arrays)
+
+    x, w, _ = _operands(rng)
+    assert stream_of(x, w) == 0  # host arrays
+    assert stream_of(x, None, FakeCudaArray(7), FakeCudaArray(9)) == 7  # the first CUDA array's stream
+    assert stream_of(FakeCudaArray()) == 0  # no stream given: the legacy default stream
+    assert stream_of(FakeCudaArray(7), stream=5) == 5  # the caller's stream wins
+    assert stream_of(x, stream=StreamObject()) == 0x1234
+    with pytest.raises(kiln.InvalidArgumentError, match="stream"):
+        stream_of(x, stream="s")
+
+
+def test_rank_errors_name_the_rank(rng):
+    x, w, out = _operands(rng)
+    with pytest.raises(kiln.ShapeMismatchError, match="not 9"):
+        kiln.rms_norm(np.zeros((1,) * 8 + (64,), np.float32), w, out=np.zeros((1,) * 8 + (64,), np.float32))
+    with pytest.raises(kiln.ShapeMismatchError, match="0-d"):  # reported before the rank past 8
+        kiln.rms_norm(np.zeros((1,) * 8 + (64,), np.float32), w, out=np.float32(1.0).reshape(()))
 
 
 # --- runtimes ---

@@ -82,3 +82,43 @@ def test_errors_are_kiln_errors():
         kt.RMSNorm(64)(torch.randn(4, 32))
     with pytest.raises(kiln.InvalidArgumentError):
         kt.act_and_mul(torch.randn(4, 64), "relu")
+
+
+def _ref_rms_norm(x, w, eps=1e-6):
+    x64 = x.double()
+    return (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps) * w.double()).to(x.dtype)
+
+
+def test_torch_tensors_read_in_c():
+    """kiln._fast reads torch tensors itself (python/src/_fast.c): parameters, strided rows,
+    mixed with NumPy, and the same errors as every other array."""
+    from kiln import _fast, ops
+
+    x, w = torch.randn(4, 64), torch.randn(64)
+    out = torch.full_like(x, 7.0)
+    kiln.rms_norm(x, torch.nn.Parameter(w), out=out)
+    torch.testing.assert_close(out, _ref_rms_norm(x, w))
+    wide = torch.randn(4, 128)
+    kiln.rms_norm(wide[:, 32:96], w, out=out)  # strided rows, an offset data pointer
+    torch.testing.assert_close(out, _ref_rms_norm(wide[:, 32:96], w))
+    half = torch.randn(3, 2, 64).half()
+    h_out = torch.empty_like(half)
+    kiln.rms_norm(half, w.half(), out=h_out)
+    torch.testing.assert_close(h_out, _ref_rms_norm(half, w.half()), rtol=2e-3, atol=2e-3)
+    np = pytest.importorskip("numpy")
+    kiln.rms_norm(x, w.numpy(), out=out)
+    torch.testing.assert_close(out, _ref_rms_norm(x, w))
+    assert _fast.call(ops._READ, None, None, x, w, out) == 0  # CPU tensors: no stream
+    out.fill_(7.0)
+    with pytest.raises(kiln.UnsupportedDtypeError, match="torch.float64"):
+        kiln.rms_norm(x.double(), w, out=out)
+    with pytest.raises(kiln.ShapeMismatchError, match="0-d"):
+        kiln.rms_norm(torch.tensor(1.0), w, out=out)
+    with pytest.raises(kiln.ShapeMismatchError, match="not 9"):
+        kiln.rms_norm(torch.zeros((1,) * 8 + (64,)), w, out=torch.zeros((1,) * 8 + (64,)))
+    with pytest.raises(kiln.ShapeMismatchError, match="weight must have shape"):
+        kiln.rms_norm(x, w[:32], out=out)
+    with pytest.raises(kiln.ShapeMismatchError, match="contiguous"):
+        kiln.rms_norm(torch.randn(64, 4).t(), w, out=out)  # column-major
+    assert torch.equal(out, torch.full_like(x, 7.0))
+    assert kiln.rms_norm_backward_workspace_elements(x) == 0
