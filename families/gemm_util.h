@@ -27,28 +27,32 @@ inline std::vector<ParamDef> tile_params() {
   return {
       {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
       {"bm", {64, 128}, {}, "tile rows (M)"},
-      {"bn", {32, 64, 128, 192, 256}, {}, "tile columns (N)"},
+      {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only"},
       {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
+      {"cluster", {1, 2}, {}, "wgmma: CTAs per thread-block cluster, side by side along N, sharing A by TMA multicast"},
   };
 }
 
 struct Tile {
   bool wgmma;
   int bm, bn, stages, group;
+  int cluster = 1;
 };
 inline Tile tile_of(const Params& p) {
   return {*p.get_str("path") == "wgmma", int(*p.get_int("bm")), int(*p.get_int("bn")), int(*p.get_int("stages")),
-          int(*p.get_int("group"))};
+          int(*p.get_int("group")), int(*p.get_int("cluster"))};
 }
 
 inline std::int64_t element_bytes(Kind kind, DType operand) { return kind == k_gated ? dtype_size(operand) : 1; }
 
 // Dynamic shared memory: the stages (128 bytes of K per row of A and of each B), 1024 bytes of
-// slack to align them to the swizzle atom, and the wgmma path's two mbarriers per stage.
+// slack to align them to the swizzle atom, and the wgmma path's two mbarriers per stage and, for
+// block scales, each stage's scales (bm a scales, the b scale, padded to 16 bytes).
 inline std::uint32_t shared_bytes(Kind kind, const Tile& t) {
   const int b_tiles = kind == k_gated ? 2 : 1;
-  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0));
+  const int scales = t.wgmma && kind == k_fp8_block ? t.stages * (t.bm + 4) * 4 : 0;
+  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0) + scales);
 }
 
 // What one block may use on a device of compute capability cc (the opt-in maximum).
@@ -66,6 +70,9 @@ inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
   if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
+  if (!t.wgmma && t.cluster != 1) return invalid_argument(f + ": clusters are for the wgmma path only");
+  if ((t.bn == 56 || t.bn == 176) && (kind != k_fp8_tensor || !t.wgmma))
+    return invalid_argument(f + ": bn 56 and 176 are for per-tensor fp8 on the wgmma path only");
   if (shared_bytes(kind, t) > 227 * 1024)
     return invalid_argument(f + ": " + std::to_string(shared_bytes(kind, t)) + " bytes of shared memory exceed 227 KiB");
   return {};
@@ -101,11 +108,24 @@ inline std::int64_t tiles(const Tile& t, const Problem& p) {
   return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((p.dims[k_n] + t.bn - 1) / t.bn);
 }
 
+// The wgmma path's work units: rows of tiles x column tiles in groups of `cluster` (the last group
+// padded when the column tiles do not divide).
+inline std::int64_t cluster_units(const Tile& t, const Problem& p) {
+  const std::int64_t tn = (p.dims[k_n] + t.bn - 1) / t.bn;
+  return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((tn + t.cluster - 1) / t.cluster);
+}
+
+// The wgmma path's persistent grid: one CTA per SM at most, whole clusters.
+inline std::int64_t persistent_ctas(const Tile& t, const Problem& p) {
+  const std::int64_t clusters = std::max<std::int64_t>(1, p.dims[k_sms] / t.cluster);
+  return std::min(cluster_units(t, p), clusters) * t.cluster;
+}
+
 inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
   LaunchGeometry g;
   const std::int64_t n_tiles = tiles(t, p);
   // wgmma: persistent (at most one CTA per SM); mma: one CTA per tile.
-  g.grid.x = std::uint32_t(std::clamp<std::int64_t>(t.wgmma ? std::min(n_tiles, p.dims[k_sms]) : n_tiles, 1, 0x7fffffff));
+  g.grid.x = std::uint32_t(std::clamp<std::int64_t>(t.wgmma ? persistent_ctas(t, p) : n_tiles, 1, 0x7fffffff));
   g.block.x = std::uint32_t(t.wgmma ? (t.bm / 64 + 1) * 128 : 2 * t.bn);
   g.shared_bytes = shared_bytes(kind, t);
   return g;
@@ -114,14 +134,17 @@ inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
 // The kernel's name expression (templates/gemm/gemm_{mma,wgmma}.cuh).
 inline std::string name_expression(Kind kind, const std::string& operand, const std::string& out, int act,
                                    const Tile& t) {
-  return std::string("kiln::gemm::") + (t.wgmma ? "gemm_wgmma<" : "gemm_mma<") + std::to_string(int(kind)) + ", " +
-         operand + ", " + out + ", " + std::to_string(act) + ", " + std::to_string(t.bm) + ", " + std::to_string(t.bn) +
-         ", " + std::to_string(t.stages) + ", " + std::to_string(t.group) + ">";
+  const char* kernel = !t.wgmma ? "gemm_mma<" : t.cluster > 1 ? "gemm_wgmma_cluster<" : "gemm_wgmma<";
+  return std::string("kiln::gemm::") + kernel + std::to_string(int(kind)) + ", " + operand + ", " + out + ", " +
+         std::to_string(act) + ", " + std::to_string(t.bm) + ", " + std::to_string(t.bn) + ", " +
+         std::to_string(t.stages) + ", " + std::to_string(t.group) +
+         (t.cluster > 1 ? ", " + std::to_string(t.cluster) : std::string()) + ">";
 }
 
 // Buffers in kernel order: a, b0, b1, a_scale, b_scale, out (unused ones passed as null), then
 // m, n, k, tiles_m, tiles_n; the wgmma path adds tensor maps of a, b0 and b1 (b0's again when
-// there is no b1). `es`: operand element bytes.
+// there is no b1); a's box is bm / cluster rows (each CTA of a cluster copies its share of A).
+// `es`: operand element bytes.
 inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void* b0, void* b1, void* a_scale,
                  void* b_scale, void* out, ArgPack& args) {
   args.add(a);
@@ -137,7 +160,7 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add(int((p.dims[k_n] + t.bn - 1) / t.bn));
   if (!t.wgmma) return;
   const std::uint64_t row_bytes = std::uint64_t(p.dims[k_k] * es);
-  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm), 0});
+  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm / t.cluster), 0});
   args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
   args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
 }
@@ -153,29 +176,46 @@ inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
 
 // The wgmma path's candidate tiles for a kind, largest first.
 inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
-  if (kind == k_fp8_tensor) return {{128, 256}, {128, 192}, {128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  if (kind == k_fp8_tensor)
+    return {{128, 256}, {128, 192}, {128, 176}, {128, 128}, {128, 64}, {128, 56}, {128, 32}, {64, 64}, {64, 32}};
   if (kind == k_fp8_block) return {{128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
   return {{128, 128}, {128, 64}, {64, 64}};
 }
 
-// The default tile. wgmma: the candidate with the least modelled time, waves x (bm bn + 64 (bm +
-// bn)), where a wave is one tile per SM (the grid is persistent) and a tile costs its tensor-core
-// work plus a term for its loads per step of K, which dominates for the small tiles that
-// decode-sized problems need to occupy every SM; ties go to the larger tile. mma: 128 x 128
-// (gated 128 x 64), bm and then bn halved while the tiles leave SMs idle. Stages: default_stages.
+// The wgmma path's cluster sizes for a kind: fp8 shares A across 2 CTAs (gated: none; its
+// targets were met without, and it was not measured with clusters).
+inline std::vector<int> wgmma_clusters(Kind kind) {
+  if (kind == k_gated) return {1};
+  return {1};
+}
+
+// The modelled time of a wgmma tile: waves x (bm bn + 64 (bm / cluster + bn)), where a wave is
+// one tile per SM (the grid is persistent, whole clusters) and a tile costs its tensor-core work
+// plus a term for its loads per step of K through L2 (A shared by the cluster's CTAs), which
+// dominates for the small tiles that decode-sized problems need to occupy every SM.
+inline std::int64_t wgmma_cost(const Tile& c, const Problem& p) {
+  const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / c.cluster);
+  const std::int64_t waves = (cluster_units(c, p) + per_wave - 1) / per_wave;
+  return waves * (std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn));
+}
+
+// The default tile. wgmma: the candidate (tile, cluster) with the least wgmma_cost; ties go to the
+// larger tile, then to no cluster. mma: 128 x 128 (gated 128 x 64), bm and then bn halved while
+// the tiles leave SMs idle. Stages: default_stages.
 inline Tile default_tile(Kind kind, const Problem& p) {
   const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]), cc = p.dims[k_cc];
   Tile t{cc == 90, 128, 128, 4, 8};
   if (t.wgmma) {
     std::int64_t best = -1;
-    for (auto [bm, bn] : wgmma_tiles(kind)) {
-      const Tile c{true, bm, bn, 4, 8};
-      const std::int64_t cost = (tiles(c, p) + sms - 1) / sms * (std::int64_t(bm) * bn + 64 * (bm + bn));
-      if (best < 0 || cost < best) {
-        best = cost;
-        t = c;
+    for (auto [bm, bn] : wgmma_tiles(kind))
+      for (int cluster : wgmma_clusters(kind)) {
+        const Tile c{true, bm, bn, 4, 8, cluster};
+        const std::int64_t cost = wgmma_cost(c, p);
+        if (best < 0 || cost < best) {
+          best = cost;
+          t = c;
+        }
       }
-    }
   } else {
     if (kind == k_gated) t.bn = 64;
     if (tiles(t, p) < sms) t.bm = 64;
@@ -185,15 +225,16 @@ inline Tile default_tile(Kind kind, const Problem& p) {
   return t;
 }
 
-// The heuristic's tiles for every problem (the catalog's tiles): the wgmma candidates and the mma
-// halvings, each with default_stages on the device the path is for.
+// The heuristic's tiles for every problem (the catalog's tiles): the wgmma candidates with each
+// cluster size and the mma halvings, each with default_stages on the device the path is for.
 inline std::vector<Tile> default_tiles(Kind kind) {
   std::vector<Tile> out;
-  for (auto [bm, bn] : wgmma_tiles(kind)) {
-    Tile t{true, bm, bn, 4, 8};
-    t.stages = default_stages(kind, t, 90);
-    out.push_back(t);
-  }
+  for (auto [bm, bn] : wgmma_tiles(kind))
+    for (int cluster : wgmma_clusters(kind)) {
+      Tile t{true, bm, bn, 4, 8, cluster};
+      t.stages = default_stages(kind, t, 90);
+      out.push_back(t);
+    }
   for (auto [bm, bn] : kind == k_gated ? std::vector<std::pair<int, int>>{{128, 64}, {64, 64}}
                                        : std::vector<std::pair<int, int>>{{128, 128}, {64, 128}, {64, 64}})
     for (std::int64_t cc : {80, 86}) {
@@ -212,12 +253,14 @@ template <class MakeParams, class Check>
 std::vector<Params> tile_space(const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
   for (int bm : {64, 128})
-    for (int bn : {32, 64, 128, 192, 256})
+    for (int bn : {32, 56, 64, 128, 176, 192, 256})
       for (int stages : {3, 4, 5, 6})
-        for (int group : {8, 16}) {
-          Params p = make(Tile{base.wgmma, bm, bn, stages, group});
-          if (check(p)) out.push_back(std::move(p));
-        }
+        for (int group : {8, 16})
+          for (int cluster : {1, 2}) {
+            if (cluster > 1 && !base.wgmma) continue;
+            Params p = make(Tile{base.wgmma, bm, bn, stages, group, cluster});
+            if (check(p)) out.push_back(std::move(p));
+          }
   return out;
 }
 
@@ -227,7 +270,8 @@ inline Params with_tile(Params base, const Tile& t) {
       .set("bm", std::int64_t(t.bm))
       .set("bn", std::int64_t(t.bn))
       .set("stages", std::int64_t(t.stages))
-      .set("group", std::int64_t(t.group));
+      .set("group", std::int64_t(t.group))
+      .set("cluster", std::int64_t(t.cluster));
   return base;
 }
 

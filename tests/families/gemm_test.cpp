@@ -274,6 +274,59 @@ TEST(GemmFamilies, CheckProblemRejectsWhatTheKernelsCannotRun) {
   EXPECT_EQ(f.validate(wide).code(), Code::invalid_argument);
 }
 
+// Clusters of 2 (A shared by TMA multicast): cluster grids are whole clusters over the padded
+// column tiles, a's tensor map box is the CTA's share of the tile, and the mma path takes none.
+TEST(GemmFamilies, ClusterGridsAndTensorMaps) {
+  const Family& f = fam("fp8_gemm");
+  for (std::int64_t mode : {0, 1})
+    for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{7168, 16384}, {4096, 7168}}) {
+      const Problem p = gemm_problem(DType::bf16, 128, n, k, mode);
+      Params h = f.heuristic(p);
+      h.set("cluster", std::int64_t(2));
+      SCOPED_TRACE(h.canonical());
+      ASSERT_TRUE(f.validate(h).ok());
+      ASSERT_TRUE(f.check_problem(h, p).ok());
+      const LaunchGeometry geo = f.geometry(h, p);
+      EXPECT_EQ(geo.grid.x % 2, 0u);
+      EXPECT_LE(geo.grid.x, 132u);
+      int a, b, sa, sb, out;
+      void* bufs[5] = {&a, &b, &sa, &sb, &out};
+      ArgPack args;
+      f.pack_args(h, p, bufs, args);
+      ASSERT_EQ(args.tensor_maps(), 3u);
+      EXPECT_EQ(args.tensor_map_request(0).box_rows, std::uint32_t(*h.get_int("bm") / 2));
+      EXPECT_EQ(args.tensor_map_request(1).box_rows, std::uint32_t(*h.get_int("bn")));
+    }
+  // 13 column tiles in clusters of 2: 7 units; 3 SMs hold one cluster.
+  Params c = f.heuristic(gemm_problem(DType::bf16, 128, 7168, 16384, 0));
+  c.set("bn", std::int64_t(64)).set("cluster", std::int64_t(2));
+  EXPECT_EQ(f.geometry(c, gemm_problem(DType::bf16, 64, 13 * 64, 256, 0)).grid.x, 14u);
+  EXPECT_EQ(f.geometry(c, gemm_problem(DType::bf16, 64, 13 * 64, 256, 0, 3)).grid.x, 2u);
+  c.set("path", "mma");
+  EXPECT_EQ(f.validate(c).code(), Code::invalid_argument);
+  c.set("cluster", std::int64_t(3));
+  EXPECT_EQ(f.validate(c).code(), Code::invalid_argument);
+}
+
+// The tile widths that fill the SMs at LLM shapes (56: 7168 = 128 x 56; 176: 2112 = 12 x 176)
+// are per-tensor fp8 on the wgmma path only, and the wave model takes them there.
+TEST(GemmFamilies, WaveFillingTileWidths) {
+  const Family& f = fam("fp8_gemm");
+  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 0)).get_int("bn"), 176);
+  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 128, 7168, 16384, 0)).get_int("bn"), 56);
+  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, 0)).get_int("bn"), 256);
+  Params p = f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 0));
+  EXPECT_TRUE(f.validate(p).ok());
+  p.set("scaling", "block");
+  EXPECT_EQ(f.validate(p).code(), Code::invalid_argument);
+  p.set("scaling", "tensor").set("bn", std::int64_t(56)).set("path", "mma");
+  EXPECT_EQ(f.validate(p).code(), Code::invalid_argument);
+  const Family& gated = fam("gated_mlp");
+  Params gp = gated.heuristic(gemm_problem(DType::bf16, 4096, 2112, 4096, 0));
+  gp.set("bn", std::int64_t(56));
+  EXPECT_EQ(gated.validate(gp).code(), Code::invalid_argument);
+}
+
 TEST(GemmFamilies, ArgumentsPackInKernelOrder) {
   const Family& f = fam("gated_mlp");
   const Problem p = gemm_problem(DType::bf16, 300, 1000, 512, families::k_gated_gelu);
