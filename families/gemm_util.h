@@ -31,6 +31,7 @@ inline std::vector<ParamDef> tile_params() {
       {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
       {"cluster", {1, 2}, {}, "wgmma: CTAs per thread-block cluster, side by side along N, sharing A by TMA multicast"},
+      {"split", {1, 2, 3, 4}, {}, "wgmma, fp8: CTAs (one cluster) sharing a tile's K; partial sums reduced in rank order"},
   };
 }
 
@@ -38,10 +39,11 @@ struct Tile {
   bool wgmma;
   int bm, bn, stages, group;
   int cluster = 1;
+  int split = 1;
 };
 inline Tile tile_of(const Params& p) {
   return {*p.get_str("path") == "wgmma", int(*p.get_int("bm")), int(*p.get_int("bn")), int(*p.get_int("stages")),
-          int(*p.get_int("group")), int(*p.get_int("cluster"))};
+          int(*p.get_int("group")), int(*p.get_int("cluster")), int(*p.get_int("split"))};
 }
 
 inline std::int64_t element_bytes(Kind kind, DType operand) { return kind == k_gated ? dtype_size(operand) : 1; }
@@ -52,7 +54,10 @@ inline std::int64_t element_bytes(Kind kind, DType operand) { return kind == k_g
 inline std::uint32_t shared_bytes(Kind kind, const Tile& t) {
   const int b_tiles = kind == k_gated ? 2 : 1;
   const int scales = t.wgmma && kind == k_fp8_block ? t.stages * (t.bm + 4) * 4 : 0;
-  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0) + scales);
+  // Split-K: two mbarriers and the fp32 partial tile (rows of bn + 4 floats).
+  const int partial = t.split > 1 ? 16 + t.bm * (t.bn + 4) * 4 : 0;
+  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0) + scales +
+                       partial);
 }
 
 // What one block may use on a device of compute capability cc (the opt-in maximum).
@@ -71,6 +76,8 @@ inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
   if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
   if (!t.wgmma && t.cluster != 1) return invalid_argument(f + ": clusters are for the wgmma path only");
+  if (t.split > 1 && (!t.wgmma || kind == k_gated || t.cluster != 1))
+    return invalid_argument(f + ": split-K is for fp8 on the wgmma path, without A multicast (cluster 1)");
   if ((t.bn == 56 || t.bn == 176) && (kind != k_fp8_tensor || !t.wgmma))
     return invalid_argument(f + ": bn 56 and 176 are for per-tensor fp8 on the wgmma path only");
   if (shared_bytes(kind, t) > 227 * 1024)
@@ -115,10 +122,12 @@ inline std::int64_t cluster_units(const Tile& t, const Problem& p) {
   return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((tn + t.cluster - 1) / t.cluster);
 }
 
-// The wgmma path's persistent grid: one CTA per SM at most, whole clusters.
+// The wgmma path's persistent grid: one CTA per SM at most, whole clusters (cluster x split CTAs
+// each).
 inline std::int64_t persistent_ctas(const Tile& t, const Problem& p) {
-  const std::int64_t clusters = std::max<std::int64_t>(1, p.dims[k_sms] / t.cluster);
-  return std::min(cluster_units(t, p), clusters) * t.cluster;
+  const std::int64_t size = t.cluster * t.split;
+  const std::int64_t clusters = std::max<std::int64_t>(1, p.dims[k_sms] / size);
+  return std::min(cluster_units(t, p), clusters) * size;
 }
 
 inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
@@ -134,11 +143,12 @@ inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
 // The kernel's name expression (templates/gemm/gemm_{mma,wgmma}.cuh).
 inline std::string name_expression(Kind kind, const std::string& operand, const std::string& out, int act,
                                    const Tile& t) {
-  const char* kernel = !t.wgmma ? "gemm_mma<" : t.cluster > 1 ? "gemm_wgmma_cluster<" : "gemm_wgmma<";
+  const bool clustered = t.wgmma && t.cluster * t.split > 1;
+  const char* kernel = !t.wgmma ? "gemm_mma<" : clustered ? "gemm_wgmma_cluster<" : "gemm_wgmma<";
   return std::string("kiln::gemm::") + kernel + std::to_string(int(kind)) + ", " + operand + ", " + out + ", " +
          std::to_string(act) + ", " + std::to_string(t.bm) + ", " + std::to_string(t.bn) + ", " +
          std::to_string(t.stages) + ", " + std::to_string(t.group) +
-         (t.cluster > 1 ? ", " + std::to_string(t.cluster) : std::string()) + ">";
+         (clustered ? ", " + std::to_string(t.cluster) + ", " + std::to_string(t.split) : std::string()) + ">";
 }
 
 // Buffers in kernel order: a, b0, b1, a_scale, b_scale, out (unused ones passed as null), then
@@ -182,35 +192,47 @@ inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
   return {{128, 128}, {128, 64}, {64, 64}};
 }
 
-// The wgmma path's cluster sizes for a kind: fp8 shares A across 2 CTAs (gated: none; its
-// targets were met without, and it was not measured with clusters).
-inline std::vector<int> wgmma_clusters(Kind kind) {
-  if (kind == k_gated) return {1};
-  return {1};
+// Split-K candidates of the heuristic (wgmma, fp8, no cluster): 2 CTAs per tile for the 128-row
+// tiles that decode-sized problems (M = 128) can widen once K is split. Splits of 3 and 4 are in
+// the tuning space only: on the H100 they ran 1.3-1.7x slower than 2 at the same problems, most
+// likely because fewer clusters of 3 or 4 CTAs fit at once than sms / size (a GPC's SMs, not the
+// device's, bound a cluster), which the wave model cannot see.
+inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
+  if (kind == k_gated || bm != 128 || !(bn == 64 || bn == 128 || bn == 176)) return {1};
+  return {1, 2};
 }
 
-// The modelled time of a wgmma tile: waves x (bm bn + 64 (bm / cluster + bn)), where a wave is
-// one tile per SM (the grid is persistent, whole clusters) and a tile costs its tensor-core work
-// plus a term for its loads per step of K through L2 (A shared by the cluster's CTAs), which
-// dominates for the small tiles that decode-sized problems need to occupy every SM.
-inline std::int64_t wgmma_cost(const Tile& c, const Problem& p) {
-  const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / c.cluster);
+// The modelled time of a wgmma tile: waves x (k-steps per CTA x (bm bn + 64 (bm / cluster + bn))
+// + the split-K reduction), where a wave is one tile per SM (the grid is persistent, whole
+// clusters), a k-step (128 bytes of K) costs its tensor-core work plus a term for its loads,
+// which dominates for the small tiles of decode-sized problems, and a split-K reduction costs
+// 2 bm bn + ten k-steps (the partial tile through shared memory, the cluster handshakes, one
+// more pass over the output): the constant that puts the model's choice on the fastest measured
+// variant at all six M = 128 problems (H100, 2026-11-22; four k-steps chose splits that ran
+// 1.1-1.6x slower).
+inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
+  const std::int64_t size = c.cluster * c.split;
+  const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
   const std::int64_t waves = (cluster_units(c, p) + per_wave - 1) / per_wave;
-  return waves * (std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn));
+  const std::int64_t ksteps = (p.dims[k_k] * element_bytes(kind, DType::bf16) + 127) / 128;
+  const std::int64_t step = std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn);
+  const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 10 * step : 0;
+  return waves * ((ksteps + c.split - 1) / c.split * step + reduce);
 }
 
-// The default tile. wgmma: the candidate (tile, cluster) with the least wgmma_cost; ties go to the
-// larger tile, then to no cluster. mma: 128 x 128 (gated 128 x 64), bm and then bn halved while
-// the tiles leave SMs idle. Stages: default_stages.
+// The default tile. wgmma: the candidate (tile, split) with the least wgmma_cost; ties go to the
+// larger tile, then to no split. No clusters of A multicast: they measured neutral to slower
+// (docs/kernels.md). mma: 128 x 128 (gated 128 x 64), bm and then bn halved while the tiles
+// leave SMs idle. Stages: default_stages.
 inline Tile default_tile(Kind kind, const Problem& p) {
   const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]), cc = p.dims[k_cc];
   Tile t{cc == 90, 128, 128, 4, 8};
   if (t.wgmma) {
     std::int64_t best = -1;
     for (auto [bm, bn] : wgmma_tiles(kind))
-      for (int cluster : wgmma_clusters(kind)) {
-        const Tile c{true, bm, bn, 4, 8, cluster};
-        const std::int64_t cost = wgmma_cost(c, p);
+      for (int split : wgmma_splits(kind, bm, bn)) {
+        const Tile c{true, bm, bn, 4, 8, 1, split};
+        const std::int64_t cost = wgmma_cost(kind, c, p);
         if (best < 0 || cost < best) {
           best = cost;
           t = c;
@@ -226,12 +248,12 @@ inline Tile default_tile(Kind kind, const Problem& p) {
 }
 
 // The heuristic's tiles for every problem (the catalog's tiles): the wgmma candidates with each
-// cluster size and the mma halvings, each with default_stages on the device the path is for.
+// split and the mma halvings, each with default_stages on the device the path is for.
 inline std::vector<Tile> default_tiles(Kind kind) {
   std::vector<Tile> out;
   for (auto [bm, bn] : wgmma_tiles(kind))
-    for (int cluster : wgmma_clusters(kind)) {
-      Tile t{true, bm, bn, 4, 8, cluster};
+    for (int split : wgmma_splits(kind, bm, bn)) {
+      Tile t{true, bm, bn, 4, 8, 1, split};
       t.stages = default_stages(kind, t, 90);
       out.push_back(t);
     }
@@ -248,19 +270,27 @@ inline std::vector<Tile> default_tiles(Kind kind) {
   return out;
 }
 
-// Every tile of the heuristic's path that validates and fits the problem.
+// Every tile of the heuristic's path that validates and fits the problem: each stage depth and
+// group order without clusters or split-K, and each tile with clusters of 2 (A multicast) or
+// split-K 2-4 at its default stages and group 8.
 template <class MakeParams, class Check>
-std::vector<Params> tile_space(const Tile& base, MakeParams make, Check check) {
+std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
   for (int bm : {64, 128})
-    for (int bn : {32, 56, 64, 128, 176, 192, 256})
+    for (int bn : {32, 56, 64, 128, 176, 192, 256}) {
       for (int stages : {3, 4, 5, 6})
-        for (int group : {8, 16})
-          for (int cluster : {1, 2}) {
-            if (cluster > 1 && !base.wgmma) continue;
-            Params p = make(Tile{base.wgmma, bm, bn, stages, group, cluster});
-            if (check(p)) out.push_back(std::move(p));
-          }
+        for (int group : {8, 16}) {
+          Params p = make(Tile{base.wgmma, bm, bn, stages, group});
+          if (check(p)) out.push_back(std::move(p));
+        }
+      if (!base.wgmma) continue;
+      for (auto [cluster, split] : {std::pair{2, 1}, {1, 2}, {1, 3}, {1, 4}}) {
+        Tile t{true, bm, bn, 4, 8, cluster, split};
+        t.stages = default_stages(kind, t, 90);
+        Params p = make(t);
+        if (check(p)) out.push_back(std::move(p));
+      }
+    }
   return out;
 }
 
@@ -271,7 +301,8 @@ inline Params with_tile(Params base, const Tile& t) {
       .set("bn", std::int64_t(t.bn))
       .set("stages", std::int64_t(t.stages))
       .set("group", std::int64_t(t.group))
-      .set("cluster", std::int64_t(t.cluster));
+      .set("cluster", std::int64_t(t.cluster))
+      .set("split", std::int64_t(t.split));
   return base;
 }
 
@@ -293,7 +324,7 @@ class GemmFamily : public Family {
   std::vector<Params> tuning_space(const Problem& p) const override {
     const Params h = heuristic(p);
     return tile_space(
-        tile_of(h), [&](const Tile& t) { return with_tile(h, t); },
+        kind(h), tile_of(h), [&](const Tile& t) { return with_tile(h, t); },
         [&](const Params& c) { return validate(c).ok() && check_problem(c, p).ok(); });
   }
   Result<Problem> problem_from_shape(DType dtype,
