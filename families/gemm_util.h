@@ -27,28 +27,37 @@ inline std::vector<ParamDef> tile_params() {
   return {
       {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
       {"bm", {64, 128}, {}, "tile rows (M)"},
-      {"bn", {32, 64, 128, 192, 256}, {}, "tile columns (N)"},
+      {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only"},
       {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
+      {"cluster", {1, 2}, {}, "wgmma: CTAs per thread-block cluster, side by side along N, sharing A by TMA multicast"},
+      {"split", {1, 2, 3, 4}, {}, "wgmma, fp8: CTAs (one cluster) sharing a tile's K; partial sums reduced in rank order"},
   };
 }
 
 struct Tile {
   bool wgmma;
   int bm, bn, stages, group;
+  int cluster = 1;
+  int split = 1;
 };
 inline Tile tile_of(const Params& p) {
   return {*p.get_str("path") == "wgmma", int(*p.get_int("bm")), int(*p.get_int("bn")), int(*p.get_int("stages")),
-          int(*p.get_int("group"))};
+          int(*p.get_int("group")), int(*p.get_int("cluster")), int(*p.get_int("split"))};
 }
 
 inline std::int64_t element_bytes(Kind kind, DType operand) { return kind == k_gated ? dtype_size(operand) : 1; }
 
 // Dynamic shared memory: the stages (128 bytes of K per row of A and of each B), 1024 bytes of
-// slack to align them to the swizzle atom, and the wgmma path's two mbarriers per stage.
+// slack to align them to the swizzle atom, and the wgmma path's two mbarriers per stage and, for
+// block scales, each stage's scales (bm a scales, the b scale, padded to 16 bytes).
 inline std::uint32_t shared_bytes(Kind kind, const Tile& t) {
   const int b_tiles = kind == k_gated ? 2 : 1;
-  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0));
+  const int scales = t.wgmma && kind == k_fp8_block ? t.stages * (t.bm + 4) * 4 : 0;
+  // Split-K: two mbarriers and the fp32 partial tile (rows of bn + 4 floats).
+  const int partial = t.split > 1 ? 16 + t.bm * (t.bn + 4) * 4 : 0;
+  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0) + scales +
+                       partial);
 }
 
 // What one block may use on a device of compute capability cc (the opt-in maximum).
@@ -66,6 +75,11 @@ inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
   if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
+  if (!t.wgmma && t.cluster != 1) return invalid_argument(f + ": clusters are for the wgmma path only");
+  if (t.split > 1 && (!t.wgmma || kind == k_gated || t.cluster != 1))
+    return invalid_argument(f + ": split-K is for fp8 on the wgmma path, without A multicast (cluster 1)");
+  if ((t.bn == 56 || t.bn == 176) && (kind != k_fp8_tensor || !t.wgmma))
+    return invalid_argument(f + ": bn 56 and 176 are for per-tensor fp8 on the wgmma path only");
   if (shared_bytes(kind, t) > 227 * 1024)
     return invalid_argument(f + ": " + std::to_string(shared_bytes(kind, t)) + " bytes of shared memory exceed 227 KiB");
   return {};
@@ -101,11 +115,26 @@ inline std::int64_t tiles(const Tile& t, const Problem& p) {
   return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((p.dims[k_n] + t.bn - 1) / t.bn);
 }
 
+// The wgmma path's work units: rows of tiles x column tiles in groups of `cluster` (the last group
+// padded when the column tiles do not divide).
+inline std::int64_t cluster_units(const Tile& t, const Problem& p) {
+  const std::int64_t tn = (p.dims[k_n] + t.bn - 1) / t.bn;
+  return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((tn + t.cluster - 1) / t.cluster);
+}
+
+// The wgmma path's persistent grid: one CTA per SM at most, whole clusters (cluster x split CTAs
+// each).
+inline std::int64_t persistent_ctas(const Tile& t, const Problem& p) {
+  const std::int64_t size = t.cluster * t.split;
+  const std::int64_t clusters = std::max<std::int64_t>(1, p.dims[k_sms] / size);
+  return std::min(cluster_units(t, p), clusters) * size;
+}
+
 inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
   LaunchGeometry g;
   const std::int64_t n_tiles = tiles(t, p);
   // wgmma: persistent (at most one CTA per SM); mma: one CTA per tile.
-  g.grid.x = std::uint32_t(std::clamp<std::int64_t>(t.wgmma ? std::min(n_tiles, p.dims[k_sms]) : n_tiles, 1, 0x7fffffff));
+  g.grid.x = std::uint32_t(std::clamp<std::int64_t>(t.wgmma ? persistent_ctas(t, p) : n_tiles, 1, 0x7fffffff));
   g.block.x = std::uint32_t(t.wgmma ? (t.bm / 64 + 1) * 128 : 2 * t.bn);
   g.shared_bytes = shared_bytes(kind, t);
   return g;
@@ -114,14 +143,18 @@ inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
 // The kernel's name expression (templates/gemm/gemm_{mma,wgmma}.cuh).
 inline std::string name_expression(Kind kind, const std::string& operand, const std::string& out, int act,
                                    const Tile& t) {
-  return std::string("kiln::gemm::") + (t.wgmma ? "gemm_wgmma<" : "gemm_mma<") + std::to_string(int(kind)) + ", " +
-         operand + ", " + out + ", " + std::to_string(act) + ", " + std::to_string(t.bm) + ", " + std::to_string(t.bn) +
-         ", " + std::to_string(t.stages) + ", " + std::to_string(t.group) + ">";
+  const bool clustered = t.wgmma && t.cluster * t.split > 1;
+  const char* kernel = !t.wgmma ? "gemm_mma<" : clustered ? "gemm_wgmma_cluster<" : "gemm_wgmma<";
+  return std::string("kiln::gemm::") + kernel + std::to_string(int(kind)) + ", " + operand + ", " + out + ", " +
+         std::to_string(act) + ", " + std::to_string(t.bm) + ", " + std::to_string(t.bn) + ", " +
+         std::to_string(t.stages) + ", " + std::to_string(t.group) +
+         (clustered ? ", " + std::to_string(t.cluster) + ", " + std::to_string(t.split) : std::string()) + ">";
 }
 
 // Buffers in kernel order: a, b0, b1, a_scale, b_scale, out (unused ones passed as null), then
 // m, n, k, tiles_m, tiles_n; the wgmma path adds tensor maps of a, b0 and b1 (b0's again when
-// there is no b1). `es`: operand element bytes.
+// there is no b1); a's box is bm / cluster rows (each CTA of a cluster copies its share of A).
+// `es`: operand element bytes.
 inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void* b0, void* b1, void* a_scale,
                  void* b_scale, void* out, ArgPack& args) {
   args.add(a);
@@ -137,7 +170,7 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add(int((p.dims[k_n] + t.bn - 1) / t.bn));
   if (!t.wgmma) return;
   const std::uint64_t row_bytes = std::uint64_t(p.dims[k_k] * es);
-  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm), 0});
+  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm / t.cluster), 0});
   args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
   args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
 }
@@ -153,29 +186,58 @@ inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
 
 // The wgmma path's candidate tiles for a kind, largest first.
 inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
-  if (kind == k_fp8_tensor) return {{128, 256}, {128, 192}, {128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  if (kind == k_fp8_tensor)
+    return {{128, 256}, {128, 192}, {128, 176}, {128, 128}, {128, 64}, {128, 56}, {128, 32}, {64, 64}, {64, 32}};
   if (kind == k_fp8_block) return {{128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
   return {{128, 128}, {128, 64}, {64, 64}};
 }
 
-// The default tile. wgmma: the candidate with the least modelled time, waves x (bm bn + 64 (bm +
-// bn)), where a wave is one tile per SM (the grid is persistent) and a tile costs its tensor-core
-// work plus a term for its loads per step of K, which dominates for the small tiles that
-// decode-sized problems need to occupy every SM; ties go to the larger tile. mma: 128 x 128
-// (gated 128 x 64), bm and then bn halved while the tiles leave SMs idle. Stages: default_stages.
+// Split-K candidates of the heuristic (wgmma, fp8, no cluster): 2 CTAs per tile for the 128-row
+// tiles that decode-sized problems (M = 128) can widen once K is split. Splits of 3 and 4 are in
+// the tuning space only: on the H100 they ran 1.3-1.7x slower than 2 at the same problems, most
+// likely because fewer clusters of 3 or 4 CTAs fit at once than sms / size (a GPC's SMs, not the
+// device's, bound a cluster), which the wave model cannot see.
+inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
+  if (kind == k_gated || bm != 128 || !(bn == 64 || bn == 128 || bn == 176)) return {1};
+  return {1, 2};
+}
+
+// The modelled time of a wgmma tile: waves x (k-steps per CTA x (bm bn + 64 (bm / cluster + bn))
+// + the split-K reduction), where a wave is one tile per SM (the grid is persistent, whole
+// clusters), a k-step (128 bytes of K) costs its tensor-core work plus a term for its loads,
+// which dominates for the small tiles of decode-sized problems, and a split-K reduction costs
+// 2 bm bn + ten k-steps (the partial tile through shared memory, the cluster handshakes, one
+// more pass over the output): the constant that puts the model's choice on the fastest measured
+// variant at all six M = 128 problems (H100, 2026-11-22; four k-steps chose splits that ran
+// 1.1-1.6x slower).
+inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
+  const std::int64_t size = c.cluster * c.split;
+  const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
+  const std::int64_t waves = (cluster_units(c, p) + per_wave - 1) / per_wave;
+  const std::int64_t ksteps = (p.dims[k_k] * element_bytes(kind, DType::bf16) + 127) / 128;
+  const std::int64_t step = std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn);
+  const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 10 * step : 0;
+  return waves * ((ksteps + c.split - 1) / c.split * step + reduce);
+}
+
+// The default tile. wgmma: the candidate (tile, split) with the least wgmma_cost; ties go to the
+// larger tile, then to no split. No clusters of A multicast: they measured neutral to slower
+// (docs/kernels.md). mma: 128 x 128 (gated 128 x 64), bm and then bn halved while the tiles
+// leave SMs idle. Stages: default_stages.
 inline Tile default_tile(Kind kind, const Problem& p) {
   const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]), cc = p.dims[k_cc];
   Tile t{cc == 90, 128, 128, 4, 8};
   if (t.wgmma) {
     std::int64_t best = -1;
-    for (auto [bm, bn] : wgmma_tiles(kind)) {
-      const Tile c{true, bm, bn, 4, 8};
-      const std::int64_t cost = (tiles(c, p) + sms - 1) / sms * (std::int64_t(bm) * bn + 64 * (bm + bn));
-      if (best < 0 || cost < best) {
-        best = cost;
-        t = c;
+    for (auto [bm, bn] : wgmma_tiles(kind))
+      for (int split : wgmma_splits(kind, bm, bn)) {
+        const Tile c{true, bm, bn, 4, 8, 1, split};
+        const std::int64_t cost = wgmma_cost(kind, c, p);
+        if (best < 0 || cost < best) {
+          best = cost;
+          t = c;
+        }
       }
-    }
   } else {
     if (kind == k_gated) t.bn = 64;
     if (tiles(t, p) < sms) t.bm = 64;
@@ -185,15 +247,16 @@ inline Tile default_tile(Kind kind, const Problem& p) {
   return t;
 }
 
-// The heuristic's tiles for every problem (the catalog's tiles): the wgmma candidates and the mma
-// halvings, each with default_stages on the device the path is for.
+// The heuristic's tiles for every problem (the catalog's tiles): the wgmma candidates with each
+// split and the mma halvings, each with default_stages on the device the path is for.
 inline std::vector<Tile> default_tiles(Kind kind) {
   std::vector<Tile> out;
-  for (auto [bm, bn] : wgmma_tiles(kind)) {
-    Tile t{true, bm, bn, 4, 8};
-    t.stages = default_stages(kind, t, 90);
-    out.push_back(t);
-  }
+  for (auto [bm, bn] : wgmma_tiles(kind))
+    for (int split : wgmma_splits(kind, bm, bn)) {
+      Tile t{true, bm, bn, 4, 8, 1, split};
+      t.stages = default_stages(kind, t, 90);
+      out.push_back(t);
+    }
   for (auto [bm, bn] : kind == k_gated ? std::vector<std::pair<int, int>>{{128, 64}, {64, 64}}
                                        : std::vector<std::pair<int, int>>{{128, 128}, {64, 128}, {64, 64}})
     for (std::int64_t cc : {80, 86}) {
@@ -207,17 +270,27 @@ inline std::vector<Tile> default_tiles(Kind kind) {
   return out;
 }
 
-// Every tile of the heuristic's path that validates and fits the problem.
+// Every tile of the heuristic's path that validates and fits the problem: each stage depth and
+// group order without clusters or split-K, and each tile with clusters of 2 (A multicast) or
+// split-K 2-4 at its default stages and group 8.
 template <class MakeParams, class Check>
-std::vector<Params> tile_space(const Tile& base, MakeParams make, Check check) {
+std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
   for (int bm : {64, 128})
-    for (int bn : {32, 64, 128, 192, 256})
+    for (int bn : {32, 56, 64, 128, 176, 192, 256}) {
       for (int stages : {3, 4, 5, 6})
         for (int group : {8, 16}) {
           Params p = make(Tile{base.wgmma, bm, bn, stages, group});
           if (check(p)) out.push_back(std::move(p));
         }
+      if (!base.wgmma) continue;
+      for (auto [cluster, split] : {std::pair{2, 1}, {1, 2}, {1, 3}, {1, 4}}) {
+        Tile t{true, bm, bn, 4, 8, cluster, split};
+        t.stages = default_stages(kind, t, 90);
+        Params p = make(t);
+        if (check(p)) out.push_back(std::move(p));
+      }
+    }
   return out;
 }
 
@@ -227,7 +300,9 @@ inline Params with_tile(Params base, const Tile& t) {
       .set("bm", std::int64_t(t.bm))
       .set("bn", std::int64_t(t.bn))
       .set("stages", std::int64_t(t.stages))
-      .set("group", std::int64_t(t.group));
+      .set("group", std::int64_t(t.group))
+      .set("cluster", std::int64_t(t.cluster))
+      .set("split", std::int64_t(t.split));
   return base;
 }
 
@@ -249,7 +324,7 @@ class GemmFamily : public Family {
   std::vector<Params> tuning_space(const Problem& p) const override {
     const Params h = heuristic(p);
     return tile_space(
-        tile_of(h), [&](const Tile& t) { return with_tile(h, t); },
+        kind(h), tile_of(h), [&](const Tile& t) { return with_tile(h, t); },
         [&](const Params& c) { return validate(c).ok() && check_problem(c, p).ok(); });
   }
   Result<Problem> problem_from_shape(DType dtype,

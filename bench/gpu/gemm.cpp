@@ -191,25 +191,37 @@ int gated(Context& ctx, nlohmann::json& rows) {
   return 0;
 }
 
-// Every variant of the tuning space at fp8 8192^3 (per tensor) and the gated MLP at 4096 x 11008
-// x 4096 and the shapes where waves or memory decide, ranked: the data behind default_tile
-// (families/gemm_util.h). Correctness is the other parts' and the GPU tests' job. Only with
-// KILN_BENCH_GEMM_VARIANTS=1 (it compiles ~100 variants).
+// Candidate tiles around the wave model's choice (families/gemm_util.h: default_tile) at the
+// decode-sized LLM shapes (M = 128, where split-K decides) and block-scaled large shapes (where
+// clusters of A multicast gained 2-4%), each with its default_stages and group 8: the data behind
+// the model. Correctness is the other parts' and the GPU tests' job. Only with
+// KILN_BENCH_GEMM_VARIANTS=1 (it compiles ~30 variants).
 int variants(Context& ctx, nlohmann::json& rows) {
   const int sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
+  struct Cand {
+    int bm, bn, cluster, split;
+  };
   struct Case {
     const char* family;
     std::int64_t m, n, k, mode;
     DType dtype;
     double flops;
+    std::vector<Cand> cands;
   };
-  const Case cases[] = {{"fp8_gemm", 8192, 8192, 8192, families::k_fp8_per_tensor, DType::bf16, 2.0 * 8192 * 8192 * 8192},
-                        {"fp8_gemm", 8192, 8192, 8192, families::k_fp8_blockwise, DType::bf16, 2.0 * 8192 * 8192 * 8192},
-                        {"fp8_gemm", 4096, 2112, 7168, families::k_fp8_per_tensor, DType::bf16, 2.0 * 4096 * 2112 * 7168},
-                        {"fp8_gemm", 4096, 2112, 7168, families::k_fp8_blockwise, DType::bf16, 2.0 * 4096 * 2112 * 7168},
-                        {"fp8_gemm", 128, 7168, 16384, families::k_fp8_per_tensor, DType::bf16, 2.0 * 128 * 7168 * 16384},
-                        {"fp8_gemm", 128, 2112, 7168, families::k_fp8_per_tensor, DType::bf16, 2.0 * 128 * 2112 * 7168},
-                        {"gated_mlp", 4096, 11008, 4096, 0, DType::bf16, 4.0 * 4096 * 11008 * 4096}};
+  const auto T = families::k_fp8_per_tensor, B = families::k_fp8_blockwise;
+  const double F = 2.0;
+  const Case cases[] = {
+      {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192, {{128, 128, 1, 1}, {128, 128, 2, 1}}},
+      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168, {{128, 128, 1, 1}, {128, 128, 2, 1}}},
+      {"fp8_gemm", 128, 7168, 16384, T, DType::bf16, F * 128 * 7168 * 16384,
+       {{128, 176, 1, 3}, {128, 128, 1, 2}, {128, 192, 1, 3}, {128, 56, 1, 1}, {128, 64, 1, 2}}},
+      {"fp8_gemm", 128, 4096, 7168, T, DType::bf16, F * 128 * 4096 * 7168,
+       {{128, 128, 1, 4}, {128, 64, 1, 2}, {128, 128, 1, 3}, {64, 64, 1, 1}, {128, 176, 1, 4}}},
+      {"fp8_gemm", 128, 2112, 7168, T, DType::bf16, F * 128 * 2112 * 7168,
+       {{128, 64, 1, 4}, {128, 128, 1, 4}, {128, 64, 1, 3}, {64, 32, 1, 1}, {128, 56, 1, 4}}},
+      {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{128, 128, 1, 2}, {128, 64, 1, 1}, {128, 64, 1, 2}}},
+      {"fp8_gemm", 128, 4096, 7168, B, DType::bf16, F * 128 * 4096 * 7168, {{128, 128, 1, 4}, {128, 64, 1, 2}, {64, 64, 1, 1}}},
+      {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168, {{128, 64, 1, 4}, {128, 128, 1, 4}, {64, 32, 1, 1}}}};
   std::printf("\ngemm variants\n%10s %6s %6s %6s %10s %9s  %s\n", "family", "M", "N", "K", "median_us", "TFLOP/s",
               "variant");
   for (const Case& c : cases) {
@@ -217,8 +229,9 @@ int variants(Context& ctx, nlohmann::json& rows) {
     Problem p;
     p.dtype = c.dtype;
     p.dims = {c.m, c.n, c.k, c.mode, sms, cc};
-    const auto space = f.tuning_space(p);
-    const auto specs = f.buffers(space.front(), p);
+    const Params h = f.heuristic(p);
+    const g::Kind kind = std::string(c.family) == "gated_mlp" ? g::k_gated : c.mode == B ? g::k_fp8_block : g::k_fp8_tensor;
+    const auto specs = f.buffers(h, p);
     std::vector<std::unique_ptr<DeviceBuffer>> bufs;
     std::vector<void*> ptrs;
     for (const auto& b : specs) {
@@ -233,10 +246,11 @@ int variants(Context& ctx, nlohmann::json& rows) {
       bufs.back()->upload(host.data());
       ptrs.push_back(bufs.back()->get());
     }
-    for (const Params& v : space) {
-      // Tiles and stage depths only: the group order moved results by less than the noise of 10
-      // calls in the first ranking (H100, 2026-11-22).
-      if (*v.get_int("group") != 8 || (*v.get_int("stages") != 4 && *v.get_int("stages") != 6)) continue;
+    for (const Cand& cand : c.cands) {
+      g::Tile t{true, cand.bm, cand.bn, 4, 8, cand.cluster, cand.split};
+      t.stages = g::default_stages(kind, t, cc);
+      const Params v = g::with_tile(h, t);
+      if (!f.validate(v).ok() || !f.check_problem(v, p).ok()) continue;
       auto k = ctx.runtime->kernel(KernelSpec{c.family, v});
       check(k.status(), "kernel");
       auto call = [&](int) { check(ctx.runtime->launch(**k, p, ptrs, nullptr), "launch"); };
@@ -244,10 +258,10 @@ int variants(Context& ctx, nlohmann::json& rows) {
       check(ctx.driver->ctx_synchronize(), "sync");
       const double ms = time_events(call, 3, 10);
       const double tflops = c.flops / (ms * 1e-3) / 1e12;
-      std::printf("%10s %6lld %6lld %6lld %10.1f %9.1f  %s\n", c.family, (long long)c.m, (long long)c.n, (long long)c.k,
-                  ms * 1e3, tflops, v.canonical().c_str());
+      std::printf("%10s %6lld %6lld %6lld %10.1f %9.1f  %s%s\n", c.family, (long long)c.m, (long long)c.n, (long long)c.k,
+                  ms * 1e3, tflops, v.canonical().c_str(), v == h ? "  (heuristic)" : "");
       rows.push_back({{"kind", std::string("variant_") + c.family}, {"m", c.m}, {"n", c.n}, {"k", c.k},
-                      {"median_us", ms * 1e3}, {"tflops", tflops}, {"variant", v.canonical()}});
+                      {"median_us", ms * 1e3}, {"tflops", tflops}, {"variant", v.canonical()}, {"heuristic", v == h}});
     }
   }
   return 0;

@@ -7,8 +7,8 @@
 // b_scale [ceil(n/128), ceil(k/128)] (128x128 blocks), both f32 row-major, and the tensor-core
 // partial sums promoted to fp32 with both scales every 128 of K.
 //
-// Params: path {mma, wgmma}, out {f16, bf16}, scaling {tensor, block}, bm, bn, stages, group
-// (families/gemm_util.h). Problem: dims {m, n, k, mode, sms, cc}, dtype = out's. k must be a
+// Params: path {mma, wgmma}, out {f16, bf16}, scaling {tensor, block}, bm, bn, stages, group,
+// cluster (A multicast), split (split-K) (families/gemm_util.h). Problem: dims {m, n, k, mode, sms, cc}, dtype = out's. k must be a
 // multiple of 16; m and n are free (ragged tiles are zero-filled and stores guarded).
 // Buffers: a [m, k] u8, b [n, k] u8, a_scale f32, b_scale f32, out [m, n].
 #pragma once

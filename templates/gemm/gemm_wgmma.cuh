@@ -7,7 +7,9 @@
 // stage has a `full` mbarrier (the copies complete their bytes on it) and an `empty` one
 // (consumers -> producer). The grid is persistent: CTA i takes tiles i, i + grid, ... in grouped
 // order, and the ring runs on across tiles, so the producer loads the next tile while the
-// consumers store this one.
+// consumers store this one. Variants with thread-block clusters (gemm_wgmma_cluster) either share
+// A across CTAs of adjacent column tiles (CLUSTER) or split one tile's K over CTAs (SPLIT); see
+// the notes before gemm_wgmma_body.
 //
 // Off sm_90a (no wgmma, no setmaxnreg) the kernel compiles to an empty body: families run this
 // path only on devices of compute capability 9.0.
@@ -76,60 +78,223 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[0][ni][e])::"memory");
 }
 
-template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-    gemm_wgmma(KILN_GEMM_PARAMS, const __grid_constant__ TmaDesc map_a, const __grid_constant__ TmaDesc map_b0,
-               const __grid_constant__ TmaDesc map_b1) {
+// Thread-block clusters (CLUSTER > 1): the CLUSTER CTAs of a cluster take output tiles side by
+// side along N (same rows of A, CLUSTER consecutive column tiles) and share A: CTA r copies rows
+// [r BM / CLUSTER, (r + 1) BM / CLUSTER) of each stage's A tile and multicasts them into every
+// CTA of the cluster, so L2 serves each A tile once per cluster instead of once per CTA (the
+// decode-sized problems, M = 128, read A once per column tile and are bound by L2 bandwidth).
+// A stage may then be refilled only when every CTA of the cluster has released it: each consumer
+// warp arrives on the `empty` barrier of every CTA in the cluster. Column tiles past tiles_n
+// (tiles_n not a multiple of CLUSTER) still take part in the loads of A and store nothing.
+__device__ __forceinline__ unsigned cluster_ctarank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA in the cluster; orders shared-memory accesses (and mbarrier
+// initialization) across the cluster.
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// Arrive on the mbarrier at the same offset in CTA `rank` of the cluster. Default semantics
+// (release at CTA scope), as for a local arrive: what it orders is the consumers' wgmma reads of
+// the stage, retired by wgmma.wait before it. `.release.cluster` made every call a cluster-wide
+// memory fence: each k-step took ~1.5 us and cluster variants ran 2-3x slower (H100, 2026-11-22).
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
+  asm volatile(
+      "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [r];\n}\n" ::"r"(
+          bar),
+      "r"(rank)
+      : "memory");
+}
+// The same with release at cluster scope: orders this thread's earlier shared-memory writes
+// before the arrival for readers in other CTAs of the cluster (split-K partial sums). A
+// cluster-wide fence: once per tile, never per k-step.
+__device__ __forceinline__ void mbar_arrive_cluster_release(unsigned bar, unsigned rank) {
+  asm volatile(
+      "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, "
+      "[r];\n}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+// Waits for a phase of a local mbarrier whose arrivals came from the whole cluster, acquiring
+// what they released.
+__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, "
+        "p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// 16 bytes at the same shared-memory offset in CTA `rank` of the cluster.
+__device__ __forceinline__ float4 ld_cluster_f4(unsigned addr, unsigned rank) {
+  float4 v;
+  asm volatile(
+      "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %4, %5;\nld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [r];\n}\n"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "r"(addr), "r"(rank)
+      : "memory");
+  return v;
+}
+// As tma_load_2d, into the same offset of every CTA in `mask`, completing bytes on each one's
+// mbarrier at `bar`'s offset.
+__device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TmaDesc* map, int col, int row, unsigned bar,
+                                                      unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+      "%3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(col), "r"(row), "r"(bar), "h"(mask)
+      : "memory");
+}
+// 4 bytes global -> shared through L1 (block scales: a row's next k-blocks share its sector);
+// src_bytes 0 writes zero.
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// Arrive on `bar` once this thread's earlier cp.async copies have landed (the barrier's count
+// includes this arrival: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Split-K (SPLIT > 1, fp8 only, no CLUSTER): the SPLIT CTAs of a cluster compute the same output
+// tile, CTA r over k-steps [r ktiles / SPLIT, (r + 1) ktiles / SPLIT). For decode-sized M every
+// CTA streams its whole A tile once per column tile, and an SM takes in ~48 GB/s however the loads
+// are issued (H100, 2026-11-22: every M = 128 tile and cluster shape measured ran at 41-49 GB/s of
+// A + B per SM), so A's share of those bytes decides; splitting K lets wider column tiles (less
+// A per byte of B) fill the SMs. Each CTA writes its fp32 partial tile to its own shared memory,
+// arrives on a `ready` barrier in every CTA of the cluster, then sums rows [r BM / SPLIT, ...) of
+// all SPLIT partial tiles in rank order (deterministic: the same sum whatever the timing), read
+// through distributed shared memory, and stores them; a `done` barrier keeps a partial tile
+// alive until every CTA has read it.
+// Block-scaled fp8 (KIND k_fp8_block): one stage is exactly one 128-wide k-block. The producer
+// warpgroup's second warp copies the stage's scales (BM rows of a_scale, the tile's b_scale) into
+// a small per-stage area beside the ring with cp.async and arrives on the stage's `full` barrier
+// when they land, so the consumers read them from shared memory and never wait on global memory.
+// Consumers keep two partial-sum sets: the batch of k-block kt + 1 is issued before the partial
+// sums of kt are promoted (acc += part * a_scale * b_scale), so the tensor cores always have a
+// batch of this warpgroup queued while it promotes.
+template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
+__device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc& map_a, const TmaDesc& map_b0,
+                                                const TmaDesc& map_b1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int CONSUMERS = BM / 64, NI = BN / 8;
-  constexpr bool DUAL = KIND == k_gated, FP8 = KIND != k_gated, BLOCK = KIND == k_fp8_block;
+  constexpr bool DUAL = KIND == k_gated, FP8 = KIND != k_gated, BLOCK = KIND == k_fp8_block, MC = CLUSTER > 1,
+                 SK = SPLIT > 1;
+  constexpr int CL = CLUSTER * SPLIT;  // CTAs per cluster
+  static_assert(!(SK && (MC || DUAL)), "split-K is for fp8 without A multicast");
   using MmaT = typename Select<FP8, u8, TIn>::type;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
+  constexpr int SCALE_FLOATS = BM + 4;  // per stage: BM a scales, the b scale, padding to 16 bytes
   extern __shared__ unsigned char smem_raw[];
-  const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+  const unsigned raw = smem_addr(smem_raw);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES, scales = empty + 8 * STAGES;
+  // Split-K: the ready and done barriers, then the partial tile (rows of RED_LD floats).
+  constexpr int RED_LD = BN + 4;
+  const unsigned red_bar = scales + (BLOCK ? STAGES * SCALE_FLOATS * 4 : 0), red = red_bar + 16;
 
-  const int wg = threadIdx.x / 128;
+  const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
   const int ktiles = int(((long long)k * (FP8 ? 1 : 2) + k_row_bytes - 1) / k_row_bytes);
   const int kblocks = (k + k_scale_block - 1) / k_scale_block;
-  const int tiles = tiles_m * tiles_n;
+  // Work units: a row of tiles_m x ceil(tiles_n / CLUSTER) cluster tiles, one per cluster; CTA
+  // `rank` of the cluster takes column tile tn_c * CLUSTER + rank.
+  const int crank = CL > 1 ? int(cluster_ctarank()) : 0;
+  const int rank = MC ? crank : 0, krank = SK ? crank : 0;
+  const int tiles_nc = (tiles_n + CLUSTER - 1) / CLUSTER;
+  const int units = tiles_m * tiles_nc, first = blockIdx.x / CL, step = gridDim.x / CL;
+  // This CTA's k-steps (all of them without split-K); a range may be empty when ktiles < SPLIT.
+  const int kt0 = int((long long)ktiles * krank / SPLIT), kt1 = int((long long)ktiles * (krank + 1) / SPLIT);
+  const int nk = kt1 - kt0;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, CONSUMERS * 128);
+      mbar_init(full + 8 * s, BLOCK ? 1 + 32 : 1);
+      mbar_init(empty + 8 * s, MC ? CONSUMERS * 4 * CLUSTER : CONSUMERS * 128);
     }
+    if (SK) {
+      mbar_init(red_bar, SPLIT * CONSUMERS * 4);
+      mbar_init(red_bar + 8, SPLIT * CONSUMERS * 4);
+    }
+    if (CL > 1) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if (CL > 1)
+    cluster_sync_all();
+  else
+    __syncthreads();
 
   if (wg == CONSUMERS) {
-    // Producer: one thread issues every copy.
+    // Producer: one thread issues every copy of the operands; with block scales, a second warp
+    // copies the scales.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
-    if (threadIdx.x != CONSUMERS * 128) return;
-    int it = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      int tm, tn;
-      tile_coords<GROUP>(t, tiles_m, tiles_n, tm, tn);
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % STAGES;
-        if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
-        const unsigned st = base + s * STAGE_BYTES, bar = full + 8 * s;
-        mbar_expect_tx(bar, STAGE_BYTES);
-        tma_load_2d(st, &map_a, kt * k_row_bytes, tm * BM, bar);
-        tma_load_2d(st + A_BYTES, &map_b0, kt * k_row_bytes, tn * BN, bar);
-        if (DUAL) tma_load_2d(st + A_BYTES + B_BYTES, &map_b1, kt * k_row_bytes, tn * BN, bar);
+    const int warp = (threadIdx.x / 32) % 4;
+    if (warp == 0) {
+      // The whole warp walks the ring (it stays converged for the cluster barrier at the end);
+      // lane 0 issues.
+      int it = 0;
+      for (int u = first; u < units; u += step) {
+        int tm, tnc;
+        tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
+        const int tn = tnc * CLUSTER + rank;
+        const bool b_valid = !MC || tn < tiles_n;
+        const unsigned bytes = A_BYTES + (b_valid ? (DUAL ? 2 : 1) * B_BYTES : 0);
+        for (int kt = kt0; kt < kt1; ++kt, ++it) {
+          const int s = it % STAGES;
+          if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
+          const unsigned st = base + s * STAGE_BYTES, bar = full + 8 * s;
+          if (lane == 0) {
+            mbar_expect_tx(bar, bytes);
+            if (MC)
+              tma_load_2d_multicast(st + rank * (A_BYTES / CLUSTER), &map_a, kt * k_row_bytes,
+                                    tm * BM + rank * (BM / CLUSTER), bar, (unsigned short)((1u << CLUSTER) - 1));
+            else
+              tma_load_2d(st, &map_a, kt * k_row_bytes, tm * BM, bar);
+            if (b_valid) {
+              tma_load_2d(st + A_BYTES, &map_b0, kt * k_row_bytes, tn * BN, bar);
+              if (DUAL) tma_load_2d(st + A_BYTES + B_BYTES, &map_b1, kt * k_row_bytes, tn * BN, bar);
+            }
+          }
+          __syncwarp();
+        }
+      }
+    } else if (BLOCK && warp == 1) {
+      int it = 0;
+      for (int u = first; u < units; u += step) {
+        int tm, tnc;
+        tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
+        const int tn = tnc * CLUSTER + rank;
+        const bool b_ok = tn * BN < n;
+        const float* b_scales = b_scale + (long long)((tn * BN) / k_scale_block) * kblocks;
+        for (int kt = kt0; kt < kt1; ++kt, ++it) {
+          const int s = it % STAGES;
+          if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
+          const unsigned dst = scales + s * SCALE_FLOATS * 4;
+#pragma unroll
+          for (int r = lane; r < BM; r += 32) {
+            const int row = tm * BM + r;
+            const bool ok = row < m;
+            cp_async_4(dst + 4 * r, ok ? a_scale + (long long)row * kblocks + kt : a_scale, ok ? 4 : 0);
+          }
+          if (lane == 0) cp_async_4(dst + 4 * BM, b_ok ? b_scales + kt : b_scale, b_ok ? 4 : 0);
+          cp_async_mbar_arrive(full + 8 * s);
+        }
       }
     }
+    if (CL > 1) cluster_sync_all();
     return;
   }
 
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMERS == 1 ? 240 : 224));
   const int warp_in_wg = (threadIdx.x / 32) % 4;
-  // acc1: the up projection (gated); part: a k-block's partial sums (block-scaled). Unused ones
-  // are compiled away.
-  float acc[1][NI][4], acc1[1][NI][4], part[1][NI][4];
+  // acc1: the up projection (gated); part0/part1: k-block partial sums (block-scaled). Unused
+  // ones are compiled away.
+  float acc[1][NI][4], acc1[1][NI][4], part0[1][NI][4], part1[1][NI][4];
   // One stage: 4 instructions of 32 bytes of K (+2 per step in descriptor units) into d, plus the
   // up projection into acc1; `accumulate` 0 starts d afresh. Returns with the batch in flight.
   auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
@@ -149,49 +314,158 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     fence_fragments(d);
     if (DUAL) fence_fragments(acc1);
   };
-  int it = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    int tm, tn;
-    tile_coords<GROUP>(t, tiles_m, tiles_n, tm, tn);
-    const int row0 = tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
-    zero_fragments(acc);
-    // Block scales of k-block kt, loaded one k-block ahead (their latency hides behind a stage).
-    float sa[1][2] = {}, sa_next[1][2] = {}, sb = 0.0f, sb_next = 0.0f;
-    const float* b_scales = BLOCK ? b_scale + (long long)(col0 / k_scale_block) * kblocks : nullptr;
-    if (BLOCK) {
-      load_block_scales(sa, a_scale, m, kblocks, 0, row0);
-      sb = __ldg(b_scales);
+  // Hands stage s back to the producers (of every CTA of the cluster).
+  auto release = [&](int s) {
+    if (MC) {
+      __syncwarp();
+      if (lane == 0)
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(empty + 8 * s, r);
+    } else {
+      mbar_arrive(empty + 8 * s);
     }
-    for (int kt = 0; kt < ktiles; ++kt, ++it) {
-      const int s = it % STAGES;
-      mbar_wait(full + 8 * s, (it / STAGES) & 1);
-      const unsigned st = base + s * STAGE_BYTES;
-      if (BLOCK) {
-        // The partial sums are needed in registers now: wait for this stage's batch.
-        issue_stage(part, st, 0);
-        if (kt + 1 < ktiles) {
-          load_block_scales(sa_next, a_scale, m, kblocks, kt + 1, row0);
-          sb_next = __ldg(b_scales + kt + 1);
-        }
+  };
+  // This thread's two rows' a scales times the b scale of stage s.
+  const float* stage_scales = reinterpret_cast<const float*>(smem_raw + (scales - raw));
+  const int scale_row = wg * 64 + warp_in_wg * 16 + (lane >> 2);
+  auto read_scales = [&](float(&sc)[1][2], int s) {
+    const float* p = stage_scales + s * SCALE_FLOATS;
+    const float sb = p[BM];
+    sc[0][0] = p[scale_row] * sb;
+    sc[0][1] = p[scale_row + 8] * sb;
+  };
+  // Block-scaled: queue the batch of the stage after `it` into nxt (its scales into ns); retire
+  // stage `it` (its batch, into cur, is done by then) and promote it with its scales cs.
+  int it = 0;
+  auto block_issue_next = [&](float(&nxt)[1][NI][4], float(&ns)[1][2]) {
+    const int s1 = (it + 1) % STAGES;
+    mbar_wait(full + 8 * s1, ((it + 1) / STAGES) & 1);
+    read_scales(ns, s1);
+    issue_stage(nxt, base + s1 * STAGE_BYTES, 0);
+  };
+  auto block_retire = [&](float(&cur)[1][NI][4], float(&cs)[1][2]) {
+    fence_fragments(cur);
+    release(it % STAGES);
+    ++it;
+    promote_block(acc, cur, cs, 1.0f);
+  };
+  int uiter = 0;  // split-K: units done, the parity of the ready / done barriers
+  for (int u = first; u < units; u += step) {
+    int tm, tnc;
+    tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
+    const int tn = tnc * CLUSTER + rank;
+    const int row0 = tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
+    if (BLOCK) {
+      zero_fragments(acc);
+      float sc0[1][2], sc1[1][2];
+      if (nk > 0) {
+      {
+        const int s = it % STAGES;
+        mbar_wait(full + 8 * s, (it / STAGES) & 1);
+        read_scales(sc0, s);
+        issue_stage(part0, base + s * STAGE_BYTES, 0);
+      }
+      // Pairs of k-blocks with a next one to queue behind each, then the one or two left. Every
+      // read of a partial-sum set follows a wait that ptxas can see retires its batch (a wait
+      // count that depends on a run-time branch makes it serialize every wgmma).
+      int kt = 0;
+      for (; kt + 2 < nk; kt += 2) {
+        block_issue_next(part1, sc1);
+        wgmma_wait<1>();
+        block_retire(part0, sc0);
+        block_issue_next(part0, sc0);
+        wgmma_wait<1>();
+        block_retire(part1, sc1);
+      }
+      if (kt + 1 < nk) {
+        block_issue_next(part1, sc1);
+        wgmma_wait<1>();
+        block_retire(part0, sc0);
         wgmma_wait<0>();
-        settle(part);
-        mbar_arrive(empty + 8 * s);
-        promote_block(acc, part, sa, sb);
-        sa[0][0] = sa_next[0][0];
-        sa[0][1] = sa_next[0][1];
-        sb = sb_next;
+        block_retire(part1, sc1);
       } else {
+        wgmma_wait<0>();
+        block_retire(part0, sc0);
+      }
+      }
+    } else if (nk == 0) {
+      // Split-K with fewer k-steps than CTAs: nothing here; the partial tile written below is
+      // zero. (acc is left alone: a non-wgmma write to it anywhere makes ptxas serialize every
+      // wgmma of the kernel, C7515.)
+    } else {
+      for (int kt = 0; kt < nk; ++kt, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(full + 8 * s, (it / STAGES) & 1);
         // Keep one batch in flight: when the previous one is done, its stage goes back.
-        issue_stage(acc, st, kt > 0);
+        issue_stage(acc, base + s * STAGE_BYTES, kt > 0);
         wgmma_wait<1>();
         settle(acc);
-        if (kt > 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+        if (kt > 0) release((it - 1) % STAGES);
       }
-    }
-    if (!BLOCK) {
       wgmma_wait<0>();
       settle(acc);
-      mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+      release((it - 1) % STAGES);
+    }
+    if (MC && tn >= tiles_n) continue;
+    if (SK) {
+      // Our partial tile may be overwritten once every CTA has read the previous one.
+      if (uiter > 0) mbar_wait_cluster(red_bar + 8, (uiter - 1) & 1);
+      const int rl = wg * 64 + warp_in_wg * 16 + (lane >> 2);
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const unsigned addr = red + 4u * unsigned((rl + 8 * h) * RED_LD + 8 * ni + 2 * (lane & 3));
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(nk > 0 ? acc[0][ni][2 * h] : 0.0f),
+                       "f"(nk > 0 ? acc[0][ni][2 * h + 1] : 0.0f)
+                       : "memory");
+        }
+      __syncwarp();
+      if (lane == 0)
+#pragma unroll
+        for (int r = 0; r < SPLIT; ++r) mbar_arrive_cluster_release(red_bar, r);
+      mbar_wait_cluster(red_bar, uiter & 1);
+      // Rows [krank * ROWS, ...) of the tile: the sum of every CTA's partial rows, in rank order.
+      constexpr int ROWS = (BM + SPLIT - 1) / SPLIT, QUADS = BN / 4;
+      const int r_begin = krank * ROWS, r_count = min(BM, r_begin + ROWS) - r_begin;
+      const float mul = BLOCK ? 1.0f : __ldg(a_scale) * __ldg(b_scale);
+      const bool pairs = (n & 1) == 0;
+      for (int e = threadIdx.x; e < r_count * QUADS; e += CONSUMERS * 128) {
+        const int rr = r_begin + e / QUADS, c = (e % QUADS) * 4;
+        const unsigned addr = red + 4u * unsigned(rr * RED_LD + c);
+        float4 sum = ld_cluster_f4(addr, 0);
+#pragma unroll
+        for (int q = 1; q < SPLIT; ++q) {
+          const float4 v = ld_cluster_f4(addr, q);
+          sum.x += v.x;
+          sum.y += v.y;
+          sum.z += v.z;
+          sum.w += v.w;
+        }
+        const int row = tm * BM + rr, col = col0 + c;
+        if (row >= m) continue;
+        TOut* orow = out + (long long)row * n;
+        const float vals[4] = {sum.x * mul, sum.y * mul, sum.z * mul, sum.w * mul};
+#pragma unroll
+        for (int j = 0; j < 4; j += 2) {
+          const TOut v0 = from_float<TOut>(vals[j]), v1 = from_float<TOut>(vals[j + 1]);
+          if (pairs && col + j + 1 < n) {
+            Pack<TOut, 2> pk;
+            pk.v[0] = v0;
+            pk.v[1] = v1;
+            store_pack<TOut, 2>(orow + col + j, pk);
+          } else {
+            if (col + j < n) orow[col + j] = v0;
+            if (col + j + 1 < n) orow[col + j + 1] = v1;
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0)
+#pragma unroll
+        for (int r = 0; r < SPLIT; ++r) mbar_arrive_cluster_release(red_bar + 8, r);
+      ++uiter;
+      continue;
     }
     if (DUAL) {
       store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) {
@@ -202,11 +476,34 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) { return acc[0][ni][e] * mul; });
     }
   }
+  if (CL > 1) cluster_sync_all();
 #else
   // Not sm_90a: nothing to run. check_problem refuses this path for such devices; a tuner timing a
   // problem that names another device gets an empty kernel rather than a trap that would poison
   // its CUDA context.
 #endif
+}
+
+// The kernels: without clusters, and with CLUSTER-wide clusters (the attribute fixes the
+// cluster shape at compile time, so a plain launch with a grid that is a multiple of CLUSTER
+// forms them).
+template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+    gemm_wgmma(KILN_GEMM_PARAMS, const __grid_constant__ TmaDesc map_a, const __grid_constant__ TmaDesc map_b0,
+               const __grid_constant__ TmaDesc map_b1) {
+  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1>(a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m,
+                                                                  tiles_n, map_a, map_b0, map_b1);
+}
+
+template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+#if __CUDA_ARCH__ >= 900
+__cluster_dims__(CLUSTER * SPLIT, 1, 1)
+#endif
+    gemm_wgmma_cluster(KILN_GEMM_PARAMS, const __grid_constant__ TmaDesc map_a,
+                       const __grid_constant__ TmaDesc map_b0, const __grid_constant__ TmaDesc map_b1) {
+  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, CLUSTER, SPLIT>(a, b0, b1, a_scale, b_scale, out, m, n, k,
+                                                                        tiles_m, tiles_n, map_a, map_b0, map_b1);
 }
 
 }  // namespace gemm

@@ -105,9 +105,10 @@ std::vector<unsigned char> random_scales(std::int64_t n, std::mt19937& rng) {
   return out;
 }
 
-Params gemm_params(const std::string& path, int bm, int bn, int stages, std::initializer_list<std::pair<const char*, const char*>> rest) {
-  Params p{{"path", path}, {"bm", std::int64_t(bm)}, {"bn", std::int64_t(bn)}, {"stages", std::int64_t(stages)},
-           {"group", std::int64_t(8)}};
+Params gemm_params(const std::string& path, int bm, int bn, int stages, std::initializer_list<std::pair<const char*, const char*>> rest,
+                   int cluster = 1, int split = 1) {
+  Params p{{"path", path},     {"bm", std::int64_t(bm)},   {"bn", std::int64_t(bn)}, {"stages", std::int64_t(stages)},
+           {"group", std::int64_t(8)}, {"cluster", std::int64_t(cluster)}, {"split", std::int64_t(split)}};
   for (auto [k, v] : rest) p.set(k, v);
   return p;
 }
@@ -123,11 +124,21 @@ TEST_F(GemmGpu, Fp8GemmMatchesReferenceOnEveryPathScalingAndOutput) {
   for (const auto& path : paths())
     for (const char* scaling : {"tensor", "block"})
       for (DType out : {DType::f16, DType::bf16})
-        for (auto [bm, bn] : {std::pair{128, 128}, {64, 64}, {64, 128}, {128, 256}, {128, 192}, {64, 32}})
+        for (auto [bm, bn] : {std::pair{128, 128}, {64, 64}, {64, 128}, {128, 256}, {128, 192}, {64, 32}, {128, 176}, {128, 56}})
+          // Clusters of 2 (A multicast; column tiles padded to whole clusters when their count is
+          // odd, as with bn 128 at n 328 or bn 32 at n 77) and split-K over 2, 3 or 4 CTAs (k of
+          // 144 and 256 is 2 k-steps: some CTAs of a 3- or 4-way split get none; k 784 with 3
+          // SMs walks many tiles per cluster) on the wgmma path, bf16 output.
+          for (auto [cluster, split] : {std::pair{1, 1}, {2, 1}, {1, 2}, {1, 3}, {1, 4}})
           for (const Shape& s : k_shapes) {
             if (bn > 128 && (path == "mma" || std::string(scaling) == "block")) continue;
-            const Params params = gemm_params(path, bm, bn, path == "wgmma" ? 4 : 3,
-                                              {{"out", dtype_name(out)}, {"scaling", scaling}});
+            if ((bn == 56 || bn == 176) && (path == "mma" || std::string(scaling) == "block")) continue;
+            if ((cluster > 1 || split > 1) && (path == "mma" || out != DType::bf16)) continue;
+            if (split == 3 && bm != 128) continue;
+            if (split > 1 && bn == 256) continue;  // the partial tile does not fit beside the stages
+            const int stages = path == "mma" ? 3 : split > 1 && bn >= 176 ? 3 : 4;
+            const Params params = gemm_params(path, bm, bn, stages,
+                                              {{"out", dtype_name(out)}, {"scaling", scaling}}, cluster, split);
             const bool block = std::string(scaling) == "block";
             const Problem p =
                 gemm_problem(out, s.m, s.n, s.k, block ? families::k_fp8_blockwise : families::k_fp8_per_tensor, s.sms);
@@ -155,9 +166,13 @@ TEST_F(GemmGpu, GatedMlpMatchesReferenceOnEveryPathDtypeAndActivation) {
     for (const char* act : {"silu", "gelu"})
       for (DType t : {DType::f16, DType::bf16})
         for (auto [bm, bn] : {std::pair{128, 64}, {64, 64}, {128, 128}, {64, 32}})
+          for (int cluster : {1, 2})
           for (const Shape& s : {Shape{133, 200, 264}, Shape{5, 72, 64}, Shape{300, 136, 520}, Shape{330, 400, 136, 2}}) {
             if (path == "mma" && bn == 128) continue;
-            const Params params = gemm_params(path, bm, bn, path == "wgmma" ? 4 : 3, {{"dtype", dtype_name(t)}, {"act", act}});
+            // Clusters (in the tuning space, not the heuristic's): wgmma, bf16, silu.
+            if (cluster > 1 && (path == "mma" || t != DType::bf16 || std::string(act) != "silu")) continue;
+            const Params params =
+                gemm_params(path, bm, bn, path == "wgmma" ? 4 : 3, {{"dtype", dtype_name(t)}, {"act", act}}, cluster);
             const Problem p =
                 gemm_problem(t, s.m, s.n, s.k, std::string(act) == "gelu" ? families::k_gated_gelu : families::k_gated_silu,
                              s.sms);

@@ -49,6 +49,10 @@ TEST_P(CatalogCompiles, EveryVariant) {
     const bool capped_on_purpose = family_name == "rmsnorm_bwd" && p.get_int("sm_threads") == 1024;
     EXPECT_LE(a->entry.spill_bytes, capped_on_purpose ? 128 : 32)
         << family_name << "(" << p.canonical() << ")\n" << a->entry.compile_log;
+    // ptxas serializes every wgmma of a kernel (C7510-C7515) when it cannot prove an
+    // accumulator untouched while a batch is in flight: correct, and far slower.
+    EXPECT_EQ(a->entry.compile_log.find("are serialized"), std::string::npos)
+        << family_name << "(" << p.canonical() << ")\n" << a->entry.compile_log;
   }
   EXPECT_EQ(b.stats().compiles, std::int64_t(catalog.size()));
 }

@@ -274,6 +274,103 @@ TEST(GemmFamilies, CheckProblemRejectsWhatTheKernelsCannotRun) {
   EXPECT_EQ(f.validate(wide).code(), Code::invalid_argument);
 }
 
+// Clusters of 2 (A shared by TMA multicast): cluster grids are whole clusters over the padded
+// column tiles, a's tensor map box is the CTA's share of the tile, and the mma path takes none.
+TEST(GemmFamilies, ClusterGridsAndTensorMaps) {
+  const Family& f = fam("fp8_gemm");
+  for (std::int64_t mode : {0, 1})
+    for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{7168, 16384}, {4096, 7168}}) {
+      const Problem p = gemm_problem(DType::bf16, 128, n, k, mode);
+      Params h = f.heuristic(p);
+      h.set("cluster", std::int64_t(2)).set("split", std::int64_t(1));
+      SCOPED_TRACE(h.canonical());
+      ASSERT_TRUE(f.validate(h).ok());
+      ASSERT_TRUE(f.check_problem(h, p).ok());
+      const LaunchGeometry geo = f.geometry(h, p);
+      EXPECT_EQ(geo.grid.x % 2, 0u);
+      EXPECT_LE(geo.grid.x, 132u);
+      int a, b, sa, sb, out;
+      void* bufs[5] = {&a, &b, &sa, &sb, &out};
+      ArgPack args;
+      f.pack_args(h, p, bufs, args);
+      ASSERT_EQ(args.tensor_maps(), 3u);
+      EXPECT_EQ(args.tensor_map_request(0).box_rows, std::uint32_t(*h.get_int("bm") / 2));
+      EXPECT_EQ(args.tensor_map_request(1).box_rows, std::uint32_t(*h.get_int("bn")));
+    }
+  // 13 column tiles in clusters of 2: 7 units; 3 SMs hold one cluster.
+  Params c = f.heuristic(gemm_problem(DType::bf16, 128, 7168, 16384, 0));
+  c.set("bn", std::int64_t(64)).set("cluster", std::int64_t(2)).set("split", std::int64_t(1)).set("stages", std::int64_t(4));
+  EXPECT_EQ(f.geometry(c, gemm_problem(DType::bf16, 64, 13 * 64, 256, 0)).grid.x, 14u);
+  EXPECT_EQ(f.geometry(c, gemm_problem(DType::bf16, 64, 13 * 64, 256, 0, 3)).grid.x, 2u);
+  c.set("path", "mma");
+  EXPECT_EQ(f.validate(c).code(), Code::invalid_argument);
+  c.set("cluster", std::int64_t(3));
+  EXPECT_EQ(f.validate(c).code(), Code::invalid_argument);
+}
+
+// The tile widths that fill the SMs at LLM shapes (56: 7168 = 128 x 56; 176: 2112 = 12 x 176)
+// are per-tensor fp8 on the wgmma path only, and the wave model takes them there.
+TEST(GemmFamilies, WaveFillingTileWidths) {
+  const Family& f = fam("fp8_gemm");
+  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 0)).get_int("bn"), 176);
+  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, 0)).get_int("bn"), 256);
+  Params p = f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 0));
+  EXPECT_TRUE(f.validate(p).ok());
+  p.set("scaling", "block");
+  EXPECT_EQ(f.validate(p).code(), Code::invalid_argument);
+  p.set("scaling", "tensor").set("bn", std::int64_t(56)).set("path", "mma");
+  EXPECT_EQ(f.validate(p).code(), Code::invalid_argument);
+  const Family& gated = fam("gated_mlp");
+  Params gp = gated.heuristic(gemm_problem(DType::bf16, 4096, 2112, 4096, 0));
+  gp.set("bn", std::int64_t(56));
+  EXPECT_EQ(gated.validate(gp).code(), Code::invalid_argument);
+}
+
+// The heuristic at the M = 128 problems takes the fastest variant measured there (H100,
+// 2026-11-22): block-scaled 128 x 7168 x 16384 splits K over 2 CTAs of 128 x 128 tiles, the rest
+// do not split. Large problems never split (their waves are full). Grids are whole clusters, the
+// partial tile fits beside the stages, and only fp8 on the wgmma path without A multicast splits.
+TEST(GemmFamilies, SplitKForDecodeShapes) {
+  const Family& f = fam("fp8_gemm");
+  const auto catalog = f.catalog();
+  struct Want {
+    std::int64_t n, k, mode, bm, bn, split;
+  };
+  for (const Want& w : {Want{7168, 16384, 0, 128, 56, 1}, Want{4096, 7168, 0, 64, 64, 1}, Want{2112, 7168, 0, 64, 32, 1},
+                        Want{7168, 16384, 1, 128, 128, 2}, Want{4096, 7168, 1, 64, 64, 1}, Want{2112, 7168, 1, 64, 32, 1}}) {
+    const Problem p = gemm_problem(DType::bf16, 128, w.n, w.k, w.mode);
+    const Params h = f.heuristic(p);
+    SCOPED_TRACE(h.canonical());
+    EXPECT_EQ(*h.get_int("bm"), w.bm);
+    EXPECT_EQ(*h.get_int("bn"), w.bn);
+    EXPECT_EQ(*h.get_int("split"), w.split);
+    EXPECT_NE(std::find(catalog.begin(), catalog.end(), h), catalog.end());
+    const LaunchGeometry geo = f.geometry(h, p);
+    EXPECT_EQ(geo.grid.x % w.split, 0u);
+    EXPECT_LE(geo.grid.x, 132u);
+    EXPECT_LE(geo.shared_bytes, g::max_shared_bytes(90));
+  }
+  // Every split of the tuning space fits and launches whole clusters.
+  for (const Params& c : f.tuning_space(gemm_problem(DType::bf16, 128, 4096, 7168, 0))) {
+    const auto split = *c.get_int("split");
+    EXPECT_EQ(f.geometry(c, gemm_problem(DType::bf16, 128, 4096, 7168, 0)).grid.x % split, 0u) << c.canonical();
+  }
+  for (std::int64_t mode : {0, 1})
+    for (auto [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8192, 8192, 8192}, {4096, 2112, 7168}})
+      EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, m, n, k, mode)).get_int("split"), 1);
+  Params s = f.heuristic(gemm_problem(DType::bf16, 128, 7168, 16384, 1));
+  ASSERT_EQ(*s.get_int("split"), 2);
+  s.set("cluster", std::int64_t(2));
+  EXPECT_EQ(f.validate(s).code(), Code::invalid_argument);
+  s.set("cluster", std::int64_t(1)).set("path", "mma");
+  EXPECT_EQ(f.validate(s).code(), Code::invalid_argument);
+  const Family& gated = fam("gated_mlp");
+  Params gp = gated.heuristic(gemm_problem(DType::bf16, 128, 4096, 4096, 0));
+  gp.set("split", std::int64_t(2));
+  EXPECT_EQ(gated.validate(gp).code(), Code::invalid_argument);
+  EXPECT_EQ(*gated.heuristic(gemm_problem(DType::bf16, 128, 4096, 4096, 0)).get_int("split"), 1);
+}
+
 TEST(GemmFamilies, ArgumentsPackInKernelOrder) {
   const Family& f = fam("gated_mlp");
   const Problem p = gemm_problem(DType::bf16, 300, 1000, 512, families::k_gated_gelu);
