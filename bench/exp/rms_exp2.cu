@@ -1,7 +1,8 @@
 // Experiment (nvcc on the GPU machine): RMSNorm forward before and after the weight staging, and a
 // candidate that keeps the weight in registers in 1024-thread blocks, at the shapes where the
 // staging lost time on 2026-11-22 (H100).
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates bench/exp/rms_exp2.cu
+//   bench/exp/make_copies.sh   # rms_old.cuh and rms_c.cuh, earlier versions of the template
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates -I bench/exp bench/exp/rms_exp2.cu
 #include <cuda_runtime.h>
 
 #include <algorithm>

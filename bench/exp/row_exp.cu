@@ -1,5 +1,5 @@
 // Experiment (nvcc on the GPU machine): kiln's row kernels against candidate changes, one binary.
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I templates bench/exp/row_exp.cu -o row_exp
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates bench/exp/row_exp.cu -o row_exp
 // Each case: outputs of the candidate against kiln's current kernel (max relative difference), then
 // CUDA-event medians after a 256 MiB memset per call, with the copy of the same bytes beside it.
 #include <cuda_runtime.h>

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Regenerates the template copies bench/exp/rms_exp2.cu compares (not committed: they are earlier
+# versions of templates/rmsnorm/rmsnorm_fwd.cuh, taken from git and renamed into their own
+# namespaces):
+#   rms_old.cuh  kiln_old::  the weight read after the reduction (commit 2e62085)
+#   rms_c.cuh    kiln_c::    the weight staged in shared memory for packs of 4 bytes and more, in
+#                            registers for 1024-thread blocks (commit 9acb926 with that rule)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rename() { sed -e "s/^namespace kiln {/namespace $1 {\nusing namespace kiln;/" -e "s/^}  \/\/ namespace kiln/}  \/\/ namespace $1/" -e '/#include/d'; }
+git show 2e62085:templates/rmsnorm/rmsnorm_fwd.cuh | rename kiln_old > bench/exp/rms_old.cuh
+git show 9acb926:templates/rmsnorm/rmsnorm_fwd.cuh | rename kiln_c |
+  sed 's/constexpr bool k_w_smem = sizeof(P) >= 4;/constexpr bool k_w_smem = sizeof(P) >= 4 \&\& rmsnorm_cache_regs<BLOCK>() > 8;/' \
+  > bench/exp/rms_c.cuh
