@@ -1,28 +1,11 @@
 // Experiment (nvcc on the GPU machine): do streaming cache hints (ld/st.global.cs: evict first, for
 // data touched once) move RMSNorm and GELU-and-mul at the shapes where they tie torch.compile?
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates bench/exp/hint_exp.cu
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <random>
-#include <vector>
-
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates -I bench/exp bench/exp/hint_exp.cu
 #include "act_and_mul/activations.cuh"
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
+#include "exp_util.h"
 
-#define CK(x)                                                                         \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 namespace kiln {
 
@@ -138,53 +121,9 @@ __global__ void __launch_bounds__(BLOCK) am(const T* x, T* out, long long total,
 }  // namespace kiln
 
 using kiln::bf16_t;
-static void* g_flush;
+using namespace exp_util;
 
-static double time_us(const std::function<void()>& f, int reps = 40) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaMemsetAsync(g_flush, i & 0xff, 256u << 20));
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaGetLastError());
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2] * 1e3;
-}
 
-static bf16_t* rand_bf16(size_t n, unsigned seed) {
-  std::vector<bf16_t> h(n);
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.f, 1.f);
-  for (auto& v : h) {
-    float f = d(g);
-    unsigned u;
-    std::memcpy(&u, &f, 4);
-    v.bits = (unsigned short)(u >> 16);
-  }
-  bf16_t* p;
-  CK(cudaMalloc(&p, n * 2));
-  CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
-  return p;
-}
-
-static bool same(const bf16_t* a, const bf16_t* b, size_t n) {
-  std::vector<bf16_t> ha(n), hb(n);
-  CK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i < n; ++i)
-    if (ha[i].bits != hb[i].bits) return false;
-  return true;
-}
 
 template <int B>
 static void rms_shape(long long rows, int cols) {
@@ -246,7 +185,6 @@ static void am_shape(long long rows, long long d) {
 }
 
 int main() {
-  CK(cudaMalloc(&g_flush, 256u << 20));
   rms_shape<64>(4096, 2048);
   rms_shape<256>(4096, 5120);
   rms_shape<256>(32768, 5120);

@@ -3,79 +3,16 @@
 // staging lost time on 2026-11-22 (H100).
 //   bench/exp/make_copies.sh   # rms_old.cuh and rms_c.cuh, earlier versions of the template
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates -I bench/exp bench/exp/rms_exp2.cu
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <random>
-#include <string>
-#include <vector>
-
 #include "rmsnorm/rmsnorm_fwd.cuh"
 #include "rms_old.cuh"
 #include "rms_c.cuh"
+#include "exp_util.h"
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));         \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 using kiln::bf16_t;
-static void* g_flush;
+using namespace exp_util;
 
-static double time_us(const std::function<void()>& f, int reps = 40) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaMemsetAsync(g_flush, i & 0xff, 256u << 20));
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaGetLastError());
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2] * 1e3;
-}
 
-static bf16_t* rand_bf16(size_t n, unsigned seed) {
-  std::vector<bf16_t> h(n);
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.f, 1.f);
-  for (auto& v : h) {
-    float f = d(g);
-    unsigned u;
-    std::memcpy(&u, &f, 4);
-    v.bits = (unsigned short)(u >> 16);
-  }
-  bf16_t* p;
-  CK(cudaMalloc(&p, n * 2));
-  CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
-  return p;
-}
-
-static bool same(const bf16_t* a, const bf16_t* b, size_t n) {
-  std::vector<bf16_t> ha(n), hb(n);
-  CK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i < n; ++i)
-    if (ha[i].bits != hb[i].bits) return false;
-  return true;
-}
 
 // kiln's heuristic (families/rmsnorm) for bf16.
 static void heuristic(long long rows, long long cols, int& block, int& vec) {
@@ -154,7 +91,6 @@ static void run_shape(long long rows, long long cols) {
   } while (0)
 
 int main() {
-  CK(cudaMalloc(&g_flush, 256u << 20));
   SHAPE(1, 4096); SHAPE(1, 16384); SHAPE(16, 16384); SHAPE(1, 65536);
   SHAPE(512, 2048); SHAPE(512, 5120); SHAPE(512, 8192); SHAPE(512, 16384);
   SHAPE(4096, 2048); SHAPE(4096, 5120); SHAPE(4096, 16384); SHAPE(4096, 65536);

@@ -1,31 +1,14 @@
 // Experiment (nvcc on the GPU machine): kiln's row kernels against candidate changes, one binary.
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates bench/exp/row_exp.cu -o row_exp
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I templates -I bench/exp bench/exp/row_exp.cu -o row_exp
 // Each case: outputs of the candidate against kiln's current kernel (max relative difference), then
 // CUDA-event medians after a 256 MiB memset per call, with the copy of the same bytes beside it.
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <random>
 #include <string>
-#include <vector>
 
 #include "act_and_mul/act_and_mul.cuh"
 #include "rmsnorm/rmsnorm_fwd.cuh"
 #include "rmsnorm_rope/rmsnorm_rope_fwd.cuh"
+#include "exp_util.h"
 
-#define CK(x)                                                                    \
-  do {                                                                           \
-    cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                     \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
 
 namespace kiln {
 
@@ -231,60 +214,9 @@ nr_v2(const T* x, const T* __restrict__ w, const T* __restrict__ cos, const T* _
 }  // namespace kiln
 
 using kiln::bf16_t;
+using namespace exp_util;
 
-static void* g_flush = nullptr;
-static const size_t k_flush = 256ull << 20;
 
-static double time_us(const std::function<void()>& f, int reps = 40) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaMemsetAsync(g_flush, i & 0xff, k_flush));
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaGetLastError());
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2] * 1e3;
-}
-
-static bf16_t* rand_bf16(size_t n, unsigned seed) {
-  std::vector<bf16_t> h(n);
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.f, 1.f);
-  for (auto& v : h) {
-    float f = d(g);
-    unsigned u;
-    std::memcpy(&u, &f, 4);
-    v.bits = (unsigned short)(u >> 16);
-  }
-  bf16_t* p;
-  CK(cudaMalloc(&p, n * 2));
-  CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
-  return p;
-}
-
-static double max_rel(const bf16_t* a, const bf16_t* b, size_t n) {
-  std::vector<bf16_t> ha(n), hb(n);
-  CK(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
-  double worst = 0;
-  for (size_t i = 0; i < n; ++i) {
-    auto f = [](bf16_t v) { unsigned u = unsigned(v.bits) << 16; float x; std::memcpy(&x, &u, 4); return x; };
-    const double x = f(ha[i]), y = f(hb[i]);
-    if (std::isnan(x) != std::isnan(y)) return INFINITY;
-    worst = std::max(worst, std::fabs(x - y) / std::max(1e-2, std::fabs(y)));
-  }
-  return worst;
-}
 
 static double g_copy_big = 0;
 
@@ -295,7 +227,6 @@ static void report(const char* name, const std::string& shape, double bytes, dou
 }
 
 int main() {
-  CK(cudaMalloc(&g_flush, k_flush));
   {
     const size_t n = 512ull << 20;
     void *a, *b;
