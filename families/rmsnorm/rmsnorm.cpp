@@ -216,14 +216,19 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   //   of 64..512 threads; best or within 1% of the best at 4096 and 32768 rows for hidden 2048 ..
   //   16384, and 64K-element rows keep 24 of their 32 packs per thread in shared memory (81.8% of
   //   the copy bandwidth, against 59.6% for 1024 threads and 16-byte packs).
-  // - Fewer rows (under a wave of blocks): narrower accesses, more threads per row. Up to 64 rows,
-  //   1024 threads (tuned 1.2-1.6x faster than the rule above at 1
-  //   and 16 rows), accesses widened (up to 8 bytes) only while each thread keeps at least eight;
-  //   up to 2048 rows, 4-byte accesses and 16 packs per thread (1.05-1.1x at 512 rows).
+  // - Up to 2048 rows: 4-byte accesses and 16 packs per thread (1.05-1.1x at 512 rows).
+  // - Decode (up to 64 rows), rows that 1024 threads cover with two 16-byte packs each: 16-byte
+  //   accesses, two packs per thread (bench/exp/decode_exp.cu, after the weight moved before the
+  //   reduction: 1x4096 bf16 4.38 µs with 256 threads, 1.44x an empty kernel, against 5.02 µs for
+  //   1024 threads and 2-byte accesses; 16x4096 4.6 against 5.2). Longer rows: 1024 threads,
+  //   accesses widened (up to 8 bytes) only while each thread keeps at least eight.
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t rows = p.dims[k_rows], cols = p.dims[k_cols];
   int pack_bytes = rows >= 2048 ? 8 : 4;
-  if (rows <= 64) {
+  const bool decode_wide = rows <= 64 && cols * esize <= 2 * 1024 * 16;
+  if (decode_wide) {
+    pack_bytes = 16;
+  } else if (rows <= 64) {
     pack_bytes = esize;
     while (pack_bytes < 8 && std::int64_t(pack_bytes) * 2 * 1024 * 8 <= cols * esize) pack_bytes *= 2;
   }
@@ -234,7 +239,9 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     vec /= 2;
   const std::int64_t packs = std::max<std::int64_t>(1, cols / vec);
   int block = 64;
-  if (rows <= 64) {
+  if (decode_wide) {
+    while (block < 1024 && block * 2 < packs) block *= 2;
+  } else if (rows <= 64) {
     block = 1024;
   } else {
     const int per_thread = rows >= 2048 ? 8 : 16;

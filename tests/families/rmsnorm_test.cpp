@@ -80,11 +80,18 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   // Under 2048 rows: 4-byte accesses, 16 packs per thread.
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 512, 4096)).vec, 2);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 512, 4096)).block, 128);
-  // Decode (up to 64 rows): 1024 threads, accesses widened only while each thread keeps eight.
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).block, 1024);
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).vec, 1);
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 16, 16384)).vec, 2);
+  // Decode (up to 64 rows): 16-byte accesses, two packs per thread, up to 1024 threads.
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).block, 256);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).vec, 8);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 16, 4096)).block, 512);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 16, 16384)).vec, 8);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 16, 16384)).block, 1024);
+  // Misaligned rows narrow the access and keep up to 1024 threads.
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4095)).vec, 1);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4095)).block, 1024);
+  // Longer rows: 1024 threads, accesses widened only while each thread keeps eight.
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 1, 65536)).vec, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 1, 65536)).block, 1024);
   // Whatever it picks must pass check_problem.
   for (auto cols : {1, 3, 7, 64, 1000, 4095, 4096, 5120, 65536}) {
     for (auto t : {DType::f32, DType::f16, DType::bf16}) {
