@@ -90,7 +90,8 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
 
   const int items = hidden / (2 * VEC);
   const float inv_hidden = 1.f / float(hidden);
-  const bool w_staged = items <= k_cached * BLOCK && dynamic_smem_bytes() >= unsigned(hidden * sizeof(T));
+  const bool w_staged =
+      sizeof(P) >= 4 && items <= k_cached * BLOCK && dynamic_smem_bytes() >= unsigned(hidden * sizeof(T));
   int parity = 0;
 
   for (long long row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
