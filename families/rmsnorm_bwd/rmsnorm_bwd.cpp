@@ -17,7 +17,22 @@ Params params_of(DType t, const RmsNormBwdChoice& c) {
   return Params{{"dtype", std::string(dtype_name(t))}, {"group", std::int64_t(c.group)},
                 {"rows", std::int64_t(c.rows)},       {"vec", std::int64_t(c.vec)},
                 {"packs", std::int64_t(c.packs)},     {"cluster", std::int64_t(c.cluster)},
-                {"sm_threads", std::int64_t(c.sm_threads)}};
+                {"sm_threads", std::int64_t(c.sm_threads)}, {"stages", std::int64_t(c.stages)}};
+}
+
+// The largest dynamic shared memory one block may opt into on sm_90 (227 KiB), and what an SM
+// holds (228 KiB, 1 KiB of it reserved per block).
+constexpr std::int64_t k_max_block_smem = 227 * 1024;
+constexpr std::int64_t k_sm_smem = 228 * 1024;
+
+// Whether the bulk-copy kernel can run the problem: sm_90 or later (max_cluster > 1 only there),
+// 16-byte aligned buffers and row strides, whole 16-byte packs per row, at most 2048 of them.
+bool bulk_fits(const Problem& p) {
+  const std::int64_t esize = std::int64_t(dtype_size(p.dtype)), cols = p.dims[k_bwd_cols];
+  if (p.dims[k_bwd_max_cluster] <= 1 || p.alignment < 16 || (cols * esize) % 16) return false;
+  for (int d : {k_bwd_dy_stride, k_bwd_x_stride, k_bwd_dx_stride})
+    if ((p.dims[d] * esize) % 16) return false;
+  return cols * esize / 16 <= 2048;
 }
 
 // Packs of the row that one block of the cluster owns.
@@ -28,16 +43,18 @@ std::int64_t packs_per_block(const RmsNormBwdChoice& c, std::int64_t cols) {
 class RmsNormBwd final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm_bwd"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
         {"cluster", {1, 2, 4, 8}, {}, "blocks of a thread-block cluster sharing one row (sm_90 and later)"},
         {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dy, x, w and dx"},
-        {"group", {32, 64, 128, 256, 512}, {}, "threads working on one row"},
-        {"packs", {1, 2}, {}, "packs of dy and x per thread kept in registers"},
+        {"group", {32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448, 480, 512}, {},
+         "threads working on one row (powers of two without bulk copies)"},
+        {"packs", {1, 2, 4}, {}, "packs of dy and x per thread kept in registers (4: with bulk copies only)"},
         {"rows", {1, 2, 4, 8}, {}, "rows in flight per block (one per group)"},
         {"sm_threads", {512, 1024}, {}, "resident threads per SM the kernel is built for (its register cap: 128 or 64)"},
+        {"stages", {0, 2, 4}, {}, "row buffers filled by bulk copies (sm_90 and later); 0: rows read into registers"},
         {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
     };
     return defs;
@@ -60,6 +77,19 @@ class RmsNormBwd final : public Family {
     if (c.sm_threads == 1024 && c.group * c.rows < 256)
       return invalid_argument("rmsnorm_bwd: sm_threads=1024 needs blocks of at least 256 threads (got " +
                               std::to_string(c.group * c.rows) + ")");
+    if (c.stages == 0) {
+      if ((c.group & (c.group - 1)) != 0 || c.packs > 2)
+        return invalid_argument("rmsnorm_bwd: without bulk copies, group must be a power of two and packs at most 2");
+      return {};
+    }
+    const std::int64_t esize = std::int64_t(dtype_size(*parse_dtype(*params.get_str("dtype"))));
+    if (c.rows != 1 || c.cluster != 1 || c.sm_threads != 512 || c.vec * esize != 16)
+      return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs rows=1, cluster=1, sm_threads=512 and "
+                              "16-byte packs");
+    if (rmsnorm_bwd_bulk_smem(c, esize) > k_max_block_smem ||
+        std::max(1, 512 / c.group) * (rmsnorm_bwd_bulk_smem(c, esize) + 1024) > k_sm_smem)
+      return invalid_argument("rmsnorm_bwd: " + std::to_string(c.stages) + " row buffers of " +
+                              std::to_string(c.group * c.packs * 16) + " bytes do not fit in shared memory");
     return {};
   }
 
@@ -68,6 +98,12 @@ class RmsNormBwd final : public Family {
     const auto c = rmsnorm_bwd_choice(params);
     Rendered r;
     r.source = "#include \"rmsnorm_bwd/rmsnorm_bwd.cuh\"\n";
+    if (c.stages > 0) {
+      r.name_expression = std::string("kiln::rmsnorm_bwd_bulk<") + device_type(*params.get_str("dtype")) + ", " +
+                          std::to_string(c.group) + ", " + std::to_string(c.packs) + ", " + std::to_string(c.stages) +
+                          ">";
+      return r;
+    }
     r.name_expression = std::string("kiln::rmsnorm_bwd<") + device_type(*params.get_str("dtype")) + ", " +
                         std::to_string(c.group) + ", " + std::to_string(c.rows) + ", " + std::to_string(c.vec) +
                         ", " + std::to_string(c.packs) + ", " + std::to_string(c.cluster) + ", " +
@@ -92,9 +128,10 @@ class RmsNormBwd final : public Family {
               p.dims[k_bwd_cols] = cols;
               p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = cols;
               p.dims[k_bwd_max_cluster] = max_cluster;
-              // Each choice at both register caps: the tuner may pick either.
+              // Each choice at both register caps: the tuner may pick either (bulk kernels: 512 only).
               auto c = rmsnorm_bwd_heuristic(p);
               for (int sm_threads : {512, 1024}) {
+                if (c.stages > 0 && sm_threads != 512) continue;
                 c.sm_threads = sm_threads;
                 Params params = params_of(t, c);
                 if (validate(params).ok() && seen.insert(params.canonical()).second) out.push_back(std::move(params));
@@ -126,6 +163,13 @@ class RmsNormBwd final : public Family {
     // Re-read packs keep their dw in the block's partial row, which only one group may update.
     if (c.rows > 1 && packs_per_block(c, cols) > std::int64_t(c.group) * c.packs)
       return invalid_argument("rmsnorm_bwd: rows > 1 needs the row to fit in group * packs packs");
+    if (c.stages > 0) {
+      if (!bulk_fits(p))
+        return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs sm_90 or later, 16-byte aligned "
+                                "buffers, row strides and rows, and rows of at most 2048 16-byte packs");
+      if (cols / c.vec > std::int64_t(c.group) * c.packs)
+        return invalid_argument("rmsnorm_bwd: stages > 0 needs the row to fit in group * packs packs");
+    }
     return {};
   }
 
@@ -134,6 +178,7 @@ class RmsNormBwd final : public Family {
     LaunchGeometry g;
     g.grid.x = std::uint32_t(std::max<std::int64_t>(p.dims[k_bwd_slabs], 1) * c.cluster);
     g.block.x = std::uint32_t(c.group * c.rows);
+    if (c.stages > 0) g.shared_bytes = std::uint32_t(rmsnorm_bwd_bulk_smem(c, std::int64_t(dtype_size(p.dtype))));
     return g;
   }
 
@@ -144,12 +189,26 @@ class RmsNormBwd final : public Family {
   std::vector<Params> tuning_space(const Problem& p) const override {
     const auto h = rmsnorm_bwd_heuristic(p);
     std::vector<Params> out{params_of(p.dtype, h)};
+    // Bulk-copy kernels: 2 or 4 packs per thread, 2 or 4 row buffers.
+    if (bulk_fits(p)) {
+      const std::int64_t packs = p.dims[k_bwd_cols] * std::int64_t(dtype_size(p.dtype)) / 16;
+      for (int per_thread : {2, 4})
+        for (int stages : {2, 4}) {
+          const int threads = int(std::max<std::int64_t>(32, (ceil_div(packs, per_thread) + 31) / 32 * 32));
+          if (threads > 512) continue;
+          const RmsNormBwdChoice c{threads, 1, int(16 / dtype_size(p.dtype)), per_thread, 1, 512, stages};
+          Params params = params_of(p.dtype, c);
+          if (params == out[0] || !validate(params).ok() || !check_problem(params, p).ok()) continue;
+          out.push_back(std::move(params));
+        }
+    }
     for (int cluster : {1, 2, 4, 8})
       for (int group : {32, 64, 128, 256, 512})
         for (int rows : {1, 2, 4, 8})
           for (int packs : {1, 2})
             for (int sm_threads : {512, 1024}) {
-              const RmsNormBwdChoice c{group, rows, h.vec, packs, cluster, sm_threads};
+              const RmsNormBwdChoice c{group, rows, h.stages > 0 ? 16 / int(dtype_size(p.dtype)) : h.vec,
+                                       packs, cluster, sm_threads, 0};
               const std::int64_t per_block = packs_per_block(c, p.dims[k_bwd_cols]);
               const std::int64_t cache = std::int64_t(group) * packs;
               if (per_block > cache || 2 * per_block <= cache) continue;
@@ -206,7 +265,7 @@ class RmsNormBwd final : public Family {
     std::vector<double> dw(std::size_t(cols), 0.0);
     for (std::int64_t slab = 0; slab < slabs; ++slab) {
       std::fill(dw.begin(), dw.end(), 0.0);
-      for (std::int64_t r = slab * rows / slabs; r < (slab + 1) * rows / slabs; ++r) {
+      for (std::int64_t r = slab; r < rows; r += slabs) {
         const std::int64_t dyo = r * p.dims[k_bwd_dy_stride], xo = r * p.dims[k_bwd_x_stride],
                            dxo = r * p.dims[k_bwd_dx_stride];
         const double s = inv_rms[r];
@@ -230,13 +289,32 @@ class RmsNormBwd final : public Family {
 }  // namespace
 
 RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params) {
-  return {int(*params.get_int("group")), int(*params.get_int("rows")), int(*params.get_int("vec")),
-          int(*params.get_int("packs")), int(*params.get_int("cluster")), int(*params.get_int("sm_threads"))};
+  return {int(*params.get_int("group")), int(*params.get_int("rows")),    int(*params.get_int("vec")),
+          int(*params.get_int("packs")), int(*params.get_int("cluster")), int(*params.get_int("sm_threads")),
+          int(params.get_int("stages").value_or(0))};
+}
+
+std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize) {
+  const std::int64_t elems = std::int64_t(c.group) * c.packs * (16 / esize);
+  return std::int64_t(c.stages) * 2 * elems * esize + (c.packs * (16 / esize) > 16 ? elems * 4 : 0);
 }
 
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t cols = p.dims[k_bwd_cols];
+  // Rows of 256 to 2048 16-byte packs on sm_90: the bulk-copy kernel, which measured 1.08-1.35x the
+  // register kernel at 4096 and 32768 rows of hidden 2048 to 16384 bf16 on an H100 (with dw's
+  // second stage; bench/exp/bulk_exp.cu, docs/benchmarks.md). Two packs per thread up to 1024
+  // packs, else four; threads rounded up to whole warps; blocks come 512 / threads to an SM; four
+  // row buffers while an SM's buffers stay within 128 KiB, else two.
+  if (bulk_fits(p) && cols * esize / 16 >= 256) {
+    const std::int64_t packs = cols * esize / 16;
+    RmsNormBwdChoice c{0, 1, 16 / esize, packs <= 1024 ? 2 : 4, 1, 512, 4};
+    c.group = int((ceil_div(packs, c.packs) + 31) / 32 * 32);
+    const std::int64_t per_sm = std::max(1, 512 / c.group);
+    if (per_sm * 4 * 2 * std::int64_t(c.group) * c.packs * 16 > 128 * 1024) c.stages = 2;
+    return c;
+  }
   RmsNormBwdChoice c{32, 1, 16 / esize, 1, 1, 512};
   // The widest access that every row start and the weight allow.
   while (c.vec > 1 && (p.alignment < std::uint32_t(c.vec * esize) || p.dims[k_bwd_dy_stride] % c.vec ||

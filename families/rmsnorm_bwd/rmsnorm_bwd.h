@@ -3,20 +3,34 @@
 // saved by the forward and n = cols:
 //   dx = s * dy * w - x * s^3 * mean(dy * w * x),   dw = sum over rows of dy * x * s.
 //
-// Params: dtype {f32, f16, bf16}; group {32 .. 512} threads per row; rows {1, 2, 4, 8} rows in
+// Two kernels: the register kernel (stages = 0) reads each row into registers; the bulk-copy kernel
+// (stages > 0, sm_90 and later) brings rows into a ring of `stages` shared-memory row buffers with
+// cp.async.bulk, one block per row (templates/rmsnorm_bwd/rmsnorm_bwd.cuh).
+//
+// Params: dtype {f32, f16, bf16}; group {32 .. 512} threads per row (powers of two for the register
+// kernel, multiples of 32 for the bulk one); rows {1, 2, 4, 8} rows in
 // flight per block (block = group * rows <= 512 threads; kernels get 64 registers per thread and
 // keep dw in shared memory);
-// vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes); packs {1, 2} vec-packs
-// of dy and x kept in registers per thread; cluster {1, 2, 4, 8} blocks sharing a row (a
-// thread-block cluster, sm_90 and later); sm_threads {512, 1024} resident threads per SM the
-// kernel is built for (a register cap of 128 or 64 per thread).
+// vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes); packs {1, 2, 4} vec-packs
+// of dy and x kept in registers per thread (4: bulk only); cluster {1, 2, 4, 8} blocks sharing a
+// row (a thread-block cluster, sm_90 and later); sm_threads {512, 1024} resident threads per SM the
+// kernel is built for (a register cap of 128 or 64 per thread); stages {0, 2, 4}. Bulk kernels
+// take rows = 1, cluster = 1, sm_threads = 512, 16-byte packs, and problems with 16-byte aligned
+// buffers and row strides, rows of whole packs, at most group * packs of them, on a device with
+// clusters (max_cluster > 1: sm_90 and later, where bulk copies exist).
 // Problem: dims = {rows, cols, dy_row_stride, x_row_stride, dx_row_stride, slabs, max_cluster}
 // (strides in elements; slabs: how many row slabs, hence partial dw rows, the caller chose, see
 // rmsnorm_bwd_slabs; max_cluster: the largest cluster the device launches, 1 before sm_90). No
 // scalars. Buffers: dy, x, w ([cols]), inv_rms (f32 [rows]) in; dx, partial (f32 [slabs, cols])
-// out. Slab i holds rows [i * rows / slabs, (i + 1) * rows / slabs).
+// out. Slab i holds rows i, i + slabs, i + 2 * slabs, ... (dealt in turn, so the rows in flight
+// across the GPU are neighbours in memory).
 //
-// The heuristic (rmsnorm_bwd_heuristic), for packs = cols / vec:
+// The heuristic (rmsnorm_bwd_heuristic):
+// - Bulk copies wherever they can run and a row has 256 to 2048 16-byte packs (hidden 2048 to
+//   16384 in bf16): two packs per thread up to 1024 packs, else four; group = packs / packs per
+//   thread rounded up to whole warps; 4 row buffers while the SM's buffers (512 / group blocks,
+//   at least 1) stay within 128 KiB, else 2 (hidden 16384 bf16).
+// Otherwise the register kernel, for packs = cols / vec:
 // - vec: the widest access (16 bytes) that the buffers' alignment, the row strides and the row
 //   length allow.
 // - cluster: the smallest power of two up to 8 (and up to max_cluster) that leaves each block at
@@ -55,7 +69,11 @@ struct RmsNormBwdChoice {
   int packs;
   int cluster;
   int sm_threads;  // resident threads per SM the kernel's register cap allows: 512 or 1024
+  int stages = 0;  // bulk-copy row buffers (rmsnorm_bwd_bulk); 0: the register kernel
 };
+// Dynamic shared memory of a bulk-copy choice (stages > 0) for elements of `esize` bytes: the row
+// buffers of dy and x, and dw when a thread holds more than 16 elements.
+std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize);
 // The choice that validated params hold.
 RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params);
 // Ignores dims[k_bwd_slabs]: the slab count follows from the choice.

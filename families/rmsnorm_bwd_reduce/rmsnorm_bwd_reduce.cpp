@@ -11,11 +11,12 @@ namespace {
 class RmsNormBwdReduce final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm_bwd_reduce"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
-        {"block", {128, 256, 512, 1024}, {}, "threads per block: 32 columns x block / 32 slab lanes"},
+        {"block", {128, 256, 512, 1024}, {}, "threads per block: columns x block / columns slab lanes"},
+        {"columns", {8, 16, 32}, {}, "adjacent columns per block"},
         {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dw"},
     };
     return defs;
@@ -28,21 +29,24 @@ class RmsNormBwdReduce final : public Family {
     Rendered r;
     r.source = "#include \"rmsnorm_bwd/rmsnorm_bwd_reduce.cuh\"\n";
     r.name_expression = std::string("kiln::rmsnorm_bwd_reduce<") + device_type(*params.get_str("dtype")) + ", " +
-                        std::to_string(*params.get_int("block")) + ">";
+                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("columns")) +
+                        ">";
     return r;
   }
 
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f32", "f16", "bf16"})
-      for (std::int64_t block : {128, 256, 512, 1024}) out.push_back(Params{{"dtype", std::string(dtype)}, {"block", block}});
+      for (std::int64_t block : {128, 256, 512, 1024})
+        for (std::int64_t columns : {8, 16, 32})
+          out.push_back(Params{{"dtype", std::string(dtype)}, {"block", block}, {"columns", columns}});
     return out;
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
     const auto slabs = p.dims[k_red_slabs], cols = p.dims[k_red_cols];
     if (slabs < 0 || cols <= 0) return shape_mismatch("rmsnorm_bwd_reduce: need slabs >= 0 and cols > 0");
-    if ((cols + 31) / 32 > 0x7fffffff) return shape_mismatch("rmsnorm_bwd_reduce: too many columns");
+    if ((cols + 7) / 8 > 0x7fffffff) return shape_mismatch("rmsnorm_bwd_reduce: too many columns");
     const auto dtype = *parse_dtype(*params.get_str("dtype"));
     if (dtype != p.dtype)
       return unsupported_dtype(std::string("rmsnorm_bwd_reduce: kernel is for ") + dtype_name(dtype) +
@@ -52,14 +56,16 @@ class RmsNormBwdReduce final : public Family {
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
-    g.grid.x = std::uint32_t((p.dims[k_red_cols] + 31) / 32);
-    g.block.x = 32;
-    g.block.y = std::uint32_t(*params.get_int("block") / 32);
+    const auto columns = *params.get_int("columns");
+    g.grid.x = std::uint32_t((p.dims[k_red_cols] + columns - 1) / columns);
+    g.block.x = std::uint32_t(*params.get_int("block"));
     return g;
   }
 
   Params heuristic(const Problem& p) const override {
-    return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", std::int64_t(rmsnorm_bwd_reduce_heuristic(p))}};
+    return Params{{"dtype", std::string(dtype_name(p.dtype))},
+                  {"block", std::int64_t(rmsnorm_bwd_reduce_heuristic(p))},
+                  {"columns", rmsnorm_bwd_reduce_columns(p)}};
   }
 
   std::vector<Params> tuning_space(const Problem& p) const override {
@@ -113,6 +119,12 @@ class RmsNormBwdReduce final : public Family {
 int rmsnorm_bwd_reduce_heuristic(const Problem& p) {
   const auto slabs = p.dims[k_red_slabs];
   return slabs <= 8 ? 128 : slabs <= 64 ? 256 : 512;
+}
+
+std::int64_t rmsnorm_bwd_reduce_columns(const Problem& p) {
+  std::int64_t columns = 32;
+  while (columns > 8 && p.dims[k_red_cols] / columns < 256) columns /= 2;
+  return columns;
 }
 
 }  // namespace kiln::families

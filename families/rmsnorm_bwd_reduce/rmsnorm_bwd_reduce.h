@@ -1,11 +1,12 @@
 // RMSNorm backward, second stage (rmsnorm_bwd_reduce): dw[c] = sum over slabs of partial[slab, c],
 // fp32 in a fixed order, stored in the weight's dtype. Zero slabs give dw = 0.
 //
-// Params: dtype {f32, f16, bf16} (of dw); block {128, 256, 512, 1024} threads, 32 columns per
-// block, block / 32 warps striding over the slabs.
+// Params: dtype {f32, f16, bf16} (of dw); block {128, 256, 512, 1024} threads; columns {8, 16, 32}
+// adjacent columns per block, block / columns slab lanes striding over the slabs.
 // Problem: dims = {slabs, cols}; no scalars. Buffers: partial (f32 [slabs, cols]) in, dw ([cols]) out.
 // Heuristic: 128 threads up to 8 slabs, 256 up to 64, 512 beyond (enough loads in flight per
-// column while the grid, cols / 32 blocks, stays wide).
+// column); columns: the most of 32, 16, 8 that still gives 256 blocks or more (8 below 2048
+// columns), so the grid covers the GPU.
 #pragma once
 
 #include "kiln/family.h"
@@ -14,6 +15,9 @@ namespace kiln::families {
 
 enum RmsNormBwdReduceDim { k_red_slabs = 0, k_red_cols = 1 };
 
+// Threads per block.
 int rmsnorm_bwd_reduce_heuristic(const Problem& p);
+// Adjacent columns per block.
+std::int64_t rmsnorm_bwd_reduce_columns(const Problem& p);
 
 }  // namespace kiln::families

@@ -3,9 +3,11 @@
 // With s = inv_rms[r] (saved by the forward) and c = mean(dy * w * x) over the row:
 //   dx = s * (dy * w - x * s^2 * c),   dw = sum over rows of dy * x * s.
 //
-// Rows are cut into `slabs` contiguous, balanced slabs (slab i: rows [i * rows / slabs,
-// (i + 1) * rows / slabs)); a slab belongs to a cluster of CLUSTER blocks (a
-// plain block when CLUSTER is 1), each block owning a fixed contiguous range of the row's packs.
+// Rows are dealt to `slabs` slabs in turn (slab i: rows i, i + slabs, i + 2 * slabs, ...), so the
+// rows in flight on the whole GPU at any time are neighbours in memory (contiguous slabs measured
+// 3-6% slower at 32768 rows on an H100: bench/exp/bulk_exp.cu); a slab belongs to a cluster of
+// CLUSTER blocks (a plain block when CLUSTER is 1), each block owning a fixed contiguous range of
+// the row's packs.
 // Inside a block, ROWS groups of GROUP threads each work on their own row, in lockstep. A thread
 // owns the same columns for every row it sees, so it keeps its dw in registers across the whole
 // slab and never needs an atomic: at the end the groups of a block add their dw through shared
@@ -28,6 +30,7 @@
 // shorter than 2^31 elements.
 #pragma once
 
+#include "common/bulk.cuh"
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 
@@ -122,10 +125,12 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   const int tail_off = (packs - pack_begin - t) * VEC + t;
   const float inv_cols = 1.f / float(cols);
 
-  // Balanced slabs: slab i holds rows [i * rows / slabs, (i + 1) * rows / slabs).
-  const long long row_end = (slab + 1) * rows / slabs;
-  long long row = slab * rows / slabs + g;
-  const int iters = int((row_end - (row - g) + ROWS - 1) / ROWS);
+  // Slab i holds rows i, i + slabs, ...: its k-th row is row_of(k); group g takes k = g, g + ROWS, ...
+  const long long slab_rows = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;
+  long long k_row = g;  // this group's current index within the slab
+  long long row = slab + k_row * slabs;
+  const int iters = int((slab_rows + ROWS - 1) / ROWS);
+  const long long step = ROWS * slabs;  // rows between a group's consecutive rows
 
   const int first = (pack_begin + t) * VEC;
   const T* dyp = dy + row * dy_stride + first;
@@ -150,20 +155,21 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   // registers for that are not there, and the other resident blocks keep loads in flight instead.
   constexpr bool k_prefetch = SM_THREADS < 1024;
   P cdy[PACKS], cx[PACKS];
+  // `ahead` counts this group's rows: 0 is the current one, 1 the next (`step` rows further on).
   auto load_row = [&](P* a, P* b, long long ahead) {
 #pragma unroll
     for (int i = 0; i < PACKS; ++i)
-      if (row + ahead < row_end && t + i * GROUP < block_packs) {
-        a[i] = load_pack<T, VEC>(dyp + ahead * dy_stride + i * GROUP * VEC);
-        b[i] = load_pack<T, VEC>(xp + ahead * x_stride + i * GROUP * VEC);
+      if (k_row + ahead * ROWS < slab_rows && t + i * GROUP < block_packs) {
+        a[i] = load_pack<T, VEC>(dyp + ahead * step * dy_stride + i * GROUP * VEC);
+        b[i] = load_pack<T, VEC>(xp + ahead * step * x_stride + i * GROUP * VEC);
       }
   };
   if constexpr (k_prefetch) load_row(cdy, cx, 0);
 
   for (int it = 0; it < iters; ++it) {
-    const bool valid = row < row_end;
+    const bool valid = k_row < slab_rows;
     P ndy[k_prefetch ? PACKS : 1], nx[k_prefetch ? PACKS : 1];
-    if constexpr (k_prefetch) load_row(ndy, nx, ROWS);
+    if constexpr (k_prefetch) load_row(ndy, nx, 1);
     else load_row(cdy, cx, 0);
     const float s = valid ? inv_rms[row] : 0.f;
 
@@ -235,10 +241,11 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
         cdy[i] = ndy[i];
         cx[i] = nx[i];
       }
-    row += ROWS;
-    dyp += ROWS * dy_stride;
-    xp += ROWS * x_stride;
-    dxp += ROWS * dx_stride;
+    k_row += ROWS;
+    row += step;
+    dyp += step * dy_stride;
+    xp += step * x_stride;
+    dxp += step * dx_stride;
   }
 
   if constexpr (ROWS > 1) {
@@ -254,16 +261,140 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
       }
     }
   }
-  if (g == 0) {
-#pragma unroll
-    for (int i = 0; i < PACKS; ++i)
-      if (t + i * GROUP < block_packs)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) part[i * GROUP * VEC + k] = dw[(i * VEC + k) * GROUP];
-    if (t < tail) part[tail_off] = dw_tail;
+  // Group 0's dw (the cached packs) goes out with consecutive threads on consecutive words: each
+  // thread storing its own VEC adjacent floats touched a new 32-byte sector per store (that cost
+  // the bulk kernel below up to 60 µs at 32768 x 16384).
+  __syncthreads();
+  float* const block_part = partial + slab * cols + pack_begin * VEC;
+  for (int c = int(threadIdx.x); c < PACKS * GROUP * VEC; c += GROUP * ROWS) {
+    const int i = c / (GROUP * VEC), owner = c / VEC % GROUP, k = c % VEC;
+    if (owner + i * GROUP < block_packs) block_part[c] = dws[(i * VEC + k) * GROUP + owner];
   }
+  if (g == 0 && t < tail) part[tail_off] = dw_tail;
   // Blocks of a cluster may still read this block's row sums until every block gets here.
   if constexpr (CLUSTER > 1) bwd::cluster_sync();
+}
+
+// The same first stage on sm_90 and later, with each row of dy and x brought into shared memory by
+// two bulk copies (cp.async.bulk) into a ring of STAGES row buffers. One thread posts the copies;
+// a buffer is refilled with the row STAGES ahead right after the barrier of the row reduction that
+// last read it, so the loads of the next rows stay in flight through every barrier without
+// registers to hold them (the register kernel above cannot prefetch at 1024 threads per SM, and
+// its 512-thread blocks hold one row ahead). One block covers a whole row: THREADS threads, PACKS
+// 16-byte packs each; dw stays in registers up to 16 elements per thread, beyond in shared memory
+// (where 4 packs of bf16 in registers spilled 224 bytes). Blocks of THREADS threads come
+// 512 / THREADS to an SM (at least 1), 128 registers each.
+//
+// Requires: sm_90; dy, x, dx aligned to 16 bytes, row strides and cols multiples of 16 bytes;
+// cols <= THREADS * PACKS * VEC; dynamic shared memory of
+// rmsnorm_bwd_bulk_smem(THREADS, PACKS, STAGES, sizeof(T)) bytes (families/rmsnorm_bwd).
+template <typename T, int THREADS, int PACKS, int STAGES>
+__global__ void __launch_bounds__(THREADS, (512 / THREADS > 1 ? 512 / THREADS : 1))
+rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                 const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial, long long rows,
+                 long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs) {
+  constexpr int VEC = 16 / int(sizeof(T));
+  constexpr int k_buffer = THREADS * PACKS * VEC;  // elements of one row buffer
+  constexpr bool k_dw_smem = PACKS * VEC > 16;
+  using P = Pack<T, VEC>;
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024 && STAGES >= 2, "bad block shape");
+#if __CUDA_ARCH__ < 900
+  __trap();  // never launched: the host picks this kernel on sm_90 and later only
+#else
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sdy = reinterpret_cast<T*>(smem);  // [STAGES][k_buffer]
+  T* sx = sdy + STAGES * k_buffer;       // [STAGES][k_buffer]
+  __shared__ unsigned long long full[STAGES];
+  __shared__ float scratch[2][32];
+
+  const int t = int(threadIdx.x);
+  const long long slab = blockIdx.x;
+  const int packs = int(cols / VEC);
+  const unsigned row_bytes = unsigned(packs) * 16u;
+  const long long n = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;  // rows slab, slab + slabs, ...
+
+  if (t == 0)
+    for (int s = 0; s < STAGES; ++s) bulk::barrier_init(&full[s], 1);
+  // The copies fill the first `packs` packs of a buffer; the rest stays zero (with a zero weight),
+  // so every thread reads and multiplies all its packs without a bounds check, as the kernel
+  // measured in bench/exp/bulk_exp.cu (checks around the loads and products cost 10-30%).
+  for (int q = packs + t; q < THREADS * PACKS; q += THREADS)
+    for (int s = 0; s < STAGES; ++s) {
+      *reinterpret_cast<P*>(sdy + s * k_buffer + q * VEC) = P{};
+      *reinterpret_cast<P*>(sx + s * k_buffer + q * VEC) = P{};
+    }
+  __syncthreads();
+  auto post = [&](int s, long long row) {
+    bulk::arrive_expect(&full[s], 2u * row_bytes);
+    bulk::copy(sdy + s * k_buffer, dy + row * dy_stride, row_bytes, &full[s]);
+    bulk::copy(sx + s * k_buffer, x + row * x_stride, row_bytes, &full[s]);
+  };
+  if (t == 0)
+    for (int s = 0; s < STAGES && s < n; ++s) post(s, slab + s * slabs);
+
+  P wv[PACKS];
+#pragma unroll
+  for (int j = 0; j < PACKS; ++j) wv[j] = t + j * THREADS < packs ? load_pack<T, VEC>(w + (t + j * THREADS) * VEC) : P{};
+  // dw slot e of this thread: a register, or word e * THREADS + t after the row buffers (consecutive
+  // threads on consecutive words).
+  float dw_regs[k_dw_smem ? 1 : PACKS * VEC];
+  float* dw_smem = reinterpret_cast<float*>(sx + STAGES * k_buffer) + t;
+  auto dw = [&](int e) -> float& { return k_dw_smem ? dw_smem[e * THREADS] : dw_regs[k_dw_smem ? 0 : e]; };
+#pragma unroll
+  for (int e = 0; e < PACKS * VEC; ++e) dw(e) = 0.f;
+  const float inv_cols = 1.f / float(cols);
+
+  for (long long i = 0; i < n; ++i) {
+    const int s = int(i % STAGES);
+    const long long row = slab + i * slabs;
+    const float rs = inv_rms[row];
+    bulk::wait(&full[s], unsigned(i / STAGES) & 1u);
+    P a[PACKS], b[PACKS];
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) {
+      a[j] = *reinterpret_cast<const P*>(sdy + s * k_buffer + (t + j * THREADS) * VEC);
+      b[j] = *reinterpret_cast<const P*>(sx + s * k_buffer + (t + j * THREADS) * VEC);
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc = fmaf(to_float(a[j].v[k]) * to_float(wv[j].v[k]), to_float(b[j].v[k]), acc);
+    acc = warp_sum(acc);
+    if (t % 32 == 0) scratch[i & 1][t / 32] = acc;
+    __syncthreads();
+    // Every thread has read buffer s: refill it with the row STAGES ahead.
+    if (t == 0 && i + STAGES < n) post(s, row + STAGES * slabs);
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < THREADS / 32; ++q) sum += scratch[i & 1][q];
+    const float k2 = rs * rs * sum * inv_cols;
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) {
+      P out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float fdy = to_float(a[j].v[k]), fx = to_float(b[j].v[k]);
+        out.v[k] = from_float<T>(rs * fmaf(-fx, k2, fdy * to_float(wv[j].v[k])));
+        dw(j * VEC + k) = fmaf(fdy * fx, rs, dw(j * VEC + k));
+      }
+      if (t + j * THREADS < packs) store_pack<T, VEC>(dx + row * dx_stride + (t + j * THREADS) * VEC, out);
+    }
+  }
+  // The partial row goes out through shared memory (the row buffers are free now), consecutive
+  // threads on consecutive words: each thread storing its own VEC adjacent floats touched a new
+  // 32-byte sector per store and cost up to 60 µs at 32768 x 16384 (bench/exp/bulk_exp.cu).
+  __syncthreads();
+  float* row_out = reinterpret_cast<float*>(smem);  // k_buffer floats fit in the 2 * STAGES row buffers
+#pragma unroll
+  for (int j = 0; j < PACKS; ++j)
+#pragma unroll
+    for (int q = 0; q < VEC / 4; ++q)
+      reinterpret_cast<float4*>(row_out + (t + j * THREADS) * VEC)[q] =
+          make_float4(dw(j * VEC + 4 * q), dw(j * VEC + 4 * q + 1), dw(j * VEC + 4 * q + 2), dw(j * VEC + 4 * q + 3));
+  __syncthreads();
+  for (int c = t; c < cols; c += THREADS) partial[slab * cols + c] = row_out[c];
+#endif
 }
 
 }  // namespace kiln

@@ -35,9 +35,14 @@ Problem problem(DType t, std::int64_t rows, std::int64_t cols, std::int64_t slab
 }
 
 Params bwd_params(const char* dtype, std::int64_t group, std::int64_t rows, std::int64_t vec, std::int64_t packs,
-                  std::int64_t cluster, std::int64_t sm_threads = 512) {
-  return Params{{"dtype", std::string(dtype)}, {"group", group}, {"rows", rows},   {"vec", vec},
-                {"packs", packs},              {"cluster", cluster}, {"sm_threads", sm_threads}};
+                  std::int64_t cluster, std::int64_t sm_threads = 512, std::int64_t stages = 0) {
+  return Params{{"dtype", std::string(dtype)}, {"group", group},     {"rows", rows},
+                {"vec", vec},                  {"packs", packs},     {"cluster", cluster},
+                {"sm_threads", sm_threads},    {"stages", stages}};
+}
+
+Params reduce_params(const char* dtype, std::int64_t block, std::int64_t columns = 32) {
+  return Params{{"dtype", std::string(dtype)}, {"block", block}, {"columns", columns}};
 }
 
 double inv_rms_of(const std::vector<double>& x, std::int64_t r, std::int64_t cols, double eps) {
@@ -62,15 +67,28 @@ TEST(RmsNormBwd, SchemaRejectsBadCombinations) {
   EXPECT_EQ(bwd().validate(bwd_params("f32", 256, 1, 8, 1, 1)).code(), Code::invalid_argument);    // 32-byte access
   EXPECT_EQ(bwd().validate(bwd_params("f16", 256, 4, 8, 1, 1)).code(), Code::invalid_argument);    // 1024 threads
   EXPECT_EQ(bwd().validate(bwd_params("f16", 128, 1, 8, 4, 1)).code(), Code::invalid_argument);    // packs
-  EXPECT_EQ(bwd().validate(bwd_params("f16", 96, 1, 8, 1, 1)).code(), Code::invalid_argument);     // not enumerated
+  EXPECT_EQ(bwd().validate(bwd_params("f16", 100, 1, 8, 1, 1)).code(), Code::invalid_argument);    // not enumerated
+  EXPECT_EQ(bwd().validate(bwd_params("f16", 96, 1, 8, 1, 1)).code(), Code::invalid_argument);     // not a power of 2
+  // Bulk copies: 16-byte packs, one row per block, no cluster, the 128-register cap; buffers fit.
+  EXPECT_TRUE(bwd().validate(bwd_params("bf16", 320, 1, 8, 2, 1, 512, 4)).ok());
+  EXPECT_TRUE(bwd().validate(bwd_params("f32", 512, 1, 4, 4, 1, 512, 2)).ok());
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 320, 1, 4, 2, 1, 512, 4)).code(), Code::invalid_argument);  // 8 bytes
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 128, 2, 8, 2, 1, 512, 4)).code(), Code::invalid_argument);  // rows
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 256, 1, 8, 2, 2, 512, 4)).code(), Code::invalid_argument);  // cluster
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 256, 1, 8, 2, 1, 1024, 4)).code(), Code::invalid_argument);
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 4, 1, 512, 4)).code(), Code::invalid_argument);  // 256 KiB
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 4, 1)).code(), Code::invalid_argument);  // 4 packs, no bulk
   EXPECT_EQ(bwd().validate(bwd_params("f64", 128, 1, 1, 1, 1)).code(), Code::invalid_argument);
   EXPECT_TRUE(bwd().validate(bwd_params("bf16", 512, 1, 8, 2, 1, 1024)).ok());
   EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 2, 1, 768)).code(), Code::invalid_argument);
   EXPECT_EQ(bwd().validate(bwd_params("bf16", 128, 1, 8, 2, 1, 1024)).code(), Code::invalid_argument);  // small block
   EXPECT_FALSE(bwd().validate(Params{{"dtype", std::string("f16")}}).ok());
   EXPECT_FALSE(bwd().render(bwd_params("f32", 256, 1, 8, 1, 1)).ok());
-  EXPECT_TRUE(reduce().validate(Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}}).ok());
-  EXPECT_FALSE(reduce().validate(Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(64)}}).ok());
+  EXPECT_TRUE(reduce().validate(reduce_params("bf16", 256)).ok());
+  EXPECT_TRUE(reduce().validate(reduce_params("bf16", 256, 8)).ok());
+  EXPECT_FALSE(reduce().validate(reduce_params("bf16", 64)).ok());
+  EXPECT_FALSE(reduce().validate(reduce_params("bf16", 256, 4)).ok());
+  EXPECT_FALSE(reduce().validate(Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}}).ok());
   EXPECT_EQ(bwd().problem_dims().size(), 7u);
   EXPECT_TRUE(bwd().problem_scalars().empty());
 }
@@ -129,7 +147,7 @@ TEST(RmsNormBwd, ReferenceIsTheGradientOfTheForward) {
 }
 
 TEST(RmsNormBwd, ReferenceSlabsPartitionRowsAndTheReductionSumsThem) {
-  // 5 rows in 2 balanced slabs: rows 0-1 and 2-4. Row r: x = r + 1, dy = 1, s = 1.
+  // 5 rows dealt to 2 slabs: rows 0, 2, 4 and 1, 3. Row r: x = r + 1, dy = 1, s = 1.
   const std::int64_t rows = 5, cols = 3;
   std::vector<std::uint16_t> dy(rows * 4), x(rows * 4), w(cols), dx(rows * 4, 0xBEEF);
   for (std::int64_t r = 0; r < rows; ++r)
@@ -142,8 +160,8 @@ TEST(RmsNormBwd, ReferenceSlabsPartitionRowsAndTheReductionSumsThem) {
   Problem p = problem(DType::bf16, rows, cols, 2, 1, 4);
   void* b[6] = {dy.data(), x.data(), w.data(), inv_rms.data(), dx.data(), partial.data()};
   ASSERT_TRUE(bwd().cpu_reference(bwd().heuristic(p), p, b).ok());
-  EXPECT_FLOAT_EQ(partial[0], 1 + 2);
-  EXPECT_FLOAT_EQ(partial[cols], 3 + 4 + 5);
+  EXPECT_FLOAT_EQ(partial[0], 1 + 3 + 5);
+  EXPECT_FLOAT_EQ(partial[cols], 2 + 4);
   EXPECT_EQ(dx[3], 0xBEEF);  // padding left alone
   // Row 0: dx = 1 - x * mean(x) = 1 - 1 = 0; row 1: 1 - 2 * 2 = -3.
   EXPECT_FLOAT_EQ(bf16_to_float(dx[0]), 0.0f);
@@ -168,15 +186,36 @@ TEST(RmsNormBwd, HeuristicFollowsItsRules) {
   EXPECT_EQ(h.cluster, 1);
   EXPECT_EQ(h.group, 512);  // half the row is re-read
   EXPECT_EQ(h.packs, 2);
-  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 16384, 1, 8));
-  EXPECT_EQ(h.cluster, 2);
+  h = rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 16384, 1, 8));  // 4096 packs: no bulk copies
+  EXPECT_EQ(h.stages, 0);
+  EXPECT_EQ(h.cluster, 4);
   EXPECT_EQ(h.group, 512);
   EXPECT_EQ(h.packs, 2);
   EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 8)).cluster, 8);
-  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 8192, 1, 8)).cluster, 1);
-  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 2048, 1, 8));
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 8)).stages, 0);
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 8192, 1, 8)).stages, 4);
+  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 2048, 1, 1));
   EXPECT_EQ(h.group, 128);
   EXPECT_EQ(h.rows, 2);
+  EXPECT_EQ(h.stages, 0);
+  // sm_90 (max_cluster 8), 256 to 2048 16-byte packs per row, aligned: bulk copies.
+  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 2048, 1, 8));
+  EXPECT_EQ(h.stages, 4);
+  EXPECT_EQ(h.group, 128);
+  EXPECT_EQ(h.packs, 2);
+  EXPECT_EQ(h.rows, 1);
+  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 5120, 1, 8));
+  EXPECT_EQ(h.group, 320);  // 640 packs, two each, whole warps
+  EXPECT_EQ(h.stages, 4);
+  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 16384, 1, 8));
+  EXPECT_EQ(h.group, 512);
+  EXPECT_EQ(h.packs, 4);
+  EXPECT_EQ(h.stages, 2);  // 4 x 64 KiB would not fit
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 8192, 1, 8)).stages, 2);
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 1024, 1, 8)).stages, 0);   // 128 packs
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 2052, 1, 8)).stages, 0);   // 4104-byte rows
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 2048, 1, 8, 2052)).stages, 0);  // stride
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 2048, 1, 8, 0, 8)).stages, 0);  // alignment
   h = rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 64));
   EXPECT_EQ(h.group, 32);
   EXPECT_EQ(h.rows, 8);  // one row per warp
@@ -228,6 +267,12 @@ TEST(RmsNormBwd, CheckProblemRejectsMismatches) {
   EXPECT_EQ(bwd().check_problem(p8, problem(DType::bf16, 8, 0, 1)).code(), Code::shape_mismatch);
   EXPECT_EQ(bwd().check_problem(bwd_params("bf16", 512, 1, 8, 2, 2), problem(DType::bf16, 8, 4096, 4)).code(),
             Code::invalid_argument);  // cluster on a device without clusters
+  const Params bulk = bwd_params("bf16", 256, 1, 8, 2, 1, 512, 4);
+  EXPECT_TRUE(bwd().check_problem(bulk, problem(DType::bf16, 8, 4096, 4, 8)).ok());
+  EXPECT_EQ(bwd().check_problem(bulk, problem(DType::bf16, 8, 4096, 4, 1)).code(), Code::invalid_argument);  // sm_80
+  EXPECT_EQ(bwd().check_problem(bulk, problem(DType::bf16, 8, 4104, 4, 8)).code(), Code::invalid_argument);  // long
+  EXPECT_EQ(bwd().check_problem(bulk, problem(DType::bf16, 8, 4084, 4, 8, 4096)).code(), Code::invalid_argument);
+  EXPECT_EQ(bwd().check_problem(bulk, problem(DType::bf16, 8, 4096, 4, 8, 0, 8)).code(), Code::invalid_argument);
   EXPECT_TRUE(bwd().check_problem(bwd_params("bf16", 512, 1, 8, 2, 2), problem(DType::bf16, 8, 4096, 4, 8)).ok());
   // Several rows per block need the whole row in registers.
   EXPECT_EQ(bwd().check_problem(bwd_params("bf16", 128, 2, 8, 1, 1), problem(DType::bf16, 8, 4096, 4)).code(),
@@ -237,7 +282,7 @@ TEST(RmsNormBwd, CheckProblemRejectsMismatches) {
   pr.dtype = DType::f16;
   pr.dims[k_red_slabs] = 4;
   pr.dims[k_red_cols] = 0;
-  const Params r{{"dtype", std::string("f16")}, {"block", std::int64_t(256)}};
+  const Params r = reduce_params("f16", 256);
   EXPECT_EQ(reduce().check_problem(r, pr).code(), Code::shape_mismatch);
   pr.dims[k_red_cols] = 100;
   EXPECT_TRUE(reduce().check_problem(r, pr).ok());
@@ -274,10 +319,16 @@ TEST(RmsNormBwd, GeometryBuffersAndArgs) {
   pr.dims[k_red_cols] = 100;
   const Params r = reduce().heuristic(pr);
   EXPECT_EQ(*r.get_int("block"), 128);
+  EXPECT_EQ(*r.get_int("columns"), 8);  // 100 columns: as many blocks as there can be
   g = reduce().geometry(r, pr);
-  EXPECT_EQ(g.grid.x, 4u);
-  EXPECT_EQ(g.block.x, 32u);
-  EXPECT_EQ(g.block.y, 4u);
+  EXPECT_EQ(g.grid.x, 13u);
+  EXPECT_EQ(g.block.x, 128u);
+  EXPECT_EQ(g.block.y, 1u);
+  pr.dims[k_red_cols] = 16384;  // 32 columns still give 512 blocks
+  EXPECT_EQ(*reduce().heuristic(pr).get_int("columns"), 32);
+  pr.dims[k_red_cols] = 4096;
+  EXPECT_EQ(*reduce().heuristic(pr).get_int("columns"), 16);
+  pr.dims[k_red_cols] = 100;
   ArgPack ra;
   reduce().pack_args(r, pr, std::span<void* const>(bufs, 2), ra);
   ASSERT_EQ(ra.count(), 4u);
