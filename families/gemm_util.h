@@ -217,7 +217,7 @@ inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
 // more pass over the output): the constant that puts the model's choice on the fastest measured
 // variant at all six M = 128 problems (H100, 2026-11-22; four k-steps chose splits that ran
 // 1.1-1.6x slower; with ten, block-scaled 128 x 7168 x 16384 split 128 x 128 tiles in two, 60.6-
-// 61.8 us, where 64 x 128 unsplit with the deep pipelines of default_stages ran 57.6-58.0).
+// 62.0 us, where 64 x 128 unsplit with the deep pipelines of default_stages ran 57.6-58.0).
 inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t size = c.cluster * c.split;
   const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
