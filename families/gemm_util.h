@@ -27,8 +27,8 @@ inline std::vector<ParamDef> tile_params() {
   return {
       {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
       {"bm", {64, 128}, {}, "tile rows (M)"},
-      {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only"},
-      {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"},
+      {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only; above 128: fp8 on wgmma only (block scales: 192)"},
+      {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
       {"cluster", {1, 2}, {}, "wgmma: CTAs per thread-block cluster, side by side along N, sharing A by TMA multicast"},
       {"split", {1, 2, 3, 4}, {}, "wgmma, fp8: CTAs (one cluster) sharing a tile's K; partial sums reduced in rank order"},
@@ -68,13 +68,15 @@ inline std::uint32_t max_shared_bytes(std::int64_t cc) {
 }
 
 // Rules on the tile alone: the mma path's warps cover 32 columns each (bn <= 128 keeps their
-// accumulators in registers); wgmma with two accumulators (gated) or block-scale partial sums
-// keeps bn <= 128 for the same reason, which also keeps a block-scaled tile inside one
-// 128-column scale block (bn divides 128).
+// accumulators in registers); wgmma with two accumulators (gated) keeps bn <= 128 for the same
+// reason, and block scales (accumulators and one partial-sum set) bn <= 128 (a divisor of 128:
+// one scale block per tile) or 192 (96 + 96 registers; a tile spans two scale blocks).
 inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
-  if (kind != k_fp8_tensor && t.bn > 128) return invalid_argument(f + ": gated and block-scaled kernels take bn <= 128");
+  if (kind == k_gated && t.bn > 128) return invalid_argument(f + ": gated kernels take bn <= 128");
+  if (kind == k_fp8_block && t.bn > 128 && !(t.wgmma && t.bn == 192))
+    return invalid_argument(f + ": block-scaled kernels take bn <= 128, or 192 on the wgmma path");
   if (!t.wgmma && t.cluster != 1) return invalid_argument(f + ": clusters are for the wgmma path only");
   if (t.split > 1 && (!t.wgmma || kind == k_gated || t.cluster != 1))
     return invalid_argument(f + ": split-K is for fp8 on the wgmma path, without A multicast (cluster 1)");
@@ -175,11 +177,16 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
 }
 
-// Stages for a tile: at least 96 KiB of loads in flight (small tiles of decode-sized problems
-// are bound by memory, not by the tensor cores), 4 to 6, as the device's shared memory allows.
+// Stages for a tile: at least 96 KiB of loads in flight, 4 to 6; on the wgmma path, tiles whose
+// stage is at most 24 KiB (the decode-sized problems' tiles, bound by how many bytes each SM has
+// in flight, not by the tensor cores) take as many as fit, up to 16 (H100, 2026-11-22 fifth
+// session: at M = 128, 64 x 32 with 16 stages ran 14.6-14.9 us against 17.3 with 6, 64 x 64 with
+// 14 20.0-20.4 against 24.4, 128 x 56 with 9 56.4-56.8 against 60.5); always as the device's
+// shared memory allows.
 inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
   const std::int64_t stage = (t.bm + (kind == k_gated ? 2 : 1) * t.bn) * 128;
   t.stages = int(std::clamp<std::int64_t>((96 * 1024 + stage - 1) / stage, 4, 6));
+  if (t.wgmma && stage <= 24 * 1024) t.stages = 16;
   while (t.stages > 2 && shared_bytes(kind, t) > max_shared_bytes(cc)) --t.stages;
   return t.stages;
 }
@@ -188,7 +195,7 @@ inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
 inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
   if (kind == k_fp8_tensor)
     return {{128, 256}, {128, 192}, {128, 176}, {128, 128}, {128, 64}, {128, 56}, {128, 32}, {64, 64}, {64, 32}};
-  if (kind == k_fp8_block) return {{128, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  if (kind == k_fp8_block) return {{128, 192}, {128, 128}, {64, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
   return {{128, 128}, {128, 64}, {64, 64}};
 }
 
@@ -206,17 +213,18 @@ inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
 // + the split-K reduction), where a wave is one tile per SM (the grid is persistent, whole
 // clusters), a k-step (128 bytes of K) costs its tensor-core work plus a term for its loads,
 // which dominates for the small tiles of decode-sized problems, and a split-K reduction costs
-// 2 bm bn + ten k-steps (the partial tile through shared memory, the cluster handshakes, one
+// 2 bm bn + twenty k-steps (the partial tile through shared memory, the cluster handshakes, one
 // more pass over the output): the constant that puts the model's choice on the fastest measured
 // variant at all six M = 128 problems (H100, 2026-11-22; four k-steps chose splits that ran
-// 1.1-1.6x slower).
+// 1.1-1.6x slower; with ten, block-scaled 128 x 7168 x 16384 split 128 x 128 tiles in two, 60.6-
+// 62.0 us, where 64 x 128 unsplit with the deep pipelines of default_stages ran 57.6-58.0).
 inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t size = c.cluster * c.split;
   const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
   const std::int64_t waves = (cluster_units(c, p) + per_wave - 1) / per_wave;
   const std::int64_t ksteps = (p.dims[k_k] * element_bytes(kind, DType::bf16) + 127) / 128;
   const std::int64_t step = std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn);
-  const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 10 * step : 0;
+  const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 20 * step : 0;
   return waves * ((ksteps + c.split - 1) / c.split * step + reduce);
 }
 
@@ -270,15 +278,21 @@ inline std::vector<Tile> default_tiles(Kind kind) {
   return out;
 }
 
-// Every tile of the heuristic's path that validates and fits the problem: each stage depth and
-// group order without clusters or split-K, and each tile with clusters of 2 (A multicast) or
-// split-K 2-4 at its default stages and group 8.
+// Every tile of the heuristic's path that validates and fits the problem: each stage depth (3-6,
+// and the wgmma default when deeper) and group order without clusters or split-K, and each tile
+// with clusters of 2 (A multicast) or split-K 2-4 at its default stages and group 8.
 template <class MakeParams, class Check>
 std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
   for (int bm : {64, 128})
     for (int bn : {32, 56, 64, 128, 176, 192, 256}) {
-      for (int stages : {3, 4, 5, 6})
+      // Depths 3 to 6, and on the wgmma path the tile's default when deeper (small tiles).
+      std::vector<int> depths = {3, 4, 5, 6};
+      if (base.wgmma) {
+        const int d = default_stages(kind, Tile{true, bm, bn, 4, 8}, 90);
+        if (d > 6) depths.push_back(d);
+      }
+      for (int stages : depths)
         for (int group : {8, 16}) {
           Params p = make(Tile{base.wgmma, bm, bn, stages, group});
           if (check(p)) out.push_back(std::move(p));

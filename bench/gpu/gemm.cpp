@@ -191,15 +191,16 @@ int gated(Context& ctx, nlohmann::json& rows) {
   return 0;
 }
 
-// Candidate tiles around the wave model's choice (families/gemm_util.h: default_tile) at the
-// decode-sized LLM shapes (M = 128, where split-K decides) and block-scaled large shapes (where
-// clusters of A multicast gained 2-4%), each with its default_stages and group 8: the data behind
-// the model. Correctness is the other parts' and the GPU tests' job. Only with
-// KILN_BENCH_GEMM_VARIANTS=1 (it compiles ~30 variants).
+// Candidate tiles around the heuristic's choice (families/gemm_util.h: default_tile) at the
+// decode-sized LLM shapes (M = 128: tile shape, split-K and pipeline depth decide) and the
+// block-scaled large shapes (bn 192 against 128), each with its default_stages (or the depth
+// named) and group 8: the data behind the model. Correctness is the other parts' and the GPU
+// tests' job. Only with KILN_BENCH_GEMM_VARIANTS=1 (after the other parts) or =only (alone).
 int variants(Context& ctx, nlohmann::json& rows) {
   const int sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
   struct Cand {
     int bm, bn, cluster, split;
+    int stages = 0;  // 0: default_stages
   };
   struct Case {
     const char* family;
@@ -210,18 +211,17 @@ int variants(Context& ctx, nlohmann::json& rows) {
   };
   const auto T = families::k_fp8_per_tensor, B = families::k_fp8_blockwise;
   const double F = 2.0;
-  const Case cases[] = {
-      {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192, {{128, 128, 1, 1}, {128, 128, 2, 1}}},
-      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168, {{128, 128, 1, 1}, {128, 128, 2, 1}}},
-      {"fp8_gemm", 128, 7168, 16384, T, DType::bf16, F * 128 * 7168 * 16384,
-       {{128, 176, 1, 3}, {128, 128, 1, 2}, {128, 192, 1, 3}, {128, 56, 1, 1}, {128, 64, 1, 2}}},
-      {"fp8_gemm", 128, 4096, 7168, T, DType::bf16, F * 128 * 4096 * 7168,
-       {{128, 128, 1, 4}, {128, 64, 1, 2}, {128, 128, 1, 3}, {64, 64, 1, 1}, {128, 176, 1, 4}}},
-      {"fp8_gemm", 128, 2112, 7168, T, DType::bf16, F * 128 * 2112 * 7168,
-       {{128, 64, 1, 4}, {128, 128, 1, 4}, {128, 64, 1, 3}, {64, 32, 1, 1}, {128, 56, 1, 4}}},
-      {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{128, 128, 1, 2}, {128, 64, 1, 1}, {128, 64, 1, 2}}},
-      {"fp8_gemm", 128, 4096, 7168, B, DType::bf16, F * 128 * 4096 * 7168, {{128, 128, 1, 4}, {128, 64, 1, 2}, {64, 64, 1, 1}}},
-      {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168, {{128, 64, 1, 4}, {128, 128, 1, 4}, {64, 32, 1, 1}}}};
+  const std::vector<Case> cases = {
+      {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192, {{128, 192, 1, 1}, {128, 128, 1, 1}}},
+      {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384, {{128, 192, 1, 1}, {128, 128, 1, 1}}},
+      {"fp8_gemm", 4096, 4096, 7168, B, DType::bf16, F * 4096 * 4096 * 7168, {{128, 128, 1, 1}, {128, 192, 1, 1}}},
+      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168, {{128, 192, 1, 1}, {128, 128, 1, 1}}},
+      {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{64, 128, 1, 1}, {128, 128, 1, 2}}},
+      {"fp8_gemm", 128, 4096, 7168, B, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {64, 128, 1, 1}}},
+      {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168, {{64, 32, 1, 1}, {128, 64, 1, 2}}},
+      {"fp8_gemm", 128, 7168, 16384, T, DType::bf16, F * 128 * 7168 * 16384, {{128, 56, 1, 1}, {64, 128, 1, 1}}},
+      {"fp8_gemm", 128, 4096, 7168, T, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {128, 32, 1, 1}}},
+      {"fp8_gemm", 128, 2112, 7168, T, DType::bf16, F * 128 * 2112 * 7168, {{64, 32, 1, 1}, {64, 56, 1, 1}}}};
   std::printf("\ngemm variants\n%10s %6s %6s %6s %10s %9s  %s\n", "family", "M", "N", "K", "median_us", "TFLOP/s",
               "variant");
   for (const Case& c : cases) {
@@ -248,7 +248,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
     }
     for (const Cand& cand : c.cands) {
       g::Tile t{true, cand.bm, cand.bn, 4, 8, cand.cluster, cand.split};
-      t.stages = g::default_stages(kind, t, cc);
+      t.stages = cand.stages ? cand.stages : g::default_stages(kind, t, cc);
       const Params v = g::with_tile(h, t);
       if (!f.validate(v).ok() || !f.check_problem(v, p).ok()) continue;
       auto k = ctx.runtime->kernel(KernelSpec{c.family, v});
@@ -269,9 +269,11 @@ int variants(Context& ctx, nlohmann::json& rows) {
 
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
-  int rc = fp8(ctx, rows);
-  if (rc == 0) rc = gated(ctx, rows);
-  if (const char* v = std::getenv("KILN_BENCH_GEMM_VARIANTS"); rc == 0 && v && std::string(v) == "1")
+  const char* v = std::getenv("KILN_BENCH_GEMM_VARIANTS");
+  const bool only = v && std::string(v) == "only";
+  int rc = only ? 0 : fp8(ctx, rows);
+  if (rc == 0 && !only) rc = gated(ctx, rows);
+  if (rc == 0 && v && (std::string(v) == "1" || only))
     rc = variants(ctx, rows);
   (*ctx.out)["gemm"] = rows;
   return rc;

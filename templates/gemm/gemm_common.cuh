@@ -149,6 +149,43 @@ __device__ __forceinline__ void promote_block(float (&acc)[MI][NI][4], float (&p
     }
 }
 
+// The wgmma path's promotion for one 64-row fragment set, with the tile's columns in up to two
+// 128-column scale blocks: acc += part * sc[h][j], j = 0 for column groups ni < n1 and 1 after.
+// n1 is uniform over the tile; each value it can take gets its own unrolled loop (compile-time
+// selects: a run-time compare per column group would double the promotion's instructions).
+template <int NI, int N1>
+__device__ __forceinline__ void promote_cols(float (&acc)[1][NI][4], float (&part)[1][NI][4], const float (&sc)[2][2]) {
+#pragma unroll
+  for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][ni][e] += part[0][ni][e] * sc[e >> 1][ni < N1 ? 0 : 1];
+}
+template <int NI, int STEP, int N1>
+__device__ __forceinline__ void promote_dispatch(float (&acc)[1][NI][4], float (&part)[1][NI][4], const float (&sc)[2][2],
+                                                 int n1) {
+  if constexpr (N1 <= STEP) {
+    promote_cols<NI, N1>(acc, part, sc);
+  } else {
+    if (n1 == N1)
+      promote_cols<NI, N1>(acc, part, sc);
+    else
+      promote_dispatch<NI, STEP, N1 - STEP>(acc, part, sc, n1);
+  }
+}
+// BN <= 128 (BN divides 128): one scale block. Otherwise n1 = (128 - col0 % 128) / 8 column
+// groups in the first block, a multiple of STEP = gcd(BN, 128) / 8 (col0 is a multiple of BN).
+template <int BN>
+__device__ __forceinline__ void promote_split(float (&acc)[1][BN / 8][4], float (&part)[1][BN / 8][4],
+                                              const float (&sc)[2][2], int n1) {
+  constexpr int NI = BN / 8;
+  if constexpr (BN <= k_scale_block) {
+    promote_cols<NI, NI>(acc, part, sc);
+  } else {
+    constexpr int G = BN % 128 == 0 ? 128 : BN % 64 == 0 ? 64 : BN % 32 == 0 ? 32 : BN % 16 == 0 ? 16 : 8;
+    promote_dispatch<NI, G / 8, 16>(acc, part, sc, n1);
+  }
+}
+
 template <int MI, int NI>
 __device__ __forceinline__ void zero_fragments(float (&acc)[MI][NI][4]) {
 #pragma unroll

@@ -172,12 +172,12 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 // through distributed shared memory, and stores them; a `done` barrier keeps a partial tile
 // alive until every CTA has read it.
 // Block-scaled fp8 (KIND k_fp8_block): one stage is exactly one 128-wide k-block. The producer
-// warpgroup's second warp copies the stage's scales (BM rows of a_scale, the tile's b_scale) into
-// a small per-stage area beside the ring with cp.async and arrives on the stage's `full` barrier
-// when they land, so the consumers read them from shared memory and never wait on global memory.
-// Consumers keep two partial-sum sets: the batch of k-block kt + 1 is issued before the partial
-// sums of kt are promoted (acc += part * a_scale * b_scale), so the tensor cores always have a
-// batch of this warpgroup queued while it promotes.
+// warpgroup's second warp copies the stage's scales (BM rows of a_scale, the tile's one or two
+// b_scale blocks) into a small per-stage area beside the ring with cp.async and arrives on the
+// stage's `full` barrier when they land, so the consumers read them from shared memory and never
+// wait on global memory. Each consumer issues a k-block's batch into one partial-sum set, waits
+// for it, releases the stage and promotes (acc += part * a_scale * b_scale, the b scale of each
+// column's 128-column block: bn 192 spans two); the two consumers issue in turn (see ORDER).
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc& map_a, const TmaDesc& map_b0,
                                                 const TmaDesc& map_b1) {
@@ -187,6 +187,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
                  SK = SPLIT > 1;
   constexpr int CL = CLUSTER * SPLIT;  // CTAs per cluster
   static_assert(!(SK && (MC || DUAL)), "split-K is for fp8 without A multicast");
+  static_assert(!BLOCK || BN <= 128 || BN == 192 || BN == 160 || BN == 144,
+                "block scales: bn - gcd(bn, 128) <= 128 keeps a tile within two scale blocks");
   using MmaT = typename Select<FP8, u8, TIn>::type;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
@@ -280,7 +282,12 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
             const bool ok = row < m;
             cp_async_4(dst + 4 * r, ok ? a_scale + (long long)row * kblocks + kt : a_scale, ok ? 4 : 0);
           }
+          // The tile's b scales: its first 128-column block's and, for bn > 128, the next one's.
           if (lane == 0) cp_async_4(dst + 4 * BM, b_ok ? b_scales + kt : b_scale, b_ok ? 4 : 0);
+          if (BN > k_scale_block && lane == 1) {
+            const bool ok2 = b_ok && (tn * BN) / k_scale_block + 1 < (n + k_scale_block - 1) / k_scale_block;
+            cp_async_4(dst + 4 * (BM + 1), ok2 ? b_scales + kblocks + kt : b_scale, ok2 ? 4 : 0);
+          }
           cp_async_mbar_arrive(full + 8 * s);
         }
       }
@@ -292,9 +299,9 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMERS == 1 ? 240 : 224));
   const int warp_in_wg = (threadIdx.x / 32) % 4;
-  // acc1: the up projection (gated); part0/part1: k-block partial sums (block-scaled). Unused
-  // ones are compiled away.
-  float acc[1][NI][4], acc1[1][NI][4], part0[1][NI][4], part1[1][NI][4];
+  // acc1: the up projection (gated); part0: a k-block's partial sums (block-scaled). Unused ones
+  // are compiled away.
+  float acc[1][NI][4], acc1[1][NI][4], part0[1][NI][4];
   // One stage: 4 instructions of 32 bytes of K (+2 per step in descriptor units) into d, plus the
   // up projection into acc1; `accumulate` 0 starts d afresh. Returns with the batch in flight.
   auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
@@ -325,30 +332,45 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       mbar_arrive(empty + 8 * s);
     }
   };
-  // This thread's two rows' a scales times the b scale of stage s.
+  // This thread's two rows' a scales times the b scales of stage s: sc[h][j] for row h (the
+  // thread's rows r and r + 8) and the tile's j-th 128-column block (j = 1 only for bn > 128).
   const float* stage_scales = reinterpret_cast<const float*>(smem_raw + (scales - raw));
   const int scale_row = wg * 64 + warp_in_wg * 16 + (lane >> 2);
-  auto read_scales = [&](float(&sc)[1][2], int s) {
+  constexpr int SB = BN > k_scale_block ? 2 : 1;
+  auto read_scales = [&](float(&sc)[2][2], int s) {
     const float* p = stage_scales + s * SCALE_FLOATS;
-    const float sb = p[BM];
-    sc[0][0] = p[scale_row] * sb;
-    sc[0][1] = p[scale_row + 8] * sb;
+    const float a0 = p[scale_row], a1 = p[scale_row + 8];
+#pragma unroll
+    for (int j = 0; j < SB; ++j) {
+      const float sb = p[BM + j];
+      sc[0][j] = a0 * sb;
+      sc[1][j] = a1 * sb;
+    }
   };
-  // Block-scaled: queue the batch of the stage after `it` into nxt (its scales into ns); retire
-  // stage `it` (its batch, into cur, is done by then) and promote it with its scales cs.
+  // Two consumers issue their batches in turn (block scales): consumer 0's batch j, then consumer
+  // 1's batch j, then consumer 0's batch j + 1 (named barriers 1 and 2, each consumer arriving
+  // after it issues and syncing before). Each waits for its batch before promoting it, so without
+  // an order both tend to wait, and promote, at the same time while the tensor cores idle; in
+  // turn, one promotes while the other's batch runs (H100: 2-5% faster with 128 x 192 tiles).
+  constexpr bool ORDER = BLOCK && CONSUMERS == 2;
+  int batch = 0, batches = 0;
+  if (ORDER) batches = first < units ? ((units - first + step - 1) / step) * nk : 0;
+  auto order_wait = [&]() {
+    if (!ORDER) return;
+    if (wg == 1)
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    else if (batch > 0)
+      asm volatile("bar.sync 2, 256;\n" ::: "memory");
+  };
+  auto order_signal = [&]() {
+    if (!ORDER) return;
+    if (wg == 0)
+      asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    else if (batch + 1 < batches)
+      asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+    ++batch;
+  };
   int it = 0;
-  auto block_issue_next = [&](float(&nxt)[1][NI][4], float(&ns)[1][2]) {
-    const int s1 = (it + 1) % STAGES;
-    mbar_wait(full + 8 * s1, ((it + 1) / STAGES) & 1);
-    read_scales(ns, s1);
-    issue_stage(nxt, base + s1 * STAGE_BYTES, 0);
-  };
-  auto block_retire = [&](float(&cur)[1][NI][4], float(&cs)[1][2]) {
-    fence_fragments(cur);
-    release(it % STAGES);
-    ++it;
-    promote_block(acc, cur, cs, 1.0f);
-  };
   int uiter = 0;  // split-K: units done, the parity of the ready / done barriers
   for (int u = first; u < units; u += step) {
     int tm, tnc;
@@ -356,37 +378,25 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
     const int tn = tnc * CLUSTER + rank;
     const int row0 = tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
     if (BLOCK) {
+      // One partial-sum set: each k-block's batch is waited for, its stage released, then the
+      // partial sums promoted. (Two sets, the next batch queued before each promotion, ran 5-7%
+      // slower on the H100: docs/benchmarks.md, 2026-11-22 fifth session.)
       zero_fragments(acc);
-      float sc0[1][2], sc1[1][2];
-      if (nk > 0) {
-      {
+      // Columns [0, 8 * n1) of the tile are in its first 128-column scale block, the rest in the
+      // next (bn > 128 only; bn - gcd(bn, 128) <= 128 keeps every tile within two blocks).
+      const int n1 = SB == 1 ? NI : min(NI, (k_scale_block - col0 % k_scale_block) / 8);
+      for (int kt = 0; kt < nk; ++kt, ++it) {
         const int s = it % STAGES;
         mbar_wait(full + 8 * s, (it / STAGES) & 1);
-        read_scales(sc0, s);
+        float sc[2][2];
+        read_scales(sc, s);
+        order_wait();
         issue_stage(part0, base + s * STAGE_BYTES, 0);
-      }
-      // Pairs of k-blocks with a next one to queue behind each, then the one or two left. Every
-      // read of a partial-sum set follows a wait that ptxas can see retires its batch (a wait
-      // count that depends on a run-time branch makes it serialize every wgmma).
-      int kt = 0;
-      for (; kt + 2 < nk; kt += 2) {
-        block_issue_next(part1, sc1);
-        wgmma_wait<1>();
-        block_retire(part0, sc0);
-        block_issue_next(part0, sc0);
-        wgmma_wait<1>();
-        block_retire(part1, sc1);
-      }
-      if (kt + 1 < nk) {
-        block_issue_next(part1, sc1);
-        wgmma_wait<1>();
-        block_retire(part0, sc0);
+        order_signal();
         wgmma_wait<0>();
-        block_retire(part1, sc1);
-      } else {
-        wgmma_wait<0>();
-        block_retire(part0, sc0);
-      }
+        fence_fragments(part0);
+        release(s);
+        promote_split<BN>(acc, part0, sc, n1);
       }
     } else if (nk == 0) {
       // Split-K with fewer k-steps than CTAs: nothing here; the partial tile written below is
