@@ -39,12 +39,6 @@ std::vector<unsigned char> random_matrix(Context& ctx, DType t, std::int64_t row
   return out;
 }
 
-std::vector<unsigned char> float_bytes(const std::vector<float>& v) {
-  std::vector<unsigned char> out(v.size() * 4);
-  std::memcpy(out.data(), v.data(), out.size());
-  return out;
-}
-
 struct Checked {
   double err;
   bool all_written;

@@ -214,8 +214,8 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   // 2026-11-22), with the 64-register cap:
   // - 2048 rows and more: 8-byte accesses, eight packs per thread (the whole register cache), blocks
   //   of 64..512 threads; best or within 1% of the best at 4096 and 32768 rows for hidden 2048 ..
-  //   16384, and 64K-element rows keep 24 of their 32 packs per thread in shared memory (81.8% of
-  //   the copy bandwidth, against 59.6% for 1024 threads and 16-byte packs).
+  //   16384. Rows of 64-128 KiB (hidden 65536 bf16): 1024 threads and 4-byte accesses, 24 of each
+  //   thread's 32 packs in shared memory (against 59.6% of the copy for 16-byte packs).
   // - Up to 2048 rows: 4-byte accesses and 16 packs per thread (1.05-1.1x at 512 rows).
   // - Decode (up to 64 rows), rows that 1024 threads cover with two 16-byte packs each: 16-byte
   //   accesses, two packs per thread (bench/exp/decode_exp.cu, after the weight moved before the
@@ -243,6 +243,12 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     while (block < 1024 && block * 2 < packs) block *= 2;
   } else if (rows <= 64) {
     block = 1024;
+  } else if (rows >= 2048 && cols * esize > 64 * 1024 && cols * esize <= 128 * 1024 && vec * esize == 8) {
+    // Rows of 64-128 KiB: 1024 threads with 4-byte packs keep 8 packs each in registers and 24 in
+    // shared memory, the weight in registers (kiln tune on an H100, 2026-11-22 fifth session:
+    // 4096 x 65536 bf16 449 µs against 510 for 512 threads with 8-byte packs, which also stage
+    // the weight in the shared memory the row cache needs).
+    return {1024, std::max(1, 4 / esize)};
   } else {
     const int per_thread = rows >= 2048 ? 8 : 16;
     while (block < 512 && block * per_thread < packs) block *= 2;

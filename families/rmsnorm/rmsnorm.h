@@ -9,7 +9,8 @@
 // memory (rmsnorm_smem_packs), up to 96 KiB; rows that fit it may stage the weight there.
 // Heuristic (measured on an H100 with bench section `variants` and the tuner): from 2048 rows,
 // 8-byte accesses and the smallest block of 64..512 threads giving at most eight packs per thread
-// (longer rows keep the rest in shared memory); under 2048 rows 4-byte accesses and 16 packs per
+// (longer rows keep the rest in shared memory), except rows of 64-128 KiB: 1024 threads with
+// 4-byte accesses (24 of each thread's 32 packs in shared memory); under 2048 rows 4-byte accesses and 16 packs per
 // thread; up to 64 rows, 16-byte accesses and two packs per thread (64..1024 threads) where 1024
 // threads cover the row that way, else 1024 threads with accesses widened only while each thread
 // keeps eight. Accesses narrow until the buffers' alignment and row strides allow them. With the SM count in the problem,

@@ -282,7 +282,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
 // registers to hold them (the register kernel above cannot prefetch at 1024 threads per SM, and
 // its 512-thread blocks hold one row ahead). One block covers a whole row: THREADS threads, PACKS
 // 16-byte packs each; dw stays in registers up to 16 elements per thread, beyond in shared memory
-// (where 4 packs of bf16 in registers spilled 224 bytes). Blocks of THREADS threads come
+// as float4s (4 packs of bf16 in registers spilled 224 bytes). Blocks of THREADS threads come
 // 512 / THREADS to an SM (at least 1), 128 registers each.
 //
 // Requires: sm_90; dy, x, dx aligned to 16 bytes, row strides and cols multiples of 16 bytes;
@@ -335,13 +335,37 @@ rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __r
   P wv[PACKS];
 #pragma unroll
   for (int j = 0; j < PACKS; ++j) wv[j] = t + j * THREADS < packs ? load_pack<T, VEC>(w + (t + j * THREADS) * VEC) : P{};
-  // dw slot e of this thread: a register, or word e * THREADS + t after the row buffers (consecutive
-  // threads on consecutive words).
+  // dw of pack j: registers, or VEC / 4 float4 slots after the row buffers, slot (j * VEC / 4 + q)
+  // * THREADS + t (consecutive threads on consecutive 16 bytes: one access per 4 floats, no bank
+  // conflicts).
   float dw_regs[k_dw_smem ? 1 : PACKS * VEC];
-  float* dw_smem = reinterpret_cast<float*>(sx + STAGES * k_buffer) + t;
-  auto dw = [&](int e) -> float& { return k_dw_smem ? dw_smem[e * THREADS] : dw_regs[k_dw_smem ? 0 : e]; };
+  float4* dw_smem = reinterpret_cast<float4*>(sx + STAGES * k_buffer) + t;
+  auto load_dw = [&](int j, float (&v)[VEC]) {
 #pragma unroll
-  for (int e = 0; e < PACKS * VEC; ++e) dw(e) = 0.f;
+    for (int q = 0; q < VEC / 4; ++q) {
+      const float4 f = k_dw_smem ? dw_smem[(j * VEC / 4 + q) * THREADS] : float4{};
+      v[4 * q] = k_dw_smem ? f.x : dw_regs[k_dw_smem ? 0 : j * VEC + 4 * q];
+      v[4 * q + 1] = k_dw_smem ? f.y : dw_regs[k_dw_smem ? 0 : j * VEC + 4 * q + 1];
+      v[4 * q + 2] = k_dw_smem ? f.z : dw_regs[k_dw_smem ? 0 : j * VEC + 4 * q + 2];
+      v[4 * q + 3] = k_dw_smem ? f.w : dw_regs[k_dw_smem ? 0 : j * VEC + 4 * q + 3];
+    }
+  };
+  auto store_dw = [&](int j, const float (&v)[VEC]) {
+#pragma unroll
+    for (int q = 0; q < VEC / 4; ++q) {
+      if constexpr (k_dw_smem) {
+        dw_smem[(j * VEC / 4 + q) * THREADS] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) dw_regs[j * VEC + 4 * q + k] = v[4 * q + k];
+      }
+    }
+  };
+  {
+    const float zero[VEC] = {};
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) store_dw(j, zero);
+  }
   const float inv_cols = 1.f / float(cols);
 
   for (long long i = 0; i < n; ++i) {
@@ -372,12 +396,15 @@ rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __r
 #pragma unroll
     for (int j = 0; j < PACKS; ++j) {
       P out;
+      float d[VEC];
+      load_dw(j, d);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float fdy = to_float(a[j].v[k]), fx = to_float(b[j].v[k]);
         out.v[k] = from_float<T>(rs * fmaf(-fx, k2, fdy * to_float(wv[j].v[k])));
-        dw(j * VEC + k) = fmaf(fdy * fx, rs, dw(j * VEC + k));
+        d[k] = fmaf(fdy * fx, rs, d[k]);
       }
+      store_dw(j, d);
       if (t + j * THREADS < packs) store_pack<T, VEC>(dx + row * dx_stride + (t + j * THREADS) * VEC, out);
     }
   }
@@ -387,11 +414,14 @@ rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __r
   __syncthreads();
   float* row_out = reinterpret_cast<float*>(smem);  // k_buffer floats fit in the 2 * STAGES row buffers
 #pragma unroll
-  for (int j = 0; j < PACKS; ++j)
+  for (int j = 0; j < PACKS; ++j) {
+    float d[VEC];
+    load_dw(j, d);
 #pragma unroll
     for (int q = 0; q < VEC / 4; ++q)
       reinterpret_cast<float4*>(row_out + (t + j * THREADS) * VEC)[q] =
-          make_float4(dw(j * VEC + 4 * q), dw(j * VEC + 4 * q + 1), dw(j * VEC + 4 * q + 2), dw(j * VEC + 4 * q + 3));
+          make_float4(d[4 * q], d[4 * q + 1], d[4 * q + 2], d[4 * q + 3]);
+  }
   __syncthreads();
   for (int c = t; c < cols; c += THREADS) partial[slab * cols + c] = row_out[c];
 #endif

@@ -70,9 +70,15 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 512);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 2048)).block, 64);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 4096, 4096)).vec, 2);
-  auto wide = rmsnorm_heuristic(problem(DType::bf16, 4096, 65536));  // 32 packs per thread, 24 in shared memory
-  EXPECT_EQ(wide.vec, 4);
-  EXPECT_EQ(wide.block, 512);
+  // Rows of 64-128 KiB: 1024 threads, 4-byte packs, 32 per thread, 24 of them in shared memory.
+  auto wide = rmsnorm_heuristic(problem(DType::bf16, 4096, 65536));
+  EXPECT_EQ(wide.vec, 2);
+  EXPECT_EQ(wide.block, 1024);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 4096, 32768)).block, 1024);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 4096, 32768)).vec, 1);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 32768)).block, 512);   // 64 KiB: 8-byte packs
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 131072)).block, 512);  // 256 KiB
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 65536, 65536, 65536, 4)).block, 512);  // 4-byte aligned
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 2048, 4095)).vec, 1);   // odd rows: row starts misalign
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f16, 2048, 4094)).vec, 2);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 2048, 4096, 4096, 4096, 4)).vec, 2);  // 4-byte aligned buffers
