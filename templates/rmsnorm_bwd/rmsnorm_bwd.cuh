@@ -125,7 +125,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   const int tail_off = (packs - pack_begin - t) * VEC + t;
   const float inv_cols = 1.f / float(cols);
 
-  // Slab i holds rows i, i + slabs, ...: its k-th row is row_of(k); group g takes k = g, g + ROWS, ...
+  // Slab i holds rows i, i + slabs, ...: its k-th row is i + k * slabs; group g takes k = g, g + ROWS, ...
   const long long slab_rows = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;
   long long k_row = g;  // this group's current index within the slab
   long long row = slab + k_row * slabs;
@@ -286,8 +286,8 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
 // 512 / THREADS to an SM (at least 1), 128 registers each.
 //
 // Requires: sm_90; dy, x, dx aligned to 16 bytes, row strides and cols multiples of 16 bytes;
-// cols <= THREADS * PACKS * VEC; dynamic shared memory of
-// rmsnorm_bwd_bulk_smem(THREADS, PACKS, STAGES, sizeof(T)) bytes (families/rmsnorm_bwd).
+// cols <= THREADS * PACKS * VEC; the dynamic shared memory that rmsnorm_bwd_bulk_smem gives for
+// this choice (families/rmsnorm_bwd).
 template <typename T, int THREADS, int PACKS, int STAGES>
 __global__ void __launch_bounds__(THREADS, (512 / THREADS > 1 ? 512 / THREADS : 1))
 rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,

@@ -5,8 +5,9 @@
 // adds slabs l, l + lanes, ... of its column (four loads in flight per step), then the lanes of a
 // warp that share a column add by shuffles and the warps through shared memory. With COLUMNS = 8
 // each slab row is read as one 32-byte sector per block, and a row of 2048 columns still spreads
-// over 256 blocks (with 32 columns, 64 blocks left half the GPU idle: 9.1 -> 6.0 µs for 528 x 2048
-// partials on an H100, bench/exp/bulk_exp.cu). With no slabs (no rows) dw is zero.
+// over 256 blocks (with 32 columns, 64 blocks left half the GPU idle: 528 x 2048 partials 9.1 ->
+// 7.2 µs, 264 x 2048 6.9 -> 6.0 on an H100, bench/exp/bulk_exp.cu). With no slabs (no rows) dw is
+// zero.
 #pragma once
 
 #include "common/dtype.cuh"
