@@ -184,10 +184,14 @@ AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p) {
   // Rows past the register cache (two packs per thread of 1024): 8-byte accesses, whose
   // shared-memory batches keep two loads per buffer in flight (measured on an H100 at 4096x65536
   // bf16: 86% of the copy bandwidth with 8-byte packs, 43% with 16-byte ones).
-  if (p.dims[k_add_cols] / vec > 2 * 1024 && vec * esize > 8) vec = 8 / esize;
+  // From 2048 rows those rows take 512 threads: kiln tune ranked 4096x65536 bf16 at 834.8 µs for
+  // 512 threads against 844.6 for 1024 (H100, 2026-11-22 fifth session; spreads 0.5-0.7%).
+  const bool past_cache = p.dims[k_add_cols] / vec > 2 * 1024;
+  if (past_cache && vec * esize > 8) vec = 8 / esize;
   const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_add_cols] / vec);
+  const int max_block = past_cache && p.dims[k_add_rows] >= 2048 ? 512 : 1024;
   int block = 64;
-  while (block < 1024 && block * 2 < packs) block *= 2;
+  while (block < max_block && block * 2 < packs) block *= 2;
   return {block, vec};
 }
 

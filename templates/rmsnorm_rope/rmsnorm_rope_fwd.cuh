@@ -89,6 +89,10 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
   P* w_smem = reinterpret_cast<P*>(dyn_smem);
 
   const int items = hidden / (2 * VEC);
+  // Item `it` is VEC pairs of its head: `pair_of` is their offset in the half-head, `offset_of`
+  // the row offset of the first half's pack (the second half's is k_half further).
+  auto pair_of = [](int it) { return (it % k_chunks) * VEC; };
+  auto offset_of = [&](int it) { return (it / k_chunks) * HEAD_DIM + pair_of(it); };
   const float inv_hidden = 1.f / float(hidden);
   const bool w_staged =
       sizeof(P) >= 4 && items <= k_cached * BLOCK && dynamic_smem_bytes() >= unsigned(hidden * sizeof(T));
@@ -105,8 +109,7 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
     for (int i = 0; i < k_cached; ++i) {
       const int it = int(threadIdx.x) + i * BLOCK;
       if (it < items) {
-        const int head = it / k_chunks;
-        const int off = head * HEAD_DIM + (it - head * k_chunks) * VEC;
+        const int off = offset_of(it);
         lo[i] = load_pack<T, VEC>(xr + off);
         hi[i] = load_pack<T, VEC>(xr + off + k_half);
       }
@@ -125,8 +128,7 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
         for (int i = 0; i < k_cached; ++i) {
           const int it = int(threadIdx.x) + i * BLOCK;
           if (it < items) {
-            const int head = it / k_chunks;
-            const int off = head * HEAD_DIM + (it - head * k_chunks) * VEC;
+            const int off = offset_of(it);
             cp_async_pack<T, VEC>(w_smem + off / VEC, w + off);
             cp_async_pack<T, VEC>(w_smem + (off + k_half) / VEC, w + off + k_half);
           }
@@ -139,8 +141,7 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
       if (it < items) acc = sum_squares<T, VEC>(lo[i], hi[i], acc);
     }
     for (int it = int(threadIdx.x) + k_cached * BLOCK; it < items; it += BLOCK) {
-      const int head = it / k_chunks;
-      const int off = head * HEAD_DIM + (it - head * k_chunks) * VEC;
+      const int off = offset_of(it);
       acc = sum_squares<T, VEC>(load_pack<T, VEC>(xr + off), load_pack<T, VEC>(xr + off + k_half), acc);
     }
 
@@ -155,19 +156,13 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
 #pragma unroll
     for (int i = 0; i < k_cached; ++i) {
       const int it = int(threadIdx.x) + i * BLOCK;
-      if (it < items) {
-        const int head = it / k_chunks;
-        const int pair = (it - head * k_chunks) * VEC;
-        rmsnorm_rope_item<T, C, HEAD_DIM, VEC>(lo[i], hi[i], head * HEAD_DIM + pair, pair, wp, cos_row, sin_row, scale,
-                                               yr);
-      }
+      if (it < items)
+        rmsnorm_rope_item<T, C, HEAD_DIM, VEC>(lo[i], hi[i], offset_of(it), pair_of(it), wp, cos_row, sin_row, scale, yr);
     }
     for (int it = int(threadIdx.x) + k_cached * BLOCK; it < items; it += BLOCK) {
-      const int head = it / k_chunks;
-      const int pair = (it - head * k_chunks) * VEC;
-      const int off = head * HEAD_DIM + pair;
+      const int off = offset_of(it);
       rmsnorm_rope_item<T, C, HEAD_DIM, VEC>(load_pack<T, VEC>(xr + off), load_pack<T, VEC>(xr + off + k_half), off,
-                                             pair, w, cos_row, sin_row, scale, yr);
+                                             pair_of(it), w, cos_row, sin_row, scale, yr);
     }
   }
 }

@@ -99,6 +99,9 @@ TEST(AddRmsNorm, HeuristicPicksWidestAlignedAccess) {
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 8, 4096, 0, 4)).vec, 2);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 65536)).block, 1024);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 65536)).vec, 4);  // past the registers: 8 bytes
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 65536)).block, 512);  // from 2048 rows
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 65536)).vec, 4);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 1024);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).vec, 8);  // fits them: 16 bytes
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).block, 1024);  // two packs per thread
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 5120)).block, 512);
