@@ -86,8 +86,8 @@ class RmsNormBwd final : public Family {
     if (c.rows != 1 || c.cluster != 1 || c.sm_threads != 512 || c.vec * esize != 16)
       return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs rows=1, cluster=1, sm_threads=512 and "
                               "16-byte packs");
-    if (rmsnorm_bwd_bulk_smem(c, esize) > k_max_block_smem ||
-        std::max(1, 512 / c.group) * (rmsnorm_bwd_bulk_smem(c, esize) + 1024) > k_sm_smem)
+    const std::int64_t smem = rmsnorm_bwd_bulk_smem(c, esize);
+    if (smem > k_max_block_smem || std::max(1, 512 / c.group) * (smem + 1024) > k_sm_smem)
       return invalid_argument("rmsnorm_bwd: " + std::to_string(c.stages) + " row buffers of " +
                               std::to_string(c.group * c.packs * 16) + " bytes do not fit in shared memory");
     return {};
@@ -306,13 +306,13 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   // register kernel at 4096 and 32768 rows of hidden 2048 to 16384 bf16 on an H100 (with dw's
   // second stage; bench/exp/bulk_exp.cu, docs/benchmarks.md). Two packs per thread up to 1024
   // packs, else four; threads rounded up to whole warps; blocks come 512 / threads to an SM; four
-  // row buffers while an SM's buffers stay within 128 KiB, else two.
+  // row buffers while the SM's shared memory for them (rmsnorm_bwd_bulk_smem) stays within 128 KiB,
+  // else two.
   if (bulk_fits(p) && cols * esize / 16 >= 256) {
     const std::int64_t packs = cols * esize / 16;
     RmsNormBwdChoice c{0, 1, 16 / esize, packs <= 1024 ? 2 : 4, 1, 512, 4};
     c.group = int((ceil_div(packs, c.packs) + 31) / 32 * 32);
-    const std::int64_t per_sm = std::max(1, 512 / c.group);
-    if (per_sm * 4 * 2 * std::int64_t(c.group) * c.packs * 16 > 128 * 1024) c.stages = 2;
+    if (std::max(1, 512 / c.group) * rmsnorm_bwd_bulk_smem(c, esize) > 128 * 1024) c.stages = 2;
     return c;
   }
   RmsNormBwdChoice c{32, 1, 16 / esize, 1, 1, 512};
