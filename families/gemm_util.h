@@ -27,8 +27,8 @@ inline std::vector<ParamDef> tile_params() {
   return {
       {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
       {"bm", {64, 128}, {}, "tile rows (M)"},
-      {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only; above 128: fp8 on wgmma only (block scales: 192)"},
-      {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, {}, "shared-memory pipeline depth"},
+      {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only; above 128: fp8 on wgmma only (block scales: 192, 256)"},
+      {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
       {"cluster", {1, 2}, {}, "wgmma: CTAs per thread-block cluster, side by side along N, sharing A by TMA multicast"},
       {"split", {1, 2, 3, 4}, {}, "wgmma, fp8: CTAs (one cluster) sharing a tile's K; partial sums reduced in rank order"},
@@ -70,13 +70,14 @@ inline std::uint32_t max_shared_bytes(std::int64_t cc) {
 // Rules on the tile alone: the mma path's warps cover 32 columns each (bn <= 128 keeps their
 // accumulators in registers); wgmma with two accumulators (gated) keeps bn <= 128 for the same
 // reason, and block scales (accumulators and one partial-sum set) bn <= 128 (a divisor of 128:
-// one scale block per tile) or 192 (96 + 96 registers; a tile spans two scale blocks).
+// one scale block per tile), 192 (96 + 96 registers; a tile spans two scale blocks) or 256 (two
+// 128-column halves through a 64-column partial-sum set: 128 + 64 registers).
 inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
   if (kind == k_gated && t.bn > 128) return invalid_argument(f + ": gated kernels take bn <= 128");
-  if (kind == k_fp8_block && t.bn > 128 && !(t.wgmma && t.bn == 192))
-    return invalid_argument(f + ": block-scaled kernels take bn <= 128, or 192 on the wgmma path");
+  if (kind == k_fp8_block && t.bn > 128 && !(t.wgmma && (t.bn == 192 || t.bn == 256)))
+    return invalid_argument(f + ": block-scaled kernels take bn <= 128, or 192 or 256 on the wgmma path");
   if (!t.wgmma && t.cluster != 1) return invalid_argument(f + ": clusters are for the wgmma path only");
   if (t.split > 1 && (!t.wgmma || kind == k_gated || t.cluster != 1))
     return invalid_argument(f + ": split-K is for fp8 on the wgmma path, without A multicast (cluster 1)");
@@ -195,7 +196,8 @@ inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
 inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
   if (kind == k_fp8_tensor)
     return {{128, 256}, {128, 192}, {128, 176}, {128, 128}, {128, 64}, {128, 56}, {128, 32}, {64, 64}, {64, 32}};
-  if (kind == k_fp8_block) return {{128, 192}, {128, 128}, {64, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+  if (kind == k_fp8_block)
+    return {{128, 256}, {128, 192}, {128, 128}, {64, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
   return {{128, 128}, {128, 64}, {64, 64}};
 }
 

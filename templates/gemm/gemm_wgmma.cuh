@@ -178,6 +178,12 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 // wait on global memory. Each consumer issues a k-block's batch into one partial-sum set, waits
 // for it, releases the stage and promotes (acc += part * a_scale * b_scale, the b scale of each
 // column's 128-column block: bn 192 spans two); the two consumers issue in turn (see ORDER).
+// bn 256 (HALVES): each k-block goes as two 128-column halves, exactly one scale block each,
+// through a 64-column partial-sum set (acc 128 + part 64 registers): issue half 0, wait, promote
+// it, then half 1, the stage released after the second; the consumers keep no issue order there
+// (H100, 2026-11-22 sixth session: with the order 7% slower at 8192^3, 4096 x 7168 x 16384 and
+// 4096 x 4096 x 7168; without it 128 x 256 ran 5% faster than 128 x 192 at 8192^3 and 12% at
+// 4096 x 7168 x 16384, and 14% faster than 128 x 128 at 4096 x 4096 x 7168).
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc& map_a, const TmaDesc& map_b0,
                                                 const TmaDesc& map_b1) {
@@ -187,8 +193,10 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
                  SK = SPLIT > 1;
   constexpr int CL = CLUSTER * SPLIT;  // CTAs per cluster
   static_assert(!(SK && (MC || DUAL)), "split-K is for fp8 without A multicast");
-  static_assert(!BLOCK || BN <= 128 || BN == 192 || BN == 160 || BN == 144,
-                "block scales: bn - gcd(bn, 128) <= 128 keeps a tile within two scale blocks");
+  static_assert(!BLOCK || BN <= 128 || BN == 192 || BN == 160 || BN == 144 || BN == 256,
+                "block scales: bn - gcd(bn, 128) <= 128 keeps a tile within two scale blocks (256: two halves)");
+  constexpr bool HALVES = BLOCK && BN == 256;  // see above; part0 holds one half
+  constexpr int PNI = HALVES ? NI / 2 : NI;
   using MmaT = typename Select<FP8, u8, TIn>::type;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
@@ -301,7 +309,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   // acc1: the up projection (gated); part0: a k-block's partial sums (block-scaled). Unused ones
   // are compiled away.
-  float acc[1][NI][4], acc1[1][NI][4], part0[1][NI][4];
+  float acc[1][NI][4], acc1[1][NI][4], part0[1][PNI][4];
   // One stage: 4 instructions of 32 bytes of K (+2 per step in descriptor units) into d, plus the
   // up projection into acc1; `accumulate` 0 starts d afresh. Returns with the batch in flight.
   auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
@@ -316,6 +324,19 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       if (DUAL) Wgmma<MmaT, BN>::run(acc1, da + 2 * kk, db1 + 2 * kk, accumulate || kk > 0);
     }
     wgmma_commit();
+  };
+  // Block scales, bn 256: half h (tile columns [128 h, 128 h + 128), B rows 128 h on: a whole
+  // number of 1024-byte swizzle atoms) of one stage into part0, returning with it in flight.
+  auto issue_half = [&](unsigned st, int h) {
+    if constexpr (HALVES) {
+      const unsigned long long da = smem_desc(st + wg * 64 * k_row_bytes),
+                               db = smem_desc(st + A_BYTES + h * (BN / 2) * k_row_bytes);
+      fence_fragments(part0);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<MmaT, BN / 2>::run(part0, da + 2 * kk, db + 2 * kk, kk > 0);
+      wgmma_commit();
+    }
   };
   auto settle = [&](float(&d)[1][NI][4]) {
     fence_fragments(d);
@@ -351,8 +372,9 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // 1's batch j, then consumer 0's batch j + 1 (named barriers 1 and 2, each consumer arriving
   // after it issues and syncing before). Each waits for its batch before promoting it, so without
   // an order both tend to wait, and promote, at the same time while the tensor cores idle; in
-  // turn, one promotes while the other's batch runs (H100: 2-5% faster with 128 x 192 tiles).
-  constexpr bool ORDER = BLOCK && CONSUMERS == 2;
+  // turn, one promotes while the other's batch runs (H100: 2-5% faster with 128 x 192 tiles;
+  // 7% slower with bn 256's halves, which keep none).
+  constexpr bool ORDER = BLOCK && CONSUMERS == 2 && !HALVES;
   int batch = 0, batches = 0;
   if (ORDER) batches = first < units ? ((units - first + step - 1) / step) * nk : 0;
   auto order_wait = [&]() {
@@ -385,18 +407,39 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       // Columns [0, 8 * n1) of the tile are in its first 128-column scale block, the rest in the
       // next (bn > 128 only; bn - gcd(bn, 128) <= 128 keeps every tile within two blocks).
       const int n1 = SB == 1 ? NI : min(NI, (k_scale_block - col0 % k_scale_block) / 8);
-      for (int kt = 0; kt < nk; ++kt, ++it) {
-        const int s = it % STAGES;
-        mbar_wait(full + 8 * s, (it / STAGES) & 1);
-        float sc[2][2];
-        read_scales(sc, s);
-        order_wait();
-        issue_stage(part0, base + s * STAGE_BYTES, 0);
-        order_signal();
-        wgmma_wait<0>();
-        fence_fragments(part0);
-        release(s);
-        promote_split<BN>(acc, part0, sc, n1);
+      if constexpr (HALVES) {
+        // col0 is a multiple of 256: half h is exactly scale block h of the tile, sc[.][h].
+        for (int kt = 0; kt < nk; ++kt, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(full + 8 * s, (it / STAGES) & 1);
+          float sc[2][2];
+          read_scales(sc, s);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            issue_half(base + s * STAGE_BYTES, h);
+            wgmma_wait<0>();
+            fence_fragments(part0);
+            if (h == 1) release(s);
+#pragma unroll
+            for (int ni = 0; ni < PNI; ++ni)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[0][h * PNI + ni][e] += part0[0][ni][e] * sc[e >> 1][h];
+          }
+        }
+      } else {
+        for (int kt = 0; kt < nk; ++kt, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(full + 8 * s, (it / STAGES) & 1);
+          float sc[2][2];
+          read_scales(sc, s);
+          order_wait();
+          issue_stage(part0, base + s * STAGE_BYTES, 0);
+          order_signal();
+          wgmma_wait<0>();
+          fence_fragments(part0);
+          release(s);
+          promote_split<BN>(acc, part0, sc, n1);
+        }
       }
     } else if (nk == 0) {
       // Split-K with fewer k-steps than CTAs: nothing here; the partial tile written below is

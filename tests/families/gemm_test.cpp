@@ -269,6 +269,10 @@ TEST(GemmFamilies, CheckProblemRejectsWhatTheKernelsCannotRun) {
   wide.set("bn", std::int64_t(256));
   EXPECT_TRUE(f.validate(wide).ok());
   wide.set("scaling", "block");
+  // Block scales take bn 256 as two 128-column halves (one partial-sum set of 64 registers), bn
+  // 176 not (a tile over three scale blocks).
+  EXPECT_TRUE(f.validate(wide).ok());
+  wide.set("bn", std::int64_t(176));
   EXPECT_EQ(f.validate(wide).code(), Code::invalid_argument);
   // Block scales take bn 192 (a tile over two scale blocks) on the wgmma path only.
   wide.set("bn", std::int64_t(192));
@@ -320,10 +324,12 @@ TEST(GemmFamilies, WaveFillingTileWidths) {
   const Family& f = fam("fp8_gemm");
   EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 0)).get_int("bn"), 176);
   EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, 0)).get_int("bn"), 256);
-  // Block scales: 192 (2112 = 11 x 192; fewer, wider tiles amortize each k-block's promotion).
+  // Block scales: 256 (two 128-column halves) where its waves fill the SMs, 192 at N = 2112
+  // (2112 = 11 x 192; 256 would leave 2.2 waves); wider tiles amortize each k-block's promotion.
   for (auto [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8192, 8192, 8192}, {4096, 7168, 16384},
-                         {4096, 2112, 7168}})
-    EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, m, n, k, 1)).get_int("bn"), 192);
+                         {4096, 4096, 7168}})
+    EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, m, n, k, 1)).get_int("bn"), 256);
+  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 1)).get_int("bn"), 192);
   Params p = f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 0));
   EXPECT_TRUE(f.validate(p).ok());
   p.set("scaling", "block");
