@@ -187,7 +187,7 @@ int gated(Context& ctx, nlohmann::json& rows) {
 
 // Candidate tiles around the heuristic's choice (families/gemm_util.h: default_tile) at the
 // decode-sized LLM shapes (M = 128: tile shape, split-K and pipeline depth decide) and the
-// block-scaled large shapes (bn 192 against 128), each with its default_stages (or the depth
+// block-scaled large shapes (bn 256, 192 and 128, deeper rings, clusters), each with its default_stages (or the depth
 // named) and group 8: the data behind the model. Correctness is the other parts' and the GPU
 // tests' job. Only with KILN_BENCH_GEMM_VARIANTS=1 (after the other parts) or =only (alone).
 int variants(Context& ctx, nlohmann::json& rows) {
@@ -206,16 +206,21 @@ int variants(Context& ctx, nlohmann::json& rows) {
   const auto T = families::k_fp8_per_tensor, B = families::k_fp8_blockwise;
   const double F = 2.0;
   const std::vector<Case> cases = {
-      {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192, {{128, 192, 1, 1}, {128, 128, 1, 1}}},
-      {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384, {{128, 192, 1, 1}, {128, 128, 1, 1}}},
-      {"fp8_gemm", 4096, 4096, 7168, B, DType::bf16, F * 4096 * 4096 * 7168, {{128, 128, 1, 1}, {128, 192, 1, 1}}},
-      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168, {{128, 192, 1, 1}, {128, 128, 1, 1}}},
+      {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192,
+       {{128, 192, 1, 1}, {128, 256, 1, 1}, {128, 192, 1, 1, 5}}},
+      {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384,
+       {{128, 256, 1, 1}, {128, 192, 1, 1}, {128, 256, 2, 1}, {128, 192, 1, 1, 5}}},
+      {"fp8_gemm", 4096, 4096, 7168, B, DType::bf16, F * 4096 * 4096 * 7168,
+       {{128, 256, 1, 1}, {128, 256, 2, 1}, {128, 128, 1, 1, 6}}},
+      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168,
+       {{128, 192, 1, 1}, {128, 192, 1, 1, 5}, {128, 128, 1, 1, 6}}},
       {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{64, 128, 1, 1}, {128, 128, 1, 2}}},
       {"fp8_gemm", 128, 4096, 7168, B, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {64, 128, 1, 1}}},
-      {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168, {{64, 32, 1, 1}, {128, 64, 1, 2}}},
+      {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168, {{64, 32, 1, 1}, {64, 32, 1, 1, 18}}},
       {"fp8_gemm", 128, 7168, 16384, T, DType::bf16, F * 128 * 7168 * 16384, {{128, 56, 1, 1}, {64, 128, 1, 1}}},
       {"fp8_gemm", 128, 4096, 7168, T, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {128, 32, 1, 1}}},
-      {"fp8_gemm", 128, 2112, 7168, T, DType::bf16, F * 128 * 2112 * 7168, {{64, 32, 1, 1}, {64, 56, 1, 1}}}};
+      {"fp8_gemm", 128, 2112, 7168, T, DType::bf16, F * 128 * 2112 * 7168,
+       {{64, 32, 1, 1}, {64, 32, 1, 1, 17}, {64, 32, 1, 1, 18}}}};
   std::printf("\ngemm variants\n%10s %6s %6s %6s %10s %9s  %s\n", "family", "M", "N", "K", "median_us", "TFLOP/s",
               "variant");
   for (const Case& c : cases) {
