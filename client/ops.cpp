@@ -70,7 +70,9 @@ Status rms_norm_impl(const TensorView& x, const TensorView& weight, const Tensor
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   KILN_ASSIGN_OR_RETURN(const int sms, client::sm_count(x.device.index));
+  KILN_ASSIGN_OR_RETURN(const int cc, client::compute_capability(x.device.index));
   p.dims[families::k_sms] = sms;
+  p.dims[families::k_cc] = cc;
   return runtime->run(*family, p, buffers, stream);
 }
 

@@ -18,6 +18,15 @@ int run(Context& ctx) {
   shapes.emplace_back(4096, 65536);
   if (ctx.quick) shapes = {{1, 4096}, {4096, 4096}, {32768, 4096}, {4096, 65536}};
   const Family& f = *Registry::global().find("rmsnorm");
+  CUdevice dev;
+  int sms = 0, major = 0, minor = 0;
+  check(ctx.driver->device_get(&dev, 0), "cuDeviceGet");
+  check(ctx.driver->device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
+  check(ctx.driver->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+        "cuDeviceGetAttribute");
+  check(ctx.driver->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+        "cuDeviceGetAttribute");
+  const std::int64_t cc = major * 10 + minor;
   std::printf("%8s %7s %10s %10s %8s %9s %9s\n", "tokens", "hidden", "median_us", "GB/s", "%copy", "rel_err", "variant");
   nlohmann::json rows = nlohmann::json::array();
   for (auto [tokens, hidden] : shapes) {
@@ -65,8 +74,11 @@ int run(Context& ctx) {
     }
     const double ms = time_events(call, 10, ctx.quick ? 30 : 100);
     const double gbs = double(2 * bytes + hidden * 2) / (ms * 1e-3) / 1e9;
+    // The variant the typed op picks: its problem carries the device's SM count and compute
+    // capability (client/ops.cpp).
     Problem hp = p;
-    hp.dims = {tokens, hidden, hidden, hidden};
+    hp.alignment = 16;
+    hp.dims = {tokens, hidden, hidden, hidden, sms, cc};
     const Params chosen = f.heuristic(hp);
     std::printf("%8lld %7lld %10.2f %10.1f %7.1f%% %9.2e %9s\n", (long long)tokens, (long long)hidden, ms * 1e3, gbs,
                 100 * gbs / ctx.copy_gbs, err, chosen.canonical().c_str());

@@ -37,7 +37,7 @@ Problem rows_problem(std::int64_t tokens, std::int64_t hidden) {
   return p;
 }
 
-std::vector<Case> cases(bool quick, int sms) {
+std::vector<Case> cases(bool quick, int sms, int cc) {
   std::vector<Case> out;
   auto shape = [](std::int64_t t, std::int64_t h) { return std::to_string(t) + "x" + std::to_string(h); };
   std::vector<std::pair<std::int64_t, std::int64_t>> norm = {{4096, 2048}, {4096, 4096}, {4096, 8192},
@@ -45,15 +45,17 @@ std::vector<Case> cases(bool quick, int sms) {
                                                              {32768, 8192}, {16, 4096}};
   if (quick) norm = {{4096, 4096}, {4096, 16384}, {4096, 65536}, {32768, 4096}};
   for (auto [t, h] : norm) {
-    // rmsnorm's dims end with the SM count: 0 (one block per row), then the device's (as the typed
-    // op passes it: variants whose rows fit half their register cache pipeline several rows per
-    // block on a capped grid).
+    // rmsnorm's dims end with the SM count and the compute capability: 0 and 0 (one block per
+    // row, no sm_90 kernel), then the device's (as the typed op passes them: variants whose rows
+    // fit half their register cache pipeline several rows per block on a capped grid, and the
+    // bulk-copy kernel joins on sm_90).
     Problem plain = rows_problem(t, h);
     plain.dims[families::k_sms] = 0;
-    plain.dims[families::k_sms + 1] = 0;
+    plain.dims[families::k_cc] = 0;
     out.push_back({"rmsnorm", shape(t, h), plain});
     Problem capped = plain;
     capped.dims[families::k_sms] = sms;
+    capped.dims[families::k_cc] = cc;
     out.push_back({"rmsnorm", shape(t, h) + " sms", capped});
     out.push_back({"add_rmsnorm", shape(t, h), rows_problem(t, h)});
   }
@@ -134,7 +136,10 @@ int run(Context& ctx) {
   int sms = 0;
   check(ctx.driver->device_get(&dev, 0), "cuDeviceGet");
   check(ctx.driver->device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
-  for (const Case& c : cases(ctx.quick, sms)) {
+  int major = 0, minor = 0;
+  check(ctx.driver->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute");
+  check(ctx.driver->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute");
+  for (const Case& c : cases(ctx.quick, sms, major * 10 + minor)) {
     if (!wanted(c.family)) continue;
     const Family& f = *Registry::global().find(c.family);
     const Params heuristic = f.heuristic(c.problem);

@@ -10,27 +10,47 @@
 namespace kiln::families {
 namespace {
 
+Params params_of(DType t, const RmsNormChoice& c) {
+  return Params{{"dtype", std::string(dtype_name(t))}, {"block", c.block}, {"vec", c.vec}, {"bulk", c.bulk}};
+}
+
+// Whether the bulk-copy kernel can run the problem: sm_90 or later, 16-byte aligned buffers and
+// row strides, whole 16-byte packs per row.
+bool bulk_fits(const Problem& p) {
+  const std::int64_t esize = std::int64_t(dtype_size(p.dtype));
+  return p.dims[k_cc] >= 90 && p.alignment >= 16 && (p.dims[k_cols] * esize) % 16 == 0 &&
+         (p.dims[k_x_stride] * esize) % 16 == 0 && (p.dims[k_y_stride] * esize) % 16 == 0;
+}
+
 class RmsNorm final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm"; }
-  int version() const override { return 4; }
+  int version() const override { return 5; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
-        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block (one block per row)"},
+        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block"},
+        {"bulk", {0, 2, 4, 6, 8}, {}, "16-byte packs per thread of a row staged in shared memory by bulk copies "
+                                     "(sm_90 and later, persistent blocks); 0: rows read into registers"},
         {"dtype", {}, {"f32", "f16", "bf16"}, "element type of x, w and y"},
         {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
     };
     return defs;
   }
   std::vector<std::string> problem_dims() const override {
-    return {"rows", "cols", "x_row_stride", "y_row_stride", "sms"};
+    return {"rows", "cols", "x_row_stride", "y_row_stride", "sms", "cc"};
   }
   std::vector<std::string> problem_scalars() const override { return {"eps"}; }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     KILN_TRY(check_access_width(name(), params));
+    const auto bulk = params.get_int("bulk").value_or(0);
+    if (bulk > 0) {
+      const auto esize = std::int64_t(dtype_size(*parse_dtype(*params.get_str("dtype"))));
+      if (*params.get_int("vec") * esize != 16 || *params.get_int("block") < 256)
+        return invalid_argument("rmsnorm: bulk > 0 needs 16-byte packs and blocks of at least 256 threads");
+    }
     return {};
   }
 
@@ -38,19 +58,33 @@ class RmsNorm final : public Family {
     KILN_TRY(validate(params));
     Rendered r;
     r.source = "#include \"rmsnorm/rmsnorm_fwd.cuh\"\n";
+    if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
+      r.name_expression = std::string("kiln::rmsnorm_fwd_bulk<") + device_type(*params.get_str("dtype")) + ", " +
+                          std::to_string(*params.get_int("block")) + ", " + std::to_string(bulk) + ">";
+      return r;
+    }
     r.name_expression = std::string("kiln::rmsnorm_fwd<") + device_type(*params.get_str("dtype")) + ", " +
                         std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
     return r;
   }
 
+  // Every block and access width of the register kernel, and the bulk-copy kernels the heuristic
+  // picks (rows of 64-128 KiB: 6 or 8 packs per thread).
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f32", "f16", "bf16"})
       for (std::int64_t block : {64, 128, 256, 512, 1024})
         for (std::int64_t vec : {1, 2, 4, 8}) {
-          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
+          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"bulk", 0}};
           if (validate(p).ok()) out.push_back(p);
         }
+    for (DType t : {DType::f32, DType::f16, DType::bf16})
+      for (std::int64_t row_bytes : {96 * 1024, 128 * 1024}) {
+        const auto c = rmsnorm_heuristic(
+            problem_from_shape(t, {{"rows", 4096}, {"cols", row_bytes / std::int64_t(dtype_size(t))}, {"cc", 90}})
+                .value());
+        if (c.bulk > 0) out.push_back(params_of(t, c));
+      }
     return out;
   }
 
@@ -61,6 +95,7 @@ class RmsNorm final : public Family {
     if (p.dims[k_x_stride] < cols || p.dims[k_y_stride] < cols)
       return shape_mismatch("rmsnorm: row strides must be at least the row length");
     if (p.dims[k_sms] < 0 || p.dims[k_sms] > 4096) return invalid_argument("rmsnorm: sms must be in 0..4096");
+    if (p.dims[k_cc] < 0 || p.dims[k_cc] > 1000) return invalid_argument("rmsnorm: cc must be in 0..1000");
     if (!(p.scalars[k_eps] >= 0) || !std::isfinite(p.scalars[k_eps]))
       return invalid_argument("rmsnorm: eps must be finite and non-negative");
     auto dtype = parse_dtype(*params.get_str("dtype"));
@@ -71,6 +106,13 @@ class RmsNorm final : public Family {
     if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || p.dims[k_x_stride] % vec || p.dims[k_y_stride] % vec)
       return invalid_argument("rmsnorm: vec=" + std::to_string(vec) +
                               " needs buffers and row strides aligned to vec elements");
+    if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
+      if (!bulk_fits(p))
+        return invalid_argument("rmsnorm: bulk > 0 (bulk copies) needs sm_90 or later (cc >= 90), 16-byte aligned "
+                                "buffers and row strides, and rows of whole 16-byte packs");
+      if (cols / vec > *params.get_int("block") * bulk)
+        return invalid_argument("rmsnorm: bulk > 0 needs the row to fit in block * bulk packs");
+    }
     return {};
   }
 
@@ -82,47 +124,55 @@ class RmsNorm final : public Family {
     return g;
   }
 
-  Params heuristic(const Problem& p) const override {
-    auto c = rmsnorm_heuristic(p);
-    return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", c.block}, {"vec", c.vec}};
-  }
+  Params heuristic(const Problem& p) const override { return params_of(p.dtype, rmsnorm_heuristic(p)); }
 
+  // The register kernel's catalog variants for the dtype, and the bulk-copy kernel at every block
+  // and pack count that holds the row.
   std::vector<Params> tuning_space(const Problem& p) const override {
     std::vector<Params> out;
     for (const auto& c : catalog()) {
-      if (*c.get_str("dtype") != dtype_name(p.dtype)) continue;
+      if (*c.get_str("dtype") != dtype_name(p.dtype) || c.get_int("bulk").value_or(0) > 0) continue;
       if (check_problem(c, p).ok()) out.push_back(c);
     }
+    for (int block : {256, 512, 1024})
+      for (int bulk : {2, 4, 6, 8}) {
+        const Params c = params_of(p.dtype, {block, 16 / int(dtype_size(p.dtype)), bulk});
+        if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+      }
     return out;
   }
 
-  // Row strides default to the row length (contiguous rows), sms to 0 (one block per row), eps to
-  // 1e-6.
+  // Row strides default to the row length (contiguous rows), sms to 0 (one block per row), cc to 0
+  // (no sm_90 kernels: give cc=90 to tune for an H100), eps to 1e-6.
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     auto full = shape;
     std::int64_t cols = -1;
-    bool x_stride = false, y_stride = false, sms = false;
+    bool x_stride = false, y_stride = false, sms = false, cc = false;
     for (const auto& [n, v] : shape) {
       if (n == "cols") cols = v;
       x_stride |= n == "x_row_stride";
       y_stride |= n == "y_row_stride";
       sms |= n == "sms";
+      cc |= n == "cc";
     }
     if (!x_stride && cols >= 0) full.emplace_back("x_row_stride", cols);
     if (!y_stride && cols >= 0) full.emplace_back("y_row_stride", cols);
     if (!sms) full.emplace_back("sms", 0);
+    if (!cc) full.emplace_back("cc", 0);
     KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, full));
     p.scalars[k_eps] = 1e-6;
     return p;
   }
 
-  // The SM count only caps the grid (a property of the device, which the tuning key already
-  // holds): problems that differ in it alone share a signature, so a winner tuned by `kiln tune`
-  // (sms=0 unless given) serves the typed op (which passes the device's count).
+  // The SM count and the compute capability are properties of the device, which the tuning key
+  // already holds (its arch): problems that differ in them alone share a signature, so a winner
+  // tuned by `kiln tune` (sms=0 unless given) serves the typed op (which passes the device's
+  // values). A winner tuned with cc=90 may be the sm_90 kernel: the key's arch keeps it to sm_90.
   std::string signature(const Problem& problem) const override {
     Problem p = problem;
     p.dims[k_sms] = 0;
+    p.dims[k_cc] = 0;
     return Family::signature(p);
   }
 
@@ -192,6 +242,14 @@ std::int64_t cached_packs(const Params& params, const Problem& p) {
 std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
   const auto block = *params.get_int("block");
   const std::int64_t rows = p.dims[k_rows], packs = p.dims[k_cols] / *params.get_int("vec");
+  // Bulk-copy kernels: persistent blocks, as many as the SMs hold at once (one per row when the SM
+  // count is unknown).
+  if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
+    if (p.dims[k_sms] <= 0) return rows;
+    const std::int64_t smem = block * bulk * 16 + 1024;  // an SM has 228 KiB, 1 KiB reserved per block
+    const std::int64_t per_sm = std::max<std::int64_t>(1, std::min(1024 / block, 228 * 1024 / smem));
+    return std::min(rows, p.dims[k_sms] * per_sm);
+  }
   // Rows that fit half the register cache are pipelined when the grid is capped (the kernel's
   // k_half path): about 1024 threads per SM, every block looping over several rows.
   if (p.dims[k_sms] > 0 && packs <= cached_packs(params, p) / 2 * block)
@@ -201,6 +259,7 @@ std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
 
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
   const auto vec = *params.get_int("vec"), block = *params.get_int("block");
+  if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) return block * bulk;
   const std::int64_t packs = p.dims[k_cols] / vec, pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
   const std::int64_t cached = cached_packs(params, p);
   // Rows that fit the register cache: blocks under 1024 threads with packs of 8 bytes and more
@@ -224,6 +283,13 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   //   accesses widened (up to 8 bytes) only while each thread keeps at least eight.
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t rows = p.dims[k_rows], cols = p.dims[k_cols];
+  // From 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows: the bulk-copy kernel,
+  // 1024 threads and an even number of packs each (4096 x 65536 bf16 on an H100: 380 µs against
+  // 452 for the register kernel below; bench/exp/wide_exp.cu).
+  if (rows >= 2048 && cols * esize > 64 * 1024 && cols * esize <= 128 * 1024 && bulk_fits(p)) {
+    const std::int64_t packs = cols * esize / 16;
+    return {1024, 16 / esize, int((packs + 2047) / 2048 * 2)};
+  }
   int pack_bytes = rows >= 2048 ? 8 : 4;
   const bool decode_wide = rows <= 64 && cols * esize <= 2 * 1024 * 16;
   if (decode_wide) {
@@ -248,12 +314,12 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     // shared memory, the weight in registers (kiln tune on an H100, 2026-11-22 fifth session:
     // 4096 x 65536 bf16 449 µs against 510 for 512 threads with 8-byte packs, which also stage
     // the weight in the shared memory the row cache needs).
-    return {1024, std::max(1, 4 / esize)};
+    return {1024, std::max(1, 4 / esize), 0};
   } else {
     const int per_thread = rows >= 2048 ? 8 : 16;
     while (block < 512 && block * per_thread < packs) block *= 2;
   }
-  return {block, vec};
+  return {block, vec, 0};
 }
 
 }  // namespace kiln::families

@@ -1,33 +1,42 @@
 // RMSNorm forward family: y = x * rsqrt(mean(x^2) + eps) * w, row by row.
 //
 // Params: dtype {f32, f16, bf16}, block {64 .. 1024} threads, vec {1, 2, 4, 8} elements per
-// access (vec * sizeof(dtype) <= 16 bytes).
-// Problem: dims = {rows, cols, x_row_stride, y_row_stride, sms} (strides in elements; sms: the
-// device's SM count, or 0 for one block per row), scalars = {eps}.
+// access (vec * sizeof(dtype) <= 16 bytes), bulk {0, 2, 4, 6, 8}: 0 for the register kernel, else
+// the bulk-copy kernel (sm_90 and later) with that many 16-byte packs per thread (vec must make 16
+// bytes, block at least 256).
+// Problem: dims = {rows, cols, x_row_stride, y_row_stride, sms, cc} (strides in elements; sms: the
+// device's SM count, or 0 for one block per row; cc: compute capability as major * 10 + minor, 0
+// when unknown, which rules out the sm_90 kernel), scalars = {eps}.
 // Buffers: x (input), w (input, [cols]), y (output), inv_rms (output, f32 [rows]; may be null:
-// then it is not written). Rows longer than the register cache keep the rest in dynamic shared
-// memory (rmsnorm_smem_packs), up to 96 KiB; rows that fit it may stage the weight there.
-// Heuristic (measured on an H100 with bench section `variants` and the tuner): from 2048 rows,
-// 8-byte accesses and the smallest block of 64..512 threads giving at most eight packs per thread
-// (longer rows keep the rest in shared memory), except rows of 64-128 KiB: 1024 threads with
-// 4-byte accesses (24 of each thread's 32 packs in shared memory); under 2048 rows 4-byte accesses and 16 packs per
-// thread; up to 64 rows, 16-byte accesses and two packs per thread (64..1024 threads) where 1024
-// threads cover the row that way, else 1024 threads with accesses widened only while each thread
-// keeps eight. Accesses narrow until the buffers' alignment and row strides allow them. With the SM count in the problem,
-// variants whose rows fit half their register cache pipeline on a capped grid.
+// then it is not written). Register kernel: rows longer than the register cache keep the rest in
+// dynamic shared memory (rmsnorm_smem_packs), up to 96 KiB; rows that fit it may stage the weight
+// there. Bulk-copy kernel: persistent blocks (as many as the SMs hold), each row copied into
+// shared memory in two parts, the first held in registers so that the next row's copy overlaps
+// this row's stores.
+// Heuristic (measured on an H100 with bench section `variants`, the tuner and bench/exp): from
+// 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows take the bulk-copy kernel (1024
+// threads); otherwise 8-byte accesses and the smallest block of 64..512 threads giving at most
+// eight packs per thread (longer rows keep the rest in shared memory), except rows of 64-128 KiB:
+// 1024 threads with 4-byte accesses (24 of each thread's 32 packs in shared memory); under 2048
+// rows 4-byte accesses and 16 packs per thread; up to 64 rows, 16-byte accesses and two packs per
+// thread (64..1024 threads) where 1024 threads cover the row that way, else 1024 threads with
+// accesses widened only while each thread keeps eight. Accesses narrow until the buffers'
+// alignment and row strides allow them. With the SM count in the problem, register-kernel variants
+// whose rows fit half their register cache pipeline on a capped grid.
 #pragma once
 
 #include "kiln/family.h"
 
 namespace kiln::families {
 
-enum RmsNormDim { k_rows = 0, k_cols = 1, k_x_stride = 2, k_y_stride = 3, k_sms = 4 };
+enum RmsNormDim { k_rows = 0, k_cols = 1, k_x_stride = 2, k_y_stride = 3, k_sms = 4, k_cc = 5 };
 enum RmsNormScalar { k_eps = 0 };
 
 // The parameters the heuristic picks for a problem (also used by the typed op's fast path).
 struct RmsNormChoice {
   int block;
   int vec;
+  int bulk = 0;  // 16-byte packs per thread of the bulk-copy kernel; 0: the register kernel
 };
 RmsNormChoice rmsnorm_heuristic(const Problem& p);
 

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <thread>
+#include <tuple>
 
 #include "cache/store.h"
 #include "families/rmsnorm/rmsnorm.h"
@@ -112,6 +113,19 @@ TEST_F(RmsNormGpu, ManyRowsPipelineSeveralRowsPerBlock) {
   }
 }
 
+TEST_F(RmsNormGpu, WideRowsThroughTheTypedOp) {
+  // 2048 rows of 64K elements (bf16) and 32K (f32): on sm_90 the heuristic's bulk-copy kernel
+  // (128 KiB rows); in padded strides too.
+  for (DType t : {DType::f32, DType::bf16}) {
+    const std::int64_t cols = 128 * 1024 / std::int64_t(dtype_size(t));
+    for (Case c : {Case{t, 2048, cols, cols, cols}, Case{t, 2048, cols, cols + 64, cols + 8}}) {
+      double err = check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); });
+      EXPECT_LT(err, testing::tolerance(t)) << dtype_name(t) << " 2048x" << cols << " stride " << c.x_stride
+                                            << " seed " << seed_;
+    }
+  }
+}
+
 TEST_F(RmsNormGpu, StridedMisalignedAndInPlace) {
   for (DType t : {DType::f32, DType::f16, DType::bf16}) {
     std::vector<Case> cases = {
@@ -134,22 +148,46 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   const jit::Driver* d = jit::Driver::get().value();
   CUstream stream = nullptr;
   ASSERT_EQ(d->stream_create(&stream, CU_STREAM_NON_BLOCKING), CUDA_SUCCESS);
+  CUdevice dev;
+  int major = 0, minor = 0;
+  ASSERT_EQ(d->device_get(&dev, 0), CUDA_SUCCESS);
+  ASSERT_EQ(d->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), CUDA_SUCCESS);
+  ASSERT_EQ(d->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), CUDA_SUCCESS);
+  const std::int64_t cc = major * 10 + minor;
+  int bulk_variants = 0;
   for (const Params& params : f.catalog()) {
     DType t = *parse_dtype(*params.get_str("dtype"));
+    const std::int64_t bulk = *params.get_int("bulk");
+    if (bulk > 0 && cc < 90) continue;  // sm_90 kernels: check_problem refuses them here (CPU tests)
     auto k = rt_->kernel(KernelSpec{"rmsnorm", params});
     ASSERT_TRUE(k.ok()) << k.status().to_string();
-    // Tail elements and several packs per thread; then rows long enough that every variant uses
-    // its register cache, its shared-memory cache and re-reads the rest.
-    // Last, many short rows on a grid capped as if the GPU had 3 SMs: every variant whose rows fit
-    // half its register cache pipelines several rows per block.
-    for (auto [c, sms] : {std::pair{Case{t, 13, 8 * 300 + 3, 8 * 300 + 8, 8 * 300 + 8}, 0},
-                          std::pair{Case{t, 3, 8 * 8192 + 5, 8 * 8192 + 8, 8 * 8192 + 8}, 0},
-                          std::pair{Case{t, 700, 8 * 40 + 3, 8 * 40 + 8, 8 * 40 + 8}, 3}}) {
+    std::vector<std::pair<Case, std::int64_t>> cases;
+    if (bulk == 0) {
+      // Tail elements and several packs per thread; then rows long enough that every variant uses
+      // its register cache, its shared-memory cache and re-reads the rest.
+      // Last, many short rows on a grid capped as if the GPU had 3 SMs: every variant whose rows
+      // fit half its register cache pipelines several rows per block.
+      cases = {{Case{t, 13, 8 * 300 + 3, 8 * 300 + 8, 8 * 300 + 8}, 0},
+               {Case{t, 3, 8 * 8192 + 5, 8 * 8192 + 8, 8 * 8192 + 8}, 0},
+               {Case{t, 700, 8 * 40 + 3, 8 * 40 + 8, 8 * 40 + 8}, 3}};
+    } else {
+      // Bulk-copy kernel (whole 16-byte packs, 16-byte aligned rows): the widest row it holds
+      // less a few packs, in padded strides, one block per row; a second part that ends inside
+      // the threads' last packs, many rows per persistent block (3 SMs); a row within the first
+      // part alone (the second copy is empty).
+      ++bulk_variants;
+      const std::int64_t vec = 16 / std::int64_t(dtype_size(t)), block = *params.get_int("block");
+      const std::int64_t widest = block * bulk * vec - 5 * vec, split = (block * (bulk / 2) + 37) * vec;
+      cases = {{Case{t, 13, widest, widest + vec, widest + 3 * vec}, 0},
+               {Case{t, 300, split, split, split}, 3},
+               {Case{t, 40, 37 * vec, 40 * vec, 37 * vec}, 5}};
+    }
+    for (auto [c, sms] : cases) {
       double err = check_case(c, rng_, [&](void* x, void* w, void* y) {
         Problem p;
         p.dtype = t;
         p.alignment = 16;
-        p.dims = {c.rows, c.cols, c.x_stride, c.y_stride, sms};
+        p.dims = {c.rows, c.cols, c.x_stride, c.y_stride, sms, cc};
         p.scalars[0] = 1e-5;
         void* b[3] = {x, w, y};
         Status s = rt_->launch(**k, p, b, stream);
@@ -161,12 +199,17 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
       EXPECT_LT(err, testing::tolerance(t)) << params.canonical() << " " << c.cols << " columns, seed " << seed_;
     }
   }
+  if (cc >= 90) {
+    EXPECT_EQ(bulk_variants, 6);
+  }
   d->stream_destroy(stream);
 }
 
 TEST_F(RmsNormGpu, SavesInverseRmsForTheBackwardPass) {
-  for (DType t : {DType::f32, DType::bf16}) {
-    const std::int64_t rows = 33, cols = 4100;
+  // The register kernel, and (2048 rows of 128 KiB, on sm_90) the bulk-copy kernel.
+  for (auto [t, rows, cols] : {std::tuple{DType::f32, std::int64_t(33), std::int64_t(4100)},
+                               std::tuple{DType::bf16, std::int64_t(33), std::int64_t(4100)},
+                               std::tuple{DType::bf16, std::int64_t(2048), std::int64_t(65536)}}) {
     auto hx = testing::random_bytes(t, rows * cols, rng_, 3.0f);
     auto hw = testing::random_bytes(t, cols, rng_);
     DeviceBuffer dx(hx.size()), dw(hw.size()), dy(hx.size()), dinv(rows * 4);

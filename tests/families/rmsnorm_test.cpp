@@ -109,7 +109,7 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
 
 TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
   auto params = [](std::int64_t block, std::int64_t vec) {
-    return Params{{"dtype", std::string("bf16")}, {"block", block}, {"vec", vec}};
+    return Params{{"dtype", std::string("bf16")}, {"block", block}, {"vec", vec}, {"bulk", std::int64_t(0)}};
   };
   // 1024 threads x 8 registers = 4 packs of 8 bytes each: 4096 packs in registers (the weight
   // too: no shared memory).
@@ -125,7 +125,7 @@ TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
   EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), wide), 12288);
   EXPECT_EQ(rmsnorm().geometry(params(1024, 4), wide).shared_bytes, 96u * 1024);
   // f32 rows of 64K: the cap leaves the rest to be read twice.
-  Params f32{{"dtype", std::string("f32")}, {"block", std::int64_t(1024)}, {"vec", std::int64_t(4)}};
+  Params f32{{"dtype", std::string("f32")}, {"block", std::int64_t(1024)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}};
   EXPECT_EQ(rmsnorm_smem_packs(f32, problem(DType::f32, 1, 65536)), 96 * 1024 / 16);
   // 8 packs each: the row fits, the weight (8 KiB) is staged.
   EXPECT_EQ(rmsnorm().geometry(params(128, 4), problem(DType::bf16, 1, 4096)).shared_bytes, 4096u * 2);
@@ -133,7 +133,8 @@ TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
 }
 
 TEST(RmsNorm, GridIsCappedOnlyForRowsThatPipeline) {
-  Params small{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}};
+  Params small{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)},
+               {"bulk", std::int64_t(0)}};
   Problem p = problem(DType::bf16, 4096, 4096);
   EXPECT_EQ(rmsnorm_grid(small, p), 4096);  // no SM count: one block per row
   p.dims[k_sms] = 132;
@@ -150,7 +151,8 @@ TEST(RmsNorm, GridIsCappedOnlyForRowsThatPipeline) {
 }
 
 TEST(RmsNorm, CheckProblemRejectsMismatches) {
-  Params bf16_vec8{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}};
+  Params bf16_vec8{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)},
+                  {"bulk", std::int64_t(0)}};
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::f16, 2, 64)).code(), Code::unsupported_dtype);
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 60)).code(), Code::invalid_argument);
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 64, 64, 64, 8)).code(), Code::invalid_argument);
@@ -163,9 +165,110 @@ TEST(RmsNorm, CheckProblemRejectsMismatches) {
   EXPECT_TRUE(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 64)).ok());
 }
 
+Params bulk_params(DType t, std::int64_t block, std::int64_t bulk) {
+  return Params{{"dtype", std::string(dtype_name(t))},
+                {"block", block},
+                {"vec", std::int64_t(16 / dtype_size(t))},
+                {"bulk", bulk}};
+}
+
+TEST(RmsNorm, BulkCopyKernelForWideRowsOnSm90) {
+  Problem p = problem(DType::bf16, 4096, 65536);
+  p.dims[k_cc] = 90;
+  p.dims[k_sms] = 132;
+  const auto c = rmsnorm_heuristic(p);
+  EXPECT_EQ(c.block, 1024);
+  EXPECT_EQ(c.vec, 8);
+  EXPECT_EQ(c.bulk, 8);  // 8192 packs of 16 bytes over 1024 threads
+  const Params h = rmsnorm().heuristic(p);
+  ASSERT_TRUE(rmsnorm().check_problem(h, p).ok());
+  EXPECT_NE(rmsnorm().render(h)->name_expression.find("rmsnorm_fwd_bulk<kiln::bf16_t, 1024, 8>"), std::string::npos);
+  // Persistent blocks, one per SM at 128 KiB each; the whole row buffer in shared memory.
+  const auto g = rmsnorm().geometry(h, p);
+  EXPECT_EQ(g.grid.x, 132u);
+  EXPECT_EQ(g.block.x, 1024u);
+  EXPECT_EQ(g.shared_bytes, 128u * 1024);
+  // 96 KiB rows: 6 packs per thread; f32 rows of 128 KiB: 8.
+  Problem p96 = problem(DType::f16, 4096, 49152);
+  p96.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm_heuristic(p96).bulk, 6);
+  Problem f32 = problem(DType::f32, 4096, 32768);
+  f32.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm_heuristic(f32).bulk, 8);
+  // Not on sm_80 or an unknown device, nor under 2048 rows, nor for rows of 64 KiB or more than
+  // 128, nor misaligned: the register kernel.
+  for (std::int64_t cc : {0, 80}) {
+    Problem q = p;
+    q.dims[k_cc] = cc;
+    EXPECT_EQ(rmsnorm_heuristic(q).bulk, 0) << cc;
+  }
+  Problem few = p;
+  few.dims[k_rows] = 512;
+  EXPECT_EQ(rmsnorm_heuristic(few).bulk, 0);
+  for (std::int64_t cols : {32768, 65544, 131072}) {
+    Problem q = problem(DType::bf16, 4096, cols);
+    q.dims[k_cc] = 90;
+    EXPECT_EQ(rmsnorm_heuristic(q).bulk, 0) << cols;
+  }
+  Problem odd_stride = problem(DType::bf16, 4096, 65536, 65540, 65536);
+  odd_stride.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm_heuristic(odd_stride).bulk, 0);
+  Problem misaligned = problem(DType::bf16, 4096, 65536, 0, 0, 8);
+  misaligned.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm_heuristic(misaligned).bulk, 0);
+  // Whatever it picks passes check_problem, on every device kind.
+  for (std::int64_t cc : {0, 80, 90})
+    for (auto t : {DType::f32, DType::f16, DType::bf16})
+      for (std::int64_t cols : {16384, 32768, 40000, 49152, 65536}) {
+        Problem q = problem(t, 4096, cols);
+        q.dims[k_cc] = cc;
+        EXPECT_TRUE(rmsnorm().check_problem(rmsnorm().heuristic(q), q).ok()) << cc << " " << cols;
+      }
+}
+
+TEST(RmsNorm, BulkCopyKernelRejectsWhatItCannotRun) {
+  Problem p = problem(DType::bf16, 4096, 65536);
+  p.dims[k_cc] = 90;
+  EXPECT_TRUE(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), p).ok());
+  // Too few packs for the row.
+  EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 6), p).code(), Code::invalid_argument);
+  // sm_80, or unknown.
+  for (std::int64_t cc : {0, 80}) {
+    Problem q = p;
+    q.dims[k_cc] = cc;
+    EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), q).code(), Code::invalid_argument);
+  }
+  // Rows or strides not whole 16-byte packs, buffers aligned to less.
+  Problem odd = problem(DType::bf16, 4096, 65532);
+  odd.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), odd).code(), Code::invalid_argument);
+  Problem stride = problem(DType::bf16, 4096, 65536, 65540, 65536);
+  stride.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), stride).code(), Code::invalid_argument);
+  Problem align = problem(DType::bf16, 4096, 65536, 0, 0, 8);
+  align.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), align).code(), Code::invalid_argument);
+  // validate: 16-byte packs and blocks of at least 256 threads.
+  Params narrow = bulk_params(DType::bf16, 1024, 8);
+  narrow.set("vec", std::int64_t(4));
+  EXPECT_EQ(rmsnorm().validate(narrow).code(), Code::invalid_argument);
+  EXPECT_EQ(rmsnorm().validate(bulk_params(DType::bf16, 128, 8)).code(), Code::invalid_argument);
+  EXPECT_EQ(rmsnorm().validate(bulk_params(DType::bf16, 1024, 3)).code(), Code::invalid_argument);
+  // The tuning space holds the bulk kernels that fit the row on sm_90, none elsewhere.
+  auto count_bulk = [](const std::vector<Params>& v) {
+    return std::count_if(v.begin(), v.end(), [](const Params& q) { return *q.get_int("bulk") > 0; });
+  };
+  EXPECT_EQ(count_bulk(rmsnorm().tuning_space(p)), 1);  // 1024 x 8: 512 threads hold at most 4096 packs
+  Problem sm80 = p;
+  sm80.dims[k_cc] = 80;
+  EXPECT_EQ(count_bulk(rmsnorm().tuning_space(sm80)), 0);
+}
+
 TEST(RmsNorm, CatalogIsValidAndRendersDistinctNames) {
   auto cat = rmsnorm().catalog();
-  EXPECT_EQ(cat.size(), 55u);  // 5 blocks x (3 f32 + 4 f16 + 4 bf16 vector widths)
+  // 5 blocks x (3 f32 + 4 f16 + 4 bf16 vector widths), and the bulk-copy kernel at 6 and 8 packs
+  // per thread for each dtype.
+  EXPECT_EQ(cat.size(), 61u);
   std::set<std::string> names;
   for (const auto& p : cat) {
     ASSERT_TRUE(rmsnorm().validate(p).ok()) << p.canonical();

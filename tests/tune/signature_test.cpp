@@ -36,7 +36,7 @@ TEST(TuningBucket, RoundsUpToPowersOfTwo) {
 TEST(Signature, RowsShareABucketOtherDimsAreExact) {
   const Family& f = family("rmsnorm");
   const std::string s4096 = f.signature(rmsnorm_problem(4096, 4096));
-  EXPECT_EQ(s4096, "dtype=bf16,align=16,rows<=4096,cols=4096,x_row_stride=4096,y_row_stride=4096,sms=0");
+  EXPECT_EQ(s4096, "dtype=bf16,align=16,rows<=4096,cols=4096,x_row_stride=4096,y_row_stride=4096,sms=0,cc=0");
   EXPECT_EQ(f.signature(rmsnorm_problem(3000, 4096)), s4096);
   EXPECT_EQ(f.signature(rmsnorm_problem(2049, 4096)), s4096);
   EXPECT_NE(f.signature(rmsnorm_problem(2048, 4096)), s4096);
@@ -46,13 +46,16 @@ TEST(Signature, RowsShareABucketOtherDimsAreExact) {
   EXPECT_NE(f.signature(rmsnorm_problem(4096, 4096, DType::bf16, 8)), s4096);
 }
 
-TEST(Signature, RmsNormIgnoresTheSmCount) {
-  // The typed op passes the device's SM count; `kiln tune --shape` leaves it 0: one winner for both.
+TEST(Signature, RmsNormIgnoresTheSmCountAndComputeCapability) {
+  // The typed op passes the device's SM count and compute capability; `kiln tune --shape` leaves
+  // them 0 unless given: one winner for both (the tuning key's arch tells devices apart).
   const Family& f = family("rmsnorm");
   Problem op = rmsnorm_problem(4096, 4096);
   op.dims[4] = 132;
+  op.dims[5] = 90;
   EXPECT_EQ(f.signature(op), f.signature(rmsnorm_problem(4096, 4096)));
   EXPECT_EQ(f.tuning_problem(op).dims[4], 132);  // timed as the op runs it
+  EXPECT_EQ(f.tuning_problem(op).dims[5], 90);
 }
 
 TEST(Signature, ScalarsAreNotPartOfIt) {
