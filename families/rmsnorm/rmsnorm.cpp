@@ -69,7 +69,7 @@ class RmsNorm final : public Family {
   }
 
   // Every block and access width of the register kernel, and the bulk-copy kernels the heuristic
-  // picks (rows of 64-128 KiB: 6 or 8 packs per thread).
+  // picks (rows of 64, 96 and 128 KiB: 512 x 8, 1024 x 6 and 1024 x 8).
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f32", "f16", "bf16"})
@@ -79,7 +79,7 @@ class RmsNorm final : public Family {
           if (validate(p).ok()) out.push_back(p);
         }
     for (DType t : {DType::f32, DType::f16, DType::bf16})
-      for (std::int64_t row_bytes : {96 * 1024, 128 * 1024}) {
+      for (std::int64_t row_bytes : {64 * 1024, 96 * 1024, 128 * 1024}) {
         const auto c = rmsnorm_heuristic(
             problem_from_shape(t, {{"rows", 4096}, {"cols", row_bytes / std::int64_t(dtype_size(t))}, {"cc", 90}})
                 .value());
@@ -284,11 +284,16 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t rows = p.dims[k_rows], cols = p.dims[k_cols];
   // From 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows: the bulk-copy kernel,
-  // 1024 threads and an even number of packs each (4096 x 65536 bf16 on an H100: 380 µs against
-  // 452 for the register kernel below; bench/exp/wide_exp.cu).
-  if (rows >= 2048 && cols * esize > 64 * 1024 && cols * esize <= 128 * 1024 && bulk_fits(p)) {
+  // the smallest block of 256..1024 threads that covers the row with 8 packs each, an even number
+  // of packs per thread (4096 x 65536 bf16 on an H100: 375 µs against 442 for the register kernel
+  // below, bench; 4096 x 32768: 197 µs with 512 x 8 against 210, kiln tune). Shorter rows lost to
+  // the register kernel in the tuner (4096 x 5120 to 16384: 4-9% slower).
+  if (rows >= 2048 && cols * esize >= 64 * 1024 && cols * esize <= 128 * 1024 && bulk_fits(p)) {
     const std::int64_t packs = cols * esize / 16;
-    return {1024, 16 / esize, int((packs + 2047) / 2048 * 2)};
+    int block = 256;
+    while (block < 1024 && std::int64_t(block) * 8 < packs) block *= 2;
+    const int bulk = int((packs + block - 1) / block);
+    return {block, 16 / esize, bulk + bulk % 2};
   }
   int pack_bytes = rows >= 2048 ? 8 : 4;
   const bool decode_wide = rows <= 64 && cols * esize <= 2 * 1024 * 16;

@@ -14,8 +14,8 @@
 // shared memory in two parts, the first held in registers so that the next row's copy overlaps
 // this row's stores.
 // Heuristic (measured on an H100 with bench section `variants`, the tuner and bench/exp): from
-// 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows take the bulk-copy kernel (1024
-// threads); otherwise 8-byte accesses and the smallest block of 64..512 threads giving at most
+// 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows take the bulk-copy kernel (512
+// or 1024 threads); otherwise 8-byte accesses and the smallest block of 64..512 threads giving at most
 // eight packs per thread (longer rows keep the rest in shared memory), except rows of 64-128 KiB:
 // 1024 threads with 4-byte accesses (24 of each thread's 32 packs in shared memory); under 2048
 // rows 4-byte accesses and 16 packs per thread; up to 64 rows, 16-byte accesses and two packs per

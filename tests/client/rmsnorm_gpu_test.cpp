@@ -200,7 +200,7 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
     }
   }
   if (cc >= 90) {
-    EXPECT_EQ(bulk_variants, 6);
+    EXPECT_EQ(bulk_variants, 9);
   }
   d->stream_destroy(stream);
 }

@@ -188,14 +188,24 @@ TEST(RmsNorm, BulkCopyKernelForWideRowsOnSm90) {
   EXPECT_EQ(g.grid.x, 132u);
   EXPECT_EQ(g.block.x, 1024u);
   EXPECT_EQ(g.shared_bytes, 128u * 1024);
-  // 96 KiB rows: 6 packs per thread; f32 rows of 128 KiB: 8.
+  // 96 KiB rows: 1024 threads, 6 packs each; 64 KiB: 512 threads, 8 each; 80 KiB: 1024 x 6 (the
+  // checked body); f32 rows of 128 KiB: 1024 x 8.
   Problem p96 = problem(DType::f16, 4096, 49152);
   p96.dims[k_cc] = 90;
   EXPECT_EQ(rmsnorm_heuristic(p96).bulk, 6);
+  EXPECT_EQ(rmsnorm_heuristic(p96).block, 1024);
+  Problem p64 = problem(DType::bf16, 4096, 32768);
+  p64.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm_heuristic(p64).bulk, 8);
+  EXPECT_EQ(rmsnorm_heuristic(p64).block, 512);
+  Problem p80 = problem(DType::bf16, 4096, 40960);
+  p80.dims[k_cc] = 90;
+  EXPECT_EQ(rmsnorm_heuristic(p80).bulk, 6);
+  EXPECT_EQ(rmsnorm_heuristic(p80).block, 1024);
   Problem f32 = problem(DType::f32, 4096, 32768);
   f32.dims[k_cc] = 90;
   EXPECT_EQ(rmsnorm_heuristic(f32).bulk, 8);
-  // Not on sm_80 or an unknown device, nor under 2048 rows, nor for rows of 64 KiB or more than
+  // Not on sm_80 or an unknown device, nor under 2048 rows, nor for rows under 64 KiB or over
   // 128, nor misaligned: the register kernel.
   for (std::int64_t cc : {0, 80}) {
     Problem q = p;
@@ -205,7 +215,7 @@ TEST(RmsNorm, BulkCopyKernelForWideRowsOnSm90) {
   Problem few = p;
   few.dims[k_rows] = 512;
   EXPECT_EQ(rmsnorm_heuristic(few).bulk, 0);
-  for (std::int64_t cols : {32768, 65544, 131072}) {
+  for (std::int64_t cols : {32760, 65544, 131072}) {
     Problem q = problem(DType::bf16, 4096, cols);
     q.dims[k_cc] = 90;
     EXPECT_EQ(rmsnorm_heuristic(q).bulk, 0) << cols;
@@ -266,9 +276,9 @@ TEST(RmsNorm, BulkCopyKernelRejectsWhatItCannotRun) {
 
 TEST(RmsNorm, CatalogIsValidAndRendersDistinctNames) {
   auto cat = rmsnorm().catalog();
-  // 5 blocks x (3 f32 + 4 f16 + 4 bf16 vector widths), and the bulk-copy kernel at 6 and 8 packs
-  // per thread for each dtype.
-  EXPECT_EQ(cat.size(), 61u);
+  // 5 blocks x (3 f32 + 4 f16 + 4 bf16 vector widths), and the bulk-copy kernel's 512 x 8,
+  // 1024 x 6 and 1024 x 8 for each dtype.
+  EXPECT_EQ(cat.size(), 64u);
   std::set<std::string> names;
   for (const auto& p : cat) {
     ASSERT_TRUE(rmsnorm().validate(p).ok()) << p.canonical();
