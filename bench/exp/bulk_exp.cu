@@ -232,29 +232,6 @@ __global__ void __launch_bounds__(NT) fwd_bulk(const bf16_t* __restrict__ x, con
 
 static int g_sms = 0;
 
-template <typename K>
-static int occupancy(K k, int threads, size_t smem) {
-  int n = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, threads, smem));
-  return n;
-}
-
-template <typename K, typename... A>
-static void launch(K k, unsigned grid, unsigned block, size_t smem, int cluster, A... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(block);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, k, args...));
-}
-
 struct BwdData {
   long long rows, cols;
   bf16_t *dy, *x, *w, *dx, *dw;

@@ -111,4 +111,29 @@ inline double max_rel(const bf16_t* a, const bf16_t* b, size_t n) {
   return worst;
 }
 
+// Blocks of kernel k that one SM holds with this block size and dynamic shared memory.
+template <typename K>
+inline int occupancy(K k, int threads, size_t smem) {
+  int n = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, threads, smem));
+  return n;
+}
+
+// Launches k on a 1-D grid in clusters of `cluster` blocks (1: plain blocks).
+template <typename K, typename... A>
+inline void launch(K k, unsigned grid, unsigned block, size_t smem, int cluster, A... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&cfg, k, args...));
+}
+
 }  // namespace exp_util
