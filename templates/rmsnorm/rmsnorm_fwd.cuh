@@ -286,7 +286,8 @@ struct BulkChecked {
 // second barrier frees its buffer for the next row's second part, and the first part is written
 // out of registers while that copy runs. So a row's reads overlap the previous row's stores,
 // where the one-block-per-row kernel above reads the next row only when its block starts (4096 x
-// 65536 bf16 on an H100: 380 µs, 94% of the copy, against 452 µs; bench/exp/wide_exp.cu).
+// 65536 bf16 on an H100: 375 µs, 95% of the copy, against 442 µs; bench/exp/wide_exp.cu and
+// docs/benchmarks.md, sixth session).
 // The weight is read for every row (from L2): in registers it would take as many as the row.
 // Requires: sm_90; x, y aligned to 16 bytes, row strides and cols multiples of 16 bytes;
 // cols <= BLOCK * PACKS * 16 / sizeof(T); BLOCK * PACKS * 16 bytes of dynamic shared memory.
@@ -330,7 +331,7 @@ rmsnorm_fwd_bulk(const T* __restrict__ x, const T* __restrict__ w, T* __restrict
   // One row. Unchecked (rows of exactly BLOCK * PACKS packs, the host's choice for whole rows): no
   // pack is tested against the row's end. With a branch around each pack the weight loads of a
   // part could not be issued together and each waited out an L2 round trip (4096 x 65536 bf16 on
-  // an H100: 442 µs, against 377 for the experiment's unchecked kernel; bench/exp/wide_exp.cu).
+  // an H100: 438 µs checked, 418 with the loads paired by hand, 375 unchecked; wide_exp.cu).
   auto row_body = [&](auto checked, long long row, long long next, unsigned phase) {
     constexpr bool k_checked = decltype(checked)::value;
     auto in_row = [&](int j) { return !k_checked || j * BLOCK + t < packs; };
