@@ -119,21 +119,39 @@ inline int occupancy(K k, int threads, size_t smem) {
   return n;
 }
 
+// A 1-D launch in clusters of `cluster` blocks (1: plain blocks). Not copyable: cfg points at attr.
+struct ClusterLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  ClusterLaunch(unsigned grid, unsigned block, size_t smem, int cluster) {
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = smem;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // Launches k on a 1-D grid in clusters of `cluster` blocks (1: plain blocks).
 template <typename K, typename... A>
 inline void launch(K k, unsigned grid, unsigned block, size_t smem, int cluster, A... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(block);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, k, args...));
+  ClusterLaunch l(grid, block, smem, cluster);
+  CK(cudaLaunchKernelEx(&l.cfg, k, args...));
+}
+
+// How many clusters of `cluster` blocks with this shared memory the GPU holds at once.
+template <typename K>
+inline int max_clusters(K k, int threads, size_t smem, int cluster) {
+  ClusterLaunch l(unsigned(cluster * 64), unsigned(threads), smem, cluster);
+  int n = 0;
+  CK(cudaOccupancyMaxActiveClusters(&n, k, &l.cfg));
+  return n;
 }
 
 }  // namespace exp_util

@@ -372,25 +372,6 @@ __global__ void __launch_bounds__(NT, 1) bwd_pipe(const bf16_t* __restrict__ dy,
 
 static int g_sms = 0;
 
-// How many clusters of `cluster` blocks with this shared memory the GPU holds at once.
-template <typename K>
-static int max_clusters(K k, int threads, size_t smem, int cluster) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(cluster * 64);
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  CK(cudaOccupancyMaxActiveClusters(&n, k, &cfg));
-  return n;
-}
-
 static double copy_us(size_t bytes) {
   void *a, *b;
   CK(cudaMalloc(&a, bytes));

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "client/validate.h"
 #include "bench/gpu_harness.h"
 #include "kiln/runtime.h"
 #include "families/act_and_mul/act_and_mul.h"
@@ -132,14 +133,8 @@ int run(Context& ctx) {
   auto rt = Runtime::create(options);
   check(rt.status(), "runtime");
   nlohmann::json all = nlohmann::json::array();
-  CUdevice dev;
-  int sms = 0;
-  check(ctx.driver->device_get(&dev, 0), "cuDeviceGet");
-  check(ctx.driver->device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
-  int major = 0, minor = 0;
-  check(ctx.driver->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute");
-  check(ctx.driver->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute");
-  for (const Case& c : cases(ctx.quick, sms, major * 10 + minor)) {
+  const int sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
+  for (const Case& c : cases(ctx.quick, sms, cc)) {
     if (!wanted(c.family)) continue;
     const Family& f = *Registry::global().find(c.family);
     const Params heuristic = f.heuristic(c.problem);
