@@ -20,6 +20,40 @@
 namespace kiln {
 namespace {
 
+// One launch of a loaded kernel. A kernel of a family with programmatic_launch(), built for sm_90
+// or later, goes through cuLaunchKernelEx as a programmatic dependent of the stream's previous
+// kernel; everything else, or a driver without cuLaunchKernelEx, launches plainly (a kernel's
+// griddepcontrol.wait then returns at once).
+Status launch_kernel(const jit::Driver* d, const Kernel& k, const LaunchGeometry& g, CUstream stream, void** args) {
+  auto fn = static_cast<CUfunction>(k.function);
+  if (k.dependent_launch && d->launch_kernel_ex) {
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig cfg{};
+    cfg.gridDimX = g.grid.x;
+    cfg.gridDimY = g.grid.y;
+    cfg.gridDimZ = g.grid.z;
+    cfg.blockDimX = g.block.x;
+    cfg.blockDimY = g.block.y;
+    cfg.blockDimZ = g.block.z;
+    cfg.sharedMemBytes = g.shared_bytes;
+    cfg.hStream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return d->check(d->launch_kernel_ex(&cfg, fn, args, nullptr), "cuLaunchKernelEx");
+  }
+  return d->check(d->launch_kernel(fn, g.grid.x, g.grid.y, g.grid.z, g.block.x, g.block.y, g.block.z, g.shared_bytes,
+                                   stream, args, nullptr),
+                  "cuLaunchKernel");
+}
+
+// "sm_90a" -> 90; 0 when the name does not start with sm_ and a number.
+int arch_number(const std::string& arch) {
+  if (arch.rfind("sm_", 0) != 0) return 0;
+  return std::atoi(arch.c_str() + 3);
+}
+
 class RuntimeImpl final : public Runtime {
  public:
   explicit RuntimeImpl(RuntimeOptions opts) : opts_(std::move(opts)) {
@@ -80,6 +114,7 @@ class RuntimeImpl final : public Runtime {
       return s;
     }
     loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx, family->bind(spec.params)};
+    loaded->kernel.dependent_launch = family->programmatic_launch() && arch_number(arch) >= 90;
     std::lock_guard lock(mu_);
     ++counters_.module_loads;
     const Kernel* out = &loaded->kernel;
@@ -94,11 +129,7 @@ class RuntimeImpl final : public Runtime {
     k.family->pack_bound(k.bound, k.params, problem, buffers, args);
     if (args.overflow()) return internal_error("the kernel arguments could not be packed (more than the argument block holds, or the family failed: see stderr)");
     KILN_TRY(jit::encode_tensor_maps(args));
-    const jit::Driver* d = jit::Driver::get().value();
-    return d->check(d->launch_kernel(static_cast<CUfunction>(k.function), g.grid.x, g.grid.y, g.grid.z, g.block.x,
-                                     g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),
-                                     args.pointers(), nullptr),
-                    "cuLaunchKernel");
+    return launch_kernel(jit::Driver::get().value(), k, g, static_cast<CUstream>(stream), args.pointers());
   }
 
   Status run(const Family& family, const Problem& problem, std::span<void* const> buffers, Stream stream) override {
@@ -131,11 +162,7 @@ class RuntimeImpl final : public Runtime {
     family.pack_bound(entry.kernel->bound, entry.kernel->params, problem, buffers, args);
     if (args.overflow()) return internal_error("the kernel arguments could not be packed (more than the argument block holds, or the family failed: see stderr)");
     KILN_TRY(jit::encode_tensor_maps(args));
-    const LaunchGeometry& g = entry.geometry;
-    return d->check(d->launch_kernel(static_cast<CUfunction>(entry.kernel->function), g.grid.x, g.grid.y, g.grid.z,
-                                     g.block.x, g.block.y, g.block.z, g.shared_bytes, static_cast<CUstream>(stream),
-                                     args.pointers(), nullptr),
-                    "cuLaunchKernel");
+    return launch_kernel(d, *entry.kernel, entry.geometry, static_cast<CUstream>(stream), args.pointers());
   }
 
   std::string resolver() const override {

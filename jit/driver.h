@@ -58,7 +58,11 @@ namespace kiln::jit {
 // Entry points that only some paths use, null when the driver lacks them: cuTensorMapEncodeTiled
 // came with CUDA 12, and only the sm_90a GEMM path (which needs such a driver anyway) encodes
 // tensor maps, so an older driver still runs everything else.
-#define KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(X) X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)
+// cuLaunchKernelEx (CUDA 12) launches with attributes: programmatic dependent launches
+// (Family::programmatic_launch) use it, and fall back to cuLaunchKernel without it.
+#define KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(X)            \
+  X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)      \
+  X(launch_kernel_ex, cuLaunchKernelEx)
 
 struct Driver {
 #define KILN_CU_FIELD(field, fn) decltype(&::fn) field = nullptr;

@@ -46,6 +46,9 @@ class PluginFamily final : public Family {
  public:
   PluginFamily(const kiln_family& d, std::shared_ptr<const PluginInfo> info, std::shared_ptr<const TemplateFiles> templates)
       : vt_(d.vtable), ctx_(d.context), name_(d.name), version_(d.version), bucketed_(d.bucketed_dim),
+        // A descriptor built before `flags` was appended has none set.
+        programmatic_(d.struct_size >= offsetof(kiln_family, flags) + sizeof(d.flags) &&
+                      (d.flags & KILN_FAMILY_PROGRAMMATIC_LAUNCH) != 0),
         info_(std::move(info)), templates_(std::move(templates)) {
     for (std::uint32_t i = 0; i < d.param_count; ++i) {
       const kiln_param_def& p = d.params[i];
@@ -88,6 +91,7 @@ class PluginFamily final : public Family {
   std::vector<std::string> problem_scalars() const override { return scalars_; }
   std::vector<Params> catalog() const override { return catalog_; }
   int bucketed_dim() const override { return bucketed_; }
+  bool programmatic_launch() const override { return programmatic_; }
   const PluginInfo* plugin() const override { return info_.get(); }
   const TemplateFiles* template_files() const override { return templates_.get(); }
 
@@ -315,6 +319,7 @@ class PluginFamily final : public Family {
   std::string name_;
   int version_;
   int bucketed_;
+  bool programmatic_;
   std::shared_ptr<const PluginInfo> info_;
   std::shared_ptr<const TemplateFiles> templates_;
   std::vector<ParamDef> schema_;
@@ -326,9 +331,9 @@ class PluginFamily final : public Family {
 
 // The descriptor's static data, before anything of it is copied.
 Status check_descriptor(const kiln_family& d) {
-  if (d.struct_size < sizeof(kiln_family))
+  if (d.struct_size < KILN_FAMILY_MIN_STRUCT_SIZE)
     return invalid_argument("its kiln_family struct_size " + std::to_string(d.struct_size) + " is below this ABI's " +
-                            std::to_string(sizeof(kiln_family)));
+                            std::to_string(KILN_FAMILY_MIN_STRUCT_SIZE));
   if (!d.name || !valid_identifier(d.name)) return invalid_argument("its name is missing or not [a-z][a-z0-9_]*");
   const std::string name = d.name;
   auto bad = [&](const std::string& why) { return invalid_argument("family '" + name + "': " + why); };

@@ -43,7 +43,7 @@ std::int64_t packs_per_block(const RmsNormBwdChoice& c, std::int64_t cols) {
 class RmsNormBwd final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm_bwd"; }
-  int version() const override { return 3; }
+  int version() const override { return 4; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {

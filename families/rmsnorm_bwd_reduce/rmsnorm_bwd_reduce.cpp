@@ -11,7 +11,7 @@ namespace {
 class RmsNormBwdReduce final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm_bwd_reduce"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -61,6 +61,9 @@ class RmsNormBwdReduce final : public Family {
     g.block.x = std::uint32_t(*params.get_int("block"));
     return g;
   }
+
+  // The kernel starts with griddepcontrol.wait (templates/rmsnorm_bwd/rmsnorm_bwd_reduce.cuh).
+  bool programmatic_launch() const override { return true; }
 
   Params heuristic(const Problem& p) const override {
     return Params{{"dtype", std::string(dtype_name(p.dtype))},

@@ -7,6 +7,8 @@
 // Heuristic: 128 threads up to 8 slabs, 256 up to 64, 512 beyond (enough loads in flight per
 // column); columns: the most of 32, 16, 8 that still gives 256 blocks or more (8 below 2048
 // columns), so the grid covers the GPU.
+// Launch: a programmatic dependent of the kernel before it (programmatic_launch()), which in the
+// typed op is rmsnorm_bwd; on sm_90 and later the blocks wait (griddepcontrol.wait) for it.
 #pragma once
 
 #include "kiln/family.h"

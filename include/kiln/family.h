@@ -163,6 +163,13 @@ class Family {
   // Checks that the problem is well formed and that `params` can run it.
   virtual Status check_problem(const Params& params, const Problem& problem) const = 0;
   virtual LaunchGeometry geometry(const Params& params, const Problem& problem) const = 0;
+  // True when every kernel of the family executes griddepcontrol.wait (which returns once the
+  // kernel before it in the stream has finished and its writes are visible) before it touches any
+  // memory that kernel may write or read. kiln then launches its kernels built for sm_90 and later
+  // as programmatic dependents of the previous kernel (cuLaunchKernelEx, programmatic stream
+  // serialization): the launch is prepared, and blocks may be scheduled, while that kernel still
+  // runs. Default: false, an ordinary launch.
+  virtual bool programmatic_launch() const { return false; }
   // The default choice for a problem, and the candidates a tuner should time around it.
   virtual Params heuristic(const Problem& problem) const = 0;
   virtual std::vector<Params> tuning_space(const Problem& problem) const = 0;

@@ -299,7 +299,16 @@ typedef struct kiln_family {
   uint32_t template_count;
   const kiln_family_vtable* vtable;
   void* context;
+  /* Appended after API version 1's first release (read only when struct_size covers it). */
+  uint32_t flags; /* KILN_FAMILY_* bits */
 } kiln_family;
+
+/* kiln_family.flags: every kernel of the family executes griddepcontrol.wait before it touches
+ * memory that the kernel before it in the stream may write or read, so kiln may launch it as a
+ * programmatic dependent of that kernel on sm_90 and later (Family::programmatic_launch). */
+#define KILN_FAMILY_PROGRAMMATIC_LAUNCH 1u
+/* The size of kiln_family before `flags` was appended: the smallest struct_size kiln accepts. */
+#define KILN_FAMILY_MIN_STRUCT_SIZE offsetof(kiln_family, flags)
 
 /* What kiln tells a plugin at init. */
 typedef struct kiln_host {

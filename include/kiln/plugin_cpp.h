@@ -171,6 +171,7 @@ class ExportedFamily {
     desc_.template_count = std::uint32_t(templates_.size());
     desc_.vtable = &vtable();
     desc_.context = this;
+    desc_.flags = f.programmatic_launch() ? KILN_FAMILY_PROGRAMMATIC_LAUNCH : 0u;
   }
   ExportedFamily(const ExportedFamily&) = delete;
   ExportedFamily& operator=(const ExportedFamily&) = delete;

@@ -52,6 +52,9 @@ struct Kernel {
   void* function = nullptr;  // CUfunction
   void* context = nullptr;   // CUcontext it was loaded in
   const void* bound = nullptr;  // family->bind(params): what the launch path packs arguments with
+  // Launched as a programmatic dependent of the stream's previous kernel: the family allows it
+  // (Family::programmatic_launch) and the kernel is built for sm_90 or later.
+  bool dependent_launch = false;
 };
 
 struct RuntimeCounters {

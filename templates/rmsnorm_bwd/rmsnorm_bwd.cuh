@@ -287,12 +287,16 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
 //
 // Requires: sm_90; dy, x, dx aligned to 16 bytes, row strides and cols multiples of 16 bytes;
 // cols <= THREADS * PACKS * VEC; the dynamic shared memory that rmsnorm_bwd_bulk_smem gives for
-// this choice (families/rmsnorm_bwd).
+// this choice (families/rmsnorm_bwd). The body is a device function so that experiments
+// (bench/exp/fuse_exp.cu) can wrap it in other kernels.
+namespace bwd {
+
 template <typename T, int THREADS, int PACKS, int STAGES>
-__global__ void __launch_bounds__(THREADS, (512 / THREADS > 1 ? 512 / THREADS : 1))
-rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                 const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial, long long rows,
-                 long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs) {
+__device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                                          const float* __restrict__ inv_rms, T* __restrict__ dx,
+                                          float* __restrict__ partial, long long rows, long long cols,
+                                          long long dy_stride, long long x_stride, long long dx_stride,
+                                          long long slabs) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int k_buffer = THREADS * PACKS * VEC;  // elements of one row buffer
   constexpr bool k_dw_smem = PACKS * VEC > 16;
@@ -425,6 +429,17 @@ rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __r
   __syncthreads();
   for (int c = t; c < cols; c += THREADS) partial[slab * cols + c] = row_out[c];
 #endif
+}
+
+}  // namespace bwd
+
+template <typename T, int THREADS, int PACKS, int STAGES>
+__global__ void __launch_bounds__(THREADS, (512 / THREADS > 1 ? 512 / THREADS : 1))
+rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                 const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial, long long rows,
+                 long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs) {
+  bwd::bulk_body<T, THREADS, PACKS, STAGES>(dy, x, w, inv_rms, dx, partial, rows, cols, dy_stride, x_stride,
+                                            dx_stride, slabs);
 }
 
 }  // namespace kiln

@@ -8,6 +8,14 @@
 // over 256 blocks (with 32 columns, 64 blocks left half the GPU idle: 528 x 2048 partials 9.1 ->
 // 7.2 µs, 264 x 2048 6.9 -> 6.0 on an H100, bench/exp/bulk_exp.cu). With no slabs (no rows) dw is
 // zero.
+//
+// On sm_90 and later the host launches it as a programmatic dependent of rmsnorm_bwd, so the
+// launch is prepared while the first stage runs and the blocks start as its last ones leave
+// (the first stage triggers nothing itself; its blocks' exits do). On an H100
+// (bench/exp/fuse_exp.cu) that took 1.3-1.6 µs off the pair at 4096 rows: 4096 x 2048 27.4 ->
+// 26.1 µs, 4096 x 4096 44.3 -> 43.0. Letting the first stage trigger as it starts, so that these
+// blocks sit resident beside it, was slower (26.5-27.5 µs), and so was one cooperative kernel
+// summing dw after a grid barrier (28.3-28.7 µs).
 #pragma once
 
 #include "common/dtype.cuh"
@@ -18,6 +26,11 @@ template <typename T, int BLOCK, int COLUMNS>
 __global__ void __launch_bounds__(BLOCK)
 rmsnorm_bwd_reduce(const float* __restrict__ partial, T* __restrict__ dw, long long slabs, long long cols) {
   static_assert(COLUMNS == 8 || COLUMNS == 16 || COLUMNS == 32, "COLUMNS divides a warp");
+#if __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the first stage (its geometry says so): the blocks may
+  // start while that kernel runs, and wait here until its partial rows are written and visible.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   constexpr int k_lanes = BLOCK / COLUMNS, k_warps = BLOCK / 32, k_unroll = 4;
   __shared__ float sums[k_warps][COLUMNS];
   const int c = int(threadIdx.x) % COLUMNS, lane = int(threadIdx.x) / COLUMNS;

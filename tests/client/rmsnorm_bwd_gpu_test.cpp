@@ -190,6 +190,56 @@ TEST_F(RmsNormBwdGpu, StridedMisalignedAndInPlace) {
   }
 }
 
+// Calls queued back to back on one stream, no synchronization between them, every call with its
+// own inputs and dw but all sharing the op's cached workspace of partial rows. On sm_90 each
+// reduce is a programmatic dependent of its first stage: were it to read the partial rows before
+// that stage finished, or a first stage to overwrite them while the previous reduce still read,
+// some dw would carry another call's rows.
+TEST_F(RmsNormBwdGpu, BackToBackCallsShareTheWorkspace) {
+  const jit::Driver* d = jit::Driver::get().value();
+  const std::vector<Case> shapes = {{DType::bf16, 2048, 2048, 2048},   // bulk kernel (sm_90), many slabs
+                                    {DType::f32, 96, 65536, 65536},    // register kernel, clusters
+                                    {DType::f16, 300, 1000, 1000}};    // register kernel, narrow rows
+  for (const Case& c : shapes) {
+    constexpr int k_calls = 6;
+    const auto es = dtype_size(c.dtype);
+    std::vector<Data> data;
+    std::vector<std::unique_ptr<DeviceBuffer>> bufs;  // per call: dy, x, w, inv, dx, dw
+    for (int i = 0; i < k_calls; ++i) {
+      data.push_back(make_data(c, rng_));
+      const Data& h = data.back();
+      for (const auto* v : {&h.dy, &h.x, &h.w}) {
+        bufs.push_back(std::make_unique<DeviceBuffer>(v->size()));
+        bufs.back()->upload(v->data());
+      }
+      bufs.push_back(std::make_unique<DeviceBuffer>(h.inv_rms.size() * 4));
+      bufs.back()->upload(h.inv_rms.data());
+      bufs.push_back(std::make_unique<DeviceBuffer>(h.want_dx.size()));
+      bufs.back()->poison();
+      bufs.push_back(std::make_unique<DeviceBuffer>(h.want_dw.size()));
+      bufs.back()->poison();
+    }
+    for (int i = 0; i < k_calls; ++i) {
+      auto b = [&](int j) { return bufs[std::size_t(6 * i + j)]->get(); };
+      Status s = run_op(c, rt_.get(), b(0), b(1), b(2), b(3), b(4), b(5));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    ASSERT_EQ(d->ctx_synchronize(), CUDA_SUCCESS);
+    std::vector<std::int64_t> widx(std::size_t(c.cols)), idx(std::size_t(c.rows * c.cols));
+    for (std::int64_t j = 0; j < c.cols; ++j) widx[std::size_t(j)] = j;
+    for (std::int64_t j = 0; j < c.rows * c.cols; ++j) idx[std::size_t(j)] = j;
+    for (int i = 0; i < k_calls; ++i) {
+      std::vector<unsigned char> got_dx(data[std::size_t(i)].want_dx.size()), got_dw(std::size_t(c.cols) * es);
+      bufs[std::size_t(6 * i + 4)]->download(got_dx.data());
+      bufs[std::size_t(6 * i + 5)]->download(got_dw.data());
+      Errors e;
+      e.dx = testing::rel_l2(got_dx.data(), data[std::size_t(i)].want_dx.data(), c.dtype, idx);
+      e.dw = testing::rel_l2(got_dw.data(), data[std::size_t(i)].want_dw.data(), c.dtype, widx);
+      expect_close(e, c.dtype, std::to_string(c.rows) + "x" + std::to_string(c.cols) + " call " + std::to_string(i));
+    }
+  }
+}
+
 TEST_F(RmsNormBwdGpu, CallersWorkspace) {
   const Case c{DType::bf16, 300, 4096, 4096};
   auto need = rms_norm_backward_workspace_elements(

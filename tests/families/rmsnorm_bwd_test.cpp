@@ -324,6 +324,11 @@ TEST(RmsNormBwd, GeometryBuffersAndArgs) {
   EXPECT_EQ(g.grid.x, 13u);
   EXPECT_EQ(g.block.x, 128u);
   EXPECT_EQ(g.block.y, 1u);
+  // The second stage waits for the first with griddepcontrol.wait, so it may launch as its
+  // programmatic dependent (the flag crosses the plugin ABI that built-in families register
+  // through); the first stage waits for nothing and must not.
+  EXPECT_TRUE(reduce().programmatic_launch());
+  EXPECT_FALSE(bwd().programmatic_launch());
   pr.dims[k_red_cols] = 16384;  // 32 columns still give 512 blocks
   EXPECT_EQ(*reduce().heuristic(pr).get_int("columns"), 32);
   pr.dims[k_red_cols] = 4096;

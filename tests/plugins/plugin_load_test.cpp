@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
 
 #include "client/daemon_client.h"
 #include "jit/nvrtc.h"
@@ -123,6 +124,32 @@ TEST(PluginLoad, ANamesakeOfTheBuiltInPluginOrATruncatedDescriptorIsRefused) {
   EXPECT_EQ(r.find("c_scale"), nullptr);
   ASSERT_EQ(rep.skipped.size(), 2u);
   EXPECT_EQ(rep.skipped[0].path, "/x/libnamesake.so");
+}
+
+// kiln_family.flags was appended to the struct: a descriptor built against the header before it
+// (struct_size up to the field) still registers, with no flags read, whatever lies past its end;
+// one that covers the field has its programmatic-launch flag honoured.
+TEST(PluginLoad, AppendedFamilyFlagsAreReadOnlyWhenStructSizeCoversThem) {
+  TempDir dir;
+  void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(lib, nullptr) << ::dlerror();
+  const kiln_plugin& good = *reinterpret_cast<kiln_plugin_entry_fn>(::dlsym(lib, KILN_PLUGIN_ENTRY_SYMBOL))();
+  auto programmatic = [&](std::uint32_t struct_size, std::uint32_t flags) -> std::optional<bool> {
+    kiln_family f = good.families[0];
+    f.struct_size = struct_size;
+    f.flags = flags;
+    kiln_plugin p = good;
+    p.families = &f;
+    p.family_count = 1;
+    Registry r;
+    plugin::Report rep;
+    if (!plugin::register_plugin(r, &p, "/x/lib.so", rep).ok()) return std::nullopt;
+    return r.find("c_scale")->programmatic_launch();
+  };
+  EXPECT_EQ(programmatic(sizeof(kiln_family), 0), false);
+  EXPECT_EQ(programmatic(sizeof(kiln_family), KILN_FAMILY_PROGRAMMATIC_LAUNCH), true);
+  EXPECT_EQ(programmatic(std::uint32_t(KILN_FAMILY_MIN_STRUCT_SIZE), KILN_FAMILY_PROGRAMMATIC_LAUNCH), false);
+  EXPECT_EQ(programmatic(std::uint32_t(KILN_FAMILY_MIN_STRUCT_SIZE) - 4, 0), std::nullopt) << "truncated";
 }
 
 // Descriptor checks on the C fixture's descriptor with one thing wrong at a time: template paths
