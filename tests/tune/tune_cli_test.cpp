@@ -1,9 +1,5 @@
 // `kiln tune`, `kiln ls --tuned` and `kiln prewarm --problems` as processes: argument errors are
 // exit 2 with a message before anything runs, and `ls --tuned` shows a table the test filled.
-#include <fcntl.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -15,76 +11,10 @@
 #include "cache/tuning.h"
 #include "kiln/family.h"
 #include "tests/test_util.h"
+#include "tests/tune/tune_cli_util.h"
 
 namespace kiln::testing {
 namespace {
-
-namespace fs = std::filesystem;
-
-struct Proc {
-  int rc = -1;
-  std::string out, err;
-  std::string all() const { return "exit " + std::to_string(rc) + "\n--- stdout\n" + out + "--- stderr\n" + err; }
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-class TuneCli : public ::testing::Test {
- protected:
-  void SetUp() override {
-    fs::create_directories(dir_.path() / "run");
-    ::chmod((dir_.path() / "run").c_str(), 0700);
-  }
-  fs::path cache_dir() const { return dir_.path() / "cache"; }
-
-  Proc kiln(const std::vector<std::string>& args) {
-    const fs::path out = dir_.path() / "stdout", err = dir_.path() / "stderr";
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::setenv("KILN_CACHE_DIR", cache_dir().c_str(), 1);
-      ::setenv("XDG_RUNTIME_DIR", (dir_.path() / "run").c_str(), 1);
-      ::setenv("KILN_SOCKET", (dir_.path() / "run" / "none.sock").c_str(), 1);
-      int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(o, 1);
-      ::dup2(e, 2);
-      std::vector<std::string> a = {KILN_CLI_PATH};
-      a.insert(a.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& s : a) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      ::execv(KILN_CLI_PATH, argv.data());
-      ::_exit(127);
-    }
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    Proc r;
-    r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    r.out = slurp(out);
-    r.err = slurp(err);
-    return r;
-  }
-
-  void expect_usage_error(const std::vector<std::string>& args, const std::string& message) {
-    Proc p = kiln(args);
-    EXPECT_EQ(p.rc, 2) << p.all();
-    EXPECT_NE(p.err.find(message), std::string::npos) << "expected '" << message << "'\n" << p.all();
-    EXPECT_FALSE(fs::exists(cache_dir() / "kernels.sqlite")) << "a bad command must not create the cache";
-  }
-
-  fs::path write_file(const std::string& name, const std::string& text) {
-    const fs::path p = dir_.path() / name;
-    std::ofstream(p) << text;
-    return p;
-  }
-
-  TempDir dir_;
-};
 
 TEST_F(TuneCli, ArgumentErrorsAreUsageErrors) {
   expect_usage_error({"tune", "--family", "rmsnorm"}, "give --shape SIZES or --all");
