@@ -2,10 +2,15 @@
 
 #include <dlfcn.h>
 #include <nvrtc.h>
+#include <signal.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <regex>
+#include <string>
 
 #include "jit/templates.h"
 
@@ -47,6 +52,71 @@ int parse_int(const std::string& log, const std::regex& re) {
   std::smatch m;
   if (std::regex_search(log, m, re)) return std::stoi(m[1].str());
   return -1;
+}
+
+}  // namespace
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// NVRTC's automatic PCH (-pch) writes an 8 MB header image into /tmp/__nvrtc_auto_pch_<pid>_<n>
+// and never removes it: every compiling process (kiln prewarm, kiln tune, each of kilnd's
+// compile workers, every test) left one behind, and a day of them filled a 252 GB disk. kiln
+// points -pch-dir at a directory of its own instead, one per process, removed when the process
+// exits normally; directories of processes that died without cleaning up are removed by the next
+// process that creates one.
+constexpr const char* k_pch_prefix = "kiln-pch-";
+
+fs::path temp_root() {
+  const char* t = std::getenv("TMPDIR");
+  return fs::path(t && *t ? t : "/tmp");
+}
+
+// Removes kiln-pch-<pid>-* directories whose process is gone.
+void remove_stale_pch_dirs(const fs::path& root) {
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(k_pch_prefix, 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + std::char_traits<char>::length(k_pch_prefix), nullptr, 10);
+    if (pid <= 0 || (::kill(pid_t(pid), 0) != 0 && errno == ESRCH)) {
+      std::error_code rm;
+      fs::remove_all(it->path(), rm);
+    }
+  }
+}
+
+struct PchDir {
+  std::mutex mu;
+  pid_t owner = 0;
+  std::string path;
+  ~PchDir() {
+    // Only the process that made it removes it (a forked child inherits this object).
+    if (owner == ::getpid() && !path.empty()) {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  }
+};
+
+PchDir& pch_state() {
+  static PchDir d;
+  return d;
+}
+
+// This process's PCH directory, created on first use; empty when it cannot be made (then NVRTC
+// compiles without PCH).
+std::string pch_dir() {
+  PchDir& d = pch_state();
+  std::lock_guard lock(d.mu);
+  if (d.owner == ::getpid()) return d.path;
+  const fs::path root = temp_root();
+  remove_stale_pch_dirs(root);
+  std::string tmpl = (root / (std::string(k_pch_prefix) + std::to_string(::getpid()) + "-XXXXXX")).string();
+  d.owner = ::getpid();
+  d.path = ::mkdtemp(tmpl.data()) ? tmpl : std::string();
+  return d.path;
 }
 
 }  // namespace
@@ -119,7 +189,12 @@ Result<CompileOutput> Nvrtc::compile(const CompileRequest& req) const {
   out.options = base_options();
   out.options.push_back("-arch=" + req.arch);
   for (const auto& o : req.options) out.options.push_back(o);
-  if (req.use_pch) out.options.push_back("-pch");
+  if (req.use_pch) {
+    if (const std::string dir = pch_dir(); !dir.empty()) {
+      out.options.push_back("-pch");
+      out.options.push_back("-pch-dir=" + dir);
+    }
+  }
   std::vector<const char*> opts;
   for (const auto& o : out.options) opts.push_back(o.c_str());
 

@@ -287,6 +287,24 @@ TEST_F(CliTest, SecondPrewarmFindsEverythingCached) {
   EXPECT_NE(text.out.find("0 compiled"), std::string::npos) << text.out;
 }
 
+// NVRTC's automatic PCH left an 8 MB /tmp/__nvrtc_auto_pch_<pid>_<n> behind every compiling
+// process. kiln's own per-process PCH directory goes when the process exits, and the first compile
+// of a process removes those of dead processes (pid 999999999 is above any pid_max) but not a
+// live one's (pid 1).
+TEST_F(CliTest, PrewarmLeavesNoPrecompiledHeadersBehind) {
+  Sandbox s;
+  const fs::path tmp = s.root() / "tmp";
+  fs::create_directories(tmp / "kiln-pch-999999999-dead");
+  std::ofstream(tmp / "kiln-pch-999999999-dead" / "kiln_kernel_0.pch") << "stale";
+  fs::create_directories(tmp / "kiln-pch-1-live");
+  s.set_env("TMPDIR", tmp.string());
+  const Proc r = s.kiln({"prewarm", "--arch", k_arch, "--family", "rmsnorm_bwd_reduce", "--jobs", "1"});
+  ASSERT_EQ(r.rc, 0) << r.all();
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(tmp)) left.push_back(e.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{"kiln-pch-1-live"});
+}
+
 TEST_F(CliTest, ShowPrintsAllMetadataOfAListedKey) {
   ASSERT_EQ(golden_run().rc, 0) << golden_run().all();
   auto s = filled();

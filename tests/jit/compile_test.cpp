@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 
+#include <unistd.h>
+
 #include <atomic>
+#include <filesystem>
 #include <thread>
 
 #include "cache/store.h"
@@ -42,6 +45,34 @@ TEST(Builder, StoresThenServesFromCache) {
   ASSERT_TRUE(other_arch.ok());
   EXPECT_EQ(other_arch->source, ArtifactSource::compiled);
   EXPECT_NE(other_arch->entry.key, a->entry.key);
+}
+
+// With PCH on, NVRTC writes its header image into kiln's per-process directory under TMPDIR
+// (kiln-pch-<pid>-*), which kiln removes at exit, and not into /tmp/__nvrtc_auto_pch_<pid>_<n>,
+// which nothing removed.
+TEST(Builder, PrecompiledHeadersGoToKilnsOwnDirectory) {
+  ASSERT_TRUE(nvrtc_available());
+  testing::TempDir dir;
+  testing::ScopedEnv tmp("TMPDIR", dir.path().string());
+  auto store = cache::Store::open(dir.path() / "k.sqlite");
+  ASSERT_TRUE(store.ok());
+  Builder b(store->get(), &Registry::global(), BuilderOptions{.use_pch = true});
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f16")}, {"block", std::int64_t(128)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}}};
+  auto a = b.get(spec, "sm_90a");
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  const std::string mine = "kiln-pch-" + std::to_string(::getpid()) + "-";
+  int dirs = 0, pch_files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    if (e.path().filename().string().rfind(mine, 0) != 0) continue;
+    ++dirs;
+    for (const auto& f : std::filesystem::directory_iterator(e.path())) pch_files += f.path().extension() == ".pch";
+  }
+  EXPECT_EQ(dirs, 1);
+  EXPECT_EQ(pch_files, 1);
+  const std::string auto_prefix = "__nvrtc_auto_pch_" + std::to_string(::getpid()) + "_";
+  for (const std::filesystem::path& root : {dir.path(), std::filesystem::path("/tmp")})
+    for (const auto& e : std::filesystem::directory_iterator(root))
+      EXPECT_NE(e.path().filename().string().rfind(auto_prefix, 0), 0u) << e.path();
 }
 
 TEST(Builder, CorruptEntryIsRecompiled) {
