@@ -187,14 +187,15 @@ int gated(Context& ctx, nlohmann::json& rows) {
 
 // Candidate tiles around the heuristic's choice (families/gemm_util.h: default_tile) at the
 // decode-sized LLM shapes (M = 128: tile shape, split-K and pipeline depth decide) and the
-// block-scaled large shapes (bn 256, 192 and 128, deeper rings, clusters), each with its default_stages (or the depth
-// named) and group 8: the data behind the model. Correctness is the other parts' and the GPU
+// block-scaled large shapes (bn 256 and 192, group orders), each with its default_stages (or the
+// depth named) and group 8 (or the one named): the data behind the model. Correctness is the other parts' and the GPU
 // tests' job. Only with KILN_BENCH_GEMM_VARIANTS=1 (after the other parts) or =only (alone).
 int variants(Context& ctx, nlohmann::json& rows) {
   const int sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
   struct Cand {
     int bm, bn, cluster, split;
     int stages = 0;  // 0: default_stages
+    int group = 8;
   };
   struct Case {
     const char* family;
@@ -207,23 +208,23 @@ int variants(Context& ctx, nlohmann::json& rows) {
   const double F = 2.0;
   const std::vector<Case> cases = {
       {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192,
-       {{128, 192, 1, 1}, {128, 256, 1, 1}, {128, 192, 1, 1, 5}}},
-      {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384,
-       {{128, 256, 1, 1}, {128, 192, 1, 1}, {128, 256, 2, 1}, {128, 192, 1, 1, 5}}},
-      {"fp8_gemm", 4096, 4096, 7168, B, DType::bf16, F * 4096 * 4096 * 7168,
-       {{128, 256, 1, 1}, {128, 256, 2, 1}, {128, 128, 1, 1, 6}}},
-      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168,
-       {{128, 192, 1, 1}, {128, 192, 1, 1, 5}, {128, 128, 1, 1, 6}}},
-      {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{64, 128, 1, 1}, {128, 128, 1, 2}}},
+       {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}, {128, 256, 1, 1, 0, 1}}},
+      {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384, {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}}},
+      {"fp8_gemm", 4096, 4096, 7168, B, DType::bf16, F * 4096 * 4096 * 7168, {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}}},
+      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168, {{128, 192, 1, 1}, {128, 192, 1, 1, 0, 16}}},
+      {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{64, 128, 1, 1}}},
       {"fp8_gemm", 128, 4096, 7168, B, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {64, 128, 1, 1}}},
-      {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168, {{64, 32, 1, 1}, {64, 32, 1, 1, 18}}},
-      {"fp8_gemm", 128, 7168, 16384, T, DType::bf16, F * 128 * 7168 * 16384, {{128, 56, 1, 1}, {64, 128, 1, 1}}},
-      {"fp8_gemm", 128, 4096, 7168, T, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {128, 32, 1, 1}}},
-      {"fp8_gemm", 128, 2112, 7168, T, DType::bf16, F * 128 * 2112 * 7168,
-       {{64, 32, 1, 1}, {64, 32, 1, 1, 17}, {64, 32, 1, 1, 18}}}};
+      {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168,
+       {{64, 32, 1, 1}, {64, 32, 1, 1, 18}, {64, 64, 1, 1}, {128, 32, 1, 1}}},
+      {"fp8_gemm", 128, 2112, 7168, T, DType::bf16, F * 128 * 2112 * 7168, {{64, 32, 1, 1}}}};
   std::printf("\ngemm variants\n%10s %6s %6s %6s %10s %9s  %s\n", "family", "M", "N", "K", "median_us", "TFLOP/s",
               "variant");
+  // KILN_BENCH_GEMM_CASE=i: case i of the list above alone (one kernel family to profile, say).
+  const char* only_case = std::getenv("KILN_BENCH_GEMM_CASE");
+  int case_index = -1;
   for (const Case& c : cases) {
+    ++case_index;
+    if (only_case && std::atoi(only_case) != case_index) continue;
     const Family& f = *Registry::global().find(c.family);
     Problem p;
     p.dtype = c.dtype;
@@ -246,7 +247,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
       ptrs.push_back(bufs.back()->get());
     }
     for (const Cand& cand : c.cands) {
-      g::Tile t{true, cand.bm, cand.bn, 4, 8, cand.cluster, cand.split};
+      g::Tile t{true, cand.bm, cand.bn, 4, cand.group, cand.cluster, cand.split};
       t.stages = cand.stages ? cand.stages : g::default_stages(kind, t, cc);
       const Params v = g::with_tile(h, t);
       if (!f.validate(v).ok() || !f.check_problem(v, p).ok()) continue;
@@ -255,7 +256,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
       auto call = [&](int) { check(ctx.runtime->launch(**k, p, ptrs, nullptr), "launch"); };
       call(0);
       check(ctx.driver->ctx_synchronize(), "sync");
-      const double ms = time_events(call, 3, 10);
+      const double ms = time_events(call, 3, 20);
       const double tflops = c.flops / (ms * 1e-3) / 1e12;
       std::printf("%10s %6lld %6lld %6lld %10.1f %9.1f  %s%s\n", c.family, (long long)c.m, (long long)c.n, (long long)c.k,
                   ms * 1e3, tflops, v.canonical().c_str(), v == h ? "  (heuristic)" : "");

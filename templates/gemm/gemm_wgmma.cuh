@@ -69,6 +69,18 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// wgmma_wait<n> for an n in [0, MAX] that unrolling makes a constant.
+template <int MAX>
+__device__ __forceinline__ void wgmma_wait_upto(int n) {
+  if constexpr (MAX == 0) {
+    wgmma_wait<0>();
+  } else {
+    if (n == MAX)
+      wgmma_wait<MAX>();
+    else
+      wgmma_wait_upto<MAX - 1>(n);
+  }
+}
 // Keeps the compiler from moving accumulator reads or writes across wgmma issue and wait.
 template <int NI>
 __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
@@ -184,6 +196,15 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 // (H100, 2026-11-22 sixth session: with the order 7% slower at 8192^3, 4096 x 7168 x 16384 and
 // 4096 x 4096 x 7168; without it 128 x 256 ran 5% faster than 128 x 192 at 8192^3 and 12% at
 // 4096 x 7168 x 16384, and 14% faster than 128 x 128 at 4096 x 4096 x 7168).
+// DIRECT (block scales, 64 x 32 tiles only: decode-sized M at N = 2112): no scale warp; the
+// consumer loads its two rows' a scales and the tile's b scale itself (plain cached loads, one
+// group of PSETS = 4 k-blocks ahead) and the full barrier waits for the copies alone; it issues 4
+// k-blocks' batches into 4 partial-sum sets of 16 registers back to back, then waits for and
+// promotes each in turn. H100, 2026-11-22 seventh session, 128 x 2112 x 7168: 17.3-17.5 us with the
+// scale warp (with 1, 2 or 4 sets alike: the consumer was not the limit), 15.4 with no scale warp
+// at all (a probe without scales), 15.6-15.9 with DIRECT (19.6 with DIRECT and one set). On larger
+// tiles DIRECT measured slower (64 x 64 at 128 x 4096 x 7168 21.8 against 20.8, 128 x 256 at
+// 8192^3 2% slower, 128 x 192 at 4096 x 2112 7% slower), so they keep the scale warp.
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc& map_a, const TmaDesc& map_b0,
                                                 const TmaDesc& map_b1) {
@@ -197,6 +218,10 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
                 "block scales: bn - gcd(bn, 128) <= 128 keeps a tile within two scale blocks (256: two halves)");
   constexpr bool HALVES = BLOCK && BN == 256;  // see above; part0 holds one half
   constexpr int PNI = HALVES ? NI / 2 : NI;
+  // Block scales, 64 x 32 tiles (decode-sized M; DIRECT in the notes above): scales straight from
+  // global memory into the consumer's registers, and PSETS partial-sum sets.
+  constexpr bool DIRECT = BLOCK && BM == 64 && BN == 32;
+  constexpr int PSETS = DIRECT ? 4 : 1;
   using MmaT = typename Select<FP8, u8, TIn>::type;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
@@ -224,7 +249,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, BLOCK ? 1 + 32 : 1);
+      mbar_init(full + 8 * s, BLOCK && !DIRECT ? 1 + 32 : 1);
       mbar_init(empty + 8 * s, MC ? CONSUMERS * 4 * CLUSTER : CONSUMERS * 128);
     }
     if (SK) {
@@ -272,7 +297,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
           __syncwarp();
         }
       }
-    } else if (BLOCK && warp == 1) {
+    } else if (BLOCK && !DIRECT && warp == 1) {
       int it = 0;
       for (int u = first; u < units; u += step) {
         int tm, tnc;
@@ -309,7 +334,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   // acc1: the up projection (gated); part0: a k-block's partial sums (block-scaled). Unused ones
   // are compiled away.
-  float acc[1][NI][4], acc1[1][NI][4], part0[1][PNI][4];
+  // parts: DIRECT's partial-sum sets.
+  float acc[1][NI][4], acc1[1][NI][4], part0[1][PNI][4], parts[PSETS][1][NI][4];
   // One stage: 4 instructions of 32 bytes of K (+2 per step in descriptor units) into d, plus the
   // up projection into acc1; `accumulate` 0 starts d afresh. Returns with the batch in flight.
   auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
@@ -368,6 +394,37 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       sc[1][j] = a1 * sb;
     }
   };
+  // DIRECT: this thread's two rows of a_scale and the tile's b_scale column block (set per tile),
+  // and the next PSETS k-blocks' values, fetched (plain cached loads) a group ahead of their use.
+  // Elsewhere fetch_scales does nothing and get_scales reads stage s's shared-memory copy.
+  const float *sa0 = a_scale, *sa1 = a_scale, *sbc = b_scale;
+  bool sa_ok0 = false, sa_ok1 = false, sb_ok[2] = {false, false};
+  float pa[PSETS][2], pb[PSETS][2];
+  auto fetch_scales = [&](int kt_first) {
+    if constexpr (DIRECT) {
+#pragma unroll
+      for (int j = 0; j < PSETS; ++j) {
+        const int kb = kt0 + kt_first + j;
+        const bool in = kt_first + j < nk;
+        pa[j][0] = in && sa_ok0 ? __ldg(sa0 + kb) : 0.0f;
+        pa[j][1] = in && sa_ok1 ? __ldg(sa1 + kb) : 0.0f;
+#pragma unroll
+        for (int q = 0; q < SB; ++q) pb[j][q] = in && sb_ok[q] ? __ldg(sbc + (long long)q * kblocks + kb) : 0.0f;
+      }
+    }
+  };
+  // The scales of a k-block: fetched value set j (DIRECT) or stage s's shared-memory copy.
+  auto get_scales = [&](float(&sc)[2][2], int j, int s) {
+    if constexpr (DIRECT) {
+#pragma unroll
+      for (int q = 0; q < SB; ++q) {
+        sc[0][q] = pa[j][0] * pb[j][q];
+        sc[1][q] = pa[j][1] * pb[j][q];
+      }
+    } else {
+      read_scales(sc, s);
+    }
+  };
   // Two consumers issue their batches in turn (block scales): consumer 0's batch j, then consumer
   // 1's batch j, then consumer 0's batch j + 1 (named barriers 1 and 2, each consumer arriving
   // after it issues and syncing before). Each waits for its batch before promoting it, so without
@@ -400,10 +457,23 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
     const int tn = tnc * CLUSTER + rank;
     const int row0 = tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
     if (BLOCK) {
-      // One partial-sum set: each k-block's batch is waited for, its stage released, then the
-      // partial sums promoted. (Two sets, the next batch queued before each promotion, ran 5-7%
-      // slower on the H100: docs/benchmarks.md, 2026-11-22 fifth session.)
+      // One partial-sum set (DIRECT tiles: PSETS): each k-block's batch is waited for, its stage
+      // released, then the partial sums promoted. (Two sets, the next batch queued before each
+      // promotion, ran 5-7% slower on the H100 with two consumers: docs/benchmarks.md, 2026-11-22
+      // fifth session.)
       zero_fragments(acc);
+      if constexpr (DIRECT) {
+        const int ra = tm * BM + scale_row;
+        sa_ok0 = ra < m;
+        sa_ok1 = ra + 8 < m;
+        sa0 = a_scale + (long long)ra * kblocks;
+        sa1 = sa0 + 8ll * kblocks;
+        const int cb = col0 / k_scale_block, nbk = (n + k_scale_block - 1) / k_scale_block;
+        sbc = b_scale + (long long)cb * kblocks;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) sb_ok[q] = col0 < n && cb + q < nbk;
+        fetch_scales(0);
+      }
       // Columns [0, 8 * n1) of the tile are in its first 128-column scale block, the rest in the
       // next (bn > 128 only; bn - gcd(bn, 128) <= 128 keeps every tile within two blocks).
       const int n1 = SB == 1 ? NI : min(NI, (k_scale_block - col0 % k_scale_block) / 8);
@@ -413,7 +483,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
           const int s = it % STAGES;
           mbar_wait(full + 8 * s, (it / STAGES) & 1);
           float sc[2][2];
-          read_scales(sc, s);
+          get_scales(sc, 0, s);
+          fetch_scales(kt + 1);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             issue_half(base + s * STAGE_BYTES, h);
@@ -426,12 +497,55 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
               for (int e = 0; e < 4; ++e) acc[0][h * PNI + ni][e] += part0[0][ni][e] * sc[e >> 1][h];
           }
         }
+      } else if constexpr (DIRECT) {
+        // One consumer: PSETS k-blocks at a time, each into its own partial-sum set, issued back to
+        // back; then each is waited for (the later ones still running), its stage released and
+        // promoted. Every batch completes within the iteration: a batch left in flight across
+        // iterations makes ptxas serialize every wgmma (C7514). A remainder of nk % PSETS k-blocks
+        // goes one at a time. The group's scales were fetched during the previous group.
+        int kt = 0;
+        for (; kt + PSETS <= nk; kt += PSETS, it += PSETS) {
+          float sc[PSETS][2][2];
+#pragma unroll
+          for (int j = 0; j < PSETS; ++j) get_scales(sc[j], j, 0);
+          fetch_scales(kt + PSETS);
+#pragma unroll
+          for (int j = 0; j < PSETS; ++j) {
+            const int s = (it + j) % STAGES;
+            mbar_wait(full + 8 * s, ((it + j) / STAGES) & 1);
+            issue_stage(parts[j], base + s * STAGE_BYTES, 0);
+          }
+#pragma unroll
+          for (int j = 0; j < PSETS; ++j) {
+            wgmma_wait_upto<PSETS - 1>(PSETS - 1 - j);
+            fence_fragments(parts[j]);
+            release((it + j) % STAGES);
+            promote_split<BN>(acc, parts[j], sc[j], n1);
+          }
+        }
+        // The remainder: its scales are fetched value sets 0 .. nk - kt - 1.
+#pragma unroll
+        for (int j = 0; j < PSETS - 1; ++j) {
+          if (kt >= nk) break;
+          const int s = it % STAGES;
+          mbar_wait(full + 8 * s, (it / STAGES) & 1);
+          float sc[2][2];
+          get_scales(sc, j, s);
+          issue_stage(parts[0], base + s * STAGE_BYTES, 0);
+          wgmma_wait<0>();
+          fence_fragments(parts[0]);
+          release(s);
+          promote_split<BN>(acc, parts[0], sc, n1);
+          ++kt;
+          ++it;
+        }
       } else {
         for (int kt = 0; kt < nk; ++kt, ++it) {
           const int s = it % STAGES;
           mbar_wait(full + 8 * s, (it / STAGES) & 1);
           float sc[2][2];
-          read_scales(sc, s);
+          get_scales(sc, 0, s);
+          fetch_scales(kt + 1);
           order_wait();
           issue_stage(part0, base + s * STAGE_BYTES, 0);
           order_signal();
