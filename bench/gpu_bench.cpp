@@ -198,27 +198,41 @@ int main(int argc, char** argv) {
     f.pack_args(params, p, bufs, args);
     const LaunchGeometry g = f.geometry(params, p);
     const int n = quick ? 2000 : 20000;
-    const double bare = host_us_per_call([&] {
-      drv->launch_kernel(static_cast<CUfunction>(k->function), g.grid.x, 1, 1, g.block.x, 1, 1, 0, nullptr,
-                         args.pointers(), nullptr);
-    }, n);
-    const double op = host_us_per_call([&] { (void)rms_norm(xv, wv, yv, 1e-6, nullptr, rt.get()); }, n);
-    // Where the difference goes: the runtime's launch path alone (no validation), and the
-    // pointer checks the op makes (one cuPointerGetAttributes per tensor).
-    const double run_only = host_us_per_call([&] { (void)rt->run(f, p, bufs, nullptr); }, n);
-    const double ctx_query = host_us_per_call([&] {
-      CUcontext c;
-      drv->ctx_get_current(&c);
-    }, n);
-    const double ptr_checks = host_us_per_call([&] {
-      for (void* b : bufs) {
-        unsigned mem_type = 0;
-        int ordinal = -1;
-        CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
-        void* values[2] = {&mem_type, &ordinal};
-        drv->pointer_get_attributes(2, attrs, values, reinterpret_cast<CUdeviceptr>(b));
-      }
-    }, n);
+    // Host figures drift within a run (CPU clocks, the driver's queues): measured one after the
+    // other, a bare launch once came out dearer than Runtime::run, which makes one. So every
+    // figure is taken in rounds, interleaved, each round measuring all of them in turn; a figure
+    // is the median of its rounds, and the ratio the median of the rounds' own ratios (paired).
+    const std::vector<std::function<void()>> calls = {
+        [&] {  // bare cuLaunchKernel of the op's kernel
+          drv->launch_kernel(static_cast<CUfunction>(k->function), g.grid.x, 1, 1, g.block.x, 1, 1, 0, nullptr,
+                             args.pointers(), nullptr);
+        },
+        [&] { (void)rms_norm(xv, wv, yv, 1e-6, nullptr, rt.get()); },
+        // Where the difference goes: the runtime's launch path alone (no validation), and the
+        // pointer checks the op makes (one cuPointerGetAttributes per tensor).
+        [&] { (void)rt->run(f, p, bufs, nullptr); },
+        [&] {
+          CUcontext c;
+          drv->ctx_get_current(&c);
+        },
+        [&] {
+          for (void* b : bufs) {
+            unsigned mem_type = 0;
+            int ordinal = -1;
+            CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+            void* values[2] = {&mem_type, &ordinal};
+            drv->pointer_get_attributes(2, attrs, values, reinterpret_cast<CUdeviceptr>(b));
+          }
+        }};
+    constexpr int k_rounds = 10;
+    std::vector<std::vector<double>> rounds(calls.size());
+    std::vector<double> ratios;
+    for (int r = 0; r < k_rounds; ++r) {
+      for (std::size_t c = 0; c < calls.size(); ++c) rounds[c].push_back(host_us_per_call(calls[c], n / k_rounds));
+      ratios.push_back(rounds[1].back() / rounds[0].back());
+    }
+    const double bare = median(rounds[0]), op = median(rounds[1]), run_only = median(rounds[2]),
+                 ctx_query = median(rounds[3]), ptr_checks = median(rounds[4]), ratio = median(ratios);
     // An empty kernel, compiled and loaded here: the floor for GPU time and for launch cost.
     jit::CompileRequest req{"extern \"C\" __global__ void kiln_empty() {}\n", "kiln_empty", {}, arch, false, nullptr};
     auto empty = jit::Nvrtc::get().value()->compile(req);
@@ -231,13 +245,13 @@ int main(int argc, char** argv) {
     const double empty_host = host_us_per_call(launch_empty, n);
     const double empty_gpu = 1e3 * time_events([&](int) { launch_empty(); }, 50, 200);
     const double gpu_us = 1e3 * time_events([&](int) { (void)rms_norm(xv, wv, yv, 1e-6, nullptr, rt.get()); }, 50, 200);
-    out["host_us"] = {{"bare_cuLaunchKernel_same_kernel", bare}, {"op_call", op}, {"ratio", op / bare},
+    out["host_us"] = {{"bare_cuLaunchKernel_same_kernel", bare}, {"op_call", op}, {"ratio", ratio},
                       {"empty_kernel_launch", empty_host}, {"runtime_run_only", run_only},
                       {"three_pointer_checks", ptr_checks}, {"cuCtxGetCurrent", ctx_query}};
     out["gpu_us"] = {{"empty_kernel", empty_gpu}, {"rmsnorm_1x4096", gpu_us}};
     std::printf("\nhost cost per call (handle cached), 1x4096 bf16: bare cuLaunchKernel %.2f us, kiln::rms_norm %.2f us "
                 "(%.2fx); empty-kernel launch %.2f us\n",
-                bare, op, op / bare, empty_host);
+                bare, op, ratio, empty_host);
     std::printf("  of which: Runtime::run alone %.2f us; three cuPointerGetAttributes %.2f us; cuCtxGetCurrent %.2f us\n",
                 run_only, ptr_checks, ctx_query);
     std::printf("GPU time (events, median): empty kernel %.2f us, rms_norm 1x4096 %.2f us (%.2fx)\n", empty_gpu, gpu_us,
