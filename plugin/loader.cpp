@@ -75,12 +75,20 @@ bool valid_utf8_text(std::string_view s) {
   return true;
 }
 
+// Family i of the descriptor's array. The array's stride is the plugin's sizeof(kiln_family), its
+// first entry's struct_size (checked by register_initialized): smaller than kiln's for a plugin
+// built before a field was appended, larger for one built against a newer header.
+const kiln_family& family_at(const kiln_plugin& desc, std::uint32_t i) {
+  const std::size_t stride = desc.families[0].struct_size;
+  return *reinterpret_cast<const kiln_family*>(reinterpret_cast<const char*>(desc.families) + i * stride);
+}
+
 // The plugin's template files from all its families (one path, one content), checked, and their
 // hash. A file may not shadow one of kiln's templates with different bytes.
 Status collect_templates(const kiln_plugin& desc, TemplateFiles& out, std::string& hash) {
   const jit::TemplateSet& kiln_templates = jit::TemplateSet::active();
   for (std::uint32_t i = 0; i < desc.family_count; ++i) {
-    const kiln_family& f = desc.families[i];
+    const kiln_family& f = family_at(desc, i);
     if (f.template_count && !f.templates) return invalid_argument("a family has a null template list");
     for (std::uint32_t j = 0; j < f.template_count; ++j) {
       const kiln_template_file& t = f.templates[j];
@@ -117,6 +125,13 @@ Status register_initialized(Registry& registry, const kiln_plugin& desc, const s
                             std::shared_ptr<const PluginInfo>& registered) {
   if (!desc.families || desc.family_count == 0) return invalid_argument("it provides no families");
   if (desc.family_count > 256) return invalid_argument("it provides more than 256 families");
+  // Every entry of the array has the first one's size; a size kiln cannot stride by is refused
+  // before any entry past the first is read.
+  const std::uint32_t size = desc.families[0].struct_size;
+  if (size < KILN_FAMILY_MIN_STRUCT_SIZE || size % alignof(kiln_family) != 0)
+    return invalid_argument("its kiln_family struct_size " + std::to_string(size) + " is below this ABI's " +
+                            std::to_string(KILN_FAMILY_MIN_STRUCT_SIZE) + " or not a multiple of " +
+                            std::to_string(alignof(kiln_family)));
   auto info = std::make_shared<PluginInfo>();
   info->name = desc.name;
   info->version = desc.version;
@@ -126,7 +141,11 @@ Status register_initialized(Registry& registry, const kiln_plugin& desc, const s
 
   std::vector<std::shared_ptr<const Family>> families;
   for (std::uint32_t i = 0; i < desc.family_count; ++i) {
-    auto f = adapt_family(desc.families[i], info, templates);
+    const kiln_family& d = family_at(desc, i);
+    if (d.struct_size != size)
+      return invalid_argument("family #" + std::to_string(i) + " has struct_size " + std::to_string(d.struct_size) +
+                              ", the first has " + std::to_string(size));
+    auto f = adapt_family(d, info, templates);
     if (!f.ok()) return invalid_argument("family #" + std::to_string(i) + " is invalid: " + f.status().message());
     const std::string name((*f)->name());
     if (std::find(info->families.begin(), info->families.end(), name) != info->families.end())

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <optional>
 
@@ -149,7 +150,32 @@ TEST(PluginLoad, AppendedFamilyFlagsAreReadOnlyWhenStructSizeCoversThem) {
   EXPECT_EQ(programmatic(sizeof(kiln_family), 0), false);
   EXPECT_EQ(programmatic(sizeof(kiln_family), KILN_FAMILY_PROGRAMMATIC_LAUNCH), true);
   EXPECT_EQ(programmatic(std::uint32_t(KILN_FAMILY_MIN_STRUCT_SIZE), KILN_FAMILY_PROGRAMMATIC_LAUNCH), false);
-  EXPECT_EQ(programmatic(std::uint32_t(KILN_FAMILY_MIN_STRUCT_SIZE) - 4, 0), std::nullopt) << "truncated";
+  EXPECT_EQ(programmatic(std::uint32_t(KILN_FAMILY_MIN_STRUCT_SIZE) - 8, 0), std::nullopt) << "truncated";
+
+  // An array of two families laid out as a plugin built before `flags` would lay it out: entries
+  // KILN_FAMILY_MIN_STRUCT_SIZE bytes apart, not sizeof(kiln_family). Both register.
+  constexpr std::size_t old_size = KILN_FAMILY_MIN_STRUCT_SIZE;
+  alignas(kiln_family) unsigned char array[2 * sizeof(kiln_family)] = {};
+  kiln_family first = good.families[0], second = good.families[0];
+  first.struct_size = second.struct_size = std::uint32_t(old_size);
+  second.name = "c_scale_old_two";
+  std::memcpy(array, &first, old_size);
+  std::memcpy(array + old_size, &second, old_size);
+  kiln_plugin p = good;
+  p.families = reinterpret_cast<const kiln_family*>(array);
+  p.family_count = 2;
+  Registry r;
+  plugin::Report rep;
+  Status s = plugin::register_plugin(r, &p, "/x/old.so", rep);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  ASSERT_NE(r.find("c_scale_old_two"), nullptr);
+  EXPECT_FALSE(r.find("c_scale_old_two")->programmatic_launch());
+  // Entries of different sizes cannot be strided over.
+  second.struct_size = sizeof(kiln_family);
+  std::memcpy(array + old_size, &second, old_size);
+  Registry r2;
+  EXPECT_NE(plugin::register_plugin(r2, &p, "/x/mixed.so", rep).message().find("family #1 has struct_size"),
+            std::string::npos);
 }
 
 // Descriptor checks on the C fixture's descriptor with one thing wrong at a time: template paths
