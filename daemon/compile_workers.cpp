@@ -103,6 +103,8 @@ void CompileWorkers::discard(Worker& w) {
     int st = 0;
     while (::waitpid(w.pid, &st, 0) < 0 && errno == EINTR) {
     }
+    // Killed, the worker could not remove its precompiled-header directory itself.
+    jit::remove_dead_pch_dirs();
   }
   w = Worker{};
 }

@@ -121,6 +121,8 @@ std::string pch_dir() {
 
 }  // namespace
 
+void remove_dead_pch_dirs() { remove_stale_pch_dirs(temp_root()); }
+
 const std::vector<std::string>& Nvrtc::base_options() {
   static const std::vector<std::string> opts = {"-std=c++17", "-default-device", "-Xptxas=-v"};
   return opts;

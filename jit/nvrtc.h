@@ -59,4 +59,9 @@ class Nvrtc {
   int major_ = 0, minor_ = 0;
 };
 
+// Removes the precompiled-header directories (kiln-pch-<pid>-*, under $TMPDIR or /tmp) of
+// processes that are gone. Each compiling process removes its own at exit; kilnd calls this after
+// reaping a compile worker it had to kill.
+void remove_dead_pch_dirs();
+
 }  // namespace kiln::jit
