@@ -1,6 +1,7 @@
 // Helpers shared by the test suites: temporary directories and environment overrides.
 #pragma once
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -8,8 +9,26 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 namespace kiln::testing {
+
+// In a forked child: stdout and stderr to the two files, then `exe` with `args`. Never returns
+// (exit 127 if the exec fails).
+[[noreturn]] inline void exec_with_output(const std::string& exe, const std::vector<std::string>& args,
+                                          const std::filesystem::path& out, const std::filesystem::path& err) {
+  const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ::dup2(o, 1);
+  ::dup2(e, 2);
+  std::vector<std::string> a = {exe};
+  a.insert(a.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& s : a) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  ::execv(exe.c_str(), argv.data());
+  ::_exit(127);
+}
 
 // A fresh directory under $TMPDIR (or /tmp), removed with everything in it at scope exit.
 class TempDir {

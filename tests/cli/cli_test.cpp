@@ -91,17 +91,7 @@ class Sandbox {
       for (const auto& [k, v] : env_) ::setenv(k.c_str(), v.c_str(), 1);
       ::unsetenv("KILN_MODE");
       if (!env_.count("KILN_KILND")) ::unsetenv("KILN_KILND");
-      int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(o, 1);
-      ::dup2(e, 2);
-      std::vector<std::string> a = {KILN_CLI_PATH};
-      a.insert(a.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& s : a) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      ::execv(KILN_CLI_PATH, argv.data());
-      ::_exit(127);
+      kiln::testing::exec_with_output(KILN_CLI_PATH, args, out, err);
     }
     Proc r;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);

@@ -49,17 +49,7 @@ class TuneCli : public ::testing::Test {
       ::setenv("KILN_CACHE_DIR", cache_dir().c_str(), 1);
       ::setenv("XDG_RUNTIME_DIR", (dir_.path() / "run").c_str(), 1);
       ::setenv("KILN_SOCKET", (dir_.path() / "run" / "none.sock").c_str(), 1);
-      int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(o, 1);
-      ::dup2(e, 2);
-      std::vector<std::string> a = {KILN_CLI_PATH};
-      a.insert(a.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& s : a) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      ::execv(KILN_CLI_PATH, argv.data());
-      ::_exit(127);
+      exec_with_output(KILN_CLI_PATH, args, out, err);
     }
     int status = 0;
     ::waitpid(pid, &status, 0);
