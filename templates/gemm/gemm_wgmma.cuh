@@ -396,7 +396,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   };
   // DIRECT: this thread's two rows of a_scale and the tile's b_scale column block (set per tile),
   // and the next PSETS k-blocks' values, fetched (plain cached loads) a group ahead of their use.
-  // Elsewhere fetch_scales does nothing and get_scales reads stage s's shared-memory copy.
+  // Only DIRECT's loop calls these; the other block-scaled loops read stage s's shared-memory copy
+  // (read_scales).
   const float *sa0 = a_scale, *sa1 = a_scale, *sbc = b_scale;
   bool sa_ok0 = false, sa_ok1 = false, sb_ok[2] = {false, false};
   float pa[PSETS][2], pb[PSETS][2];
@@ -413,16 +414,12 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       }
     }
   };
-  // The scales of a k-block: fetched value set j (DIRECT) or stage s's shared-memory copy.
-  auto get_scales = [&](float(&sc)[2][2], int j, int s) {
-    if constexpr (DIRECT) {
+  // The scales of a k-block from fetched value set j.
+  auto get_scales = [&](float(&sc)[2][2], int j) {
 #pragma unroll
-      for (int q = 0; q < SB; ++q) {
-        sc[0][q] = pa[j][0] * pb[j][q];
-        sc[1][q] = pa[j][1] * pb[j][q];
-      }
-    } else {
-      read_scales(sc, s);
+    for (int q = 0; q < SB; ++q) {
+      sc[0][q] = pa[j][0] * pb[j][q];
+      sc[1][q] = pa[j][1] * pb[j][q];
     }
   };
   // Two consumers issue their batches in turn (block scales): consumer 0's batch j, then consumer
@@ -483,8 +480,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
           const int s = it % STAGES;
           mbar_wait(full + 8 * s, (it / STAGES) & 1);
           float sc[2][2];
-          get_scales(sc, 0, s);
-          fetch_scales(kt + 1);
+          read_scales(sc, s);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             issue_half(base + s * STAGE_BYTES, h);
@@ -507,7 +503,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
         for (; kt + PSETS <= nk; kt += PSETS, it += PSETS) {
           float sc[PSETS][2][2];
 #pragma unroll
-          for (int j = 0; j < PSETS; ++j) get_scales(sc[j], j, 0);
+          for (int j = 0; j < PSETS; ++j) get_scales(sc[j], j);
           fetch_scales(kt + PSETS);
 #pragma unroll
           for (int j = 0; j < PSETS; ++j) {
@@ -530,7 +526,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
           const int s = it % STAGES;
           mbar_wait(full + 8 * s, (it / STAGES) & 1);
           float sc[2][2];
-          get_scales(sc, j, s);
+          get_scales(sc, j);
           issue_stage(parts[0], base + s * STAGE_BYTES, 0);
           wgmma_wait<0>();
           fence_fragments(parts[0]);
@@ -544,8 +540,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
           const int s = it % STAGES;
           mbar_wait(full + 8 * s, (it / STAGES) & 1);
           float sc[2][2];
-          get_scales(sc, 0, s);
-          fetch_scales(kt + 1);
+          read_scales(sc, s);
           order_wait();
           issue_stage(part0, base + s * STAGE_BYTES, 0);
           order_signal();
