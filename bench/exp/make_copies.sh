@@ -5,6 +5,8 @@
 #   rms_old.cuh  kiln_old::  the weight read after the reduction (commit 2e62085)
 #   rms_c.cuh    kiln_c::    the weight staged in shared memory for packs of 4 bytes and more, in
 #                            registers for 1024-thread blocks (commit 9acb926 with that rule)
+#   rms_occ.cuh  kiln_occ::  the current template with blocks capped at 32 registers (2048 resident
+#                            threads per SM, against 1024), for bench/exp/rms_exp3.cu
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rename() { sed -e "s/^namespace kiln {/namespace $1 {\nusing namespace kiln;/" -e "s/^}  \/\/ namespace kiln/}  \/\/ namespace $1/" -e '/#include/d'; }
@@ -12,3 +14,5 @@ git show 2e62085:templates/rmsnorm/rmsnorm_fwd.cuh | rename kiln_old > bench/exp
 git show 9acb926:templates/rmsnorm/rmsnorm_fwd.cuh | rename kiln_c |
   sed 's/constexpr bool k_w_smem = sizeof(P) >= 4;/constexpr bool k_w_smem = sizeof(P) >= 4 \&\& rmsnorm_cache_regs<BLOCK>() > 8;/' \
   > bench/exp/rms_c.cuh
+rename kiln_occ < templates/rmsnorm/rmsnorm_fwd.cuh |
+  sed 's|__launch_bounds__(BLOCK, 1024 / BLOCK)|__launch_bounds__(BLOCK, 2048 / BLOCK)|' > bench/exp/rms_occ.cuh

@@ -368,6 +368,159 @@ __global__ void __launch_bounds__(NT, 1) bwd_pipe(const bf16_t* __restrict__ dy,
   kiln::bwd::cluster_sync();
 }
 
+// Opaque to the compiler: the pack stays as 4 packed registers rather than 8 floats kept alive.
+__device__ __forceinline__ void opaque(P& p) {
+  unsigned* u = reinterpret_cast<unsigned*>(&p);
+  asm volatile("" : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3]));
+}
+
+// ---- backward, cluster, ring kept in flight: each row moves into registers on arrival ----
+// bwd_pipe holds a row's buffer until its dx pass, so with three buffers at most one or two rows
+// are in flight while a block waits on the cluster. Here every thread copies its packs of dy and
+// x into registers as soon as the row lands; the block barrier of the row sum then frees the
+// buffer and the next-but-STAGES row is posted into it at once, so STAGES rows stay in flight
+// through the cluster exchange and the dx stores. LAG 1 finishes row i - 1 between the cluster
+// barrier's arrive and wait of row i (two rows in registers); LAG 0 waits at once.
+// WSM 1 keeps the block's weight range in shared memory after the ring (read per row) instead
+// of 4 * PPT registers.
+template <int NT, int PPT, int STAGES, int CLUSTER, int LAG, int WSM = 0>
+__global__ void __launch_bounds__(NT, 1) bwd_regs(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
+                                                  const bf16_t* __restrict__ w, const float* __restrict__ inv_rms,
+                                                  bf16_t* __restrict__ dx, float* __restrict__ partial,
+                                                  long long rows, long long cols, long long slabs) {
+  constexpr int CHUNK = NT * PPT * VEC;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16_t* sdy = reinterpret_cast<bf16_t*>(smem);
+  bf16_t* sx = sdy + STAGES * CHUNK;
+  __shared__ unsigned long long full[STAGES];
+  __shared__ float scratch[2][32];
+  __shared__ float sums[4];
+  const int t = int(threadIdx.x), lane = t % 32, warp = t / 32;
+  const unsigned rank = kiln::bwd::cluster_rank();
+  const long long slab = blockIdx.x / CLUSTER;
+  const long long col0 = (long long)rank * CHUNK;
+  const long long n = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;
+  if (t == 0)
+    for (int s = 0; s < STAGES; ++s) bulk::barrier_init(&full[s], 1);
+  kiln::bwd::cluster_sync();
+  auto post = [&](long long i) {
+    const int s = int(i % STAGES);
+    const long long row = slab + i * slabs;
+    bulk::arrive_expect(&full[s], 2u * CHUNK * 2u);
+    bulk::copy(sdy + s * CHUNK, dy + row * cols + col0, CHUNK * 2u, &full[s]);
+    bulk::copy(sx + s * CHUNK, x + row * cols + col0, CHUNK * 2u, &full[s]);
+  };
+  if (t == 0)
+    for (long long i = 0; i < STAGES && i < n; ++i) post(i);
+  P wreg[WSM ? 1 : PPT];
+  P* wsm = reinterpret_cast<P*>(sx + STAGES * CHUNK);
+#pragma unroll
+  for (int j = 0; j < PPT; ++j) {
+    const P v = kiln::load_pack<bf16_t, VEC>(w + col0 + (j * NT + t) * VEC);
+    if constexpr (WSM) wsm[j * NT + t] = v; else wreg[j] = v;
+  }
+  // Each thread reads back only its own slots: no barrier needed.
+  auto wv_at = [&](int j) -> P {
+    if constexpr (WSM) return wsm[j * NT + t]; else return wreg[j];
+  };
+  float dw[PPT * VEC];
+#pragma unroll
+  for (int e = 0; e < PPT * VEC; ++e) dw[e] = 0.f;
+  const float inv_cols = 1.f / float(cols);
+  // Row i into registers a/b, its block sum posted to sums[i & 3], buffer re-posted.
+  auto take = [&](long long i, P (&a)[PPT], P (&b)[PPT]) {
+    const int s = int(i % STAGES);
+    bulk::wait(&full[s], unsigned(i / STAGES) & 1u);
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < PPT; ++j) {
+      a[j] = *reinterpret_cast<const P*>(sdy + s * CHUNK + (j * NT + t) * VEC);
+      b[j] = *reinterpret_cast<const P*>(sx + s * CHUNK + (j * NT + t) * VEC);
+      opaque(a[j]);
+      opaque(b[j]);
+      P wv = wv_at(j);
+      opaque(wv);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k)
+        acc = fmaf(kiln::to_float(a[j].v[k]) * kiln::to_float(wv.v[k]), kiln::to_float(b[j].v[k]), acc);
+    }
+    acc = kiln::warp_sum(acc);
+    if (lane == 0) scratch[i & 1][warp] = acc;
+    __syncthreads();  // every thread has its packs of buffer s: refill it
+    if (t == 0) {
+      if (i + STAGES < n) post(i + STAGES);
+      float sum = 0.f;
+#pragma unroll
+      for (int q = 0; q < NT / 32; ++q) sum += scratch[i & 1][q];
+      sums[i & 3] = sum;
+    }
+  };
+  auto finish = [&](long long i, P (&a)[PPT], P (&b)[PPT]) {
+    const long long row = slab + i * slabs;
+    const float rs = inv_rms[row];
+    const float k2 = rs * rs * cluster_total<CLUSTER>(&sums[i & 3]) * inv_cols;
+#pragma unroll
+    for (int j = 0; j < PPT; ++j) {
+      P wv = wv_at(j);
+      opaque(wv);
+      opaque(a[j]);  // no float copies kept from the row sum
+      opaque(b[j]);
+      P out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float fdy = kiln::to_float(a[j].v[k]), fx = kiln::to_float(b[j].v[k]);
+        out.v[k] = kiln::from_float<bf16_t>(rs * fmaf(-fx, k2, fdy * kiln::to_float(wv.v[k])));
+        dw[j * VEC + k] = fmaf(fdy * fx, rs, dw[j * VEC + k]);
+      }
+      kiln::store_pack<bf16_t, VEC>(dx + row * cols + col0 + (j * NT + t) * VEC, out);
+    }
+  };
+  P a0[PPT], b0[PPT];
+  if constexpr (LAG == 0) {
+#pragma unroll 1
+    for (long long i = 0; i < n; ++i) {
+      take(i, a0, b0);
+      cluster_arrive();
+      cluster_wait();
+      finish(i, a0, b0);
+    }
+  } else {
+    P a1[PPT], b1[PPT];
+    long long i = 0;
+#pragma unroll 1
+    for (; i + 1 < n; i += 2) {
+      take(i, a0, b0);
+      cluster_arrive();
+      if (i >= 1) finish(i - 1, a1, b1);
+      cluster_wait();
+      take(i + 1, a1, b1);
+      cluster_arrive();
+      finish(i, a0, b0);
+      cluster_wait();
+    }
+    if (i < n) {
+      take(i, a0, b0);
+      cluster_arrive();
+      if (i >= 1) finish(i - 1, a1, b1);
+      cluster_wait();
+      finish(i, a0, b0);
+    } else if (n > 0) {
+      finish(n - 1, a1, b1);
+    }
+  }
+  __syncthreads();
+  float* row_out = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int j = 0; j < PPT; ++j)
+#pragma unroll
+    for (int q = 0; q < VEC / 4; ++q)
+      reinterpret_cast<float4*>(row_out + (j * NT + t) * VEC)[q] =
+          make_float4(dw[j * VEC + 4 * q], dw[j * VEC + 4 * q + 1], dw[j * VEC + 4 * q + 2], dw[j * VEC + 4 * q + 3]);
+  __syncthreads();
+  for (int c = t; c < CHUNK; c += NT) partial[slab * cols + col0 + c] = row_out[c];
+  kiln::bwd::cluster_sync();
+}
+
 // ---- harness ----
 
 static int g_sms = 0;
@@ -515,12 +668,13 @@ static void bwd(long long rows, long long cols) {
     report("bwd kiln G512 P2 C8 (main + reduce)", rows, cols, time_us([&] { main_k(); red(slabs, dw_ref); }), bytes, 0);
     report("bwd kiln (again)", rows, cols, time_us([&] { main_k(); red(slabs, dw_ref); }), bytes, 0);
   }
-  auto pipe = [&](auto k, int nt, int ppt, int stages, int cluster) {
-    const size_t smem = size_t(stages) * 2 * nt * ppt * VEC * 2;
+  auto pipe = [&](auto k, int nt, int ppt, int stages, int cluster, const char* tag = "bwd_pipe", int wsm = 0,
+                  int use_clusters = 0) {
+    const size_t smem = size_t(stages * 2 + wsm) * nt * ppt * VEC * 2;
     if (cols != (long long)cluster * nt * ppt * VEC) return;
     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     if (cluster > 8) CK(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    const int clusters = max_clusters(k, nt, smem, cluster);
+    const int clusters = use_clusters > 0 ? use_clusters : max_clusters(k, nt, smem, cluster);
     const long long slabs = std::min<long long>(clusters, rows);
     CK(cudaMemset(dx, 0xff, n * 2));
     CK(cudaMemset(dw, 0xff, cols * 2));
@@ -533,7 +687,7 @@ static void bwd(long long rows, long long cols) {
     CK(cudaDeviceSynchronize());
     const double err = std::max(max_rel(dx, dx_ref, n), max_rel(dw, dw_ref, size_t(cols)));
     char name[96];
-    std::snprintf(name, sizeof name, "bwd_pipe NT%d P%d S%d C%d slabs %lld", nt, ppt, stages, cluster, slabs);
+    std::snprintf(name, sizeof name, "%s NT%d P%d S%d C%d slabs %lld", tag, nt, ppt, stages, cluster, slabs);
     report(name, rows, cols, time_us([&] { main_k(); red(slabs, dw); }), bytes, err);
   };
   pipe(bwd_pipe<512, 2, 4, 8>, 512, 2, 4, 8);
@@ -542,6 +696,44 @@ static void bwd(long long rows, long long cols) {
   pipe(bwd_pipe<512, 4, 3, 4>, 512, 4, 3, 4);
   pipe(bwd_pipe<1024, 2, 3, 4>, 1024, 2, 3, 4);
   pipe(bwd_pipe<512, 1, 6, 16>, 512, 1, 6, 16);
+  const bool scaling = std::getenv("WIDE_SCALING") != nullptr;
+  if (scaling) {
+    // Does bwd_pipe's throughput follow the number of SMs it runs on (30 clusters of 4 hold 120 of
+    // the 132)? Fewer clusters, same kernel.
+    for (int c : {10, 15, 20, 25, 30}) pipe(bwd_pipe<512, 4, 3, 4>, 512, 4, 3, 4, "bwd_pipe", 0, c);
+    // kiln's register kernel in clusters of 4, one 512-thread block per SM, every cluster resident.
+    auto k = kiln::rmsnorm_bwd<bf16_t, 512, 1, VEC, 4, 4, 512>;
+    for (long long slabs : {30LL, 60LL, 120LL}) {
+      auto main_k = [&] {
+        launch(k, unsigned(slabs * 4), 512, 0, 4, (const bf16_t*)dy, (const bf16_t*)x, (const bf16_t*)w,
+               (const float*)inv_rms, dx, partial, rows, cols, cols, cols, cols, slabs);
+      };
+      CK(cudaMemset(dx, 0xff, n * 2));
+      main_k();
+      red(slabs, dw);
+      CK(cudaDeviceSynchronize());
+      const double err = std::max(max_rel(dx, dx_ref, n), max_rel(dw, dw_ref, size_t(cols)));
+      char name[96];
+      std::snprintf(name, sizeof name, "bwd kiln G512 P4 C4 T512 slabs %lld", slabs);
+      report(name, rows, cols, time_us([&] { main_k(); red(slabs, dw); }), bytes, err);
+    }
+    return;
+  }
+  // Rows moved into registers on arrival (eighth session). The first call's candidates
+  // (bwd_regs L0/L1, weight in registers) are in the log of that call; this list is the second's.
+  pipe(bwd_pipe<512, 4, 3, 4>, 512, 4, 3, 4);
+  pipe(bwd_regs<512, 4, 3, 4, 1, 1>, 512, 4, 3, 4, "bwd_regs L1 wsm", 1);
+  pipe(bwd_regs<512, 4, 3, 4, 0, 1>, 512, 4, 3, 4, "bwd_regs L0 wsm", 1);
+  pipe(bwd_regs<256, 8, 3, 4, 1, 1>, 256, 8, 3, 4, "bwd_regs L1 wsm", 1);
+  pipe(bwd_regs<1024, 2, 3, 4, 1, 1>, 1024, 2, 3, 4, "bwd_regs L1 wsm", 1);
+  pipe(bwd_regs<256, 4, 6, 8, 1, 1>, 256, 4, 6, 8, "bwd_regs L1 wsm", 1);
+  pipe(bwd_regs<512, 4, 3, 4, 0>, 512, 4, 3, 4, "bwd_regs L0");
+  pipe(bwd_regs<512, 4, 3, 4, 1>, 512, 4, 3, 4, "bwd_regs L1");
+  pipe(bwd_regs<256, 8, 3, 4, 0>, 256, 8, 3, 4, "bwd_regs L0");
+  pipe(bwd_regs<1024, 2, 3, 4, 0>, 1024, 2, 3, 4, "bwd_regs L0");
+  pipe(bwd_regs<512, 2, 6, 8, 0>, 512, 2, 6, 8, "bwd_regs L0");
+  pipe(bwd_regs<512, 2, 6, 8, 1>, 512, 2, 6, 8, "bwd_regs L1");
+  pipe(bwd_regs<256, 4, 6, 8, 1>, 256, 4, 6, 8, "bwd_regs L1");
   CK(cudaFree(dy)); CK(cudaFree(x)); CK(cudaFree(w)); CK(cudaFree(dx)); CK(cudaFree(dx_ref));
   CK(cudaFree(dw)); CK(cudaFree(dw_ref)); CK(cudaFree(inv_rms)); CK(cudaFree(partial));
 }

@@ -41,9 +41,9 @@ Problem rows_problem(std::int64_t tokens, std::int64_t hidden) {
 std::vector<Case> cases(bool quick, int sms, int cc) {
   std::vector<Case> out;
   auto shape = [](std::int64_t t, std::int64_t h) { return std::to_string(t) + "x" + std::to_string(h); };
-  std::vector<std::pair<std::int64_t, std::int64_t>> norm = {{4096, 2048}, {4096, 4096}, {4096, 8192},
-                                                             {4096, 16384}, {4096, 65536}, {32768, 4096},
-                                                             {32768, 8192}, {16, 4096}};
+  std::vector<std::pair<std::int64_t, std::int64_t>> norm = {
+      {4096, 2048},  {4096, 4096},  {4096, 5120},  {4096, 8192},   {4096, 16384}, {4096, 65536},
+      {32768, 2048}, {32768, 4096}, {32768, 5120}, {32768, 8192}, {32768, 16384}, {16, 4096}};
   if (quick) norm = {{4096, 4096}, {4096, 16384}, {4096, 65536}, {32768, 4096}};
   for (auto [t, h] : norm) {
     // rmsnorm's dims end with the SM count and the compute capability: 0 and 0 (one block per

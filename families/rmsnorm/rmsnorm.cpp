@@ -273,7 +273,8 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   // 2026-11-22), with the 64-register cap:
   // - 2048 rows and more: 8-byte accesses, eight packs per thread (the whole register cache), blocks
   //   of 64..512 threads; best or within 1% of the best at 4096 and 32768 rows for hidden 2048 ..
-  //   16384. Rows of 64-128 KiB (hidden 65536 bf16): 1024 threads and 4-byte accesses, 24 of each
+  //   16384; f16/bf16 rows of 10-32 KiB under 16384 rows take 16-byte accesses, four per thread
+  //   (below). Rows of 64-128 KiB (hidden 65536 bf16): 1024 threads and 4-byte accesses, 24 of each
   //   thread's 32 packs in shared memory (against 59.6% of the copy for 16-byte packs).
   // - Up to 2048 rows: 4-byte accesses and 16 packs per thread (1.05-1.1x at 512 rows).
   // - Decode (up to 64 rows), rows that 1024 threads cover with two 16-byte packs each: 16-byte
@@ -296,6 +297,15 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     return {block, 16 / esize, bulk + bulk % 2};
   }
   int pack_bytes = rows >= 2048 ? 8 : 4;
+  // 2048 to 16383 rows of 10-32 KiB in f16/bf16 (hidden 5120 to 16384): 16-byte accesses, four per
+  // thread (the same 64-byte register cache). The bench's variants sweep on an H100 (eighth
+  // session, docs/benchmarks.md) at 4096 rows: hidden 5120 33.0 against 33.5 µs with 8-byte
+  // packs, 8192 49.6 against 49.8, 16384 93.7 against 94.4; at 32768 rows 8-byte packs were as
+  // fast or faster (8192: 359.5 against 360.7, 16384: 710.6 against 713.2), and at hidden 4096 too
+  // (4096 rows: 27.5 against 27.7).
+  const bool wide_packs = rows >= 2048 && rows < 16384 && esize == 2 && cols * esize >= 10 * 1024 &&
+                          cols * esize <= 32 * 1024;
+  if (wide_packs) pack_bytes = 16;
   const bool decode_wide = rows <= 64 && cols * esize <= 2 * 1024 * 16;
   if (decode_wide) {
     pack_bytes = 16;
@@ -321,7 +331,8 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     // the weight in the shared memory the row cache needs).
     return {1024, std::max(1, 4 / esize), 0};
   } else {
-    const int per_thread = rows >= 2048 ? 8 : 16;
+    // Packs per thread that fill the register cache: eight of 8 bytes, four of 16.
+    const int per_thread = rows >= 2048 ? (vec * esize == 16 ? 4 : 8) : 16;
     while (block < 512 && block * per_thread < packs) block *= 2;
   }
   return {block, vec, 0};

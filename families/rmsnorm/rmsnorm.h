@@ -16,7 +16,8 @@
 // Heuristic (measured on an H100 with bench section `variants`, the tuner and bench/exp): from
 // 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows take the bulk-copy kernel (512
 // or 1024 threads); otherwise 8-byte accesses and the smallest block of 64..512 threads giving at most
-// eight packs per thread (longer rows keep the rest in shared memory), except rows of 64-128 KiB:
+// eight packs per thread (longer rows keep the rest in shared memory), except f16/bf16 rows of
+// 10-32 KiB under 16384 rows: 16-byte accesses, at most four per thread; and rows of 64-128 KiB:
 // 1024 threads with 4-byte accesses (24 of each thread's 32 packs in shared memory); under 2048
 // rows 4-byte accesses and 16 packs per thread; up to 64 rows, 16-byte accesses and two packs per
 // thread (64..1024 threads) where 1024 threads cover the row that way, else 1024 threads with

@@ -113,6 +113,25 @@ TEST_F(RmsNormGpu, ManyRowsPipelineSeveralRowsPerBlock) {
   }
 }
 
+TEST_F(RmsNormGpu, RowsOfTenToThirtyTwoKiBTakeSixteenByteAccesses) {
+  // From 2048 to 16383 rows, f16/bf16 rows of 10-32 KiB run the heuristic's 16-byte accesses (four
+  // per thread), 5120 columns with 2.5 packs per thread of 256; an odd row length narrows the
+  // access and keeps that path's rule otherwise.
+  const Family& f = *Registry::global().find("rmsnorm");
+  for (DType t : {DType::f16, DType::bf16}) {
+    for (std::int64_t cols : {5120, 12288, 16384, 5121}) {
+      Case c{t, 2500, cols, cols, cols};
+      Problem p;
+      p.dtype = t;
+      p.dims = {c.rows, cols, cols, cols};
+      p.alignment = 256;
+      EXPECT_EQ(*f.heuristic(p).get_int("vec"), cols % 8 ? 1 : 8) << cols;
+      double err = check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); });
+      EXPECT_LT(err, testing::tolerance(t)) << dtype_name(t) << " 2500x" << cols << " seed " << seed_;
+    }
+  }
+}
+
 TEST_F(RmsNormGpu, WideRowsThroughTheTypedOp) {
   // 2048 rows of 64K elements (bf16) and 32K (f32): on sm_90 the heuristic's bulk-copy kernel
   // (128 KiB rows); in padded strides too.

@@ -66,8 +66,19 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   auto h = rmsnorm_heuristic(problem(DType::bf16, 4096, 4096));
   EXPECT_EQ(h.vec, 4);      // 8-byte accesses
   EXPECT_EQ(h.block, 128);  // 1024 packs, eight per thread
+  // Under 16384 rows, rows of 10-32 KiB in 16-bit types: 16-byte accesses, four per thread.
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 5120)).vec, 8);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 5120)).block, 256);  // 640 packs
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 8192)).block, 256);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 8192)).vec, 8);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f16, 4096, 16384)).vec, 8);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 512);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 32768, 8192)).vec, 4);  // many rows: 8-byte packs
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 32768, 8192)).block, 256);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 20480)).vec, 4);   // 40 KiB rows
+  // Alignment narrows the access, and the block still gives each thread eight 8-byte packs.
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 8192, 8192, 8192, 8)).vec, 4);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 8192, 8192, 8192, 8)).block, 256);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 4096, 2048)).block, 64);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 4096, 4096)).vec, 2);
   // Rows of 64-128 KiB: 1024 threads, 4-byte packs, 32 per thread, 24 of them in shared memory.
