@@ -7,6 +7,9 @@
 #                            registers for 1024-thread blocks (commit 9acb926 with that rule)
 #   rms_occ.cuh  kiln_occ::  the current template with blocks capped at 32 registers (2048 resident
 #                            threads per SM, against 1024), for bench/exp/rms_exp3.cu
+#   add_occ{3,4}.cuh kiln_add3::, kiln_add4:: templates/add_rmsnorm/add_rmsnorm_fwd.cuh at 1536 and
+#                            2048 resident threads per SM (42 and 32 registers), for
+#                            bench/exp/add_exp.cu
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rename() { sed -e "s/^namespace kiln {/namespace $1 {\nusing namespace kiln;/" -e "s/^}  \/\/ namespace kiln/}  \/\/ namespace $1/" -e '/#include/d'; }
@@ -16,3 +19,7 @@ git show 9acb926:templates/rmsnorm/rmsnorm_fwd.cuh | rename kiln_c |
   > bench/exp/rms_c.cuh
 rename kiln_occ < templates/rmsnorm/rmsnorm_fwd.cuh |
   sed 's|__launch_bounds__(BLOCK, 1024 / BLOCK)|__launch_bounds__(BLOCK, 2048 / BLOCK)|' > bench/exp/rms_occ.cuh
+for n in 3 4; do
+  rename kiln_add$n < templates/add_rmsnorm/add_rmsnorm_fwd.cuh |
+    sed "s|__launch_bounds__(BLOCK, 1024 / BLOCK)|__launch_bounds__(BLOCK, $n * 512 / BLOCK)|" > bench/exp/add_occ$n.cuh
+done

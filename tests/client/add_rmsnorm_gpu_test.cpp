@@ -119,6 +119,7 @@ TEST_F(AddRmsNormGpu, MatchesReferenceForEveryDtypeAndRowLength) {
     for (std::int64_t cols : {1, 7, 64, 1000, 2048, 4095, 4096, 5120, 8191, 16384, 65536})
       for (std::int64_t rows : {1, 3, 37}) check({t, rows, cols});
     check({t, 2000, 4096});  // many rows: the grid-stride loop over rows
+    check({t, 2048, 5120});  // from 2048 rows, 2.5 packs per thread: half a pack in shared memory
   }
   EXPECT_GT(rt_->counters().module_loads, 0);
 }

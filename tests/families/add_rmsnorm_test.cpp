@@ -105,6 +105,12 @@ TEST(AddRmsNorm, HeuristicPicksWidestAlignedAccess) {
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).vec, 8);  // fits them: 16 bytes
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).block, 1024);  // two packs per thread
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 5120)).block, 512);
+  // From 2048 rows up to 2.5 packs per thread: 640 packs in 256 threads, power-of-two rows unchanged.
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 5120)).block, 256);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 32768, 5120)).block, 256);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 8192)).block, 512);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 2048)).block, 128);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 6144)).block, 512);  // 768 packs: 1.5 each
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 2048)).block, 128);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::f32, 1, 64)).block, 64);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 3)).vec, 1);
