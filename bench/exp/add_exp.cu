@@ -68,17 +68,7 @@ static void shape(long long rows, long long cols) {
 
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  {
-    void *a, *c;
-    const size_t bytes = size_t(1) << 30;
-    CK(cudaMalloc(&a, bytes));
-    CK(cudaMalloc(&c, bytes));
-    CK(cudaMemset(a, 1, bytes));
-    const double t = time_us([&] { CK(cudaMemcpyAsync(c, a, bytes, cudaMemcpyDeviceToDevice)); });
-    g_copy_gbs = 2.0 * bytes / t * 1e-3;
-    CK(cudaFree(a));
-    CK(cudaFree(c));
-  }
+  g_copy_gbs = copy_gbs_1gib();
   std::printf("copy 1 GiB: %.0f GB/s\n", g_copy_gbs);
   shape(4096, 8192);
   shape(32768, 8192);

@@ -161,17 +161,7 @@ static void shape(long long rows, long long cols) {
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
-  {
-    void *a, *b;
-    const size_t bytes = size_t(1) << 30;
-    CK(cudaMalloc(&a, bytes));
-    CK(cudaMalloc(&b, bytes));
-    CK(cudaMemset(a, 1, bytes));
-    const double t = time_us([&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-    g_copy_gbs = 2.0 * bytes / t * 1e-3;
-    CK(cudaFree(a));
-    CK(cudaFree(b));
-  }
+  g_copy_gbs = copy_gbs_1gib();
   std::printf("copy 1 GiB: %.0f GB/s, %d SMs\n", g_copy_gbs, g_sms);
   shape(32768, 5120);
   shape(4096, 5120);
