@@ -205,7 +205,80 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 // at all (a probe without scales), 15.6-15.9 with DIRECT (19.6 with DIRECT and one set). On larger
 // tiles DIRECT measured slower (64 x 64 at 128 x 4096 x 7168 21.8 against 20.8, 128 x 256 at
 // 8192^3 2% slower, 128 x 192 at 4096 x 2112 7% slower), so they keep the scale warp.
-template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
+
+// Stream-K (STREAMK, block-scaled fp8, no cluster): the persistent grid of G CTAs takes the first
+// units - units % G tiles whole, G at a time (data-parallel, as without stream-K), and shares the
+// last partial wave's tiles by k-steps: their rem x ktiles k-steps are cut into G contiguous
+// segments, one per CTA, taken after its whole tiles. A segment covers the end of one tile and the
+// start of the next (or lies within one tile): a CTA whose piece of a tile does not start at k-step
+// 0 writes its fp32 partial tile to its own slot of a global workspace and raises one flag per
+// consumer warp; the CTA holding k-step 0 (the tile's owner: that piece is the end of its segment,
+// so the others' pieces, each the start of theirs, are done by then) waits for the flags of the
+// next CTAs whose segments start inside the tile, adds their partials in CTA order
+// (deterministic), lowers the flags and stores the tile. Each CTA writes at most one partial: only
+// the first piece of a segment can start inside a tile. Workspace (passed as b1): G x 8 flags of
+// 4 bytes, zero before the launch and left zero after it, padded to 1024 bytes, then G partial
+// tiles of BM x BN floats.
+struct WorkItem {
+  int u, ka, kb;  // tile (grouped order), k-steps [ka, kb)
+};
+struct WorkWalker {
+  int next_u, dp_units, step, ka0, kb0, ktiles;
+  int pos, end;  // stream-K k-steps (the host keeps rem x ktiles below 2^31)
+  // The next item: whole tiles (or this CTA's split-K range) first, then stream-K pieces.
+  __device__ __forceinline__ bool next(WorkItem& w) {
+    if (next_u < dp_units) {
+      w.u = next_u;
+      w.ka = ka0;
+      w.kb = kb0;
+      next_u += step;
+      return true;
+    }
+    if (pos >= end) return false;
+    w.u = dp_units + pos / ktiles;
+    w.ka = pos % ktiles;
+    w.kb = min(ktiles, w.ka + (end - pos));
+    pos += w.kb - w.ka;
+    return true;
+  }
+};
+// Stream-K segment b of S = base G + extra k-steps over G CTAs: [seg_start(b), seg_start(b + 1)).
+__device__ __forceinline__ int sk_seg_start(int b, int base, int extra) { return b * base + min(b, extra); }
+__device__ __forceinline__ void st_global_f4(unsigned long long addr, const float (&v)[4]) {
+  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+               : "memory");
+}
+__device__ __forceinline__ void ld_global_cg_f4(unsigned long long addr, float (&v)[4]) {
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+               : "l"(addr)
+               : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire_gpu(unsigned long long addr) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_flag_release(unsigned long long addr, unsigned v) {
+  asm volatile("fence.acq_rel.gpu;\nst.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
+}
+// Waits for a stream-K flag. The CTAs a tile's owner waits for come later in the grid and write
+// their partial first; all are resident when the grid fits the device (one CTA per SM). Where they
+// are not (a device shared with other work), a wait past ~4 s traps rather than hanging. Not
+// inlined: with the trap inlined, ptxas moved the consumers' accumulators to local memory (860
+// bytes of spills for 128 x 192 tiles); as a call, none.
+__device__ __noinline__ void sk_wait_flag(unsigned long long addr) {
+  for (unsigned polls = 0; ld_acquire_gpu(addr) == 0; ++polls) {
+    if (polls > 64) __nanosleep(128);
+    if (polls > (1u << 25)) __trap();
+  }
+}
+__device__ __forceinline__ void st_flag_relaxed(unsigned long long addr, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
+}
+
+template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT,
+          int STREAMK = 0>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc& map_a, const TmaDesc& map_b0,
                                                 const TmaDesc& map_b1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -245,7 +318,19 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   const int units = tiles_m * tiles_nc, first = blockIdx.x / CL, step = gridDim.x / CL;
   // This CTA's k-steps (all of them without split-K); a range may be empty when ktiles < SPLIT.
   const int kt0 = int((long long)ktiles * krank / SPLIT), kt1 = int((long long)ktiles * (krank + 1) / SPLIT);
-  const int nk = kt1 - kt0;
+  // The work items (WorkWalker): whole tiles first, then (STREAMK) the last partial wave's pieces.
+  constexpr bool STK = STREAMK != 0;
+  static_assert(!STK || (BLOCK && CL == 1 && BN != 32), "stream-K: block-scaled fp8, no cluster, not DIRECT");
+  WorkWalker walker0{first, units, step, kt0, kt1, ktiles, 0, 0};
+  int sk_base = 0, sk_extra = 0;  // stream-K: S = sk_base x step + sk_extra k-steps over all CTAs
+  if (STK) {
+    walker0.dp_units = units - units % step;
+    const int total = (units - walker0.dp_units) * ktiles;
+    sk_base = total / step;
+    sk_extra = total % step;
+    walker0.pos = sk_seg_start(first, sk_base, sk_extra);
+    walker0.end = sk_seg_start(first + 1, sk_base, sk_extra);
+  }
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -272,13 +357,14 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       // The whole warp walks the ring (it stays converged for the cluster barrier at the end);
       // lane 0 issues.
       int it = 0;
-      for (int u = first; u < units; u += step) {
+      WorkWalker walker = walker0;
+      for (WorkItem w; walker.next(w);) {
         int tm, tnc;
-        tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
+        tile_coords<GROUP>(w.u, tiles_m, tiles_nc, tm, tnc);
         const int tn = tnc * CLUSTER + rank;
         const bool b_valid = !MC || tn < tiles_n;
         const unsigned bytes = A_BYTES + (b_valid ? (DUAL ? 2 : 1) * B_BYTES : 0);
-        for (int kt = kt0; kt < kt1; ++kt, ++it) {
+        for (int kt = w.ka; kt < w.kb; ++kt, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
           const unsigned st = base + s * STAGE_BYTES, bar = full + 8 * s;
@@ -299,13 +385,14 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       }
     } else if (BLOCK && !DIRECT && warp == 1) {
       int it = 0;
-      for (int u = first; u < units; u += step) {
+      WorkWalker walker = walker0;
+      for (WorkItem w; walker.next(w);) {
         int tm, tnc;
-        tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
+        tile_coords<GROUP>(w.u, tiles_m, tiles_nc, tm, tnc);
         const int tn = tnc * CLUSTER + rank;
         const bool b_ok = tn * BN < n;
         const float* b_scales = b_scale + (long long)((tn * BN) / k_scale_block) * kblocks;
-        for (int kt = kt0; kt < kt1; ++kt, ++it) {
+        for (int kt = w.ka; kt < w.kb; ++kt, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
           const unsigned dst = scales + s * SCALE_FLOATS * 4;
@@ -398,6 +485,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // and the next PSETS k-blocks' values, fetched (plain cached loads) a group ahead of their use.
   // Only DIRECT's loop calls these; the other block-scaled loops read stage s's shared-memory copy
   // (read_scales).
+  int ka = kt0, nk = kt1 - kt0;  // the current item's k-steps
   const float *sa0 = a_scale, *sa1 = a_scale, *sbc = b_scale;
   bool sa_ok0 = false, sa_ok1 = false, sb_ok[2] = {false, false};
   float pa[PSETS][2], pb[PSETS][2];
@@ -405,7 +493,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
     if constexpr (DIRECT) {
 #pragma unroll
       for (int j = 0; j < PSETS; ++j) {
-        const int kb = kt0 + kt_first + j;
+        const int kb = ka + kt_first + j;
         const bool in = kt_first + j < nk;
         pa[j][0] = in && sa_ok0 ? __ldg(sa0 + kb) : 0.0f;
         pa[j][1] = in && sa_ok1 ? __ldg(sa1 + kb) : 0.0f;
@@ -430,7 +518,10 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // 7% slower with bn 256's halves, which keep none).
   constexpr bool ORDER = BLOCK && CONSUMERS == 2 && !HALVES;
   int batch = 0, batches = 0;
-  if (ORDER) batches = first < units ? ((units - first + step - 1) / step) * nk : 0;
+  if (ORDER) {
+    WorkWalker walker = walker0;
+    for (WorkItem w; walker.next(w);) batches += w.kb - w.ka;
+  }
   auto order_wait = [&]() {
     if (!ORDER) return;
     if (wg == 1)
@@ -448,7 +539,11 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   };
   int it = 0;
   int uiter = 0;  // split-K: units done, the parity of the ready / done barriers
-  for (int u = first; u < units; u += step) {
+  WorkWalker walker = walker0;
+  for (WorkItem w; walker.next(w);) {
+    const int u = w.u;
+    ka = w.ka;
+    nk = w.kb - w.ka;
     int tm, tnc;
     tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
     const int tn = tnc * CLUSTER + rank;
@@ -569,6 +664,40 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       release((it - 1) % STAGES);
     }
     if (MC && tn >= tiles_n) continue;
+    if constexpr (STK) {
+      if (w.ka > 0 || w.kb < ktiles) {
+        constexpr int THREADS = CONSUMERS * 128;
+        const unsigned long long ws = reinterpret_cast<unsigned long long>(b1);
+        const unsigned long long parts_base = ws + ((unsigned long long)step * 32 + 1023) / 1024 * 1024;
+        const int warp_id = threadIdx.x / 32;
+        if (w.ka > 0) {
+          // Not the owner: the partial tile into slot `first`, then this warp's flag.
+          const unsigned long long slot = parts_base + (unsigned long long)first * BM * BN * 4;
+#pragma unroll
+          for (int ni = 0; ni < NI; ++ni) st_global_f4(slot + 16ull * (ni * THREADS + threadIdx.x), acc[0][ni]);
+          __syncwarp();
+          if (lane == 0) st_flag_release(ws + 4ull * (first * 8 + warp_id), 1u);
+          continue;
+        }
+        // The owner: add the partials of the CTAs whose segments start inside this tile.
+        const int tile_end = (u - walker0.dp_units + 1) * ktiles;
+        for (int b = first + 1; b < step && sk_seg_start(b, sk_base, sk_extra) < tile_end; ++b) {
+          const unsigned long long flag = ws + 4ull * (b * 8 + warp_id);
+          if (lane == 0) sk_wait_flag(flag);
+          __syncwarp();
+          const unsigned long long slot = parts_base + (unsigned long long)b * BM * BN * 4;
+#pragma unroll
+          for (int ni = 0; ni < NI; ++ni) {
+            float v[4];
+            ld_global_cg_f4(slot + 16ull * (ni * THREADS + threadIdx.x), v);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[0][ni][e] += v[e];
+          }
+          __syncwarp();
+          if (lane == 0) st_flag_relaxed(flag, 0u);
+        }
+      }
+    }
     if (SK) {
       // Our partial tile may be overwritten once every CTA has read the previous one.
       if (uiter > 0) mbar_wait_cluster(red_bar + 8, (uiter - 1) & 1);
@@ -655,6 +784,15 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                const __grid_constant__ TmaDesc map_b1) {
   gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1>(a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m,
                                                                   tiles_n, map_a, map_b0, map_b1);
+}
+
+// Stream-K (block-scaled fp8): b1 is the workspace (see WorkWalker).
+template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+    gemm_wgmma_streamk(KILN_GEMM_PARAMS, const __grid_constant__ TmaDesc map_a, const __grid_constant__ TmaDesc map_b0,
+                       const __grid_constant__ TmaDesc map_b1) {
+  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1, 1>(a, b0, b1, a_scale, b_scale, out, m, n, k,
+                                                                     tiles_m, tiles_n, map_a, map_b0, map_b1);
 }
 
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
