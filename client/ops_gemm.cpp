@@ -266,13 +266,10 @@ Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_sc
 
   KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(out.dtype, m, n, k, mode, where, a.device.index));
   void* buffers[6] = {a.data, b.data, a_scale.data, b_scale.data, out.data, nullptr};
-  // Block scales: where the heuristic takes stream-K (the tuned winner is the heuristic's choice or
-  // from the tuning space, which holds no stream-K variant), its workspace.
-  if (where == DeviceKind::cuda && mode == families::k_fp8_blockwise) {
-    const g::Tile t = g::default_tile(g::k_fp8_block, p);
-    if (t.streamk) {
-      KILN_ASSIGN_OR_RETURN(buffers[5], streamk_workspace(a.device.index, stream, g::streamk_workspace_bytes(t, p)));
-    }
+  // Block scales on sm_90: a stream-K workspace large enough for whichever stream-K variant the
+  // runtime picks (the heuristic's or a tuned winner); other variants ignore it.
+  if (where == DeviceKind::cuda && mode == families::k_fp8_blockwise && p.dims[g::k_cc] == 90) {
+    KILN_ASSIGN_OR_RETURN(buffers[5], streamk_workspace(a.device.index, stream, g::streamk_workspace_bytes_max(p)));
   }
   return dispatch("fp8_gemm", p, std::span<void* const>(buffers, buffers[5] ? 6 : 5), where, stream, runtime);
 }

@@ -108,9 +108,6 @@ inline Status check_shape(std::string_view family, Kind kind, DType operand, con
                           " (rows of A and B are copied in 16-byte pieces)");
   if (p.alignment < 16) return invalid_argument(f + ": A, B and out need 16-byte aligned base addresses");
   if (p.dims[k_sms] < 1) return invalid_argument(f + ": sms must be positive");
-  // Stream-K counts its last wave's k-steps (fewer than sms x ceil(k / 128)) in 32 bits.
-  if (t.streamk && p.dims[k_sms] * ((k + 127) / 128) >= (std::int64_t(1) << 31))
-    return shape_mismatch(f + ": stream-K needs sms x ceil(k / 128) below 2^31");
   const auto cc = p.dims[k_cc];
   if (t.wgmma && cc != 90)
     return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
@@ -143,13 +140,55 @@ inline std::int64_t persistent_ctas(const Tile& t, const Problem& p) {
   return std::min(cluster_units(t, p), clusters) * size;
 }
 
-// Stream-K's workspace (templates/gemm/gemm_wgmma.cuh, WorkWalker): 8 flags of 4 bytes per CTA,
-// padded to 1024 bytes, then one fp32 partial tile per CTA. The flags must be zero before the first
-// launch; every launch leaves them zero.
+// Stream-K's ranges of k-steps per tile of the partial wave: templates/gemm/gemm_wgmma.cuh's
+// streamk_chunks, the same function (the kernel computes it, the host sizes the workspace and
+// models the time with it): the fewest per-CTA k-steps, ceil(rem c / grid) pieces of
+// ceil(ktiles / c) k-steps plus c - 1 for the fix-up, over c = 1-4 (1: no split).
+inline int streamk_chunks(std::int64_t rem, std::int64_t grid, std::int64_t ktiles) {
+  int best = 1;
+  std::int64_t best_cost = ktiles;
+  for (int c = 2; c <= 4 && c <= ktiles; ++c) {
+    const std::int64_t cost = (rem * c + grid - 1) / grid * ((ktiles + c - 1) / c) + (c - 1);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = c;
+    }
+  }
+  return best;
+}
+
+// Stream-K's split of a problem: the tiles of the partial wave (rem), and the ranges each is cut
+// into (1: none; the kernel then runs every tile whole). Only after at least one whole wave.
+struct StreamKSplit {
+  std::int64_t rem = 0;
+  int chunks = 1;
+};
+inline StreamKSplit streamk_split(const Tile& t, const Problem& p) {
+  StreamKSplit s;
+  if (!t.streamk) return s;
+  const std::int64_t units = cluster_units(t, p), grid = persistent_ctas(t, p);
+  const std::int64_t ktiles = (p.dims[k_k] + 127) / 128;
+  if (units < grid || units % grid == 0) return s;
+  s.rem = units % grid;
+  s.chunks = streamk_chunks(s.rem, grid, ktiles);
+  return s;
+}
+
+// Stream-K's workspace (templates/gemm/gemm_wgmma.cuh): a flag of 4 bytes per consumer warp (8) per
+// partial tile, padded to 1024 bytes, then the rem x (chunks - 1) fp32 partial tiles (at least
+// 1024 bytes in all). The flags must be zero before the first launch; every launch leaves them so.
 inline std::int64_t streamk_workspace_bytes(const Tile& t, const Problem& p) {
   if (!t.streamk) return 0;
-  const std::int64_t ctas = persistent_ctas(t, p);
-  return (ctas * 32 + 1023) / 1024 * 1024 + ctas * t.bm * t.bn * 4;
+  const StreamKSplit s = streamk_split(t, p);
+  const std::int64_t slots = s.rem * (s.chunks - 1);
+  return std::max<std::int64_t>(1024, (slots * 32 + 1023) / 1024 * 1024 + slots * t.bm * t.bn * 4);
+}
+// The most any stream-K tile of the wgmma path needs for a block-scaled problem (what the op
+// allocates, whichever variant the runtime picks: the heuristic's or a tuned one).
+inline std::int64_t streamk_workspace_bytes_max(const Problem& p) {
+  std::int64_t most = 1024;
+  for (int bn : {128, 192, 256}) most = std::max(most, streamk_workspace_bytes(Tile{true, 128, bn, 4, 8, 1, 1, 1}, p));
+  return most;
 }
 
 inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
@@ -245,11 +284,9 @@ inline bool streamk_tile(Kind kind, int bm, int bn) { return kind == k_fp8_block
 // variant at all six M = 128 problems (H100, 2026-11-22; four k-steps chose splits that ran
 // 1.1-1.6x slower; with ten, block-scaled 128 x 7168 x 16384 split 128 x 128 tiles in two, 60.6-
 // 62.0 us, where 64 x 128 unsplit with the deep pipelines of default_stages ran 57.6-58.0).
-// Stream-K (c.streamk): the whole waves as above, then the last partial wave's k-steps spread over
-// every SM, plus a fix-up of k_streamk_fixup k-steps (one partial tile written and read through
-// L2 by each CTA); modelled only where at least one whole wave precedes a partial one (elsewhere
-// it costs one k-step more than the same tile without it, so ties go to the plain tile).
-constexpr std::int64_t k_streamk_fixup = 4;
+// Stream-K (c.streamk): the whole waves, then streamk_chunks' per-CTA k-steps of the partial wave
+// (its fix-up term included); where it does not split (no whole wave first, no partial wave, or
+// no gain) one k-step more than the same tile without it, so ties go to the plain tile.
 inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t size = c.cluster * c.split;
   const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
@@ -260,9 +297,10 @@ inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 20 * step : 0;
   const std::int64_t plain = waves * ((ksteps + c.split - 1) / c.split * step + reduce);
   if (!c.streamk) return plain;
-  const std::int64_t whole = units / per_wave, rem = units % per_wave;
-  if (whole == 0 || rem == 0) return plain + step;
-  return (whole * ksteps + (rem * ksteps + per_wave - 1) / per_wave + k_streamk_fixup) * step;
+  const StreamKSplit s = streamk_split(c, p);
+  if (s.chunks == 1) return plain + step;
+  const std::int64_t pieces = (s.rem * s.chunks + per_wave - 1) / per_wave;
+  return (units / per_wave * ksteps + pieces * ((ksteps + s.chunks - 1) / s.chunks) + (s.chunks - 1)) * step;
 }
 
 // Block scales with 128 x 256 tiles over at least 64 rows of tiles (M >= 8192) take the grouped
@@ -343,8 +381,9 @@ inline std::vector<Tile> default_tiles(Kind kind) {
 }
 
 // Every tile of the heuristic's path that validates and fits the problem: each stage depth (3-6,
-// and the wgmma default when deeper) and group order without clusters or split-K, and each tile
-// with clusters of 2 (A multicast) or split-K 2-4 at its default stages and group 8.
+// and the wgmma default when deeper) and group order without clusters or split-K, each tile with
+// clusters of 2 (A multicast) or split-K 2-4 at its default stages and group 8, and the stream-K
+// tiles (streamk_tile) at their default stages in groups of 8 and 16.
 template <class MakeParams, class Check>
 std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
@@ -368,6 +407,13 @@ std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Che
         Params p = make(t);
         if (check(p)) out.push_back(std::move(p));
       }
+      if (streamk_tile(kind, bm, bn))
+        for (int group : {8, 16}) {
+          Tile t{true, bm, bn, 4, group, 1, 1, 1};
+          t.stages = default_stages(kind, t, 90);
+          Params p = make(t);
+          if (check(p)) out.push_back(std::move(p));
+        }
     }
   return out;
 }

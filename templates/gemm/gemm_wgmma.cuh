@@ -206,44 +206,63 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 // tiles DIRECT measured slower (64 x 64 at 128 x 4096 x 7168 21.8 against 20.8, 128 x 256 at
 // 8192^3 2% slower, 128 x 192 at 4096 x 2112 7% slower), so they keep the scale warp.
 
-// Stream-K (STREAMK, block-scaled fp8, no cluster): the persistent grid of G CTAs takes the first
-// units - units % G tiles whole, G at a time (data-parallel, as without stream-K), and shares the
-// last partial wave's tiles by k-steps: their rem x ktiles k-steps are cut into G contiguous
-// segments, one per CTA, taken after its whole tiles. A segment covers the end of one tile and the
-// start of the next (or lies within one tile): a CTA whose piece of a tile does not start at k-step
-// 0 writes its fp32 partial tile to its own slot of a global workspace and raises one flag per
-// consumer warp; the CTA holding k-step 0 (the tile's owner: that piece is the end of its segment,
-// so the others' pieces, each the start of theirs, are done by then) waits for the flags of the
-// next CTAs whose segments start inside the tile, adds their partials in CTA order
-// (deterministic), lowers the flags and stores the tile. Each CTA writes at most one partial: only
-// the first piece of a segment can start inside a tile. Workspace (passed as b1): G x 8 flags of
-// 4 bytes, zero before the launch and left zero after it, padded to 1024 bytes, then G partial
-// tiles of BM x BN floats.
+// Stream-K (STREAMK, block-scaled fp8, no cluster), in its k-aligned form: the persistent grid of
+// G CTAs takes the first units - rem tiles whole, G at a time (data-parallel, as without stream-K;
+// rem = units % G), and splits each of the last partial wave's rem tiles into `chunks` ranges of
+// k-steps (streamk_chunks: 2 to 4, or 1 where splitting gains nothing). The rem x chunks pieces are
+// dealt out chunk-major (every tile's first range, then every tile's second, ...) to the CTAs in
+// turn after their whole tiles, so the pieces that run at the same time start at the same k-step,
+// as whole tiles do, and CTAs sharing a row of A or a column of B read its k-slices from L2 at
+// about the same time. (Contiguous k-segments per CTA, the textbook stream-K, put every CTA at a
+// different k-offset: measured 2-13% slower than no stream-K at the four large block-scaled
+// problems, H100, 2026-11-22 eighth session.) A piece other than its tile's last writes its fp32
+// partial tile to a slot of the workspace and raises one flag per consumer warp; the CTA with the
+// last range (its piece comes later in the deal than the others) waits for those flags, adds the
+// partials in range order (deterministic), lowers the flags and stores the tile. Workspace (passed
+// as b1, gemm::streamk_workspace_bytes): a flag of 4 bytes per consumer warp (8) per slot, padded to
+// 1024 bytes, zero before the launch and left zero after it, then rem x (chunks - 1) partial tiles
+// of BM x BN floats.
+//
+// The chunk count: the fewest per-CTA k-steps of the partial wave, ceil(rem chunks / G) pieces of
+// ceil(ktiles / chunks) k-steps plus one k-step per extra chunk for the fix-up, over 1-4 chunks
+// (the host's gemm::streamk_chunks is the same function).
+__host__ __device__ __forceinline__ int streamk_chunks(int rem, int grid, int ktiles) {
+  int best = 1, best_cost = ktiles;
+  for (int c = 2; c <= 4 && c <= ktiles; ++c) {
+    const int cost = (rem * c + grid - 1) / grid * ((ktiles + c - 1) / c) + (c - 1);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = c;
+    }
+  }
+  return best;
+}
 struct WorkItem {
   int u, ka, kb;  // tile (grouped order), k-steps [ka, kb)
+  int c;          // stream-K: the piece's range of k-steps, -1 for a whole tile
 };
 struct WorkWalker {
   int next_u, dp_units, step, ka0, kb0, ktiles;
-  int pos, end;  // stream-K k-steps (the host keeps rem x ktiles below 2^31)
+  int next_j, sk_units, rem, chunks;  // stream-K pieces, chunk-major
   // The next item: whole tiles (or this CTA's split-K range) first, then stream-K pieces.
   __device__ __forceinline__ bool next(WorkItem& w) {
     if (next_u < dp_units) {
       w.u = next_u;
       w.ka = ka0;
       w.kb = kb0;
+      w.c = -1;
       next_u += step;
       return true;
     }
-    if (pos >= end) return false;
-    w.u = dp_units + pos / ktiles;
-    w.ka = pos % ktiles;
-    w.kb = min(ktiles, w.ka + (end - pos));
-    pos += w.kb - w.ka;
+    if (next_j >= sk_units) return false;
+    w.c = next_j / rem;
+    w.u = dp_units + next_j % rem;
+    w.ka = w.c * ktiles / chunks;
+    w.kb = (w.c + 1) * ktiles / chunks;
+    next_j += step;
     return true;
   }
 };
-// Stream-K segment b of S = base G + extra k-steps over G CTAs: [seg_start(b), seg_start(b + 1)).
-__device__ __forceinline__ int sk_seg_start(int b, int base, int extra) { return b * base + min(b, extra); }
 __device__ __forceinline__ void st_global_f4(unsigned long long addr, const float (&v)[4]) {
   asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
                : "memory");
@@ -321,15 +340,16 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // The work items (WorkWalker): whole tiles first, then (STREAMK) the last partial wave's pieces.
   constexpr bool STK = STREAMK != 0;
   static_assert(!STK || (BLOCK && CL == 1 && BN != 32), "stream-K: block-scaled fp8, no cluster, not DIRECT");
-  WorkWalker walker0{first, units, step, kt0, kt1, ktiles, 0, 0};
-  int sk_base = 0, sk_extra = 0;  // stream-K: S = sk_base x step + sk_extra k-steps over all CTAs
+  WorkWalker walker0{first, units, step, kt0, kt1, ktiles, first, 0, 1, 1};
   if (STK) {
-    walker0.dp_units = units - units % step;
-    const int total = (units - walker0.dp_units) * ktiles;
-    sk_base = total / step;
-    sk_extra = total % step;
-    walker0.pos = sk_seg_start(first, sk_base, sk_extra);
-    walker0.end = sk_seg_start(first + 1, sk_base, sk_extra);
+    const int rem = units % step;
+    const int chunks = units >= step && rem > 0 ? streamk_chunks(rem, step, ktiles) : 1;
+    if (chunks > 1) {
+      walker0.dp_units = units - rem;
+      walker0.sk_units = rem * chunks;
+      walker0.rem = rem;
+      walker0.chunks = chunks;
+    }
   }
 
   if (threadIdx.x == 0) {
@@ -665,31 +685,32 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
     }
     if (MC && tn >= tiles_n) continue;
     if constexpr (STK) {
-      if (w.ka > 0 || w.kb < ktiles) {
+      if (w.c >= 0) {
         constexpr int THREADS = CONSUMERS * 128;
+        const int chunks = walker0.chunks, slots = walker0.rem * (chunks - 1);
         const unsigned long long ws = reinterpret_cast<unsigned long long>(b1);
-        const unsigned long long parts_base = ws + ((unsigned long long)step * 32 + 1023) / 1024 * 1024;
-        const int warp_id = threadIdx.x / 32;
-        if (w.ka > 0) {
-          // Not the owner: the partial tile into slot `first`, then this warp's flag.
-          const unsigned long long slot = parts_base + (unsigned long long)first * BM * BN * 4;
+        const unsigned long long parts_base = ws + ((unsigned long long)slots * 32 + 1023) / 1024 * 1024;
+        const int warp_id = threadIdx.x / 32, slot0 = (u - walker0.dp_units) * (chunks - 1);
+        if (w.c < chunks - 1) {
+          // Not the tile's last range: the partial tile into its slot, then this warp's flag.
+          const int slot = slot0 + w.c;
+          const unsigned long long part = parts_base + (unsigned long long)slot * BM * BN * 4;
 #pragma unroll
-          for (int ni = 0; ni < NI; ++ni) st_global_f4(slot + 16ull * (ni * THREADS + threadIdx.x), acc[0][ni]);
+          for (int ni = 0; ni < NI; ++ni) st_global_f4(part + 16ull * (ni * THREADS + threadIdx.x), acc[0][ni]);
           __syncwarp();
-          if (lane == 0) st_flag_release(ws + 4ull * (first * 8 + warp_id), 1u);
+          if (lane == 0) st_flag_release(ws + 4ull * (slot * 8 + warp_id), 1u);
           continue;
         }
-        // The owner: add the partials of the CTAs whose segments start inside this tile.
-        const int tile_end = (u - walker0.dp_units + 1) * ktiles;
-        for (int b = first + 1; b < step && sk_seg_start(b, sk_base, sk_extra) < tile_end; ++b) {
-          const unsigned long long flag = ws + 4ull * (b * 8 + warp_id);
+        // The last range: add the other ranges' partials, in range order.
+        for (int c = 0; c < chunks - 1; ++c) {
+          const unsigned long long flag = ws + 4ull * ((slot0 + c) * 8 + warp_id);
           if (lane == 0) sk_wait_flag(flag);
           __syncwarp();
-          const unsigned long long slot = parts_base + (unsigned long long)b * BM * BN * 4;
+          const unsigned long long part = parts_base + (unsigned long long)(slot0 + c) * BM * BN * 4;
 #pragma unroll
           for (int ni = 0; ni < NI; ++ni) {
             float v[4];
-            ld_global_cg_f4(slot + 16ull * (ni * THREADS + threadIdx.x), v);
+            ld_global_cg_f4(part + 16ull * (ni * THREADS + threadIdx.x), v);
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[0][ni][e] += v[e];
           }

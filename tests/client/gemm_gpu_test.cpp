@@ -172,31 +172,35 @@ TEST_F(GemmGpu, Fp8GemmMatchesReferenceOnEveryPathScalingAndOutput) {
           }
 }
 
-// Stream-K (block scales, wgmma): the last partial wave's tiles shared by k-steps. Grids chosen so
-// that segments are shorter than a tile (two or three CTAs per tile), a single k-step (a tile over
-// up to 7 CTAs), empty (more CTAs than k-steps), or absent (the tiles fill whole waves); two
-// launches on one workspace (the flags must come back to zero) with the output poisoned before
-// each, and the flags read back after.
+// Stream-K (block scales, wgmma): the last partial wave's tiles cut into 2, 3 or 4 ranges of
+// k-steps (streamk_chunks decides; the cases below were picked to give each count, with one or
+// several rounds of pieces), and grids where it cuts nothing (whole waves only, or fewer tiles than
+// CTAs). Two launches on one workspace (the flags must come back to zero) with the output poisoned
+// before each, and the flags read back after.
 TEST_F(GemmGpu, Fp8GemmStreamKMatchesReference) {
   if (cc_ != 90) GTEST_SKIP() << "stream-K runs on the wgmma path (sm_90a)";
   const Family& f = *Registry::global().find("fp8_gemm");
   struct Case {
     int bm, bn;
     Shape s;
+    int chunks;  // what streamk_split must give
+    DType out;
   };
-  // 128 x 128 at 300 x 520 x 784: 3 x 5 tiles of 7 k-steps. sms 4: 3 tiles over 4 CTAs; 7: one
-  // k-step each; 11: 4 tiles; 15: whole waves. 64 x 64 at 200 x 328 x 528 (4 x 6 tiles of 5
-  // k-steps) over 5 and over the device's SMs (one k-step for the first 5 CTAs, none for the rest).
-  const Case cases[] = {{128, 128, {300, 520, 784, 4}}, {128, 128, {300, 520, 784, 7}}, {128, 128, {300, 520, 784, 11}},
-                        {128, 128, {300, 520, 784, 15}}, {128, 192, {257, 600, 1040, 5}}, {128, 256, {300, 600, 1168, 4}},
-                        {64, 64, {200, 328, 528, 5}},    {64, 64, {200, 328, 528, 0}},    {128, 192, {129, 130, 272, 0}}};
-  for (DType out : {DType::bf16, DType::f16})
-    for (const Case& c : cases) {
+  const Case cases[] = {{128, 128, {300, 520, 784, 11}, 2, DType::bf16},   {128, 128, {300, 520, 784, 11}, 2, DType::f16},
+                        {128, 128, {1000, 520, 2048, 7}, 4, DType::bf16},  {128, 128, {1000, 520, 2048, 11}, 3, DType::f16},
+                        {128, 192, {257, 600, 1040, 9}, 3, DType::bf16},   {128, 192, {700, 1000, 1552, 10}, 3, DType::bf16},
+                        {128, 192, {700, 1000, 1552, 8}, 2, DType::f16},   {128, 256, {520, 1100, 2992, 12}, 4, DType::bf16},
+                        {128, 256, {520, 1100, 2992, 7}, 3, DType::f16},   {64, 64, {200, 328, 528, 7}, 2, DType::bf16},
+                        {128, 128, {300, 520, 784, 15}, 1, DType::bf16},   {64, 64, {200, 328, 528, 0}, 1, DType::bf16}};
+  for (const Case& c : cases) {
+    {
+      const DType out = c.out;
       const Params params = gemm_params("wgmma", c.bm, c.bn, 4, {{"out", dtype_name(out)}, {"scaling", "block"}}, 1, 1, 1);
       const Problem p = gemm_problem(out, c.s.m, c.s.n, c.s.k, families::k_fp8_blockwise, c.s.sms);
       SCOPED_TRACE(params.canonical() + " " + std::to_string(c.s.m) + "x" + std::to_string(c.s.n) + "x" +
                    std::to_string(c.s.k) + " sms " + std::to_string(p.dims[g::k_sms]) + " seed " + std::to_string(seed_));
       ASSERT_TRUE(f.check_problem(params, p).ok()) << f.check_problem(params, p).to_string();
+      EXPECT_EQ(g::streamk_split(g::tile_of(params), p).chunks, c.chunks);
       const auto specs = f.buffers(params, p);
       ASSERT_EQ(specs.size(), 6u);
       ASSERT_EQ(specs[5].name, "workspace");
@@ -234,12 +238,13 @@ TEST_F(GemmGpu, Fp8GemmStreamKMatchesReference) {
         EXPECT_LT(testing::rel_l2(got.data(), want.data(), out, idx), testing::tolerance(out)) << "launch " << run;
         std::vector<unsigned char> ws(ws_bytes);
         dev[5]->download(ws.data());
-        const std::int64_t ctas = g::persistent_ctas(g::tile_of(params), p);
+        const g::StreamKSplit split = g::streamk_split(g::tile_of(params), p);
         std::int64_t raised = 0;
-        for (std::int64_t i = 0; i < ctas * 32; ++i) raised += ws[std::size_t(i)] != 0;
+        for (std::int64_t i = 0; i < split.rem * (split.chunks - 1) * 32; ++i) raised += ws[std::size_t(i)] != 0;
         EXPECT_EQ(raised, 0) << "flag bytes left raised after launch " << run;
       }
     }
+  }
 }
 
 TEST_F(GemmGpu, GatedMlpMatchesReferenceOnEveryPathDtypeAndActivation) {
