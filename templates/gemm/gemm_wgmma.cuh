@@ -241,6 +241,10 @@ struct WorkItem {
   int u, ka, kb;  // tile (grouped order), k-steps [ka, kb)
   int c;          // stream-K: the piece's range of k-steps, -1 for a whole tile
 };
+// STK false: whole tiles only (the kernels without stream-K compile exactly the loop they had;
+// with the stream-K branch present but never taken, ptxas moved the accumulators of the 128 x 256
+// and gated kernels to local memory).
+template <bool STK>
 struct WorkWalker {
   int next_u, dp_units, step, ka0, kb0, ktiles;
   int next_j, sk_units, rem, chunks;  // stream-K pieces, chunk-major
@@ -254,7 +258,7 @@ struct WorkWalker {
       next_u += step;
       return true;
     }
-    if (next_j >= sk_units) return false;
+    if (!STK || next_j >= sk_units) return false;
     w.c = next_j / rem;
     w.u = dp_units + next_j % rem;
     w.ka = w.c * ktiles / chunks;
@@ -340,7 +344,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // The work items (WorkWalker): whole tiles first, then (STREAMK) the last partial wave's pieces.
   constexpr bool STK = STREAMK != 0;
   static_assert(!STK || (BLOCK && CL == 1 && BN != 32), "stream-K: block-scaled fp8, no cluster, not DIRECT");
-  WorkWalker walker0{first, units, step, kt0, kt1, ktiles, first, 0, 1, 1};
+  WorkWalker<STK> walker0{first, units, step, kt0, kt1, ktiles, first, 0, 1, 1};
   if (STK) {
     const int rem = units % step;
     const int chunks = units >= step && rem > 0 ? streamk_chunks(rem, step, ktiles) : 1;
@@ -377,7 +381,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       // The whole warp walks the ring (it stays converged for the cluster barrier at the end);
       // lane 0 issues.
       int it = 0;
-      WorkWalker walker = walker0;
+      WorkWalker<STK> walker = walker0;
       for (WorkItem w; walker.next(w);) {
         int tm, tnc;
         tile_coords<GROUP>(w.u, tiles_m, tiles_nc, tm, tnc);
@@ -405,7 +409,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       }
     } else if (BLOCK && !DIRECT && warp == 1) {
       int it = 0;
-      WorkWalker walker = walker0;
+      WorkWalker<STK> walker = walker0;
       for (WorkItem w; walker.next(w);) {
         int tm, tnc;
         tile_coords<GROUP>(w.u, tiles_m, tiles_nc, tm, tnc);
@@ -539,7 +543,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   constexpr bool ORDER = BLOCK && CONSUMERS == 2 && !HALVES;
   int batch = 0, batches = 0;
   if (ORDER) {
-    WorkWalker walker = walker0;
+    WorkWalker<STK> walker = walker0;
     for (WorkItem w; walker.next(w);) batches += w.kb - w.ka;
   }
   auto order_wait = [&]() {
@@ -559,7 +563,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   };
   int it = 0;
   int uiter = 0;  // split-K: units done, the parity of the ready / done barriers
-  WorkWalker walker = walker0;
+  WorkWalker<STK> walker = walker0;
   for (WorkItem w; walker.next(w);) {
     const int u = w.u;
     ka = w.ka;
