@@ -1,8 +1,5 @@
 // The tensor-core typed ops: quantize_fp8, fp8_gemm, fused_gated_mlp (contracts in kiln/ops.h).
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "client/validate.h"
 #include "families/fp8_gemm/fp8_gemm.h"
@@ -108,35 +105,6 @@ Status write_zeros(const TensorView& out, DeviceKind where, Stream stream) {
   KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
   return d->check(d->memset_d8_async(reinterpret_cast<CUdeviceptr>(out.data), 0, bytes, static_cast<CUstream>(stream)),
                   "cuMemsetD8Async");
-}
-
-// Stream-K's workspace (block-scaled fp8_gemm, gemm::streamk_workspace_bytes): one device buffer
-// per (CUDA context, stream), zeroed on the stream when allocated; every launch leaves it zero, so
-// consecutive launches on one stream share it and two streams never do. It only grows (the old one
-// is freed after synchronizing its stream); nothing is freed at exit.
-struct StreamKWorkspace {
-  CUdeviceptr ptr = 0;
-  std::int64_t bytes = 0;
-};
-std::mutex g_ws_mu;
-std::map<std::pair<CUcontext, Stream>, StreamKWorkspace> g_ws;
-
-Result<void*> streamk_workspace(int ordinal, Stream stream, std::int64_t bytes) {
-  KILN_ASSIGN_OR_RETURN(CUcontext ctx, jit::current_context(ordinal));
-  std::lock_guard lock(g_ws_mu);
-  StreamKWorkspace& ws = g_ws[{ctx, stream}];
-  if (ws.bytes >= bytes) return reinterpret_cast<void*>(ws.ptr);
-  const jit::Driver* d = jit::Driver::get().value();
-  const CUstream s = static_cast<CUstream>(stream);
-  if (ws.ptr) {
-    KILN_TRY(d->check(d->stream_synchronize(s), "cuStreamSynchronize"));
-    KILN_TRY(d->check(d->mem_free(ws.ptr), "cuMemFree"));
-    ws = StreamKWorkspace{};
-  }
-  KILN_TRY(d->check(d->mem_alloc(&ws.ptr, std::size_t(bytes)), "cuMemAlloc"));
-  ws.bytes = bytes;
-  KILN_TRY(d->check(d->memset_d8_async(ws.ptr, 0, std::size_t(bytes), s), "cuMemsetD8Async"));
-  return reinterpret_cast<void*>(ws.ptr);
 }
 
 }  // namespace
@@ -265,13 +233,8 @@ Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_sc
   if (k == 0) return write_zeros(out, where, stream);
 
   KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(out.dtype, m, n, k, mode, where, a.device.index));
-  void* buffers[6] = {a.data, b.data, a_scale.data, b_scale.data, out.data, nullptr};
-  // Block scales on sm_90: a stream-K workspace large enough for whichever stream-K variant the
-  // runtime picks (the heuristic's or a tuned winner); other variants ignore it.
-  if (where == DeviceKind::cuda && mode == families::k_fp8_blockwise && p.dims[g::k_cc] == 90) {
-    KILN_ASSIGN_OR_RETURN(buffers[5], streamk_workspace(a.device.index, stream, g::streamk_workspace_bytes_max(p)));
-  }
-  return dispatch("fp8_gemm", p, std::span<void* const>(buffers, buffers[5] ? 6 : 5), where, stream, runtime);
+  void* buffers[5] = {a.data, b.data, a_scale.data, b_scale.data, out.data};
+  return dispatch("fp8_gemm", p, buffers, where, stream, runtime);
 }
 
 Status fused_gated_mlp(const TensorView& x, const TensorView& gate_weight, const TensorView& up_weight,

@@ -32,7 +32,6 @@ inline std::vector<ParamDef> tile_params() {
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
       {"cluster", {1, 2}, {}, "wgmma: CTAs per thread-block cluster, side by side along N, sharing A by TMA multicast"},
       {"split", {1, 2, 3, 4}, {}, "wgmma, fp8: CTAs (one cluster) sharing a tile's K; partial sums reduced in rank order"},
-      {"streamk", {0, 1}, {}, "wgmma, block-scaled fp8: the last partial wave's tiles shared by k-steps over the whole grid (fix-up through a workspace)"},
   };
 }
 
@@ -41,11 +40,10 @@ struct Tile {
   int bm, bn, stages, group;
   int cluster = 1;
   int split = 1;
-  int streamk = 0;
 };
 inline Tile tile_of(const Params& p) {
   return {*p.get_str("path") == "wgmma", int(*p.get_int("bm")), int(*p.get_int("bn")), int(*p.get_int("stages")),
-          int(*p.get_int("group")), int(*p.get_int("cluster")), int(*p.get_int("split")), int(*p.get_int("streamk"))};
+          int(*p.get_int("group")), int(*p.get_int("cluster")), int(*p.get_int("split"))};
 }
 
 inline std::int64_t element_bytes(Kind kind, DType operand) { return kind == k_gated ? dtype_size(operand) : 1; }
@@ -83,9 +81,6 @@ inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   if (!t.wgmma && t.cluster != 1) return invalid_argument(f + ": clusters are for the wgmma path only");
   if (t.split > 1 && (!t.wgmma || kind == k_gated || t.cluster != 1))
     return invalid_argument(f + ": split-K is for fp8 on the wgmma path, without A multicast (cluster 1)");
-  if (t.streamk && (kind != k_fp8_block || !t.wgmma || t.cluster != 1 || t.split != 1 || (t.bm == 64 && t.bn == 32)))
-    return invalid_argument(f + ": stream-K is for block-scaled fp8 on the wgmma path, without clusters or split-K, "
-                                "not for 64 x 32 tiles");
   if ((t.bn == 56 || t.bn == 176) && (kind != k_fp8_tensor || !t.wgmma))
     return invalid_argument(f + ": bn 56 and 176 are for per-tensor fp8 on the wgmma path only");
   if (shared_bytes(kind, t) > 227 * 1024)
@@ -132,63 +127,10 @@ inline std::int64_t cluster_units(const Tile& t, const Problem& p) {
 
 // The wgmma path's persistent grid: one CTA per SM at most, whole clusters (cluster x split CTAs
 // each).
-// Stream-K takes one CTA per SM whatever the tile count: its last wave's k-steps go over all of them.
 inline std::int64_t persistent_ctas(const Tile& t, const Problem& p) {
   const std::int64_t size = t.cluster * t.split;
   const std::int64_t clusters = std::max<std::int64_t>(1, p.dims[k_sms] / size);
-  if (t.streamk) return clusters;
   return std::min(cluster_units(t, p), clusters) * size;
-}
-
-// Stream-K's ranges of k-steps per tile of the partial wave: templates/gemm/gemm_wgmma.cuh's
-// streamk_chunks, the same function (the kernel computes it, the host sizes the workspace and
-// models the time with it): the fewest per-CTA k-steps, ceil(rem c / grid) pieces of
-// ceil(ktiles / c) k-steps plus c - 1 for the fix-up, over c = 1-4 (1: no split).
-inline int streamk_chunks(std::int64_t rem, std::int64_t grid, std::int64_t ktiles) {
-  int best = 1;
-  std::int64_t best_cost = ktiles;
-  for (int c = 2; c <= 4 && c <= ktiles; ++c) {
-    const std::int64_t cost = (rem * c + grid - 1) / grid * ((ktiles + c - 1) / c) + (c - 1);
-    if (cost < best_cost) {
-      best_cost = cost;
-      best = c;
-    }
-  }
-  return best;
-}
-
-// Stream-K's split of a problem: the tiles of the partial wave (rem), and the ranges each is cut
-// into (1: none; the kernel then runs every tile whole). Only after at least one whole wave.
-struct StreamKSplit {
-  std::int64_t rem = 0;
-  int chunks = 1;
-};
-inline StreamKSplit streamk_split(const Tile& t, const Problem& p) {
-  StreamKSplit s;
-  if (!t.streamk) return s;
-  const std::int64_t units = cluster_units(t, p), grid = persistent_ctas(t, p);
-  const std::int64_t ktiles = (p.dims[k_k] + 127) / 128;
-  if (units < grid || units % grid == 0) return s;
-  s.rem = units % grid;
-  s.chunks = streamk_chunks(s.rem, grid, ktiles);
-  return s;
-}
-
-// Stream-K's workspace (templates/gemm/gemm_wgmma.cuh): a flag of 4 bytes per consumer warp (8) per
-// partial tile, padded to 1024 bytes, then the rem x (chunks - 1) fp32 partial tiles (at least
-// 1024 bytes in all). The flags must be zero before the first launch; every launch leaves them so.
-inline std::int64_t streamk_workspace_bytes(const Tile& t, const Problem& p) {
-  if (!t.streamk) return 0;
-  const StreamKSplit s = streamk_split(t, p);
-  const std::int64_t slots = s.rem * (s.chunks - 1);
-  return std::max<std::int64_t>(1024, (slots * 32 + 1023) / 1024 * 1024 + slots * t.bm * t.bn * 4);
-}
-// The most any stream-K tile of the wgmma path needs for a block-scaled problem (what the op
-// allocates, whichever variant the runtime picks: the heuristic's or a tuned one).
-inline std::int64_t streamk_workspace_bytes_max(const Problem& p) {
-  std::int64_t most = 1024;
-  for (int bn : {128, 192, 256}) most = std::max(most, streamk_workspace_bytes(Tile{true, 128, bn, 4, 8, 1, 1, 1}, p));
-  return most;
 }
 
 inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
@@ -205,10 +147,7 @@ inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
 inline std::string name_expression(Kind kind, const std::string& operand, const std::string& out, int act,
                                    const Tile& t) {
   const bool clustered = t.wgmma && t.cluster * t.split > 1;
-  const char* kernel = !t.wgmma      ? "gemm_mma<"
-                       : clustered   ? "gemm_wgmma_cluster<"
-                       : t.streamk   ? "gemm_wgmma_streamk<"
-                                     : "gemm_wgmma<";
+  const char* kernel = !t.wgmma ? "gemm_mma<" : clustered ? "gemm_wgmma_cluster<" : "gemm_wgmma<";
   return std::string("kiln::gemm::") + kernel + std::to_string(int(kind)) + ", " + operand + ", " + out + ", " +
          std::to_string(act) + ", " + std::to_string(t.bm) + ", " + std::to_string(t.bn) + ", " +
          std::to_string(t.stages) + ", " + std::to_string(t.group) +
@@ -236,7 +175,7 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   const std::uint64_t row_bytes = std::uint64_t(p.dims[k_k] * es);
   args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm / t.cluster), 0});
   args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
-  args.add_tensor_map({b1 && !t.streamk ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
+  args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
 }
 
 // Stages for a tile: at least 96 KiB of loads in flight, 4 to 6; on the wgmma path, tiles whose
@@ -272,9 +211,6 @@ inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
   return {1, 2};
 }
 
-// Stream-K candidates of the heuristic: block-scaled 128-row tiles of 128 columns or more.
-inline bool streamk_tile(Kind kind, int bm, int bn) { return kind == k_fp8_block && bm == 128 && bn >= 128; }
-
 // The modelled time of a wgmma tile: waves x (k-steps per CTA x (bm bn + 64 (bm / cluster + bn))
 // + the split-K reduction), where a wave is one tile per SM (the grid is persistent, whole
 // clusters), a k-step (128 bytes of K) costs its tensor-core work plus a term for its loads,
@@ -284,23 +220,14 @@ inline bool streamk_tile(Kind kind, int bm, int bn) { return kind == k_fp8_block
 // variant at all six M = 128 problems (H100, 2026-11-22; four k-steps chose splits that ran
 // 1.1-1.6x slower; with ten, block-scaled 128 x 7168 x 16384 split 128 x 128 tiles in two, 60.6-
 // 62.0 us, where 64 x 128 unsplit with the deep pipelines of default_stages ran 57.6-58.0).
-// Stream-K (c.streamk): the whole waves, then streamk_chunks' per-CTA k-steps of the partial wave
-// (its fix-up term included); where it does not split (no whole wave first, no partial wave, or
-// no gain) one k-step more than the same tile without it, so ties go to the plain tile.
 inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t size = c.cluster * c.split;
   const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
-  const std::int64_t units = cluster_units(c, p);
-  const std::int64_t waves = (units + per_wave - 1) / per_wave;
+  const std::int64_t waves = (cluster_units(c, p) + per_wave - 1) / per_wave;
   const std::int64_t ksteps = (p.dims[k_k] * element_bytes(kind, DType::bf16) + 127) / 128;
   const std::int64_t step = std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn);
   const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 20 * step : 0;
-  const std::int64_t plain = waves * ((ksteps + c.split - 1) / c.split * step + reduce);
-  if (!c.streamk) return plain;
-  const StreamKSplit s = streamk_split(c, p);
-  if (s.chunks == 1) return plain + step;
-  const std::int64_t pieces = (s.rem * s.chunks + per_wave - 1) / per_wave;
-  return (units / per_wave * ksteps + pieces * ((ksteps + s.chunks - 1) / s.chunks) + (s.chunks - 1)) * step;
+  return waves * ((ksteps + c.split - 1) / c.split * step + reduce);
 }
 
 // Block scales with 128 x 256 tiles over at least 64 rows of tiles (M >= 8192) take the grouped
@@ -322,16 +249,14 @@ inline Tile default_tile(Kind kind, const Problem& p) {
   if (t.wgmma) {
     std::int64_t best = -1;
     for (auto [bm, bn] : wgmma_tiles(kind))
-      for (int split : wgmma_splits(kind, bm, bn))
-        for (int streamk : {0, 1}) {
-          if (streamk && (split > 1 || !streamk_tile(kind, bm, bn))) continue;
-          const Tile c{true, bm, bn, 4, 8, 1, split, streamk};
-          const std::int64_t cost = wgmma_cost(kind, c, p);
-          if (best < 0 || cost < best) {
-            best = cost;
-            t = c;
-          }
+      for (int split : wgmma_splits(kind, bm, bn)) {
+        const Tile c{true, bm, bn, 4, 8, 1, split};
+        const std::int64_t cost = wgmma_cost(kind, c, p);
+        if (best < 0 || cost < best) {
+          best = cost;
+          t = c;
         }
+      }
     if (t.split == 1 && wide_group(kind, t.bm, t.bn, p)) t.group = 16;
   } else {
     if (kind == k_gated) t.bn = 64;
@@ -356,16 +281,6 @@ inline std::vector<Tile> default_tiles(Kind kind) {
         t.group = 16;
         out.push_back(t);
       }
-      if (split == 1 && streamk_tile(kind, bm, bn)) {
-        Tile s = t;
-        s.streamk = 1;
-        s.group = 8;
-        out.push_back(s);
-        if (bn == 256) {
-          s.group = 16;
-          out.push_back(s);
-        }
-      }
     }
   for (auto [bm, bn] : kind == k_gated ? std::vector<std::pair<int, int>>{{128, 64}, {64, 64}}
                                        : std::vector<std::pair<int, int>>{{128, 128}, {64, 128}, {64, 64}})
@@ -381,9 +296,8 @@ inline std::vector<Tile> default_tiles(Kind kind) {
 }
 
 // Every tile of the heuristic's path that validates and fits the problem: each stage depth (3-6,
-// and the wgmma default when deeper) and group order without clusters or split-K, each tile with
-// clusters of 2 (A multicast) or split-K 2-4 at its default stages and group 8, and the stream-K
-// tiles (streamk_tile) at their default stages in groups of 8 and 16.
+// and the wgmma default when deeper) and group order without clusters or split-K, and each tile
+// with clusters of 2 (A multicast) or split-K 2-4 at its default stages and group 8.
 template <class MakeParams, class Check>
 std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
@@ -407,13 +321,6 @@ std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Che
         Params p = make(t);
         if (check(p)) out.push_back(std::move(p));
       }
-      if (streamk_tile(kind, bm, bn))
-        for (int group : {8, 16}) {
-          Tile t{true, bm, bn, 4, group, 1, 1, 1};
-          t.stages = default_stages(kind, t, 90);
-          Params p = make(t);
-          if (check(p)) out.push_back(std::move(p));
-        }
     }
   return out;
 }
@@ -426,8 +333,7 @@ inline Params with_tile(Params base, const Tile& t) {
       .set("stages", std::int64_t(t.stages))
       .set("group", std::int64_t(t.group))
       .set("cluster", std::int64_t(t.cluster))
-      .set("split", std::int64_t(t.split))
-      .set("streamk", std::int64_t(t.streamk));
+      .set("split", std::int64_t(t.split));
   return base;
 }
 

@@ -161,7 +161,7 @@ Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& 
     if (b.role == BufferRole::input)
       cs->host.push_back(random_block(b.dtype, b.elements, rng));
     else
-      cs->host.emplace_back(buffer_bytes(b), b.role == BufferRole::workspace ? 0 : 0xFF);
+      cs->host.emplace_back(buffer_bytes(b), 0xFF);
     host_ptrs.push_back(cs->host.back().data());
   }
   KILN_TRY(f.cpu_reference(ref_params, cp, std::span<void* const>(host_ptrs.data(), host_ptrs.size())));
@@ -169,7 +169,7 @@ Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& 
   for (std::size_t i = 0; i < cs->specs.size(); ++i) {
     cs->dev.emplace_back();
     KILN_TRY(cs->dev.back().alloc(buffer_bytes(cs->specs[i])));
-    if (cs->specs[i].role != BufferRole::output)  // inputs, and workspaces (zero)
+    if (cs->specs[i].role == BufferRole::input)
       KILN_TRY(d->check(d->memcpy_htod(cs->dev.back().ptr(), cs->host[i].data(), cs->host[i].size()), "cuMemcpyHtoD"));
   }
   return cs;
@@ -233,7 +233,7 @@ Result<std::unique_ptr<TimingPool>> make_timing_pool(const std::vector<BufferSpe
       if (b.role == BufferRole::input)
         KILN_TRY(fill_random(m, b.dtype, rng));
       else
-        KILN_TRY(d->check(d->memset_d8(m.ptr(), b.role == BufferRole::workspace ? 0 : 0xFF, m.bytes()), "cuMemsetD8"));
+        KILN_TRY(d->check(d->memset_d8(m.ptr(), 0xFF, m.bytes()), "cuMemsetD8"));
     }
   }
   if (pool->flush) KILN_TRY(pool->scratch.alloc(target));

@@ -196,7 +196,6 @@ int variants(Context& ctx, nlohmann::json& rows) {
     int bm, bn, cluster, split;
     int stages = 0;  // 0: default_stages
     int group = 8;
-    int streamk = 0;
   };
   struct Case {
     const char* family;
@@ -209,13 +208,10 @@ int variants(Context& ctx, nlohmann::json& rows) {
   const double F = 2.0;
   const std::vector<Case> cases = {
       {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192,
-       {{128, 256, 1, 1, 0, 16}, {128, 256, 1, 1, 0, 16, 1}, {128, 256, 1, 1, 0, 16}, {128, 256, 1, 1, 0, 16, 1}}},
-      {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384, {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 8, 1}}},
-      {"fp8_gemm", 4096, 4096, 7168, B, DType::bf16, F * 4096 * 4096 * 7168,
-       {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 8, 1}, {128, 256, 1, 1}, {128, 256, 1, 1, 0, 8, 1}}},
-      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168,
-       {{128, 192, 1, 1}, {128, 192, 1, 1, 0, 8, 1}, {128, 192, 1, 1}, {128, 192, 1, 1, 0, 8, 1},
-        {128, 192, 1, 1}, {128, 192, 1, 1, 0, 8, 1}}},
+       {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}, {128, 256, 1, 1, 0, 1}}},
+      {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384, {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}}},
+      {"fp8_gemm", 4096, 4096, 7168, B, DType::bf16, F * 4096 * 4096 * 7168, {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}}},
+      {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168, {{128, 192, 1, 1}, {128, 192, 1, 1, 0, 16}}},
       {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{64, 128, 1, 1}}},
       {"fp8_gemm", 128, 4096, 7168, B, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {64, 128, 1, 1}}},
       {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168,
@@ -251,22 +247,13 @@ int variants(Context& ctx, nlohmann::json& rows) {
       ptrs.push_back(bufs.back()->get());
     }
     for (const Cand& cand : c.cands) {
-      g::Tile t{true, cand.bm, cand.bn, 4, cand.group, cand.cluster, cand.split, cand.streamk};
+      g::Tile t{true, cand.bm, cand.bn, 4, cand.group, cand.cluster, cand.split};
       t.stages = cand.stages ? cand.stages : g::default_stages(kind, t, cc);
       const Params v = g::with_tile(h, t);
       if (!f.validate(v).ok() || !f.check_problem(v, p).ok()) continue;
       auto k = ctx.runtime->kernel(KernelSpec{c.family, v});
       check(k.status(), "kernel");
-      // Stream-K: a zeroed workspace after the buffers (each launch leaves it zeroed).
-      std::vector<void*> vptrs(ptrs.begin(), ptrs.begin() + std::min<std::size_t>(ptrs.size(), 5));
-      std::unique_ptr<DeviceBuffer> ws;
-      if (t.streamk) {
-        std::vector<unsigned char> zeros(std::size_t(g::streamk_workspace_bytes(t, p)), 0);
-        ws = std::make_unique<DeviceBuffer>(zeros.size());
-        ws->upload(zeros.data());
-        vptrs.push_back(ws->get());
-      }
-      auto call = [&](int) { check(ctx.runtime->launch(**k, p, vptrs, nullptr), "launch"); };
+      auto call = [&](int) { check(ctx.runtime->launch(**k, p, ptrs, nullptr), "launch"); };
       call(0);
       check(ctx.driver->ctx_synchronize(), "sync");
       const double ms = time_events(call, 3, 20);

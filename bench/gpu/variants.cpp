@@ -150,10 +150,6 @@ int run(Context& ctx) {
       for (const auto& spec : specs) {
         bufs[s].push_back(std::make_unique<DeviceBuffer>(std::max<std::size_t>(1, spec.elements * dtype_size(spec.dtype))));
         if (spec.role == BufferRole::input) fill(*bufs[s].back(), spec, ctx.rng, modulo);
-        if (spec.role == BufferRole::workspace) {
-          std::vector<unsigned char> zeros(std::max<std::size_t>(1, spec.elements * dtype_size(spec.dtype)), 0);
-          bufs[s].back()->upload(zeros.data());
-        }
       }
     std::vector<std::pair<double, std::string>> results;
     for (const Params& params : f.tuning_space(c.problem)) {

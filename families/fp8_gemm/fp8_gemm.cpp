@@ -88,25 +88,19 @@ class Fp8Gemm final : public g::GemmFamily {
     return out;
   }
 
-  // Stream-K variants add a workspace (u8, gemm::streamk_workspace_bytes) that must be zero before
-  // their first launch and is left zero by each.
-  std::vector<BufferSpec> buffers(const Params& params, const Problem& p) const override {
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto m = p.dims[g::k_m], n = p.dims[g::k_n], k = p.dims[g::k_k];
     const bool block = p.dims[g::k_mode] == k_fp8_blockwise;
     const auto kb = ceil_div(k, 128);
-    std::vector<BufferSpec> out = {{"a", BufferRole::input, DType::u8, m * k},
-                                   {"b", BufferRole::input, DType::u8, n * k},
-                                   {"a_scale", BufferRole::input, DType::f32, block ? m * kb : 1},
-                                   {"b_scale", BufferRole::input, DType::f32, block ? ceil_div(n, 128) * kb : 1},
-                                   {"out", BufferRole::output, p.dtype, m * n}};
-    const g::Tile t = g::tile_of(params);
-    if (t.streamk) out.push_back({"workspace", BufferRole::workspace, DType::u8, g::streamk_workspace_bytes(t, p)});
-    return out;
+    return {{"a", BufferRole::input, DType::u8, m * k},
+            {"b", BufferRole::input, DType::u8, n * k},
+            {"a_scale", BufferRole::input, DType::f32, block ? m * kb : 1},
+            {"b_scale", BufferRole::input, DType::f32, block ? ceil_div(n, 128) * kb : 1},
+            {"out", BufferRole::output, p.dtype, m * n}};
   }
 
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
-    const g::Tile t = g::tile_of(params);
-    g::pack(t, p, 1, b[0], b[1], t.streamk && b.size() > 5 ? b[5] : nullptr, b[2], b[3], b[4], out);
+    g::pack(g::tile_of(params), p, 1, b[0], b[1], nullptr, b[2], b[3], b[4], out);
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {

@@ -75,11 +75,7 @@ static_assert(std::is_standard_layout_v<Problem> && sizeof(Problem) == sizeof(ki
               offsetof(Problem, scalars) == offsetof(kiln_problem, scalars) && sizeof(DType) == 1 &&
               Problem::k_max_dims == KILN_PLUGIN_MAX_DIMS && Problem::k_max_scalars == KILN_PLUGIN_MAX_SCALARS);
 
-// input: read by the kernel (harnesses fill it with random data); output: written (harnesses
-// poison it and compare it with the CPU reference's); workspace: device scratch that must be zero
-// before the kernel's first launch and that every launch leaves zero (stream-K's flags: harnesses
-// zero it once, never compare it, and the CPU reference ignores it).
-enum class BufferRole : std::uint8_t { input, output, workspace };
+enum class BufferRole : std::uint8_t { input, output };
 
 // One buffer a kernel reads or writes for a problem, in kernel-argument order.
 struct BufferSpec {

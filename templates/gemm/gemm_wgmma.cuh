@@ -205,103 +205,7 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 // at all (a probe without scales), 15.6-15.9 with DIRECT (19.6 with DIRECT and one set). On larger
 // tiles DIRECT measured slower (64 x 64 at 128 x 4096 x 7168 21.8 against 20.8, 128 x 256 at
 // 8192^3 2% slower, 128 x 192 at 4096 x 2112 7% slower), so they keep the scale warp.
-
-// Stream-K (STREAMK, block-scaled fp8, no cluster), in its k-aligned form: the persistent grid of
-// G CTAs takes the first units - rem tiles whole, G at a time (data-parallel, as without stream-K;
-// rem = units % G), and splits each of the last partial wave's rem tiles into `chunks` ranges of
-// k-steps (streamk_chunks: 2 to 4, or 1 where splitting gains nothing). The rem x chunks pieces are
-// dealt out chunk-major (every tile's first range, then every tile's second, ...) to the CTAs in
-// turn after their whole tiles, so the pieces that run at the same time start at the same k-step,
-// as whole tiles do, and CTAs sharing a row of A or a column of B read its k-slices from L2 at
-// about the same time. (Contiguous k-segments per CTA, the textbook stream-K, put every CTA at a
-// different k-offset: measured 2-13% slower than no stream-K at the four large block-scaled
-// problems, H100, 2026-11-22 eighth session.) A piece other than its tile's last writes its fp32
-// partial tile to a slot of the workspace and raises one flag per consumer warp; the CTA with the
-// last range (its piece comes later in the deal than the others) waits for those flags, adds the
-// partials in range order (deterministic), lowers the flags and stores the tile. Workspace (passed
-// as b1, gemm::streamk_workspace_bytes): a flag of 4 bytes per consumer warp (8) per slot, padded to
-// 1024 bytes, zero before the launch and left zero after it, then rem x (chunks - 1) partial tiles
-// of BM x BN floats.
-//
-// The chunk count: the fewest per-CTA k-steps of the partial wave, ceil(rem chunks / G) pieces of
-// ceil(ktiles / chunks) k-steps plus one k-step per extra chunk for the fix-up, over 1-4 chunks
-// (the host's gemm::streamk_chunks is the same function).
-__host__ __device__ __forceinline__ int streamk_chunks(int rem, int grid, int ktiles) {
-  int best = 1, best_cost = ktiles;
-  for (int c = 2; c <= 4 && c <= ktiles; ++c) {
-    const int cost = (rem * c + grid - 1) / grid * ((ktiles + c - 1) / c) + (c - 1);
-    if (cost < best_cost) {
-      best_cost = cost;
-      best = c;
-    }
-  }
-  return best;
-}
-struct WorkItem {
-  int u, ka, kb;  // tile (grouped order), k-steps [ka, kb)
-  int c;          // stream-K: the piece's range of k-steps, -1 for a whole tile
-};
-// STK false: whole tiles only (the kernels without stream-K compile exactly the loop they had;
-// with the stream-K branch present but never taken, ptxas moved the accumulators of the 128 x 256
-// and gated kernels to local memory).
-template <bool STK>
-struct WorkWalker {
-  int next_u, dp_units, step, ka0, kb0, ktiles;
-  int next_j, sk_units, rem, chunks;  // stream-K pieces, chunk-major
-  // The next item: whole tiles (or this CTA's split-K range) first, then stream-K pieces.
-  __device__ __forceinline__ bool next(WorkItem& w) {
-    if (next_u < dp_units) {
-      w.u = next_u;
-      w.ka = ka0;
-      w.kb = kb0;
-      w.c = -1;
-      next_u += step;
-      return true;
-    }
-    if (!STK || next_j >= sk_units) return false;
-    w.c = next_j / rem;
-    w.u = dp_units + next_j % rem;
-    w.ka = w.c * ktiles / chunks;
-    w.kb = (w.c + 1) * ktiles / chunks;
-    next_j += step;
-    return true;
-  }
-};
-__device__ __forceinline__ void st_global_f4(unsigned long long addr, const float (&v)[4]) {
-  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
-               : "memory");
-}
-__device__ __forceinline__ void ld_global_cg_f4(unsigned long long addr, float (&v)[4]) {
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
-               : "l"(addr)
-               : "memory");
-}
-__device__ __forceinline__ unsigned ld_acquire_gpu(unsigned long long addr) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_flag_release(unsigned long long addr, unsigned v) {
-  asm volatile("fence.acq_rel.gpu;\nst.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
-}
-// Waits for a stream-K flag. The CTAs a tile's owner waits for come later in the grid and write
-// their partial first; all are resident when the grid fits the device (one CTA per SM). Where they
-// are not (a device shared with other work), a wait past ~4 s traps rather than hanging. Not
-// inlined: with the trap inlined, ptxas moved the consumers' accumulators to local memory (860
-// bytes of spills for 128 x 192 tiles); as a call, none.
-__device__ __noinline__ void sk_wait_flag(unsigned long long addr) {
-  for (unsigned polls = 0; ld_acquire_gpu(addr) == 0; ++polls) {
-    if (polls > 64) __nanosleep(128);
-    if (polls > (1u << 25)) __trap();
-  }
-}
-__device__ __forceinline__ void st_flag_relaxed(unsigned long long addr, unsigned v) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
-}
-
-template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT,
-          int STREAMK = 0>
+template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc& map_a, const TmaDesc& map_b0,
                                                 const TmaDesc& map_b1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -341,20 +245,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   const int units = tiles_m * tiles_nc, first = blockIdx.x / CL, step = gridDim.x / CL;
   // This CTA's k-steps (all of them without split-K); a range may be empty when ktiles < SPLIT.
   const int kt0 = int((long long)ktiles * krank / SPLIT), kt1 = int((long long)ktiles * (krank + 1) / SPLIT);
-  // The work items (WorkWalker): whole tiles first, then (STREAMK) the last partial wave's pieces.
-  constexpr bool STK = STREAMK != 0;
-  static_assert(!STK || (BLOCK && CL == 1 && BN != 32), "stream-K: block-scaled fp8, no cluster, not DIRECT");
-  WorkWalker<STK> walker0{first, units, step, kt0, kt1, ktiles, first, 0, 1, 1};
-  if (STK) {
-    const int rem = units % step;
-    const int chunks = units >= step && rem > 0 ? streamk_chunks(rem, step, ktiles) : 1;
-    if (chunks > 1) {
-      walker0.dp_units = units - rem;
-      walker0.sk_units = rem * chunks;
-      walker0.rem = rem;
-      walker0.chunks = chunks;
-    }
-  }
+  const int nk = kt1 - kt0;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -381,14 +272,13 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       // The whole warp walks the ring (it stays converged for the cluster barrier at the end);
       // lane 0 issues.
       int it = 0;
-      WorkWalker<STK> walker = walker0;
-      for (WorkItem w; walker.next(w);) {
+      for (int u = first; u < units; u += step) {
         int tm, tnc;
-        tile_coords<GROUP>(w.u, tiles_m, tiles_nc, tm, tnc);
+        tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
         const int tn = tnc * CLUSTER + rank;
         const bool b_valid = !MC || tn < tiles_n;
         const unsigned bytes = A_BYTES + (b_valid ? (DUAL ? 2 : 1) * B_BYTES : 0);
-        for (int kt = w.ka; kt < w.kb; ++kt, ++it) {
+        for (int kt = kt0; kt < kt1; ++kt, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
           const unsigned st = base + s * STAGE_BYTES, bar = full + 8 * s;
@@ -409,14 +299,13 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       }
     } else if (BLOCK && !DIRECT && warp == 1) {
       int it = 0;
-      WorkWalker<STK> walker = walker0;
-      for (WorkItem w; walker.next(w);) {
+      for (int u = first; u < units; u += step) {
         int tm, tnc;
-        tile_coords<GROUP>(w.u, tiles_m, tiles_nc, tm, tnc);
+        tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
         const int tn = tnc * CLUSTER + rank;
         const bool b_ok = tn * BN < n;
         const float* b_scales = b_scale + (long long)((tn * BN) / k_scale_block) * kblocks;
-        for (int kt = w.ka; kt < w.kb; ++kt, ++it) {
+        for (int kt = kt0; kt < kt1; ++kt, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
           const unsigned dst = scales + s * SCALE_FLOATS * 4;
@@ -509,7 +398,6 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // and the next PSETS k-blocks' values, fetched (plain cached loads) a group ahead of their use.
   // Only DIRECT's loop calls these; the other block-scaled loops read stage s's shared-memory copy
   // (read_scales).
-  int ka = kt0, nk = kt1 - kt0;  // the current item's k-steps
   const float *sa0 = a_scale, *sa1 = a_scale, *sbc = b_scale;
   bool sa_ok0 = false, sa_ok1 = false, sb_ok[2] = {false, false};
   float pa[PSETS][2], pb[PSETS][2];
@@ -517,7 +405,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
     if constexpr (DIRECT) {
 #pragma unroll
       for (int j = 0; j < PSETS; ++j) {
-        const int kb = ka + kt_first + j;
+        const int kb = kt0 + kt_first + j;
         const bool in = kt_first + j < nk;
         pa[j][0] = in && sa_ok0 ? __ldg(sa0 + kb) : 0.0f;
         pa[j][1] = in && sa_ok1 ? __ldg(sa1 + kb) : 0.0f;
@@ -542,10 +430,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // 7% slower with bn 256's halves, which keep none).
   constexpr bool ORDER = BLOCK && CONSUMERS == 2 && !HALVES;
   int batch = 0, batches = 0;
-  if (ORDER) {
-    WorkWalker<STK> walker = walker0;
-    for (WorkItem w; walker.next(w);) batches += w.kb - w.ka;
-  }
+  if (ORDER) batches = first < units ? ((units - first + step - 1) / step) * nk : 0;
   auto order_wait = [&]() {
     if (!ORDER) return;
     if (wg == 1)
@@ -563,11 +448,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   };
   int it = 0;
   int uiter = 0;  // split-K: units done, the parity of the ready / done barriers
-  WorkWalker<STK> walker = walker0;
-  for (WorkItem w; walker.next(w);) {
-    const int u = w.u;
-    ka = w.ka;
-    nk = w.kb - w.ka;
+  for (int u = first; u < units; u += step) {
     int tm, tnc;
     tile_coords<GROUP>(u, tiles_m, tiles_nc, tm, tnc);
     const int tn = tnc * CLUSTER + rank;
@@ -688,41 +569,6 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
       release((it - 1) % STAGES);
     }
     if (MC && tn >= tiles_n) continue;
-    if constexpr (STK) {
-      if (w.c >= 0) {
-        constexpr int THREADS = CONSUMERS * 128;
-        const int chunks = walker0.chunks, slots = walker0.rem * (chunks - 1);
-        const unsigned long long ws = reinterpret_cast<unsigned long long>(b1);
-        const unsigned long long parts_base = ws + ((unsigned long long)slots * 32 + 1023) / 1024 * 1024;
-        const int warp_id = threadIdx.x / 32, slot0 = (u - walker0.dp_units) * (chunks - 1);
-        if (w.c < chunks - 1) {
-          // Not the tile's last range: the partial tile into its slot, then this warp's flag.
-          const int slot = slot0 + w.c;
-          const unsigned long long part = parts_base + (unsigned long long)slot * BM * BN * 4;
-#pragma unroll
-          for (int ni = 0; ni < NI; ++ni) st_global_f4(part + 16ull * (ni * THREADS + threadIdx.x), acc[0][ni]);
-          __syncwarp();
-          if (lane == 0) st_flag_release(ws + 4ull * (slot * 8 + warp_id), 1u);
-          continue;
-        }
-        // The last range: add the other ranges' partials, in range order.
-        for (int c = 0; c < chunks - 1; ++c) {
-          const unsigned long long flag = ws + 4ull * ((slot0 + c) * 8 + warp_id);
-          if (lane == 0) sk_wait_flag(flag);
-          __syncwarp();
-          const unsigned long long part = parts_base + (unsigned long long)(slot0 + c) * BM * BN * 4;
-#pragma unroll
-          for (int ni = 0; ni < NI; ++ni) {
-            float v[4];
-            ld_global_cg_f4(part + 16ull * (ni * THREADS + threadIdx.x), v);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[0][ni][e] += v[e];
-          }
-          __syncwarp();
-          if (lane == 0) st_flag_relaxed(flag, 0u);
-        }
-      }
-    }
     if (SK) {
       // Our partial tile may be overwritten once every CTA has read the previous one.
       if (uiter > 0) mbar_wait_cluster(red_bar + 8, (uiter - 1) & 1);
@@ -809,15 +655,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                const __grid_constant__ TmaDesc map_b1) {
   gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1>(a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m,
                                                                   tiles_n, map_a, map_b0, map_b1);
-}
-
-// Stream-K (block-scaled fp8): b1 is the workspace (see WorkWalker).
-template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-    gemm_wgmma_streamk(KILN_GEMM_PARAMS, const __grid_constant__ TmaDesc map_a, const __grid_constant__ TmaDesc map_b0,
-                       const __grid_constant__ TmaDesc map_b1) {
-  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1, 1>(a, b0, b1, a_scale, b_scale, out, m, n, k,
-                                                                     tiles_m, tiles_n, map_a, map_b0, map_b1);
 }
 
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>

@@ -68,9 +68,6 @@ class GemmGpu : public testing::GpuFixture {
       if (specs[i].role == BufferRole::input) {
         EXPECT_EQ(inputs[in].size(), bytes) << specs[i].name;
         dev.back()->upload(inputs[in++].data());
-      } else if (specs[i].role == BufferRole::workspace) {
-        const std::vector<unsigned char> zeros(bytes, 0);
-        dev.back()->upload(zeros.data());
       } else {
         dev.back()->poison();
         out_index = i;
@@ -109,10 +106,9 @@ std::vector<unsigned char> random_scales(std::int64_t n, std::mt19937& rng) {
 }
 
 Params gemm_params(const std::string& path, int bm, int bn, int stages, std::initializer_list<std::pair<const char*, const char*>> rest,
-                   int cluster = 1, int split = 1, int streamk = 0) {
+                   int cluster = 1, int split = 1) {
   Params p{{"path", path},     {"bm", std::int64_t(bm)},   {"bn", std::int64_t(bn)}, {"stages", std::int64_t(stages)},
-           {"group", std::int64_t(8)}, {"cluster", std::int64_t(cluster)}, {"split", std::int64_t(split)},
-           {"streamk", std::int64_t(streamk)}};
+           {"group", std::int64_t(8)}, {"cluster", std::int64_t(cluster)}, {"split", std::int64_t(split)}};
   for (auto [k, v] : rest) p.set(k, v);
   return p;
 }
@@ -170,81 +166,6 @@ TEST_F(GemmGpu, Fp8GemmMatchesReferenceOnEveryPathScalingAndOutput) {
             for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = std::int64_t(i);
             EXPECT_LT(testing::rel_l2(got.data(), want.data(), out, idx), testing::tolerance(out));
           }
-}
-
-// Stream-K (block scales, wgmma): the last partial wave's tiles cut into 2, 3 or 4 ranges of
-// k-steps (streamk_chunks decides; the cases below were picked to give each count, with one or
-// several rounds of pieces), and grids where it cuts nothing (whole waves only, or fewer tiles than
-// CTAs). Two launches on one workspace (the flags must come back to zero) with the output poisoned
-// before each, and the flags read back after.
-TEST_F(GemmGpu, Fp8GemmStreamKMatchesReference) {
-  if (cc_ != 90) GTEST_SKIP() << "stream-K runs on the wgmma path (sm_90a)";
-  const Family& f = *Registry::global().find("fp8_gemm");
-  struct Case {
-    int bm, bn;
-    Shape s;
-    int chunks;  // what streamk_split must give
-    DType out;
-  };
-  const Case cases[] = {{128, 128, {300, 520, 784, 11}, 2, DType::bf16},   {128, 128, {300, 520, 784, 11}, 2, DType::f16},
-                        {128, 128, {1000, 520, 2048, 7}, 4, DType::bf16},  {128, 128, {1000, 520, 2048, 11}, 3, DType::f16},
-                        {128, 192, {257, 600, 1040, 9}, 3, DType::bf16},   {128, 192, {700, 1000, 1552, 10}, 3, DType::bf16},
-                        {128, 192, {700, 1000, 1552, 8}, 2, DType::f16},   {128, 256, {520, 1100, 2992, 12}, 4, DType::bf16},
-                        {128, 256, {520, 1100, 2992, 7}, 3, DType::f16},   {64, 64, {200, 328, 528, 7}, 2, DType::bf16},
-                        {128, 128, {300, 520, 784, 15}, 1, DType::bf16},   {64, 64, {200, 328, 528, 0}, 1, DType::bf16}};
-  for (const Case& c : cases) {
-    {
-      const DType out = c.out;
-      const Params params = gemm_params("wgmma", c.bm, c.bn, 4, {{"out", dtype_name(out)}, {"scaling", "block"}}, 1, 1, 1);
-      const Problem p = gemm_problem(out, c.s.m, c.s.n, c.s.k, families::k_fp8_blockwise, c.s.sms);
-      SCOPED_TRACE(params.canonical() + " " + std::to_string(c.s.m) + "x" + std::to_string(c.s.n) + "x" +
-                   std::to_string(c.s.k) + " sms " + std::to_string(p.dims[g::k_sms]) + " seed " + std::to_string(seed_));
-      ASSERT_TRUE(f.check_problem(params, p).ok()) << f.check_problem(params, p).to_string();
-      EXPECT_EQ(g::streamk_split(g::tile_of(params), p).chunks, c.chunks);
-      const auto specs = f.buffers(params, p);
-      ASSERT_EQ(specs.size(), 6u);
-      ASSERT_EQ(specs[5].name, "workspace");
-      const std::int64_t kb = (c.s.k + 127) / 128, m = c.s.m, n = c.s.n;
-      std::vector<std::vector<unsigned char>> in = {random_e4m3(m * c.s.k, rng_), random_e4m3(n * c.s.k, rng_),
-                                                    random_scales(m * kb, rng_), random_scales(((n + 127) / 128) * kb, rng_)};
-      std::vector<std::unique_ptr<DeviceBuffer>> dev;
-      std::vector<void*> ptrs;
-      for (int i = 0; i < 4; ++i) {
-        dev.push_back(std::make_unique<DeviceBuffer>(in[i].size()));
-        dev.back()->upload(in[i].data());
-        ptrs.push_back(dev.back()->get());
-      }
-      dev.push_back(std::make_unique<DeviceBuffer>(std::size_t(m * n * 2)));
-      ptrs.push_back(dev.back()->get());
-      const std::size_t ws_bytes = std::size_t(specs[5].elements);
-      std::vector<unsigned char> zeros(ws_bytes, 0);
-      dev.push_back(std::make_unique<DeviceBuffer>(ws_bytes));
-      dev.back()->upload(zeros.data());
-      ptrs.push_back(dev.back()->get());
-      auto k = rt_->kernel(KernelSpec{"fp8_gemm", params});
-      ASSERT_TRUE(k.ok()) << k.status().to_string();
-      std::vector<unsigned char> want(std::size_t(m * n * 2));
-      void* bufs[5] = {in[0].data(), in[1].data(), in[2].data(), in[3].data(), want.data()};
-      ASSERT_TRUE(f.cpu_reference(params, p, bufs).ok());
-      std::vector<std::int64_t> idx(std::size_t(m * n));
-      for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = std::int64_t(i);
-      for (int run = 0; run < 2; ++run) {
-        dev[4]->poison();
-        Status st = rt_->launch(**k, p, ptrs, nullptr);
-        ASSERT_TRUE(st.ok()) << st.to_string();
-        ASSERT_EQ(drv()->ctx_synchronize(), CUDA_SUCCESS);
-        std::vector<unsigned char> got(want.size());
-        dev[4]->download(got.data());
-        EXPECT_LT(testing::rel_l2(got.data(), want.data(), out, idx), testing::tolerance(out)) << "launch " << run;
-        std::vector<unsigned char> ws(ws_bytes);
-        dev[5]->download(ws.data());
-        const g::StreamKSplit split = g::streamk_split(g::tile_of(params), p);
-        std::int64_t raised = 0;
-        for (std::int64_t i = 0; i < split.rem * (split.chunks - 1) * 32; ++i) raised += ws[std::size_t(i)] != 0;
-        EXPECT_EQ(raised, 0) << "flag bytes left raised after launch " << run;
-      }
-    }
-  }
 }
 
 TEST_F(GemmGpu, GatedMlpMatchesReferenceOnEveryPathDtypeAndActivation) {

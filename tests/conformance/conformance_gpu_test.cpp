@@ -76,11 +76,9 @@ TEST_P(ConformanceGpu, HeuristicVariantsMatchTheCpuReference) {
       std::vector<void*> host_ptrs, dev_ptrs;
       for (const auto& b : specs) {
         const std::size_t bytes = std::size_t(b.elements) * dtype_size(b.dtype);
-        want.push_back(b.role == BufferRole::input       ? random_input(b, rng_)
-                       : b.role == BufferRole::workspace ? std::vector<unsigned char>(bytes, 0)
-                                                         : std::vector<unsigned char>(bytes, 0xFF));
+        want.push_back(b.role == BufferRole::input ? random_input(b, rng_) : std::vector<unsigned char>(bytes, 0xFF));
         dev.push_back(std::make_unique<DeviceBuffer>(bytes));
-        if (b.role != BufferRole::output) dev.back()->upload(want.back().data());  // inputs; workspaces zero
+        if (b.role == BufferRole::input) dev.back()->upload(want.back().data());
         else dev.back()->poison();
         host_ptrs.push_back(want.back().data());
         dev_ptrs.push_back(dev.back()->get());
