@@ -112,7 +112,8 @@ class GatedMlp final : public g::GemmFamily {
           gate += x[i * k + q] * wg[j * k + q];
           up += x[i * k + q] * wu[j * k + q];
         }
-        const double act = gelu ? 0.5 * gate * (1.0 + std::erf(gate / std::sqrt(2.0))) : gate / (1.0 + std::exp(-gate));
+        // erfc rather than 1 + erf, which cancels to 0 in double below gate = -8.
+        const double act = gelu ? 0.5 * gate * std::erfc(-gate / std::sqrt(2.0)) : gate / (1.0 + std::exp(-gate));
         store_from_double(b[3], p.dtype, i * n + j, act * up);
       }
     return {};

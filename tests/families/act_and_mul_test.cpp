@@ -57,6 +57,25 @@ TEST(ActAndMul, ReferenceMatchesHandComputedValues) {
   }
 }
 
+TEST(ActAndMul, ReferenceKeepsFarNegativeGatesAccurate) {
+  // act(-10) * 1 in f32: 1 + erf and 1 + tanh cancel to 0 in double there; the reference's forms
+  // must not (values from 0.5 v erfc(-v / sqrt(2)) and v / (1 + exp(-2u)) in double).
+  struct Want {
+    int act;
+    double at_minus_10;
+  };
+  const Want wants[] = {{k_am_silu, -4.539786870243439e-4},
+                        {k_am_gelu, -7.619853024160593e-23},
+                        {k_am_gelu_tanh, -1.2040923482098023e-37}};
+  for (const auto& w : wants) {
+    std::vector<float> x = {-10, 1}, out(1, NAN);
+    Problem p = problem(DType::f32, 1, 1, w.act);
+    void* b[2] = {x.data(), out.data()};
+    ASSERT_TRUE(fam().cpu_reference(fam().heuristic(p), p, b).ok());
+    EXPECT_NEAR(out[0] / w.at_minus_10, 1.0, 1e-6) << w.act << ": " << out[0];
+  }
+}
+
 TEST(ActAndMul, ReferenceHonoursStridesHalfTypesAndInPlace) {
   // Two rows with d = 2 in x rows of stride 6 and out rows of stride 3; padding stays.
   const float xv[] = {0, 1, 5, 7, 9, 9, -1, 2, 4, 0.5f, 9, 9};
