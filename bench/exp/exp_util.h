@@ -111,18 +111,20 @@ inline double max_rel(const bf16_t* a, const bf16_t* b, size_t n) {
   return worst;
 }
 
-// GB/s (bytes read + written) of a 1 GiB device-to-device copy, timed as above.
-inline double copy_gbs_1gib() {
+// Microseconds of a device-to-device copy of `bytes` (read `bytes`, write `bytes`), timed as above.
+inline double copy_us(size_t bytes) {
   void *a, *b;
-  const size_t bytes = size_t(1) << 30;
   CK(cudaMalloc(&a, bytes));
   CK(cudaMalloc(&b, bytes));
   CK(cudaMemset(a, 1, bytes));
   const double t = time_us([&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
   CK(cudaFree(a));
   CK(cudaFree(b));
-  return 2.0 * bytes / t * 1e-3;
+  return t;
 }
+
+// GB/s (bytes read + written) of a 1 GiB device-to-device copy.
+inline double copy_gbs_1gib() { return 2.0 * double(size_t(1) << 30) / copy_us(size_t(1) << 30) * 1e-3; }
 
 // Blocks of kernel k that one SM holds with this block size and dynamic shared memory.
 template <typename K>

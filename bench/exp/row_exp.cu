@@ -239,16 +239,6 @@ int main() {
     CK(cudaFree(a));
     CK(cudaFree(b));
   }
-  auto copy_us = [](size_t bytes_each_way) {
-    void *a, *b;
-    CK(cudaMalloc(&a, bytes_each_way));
-    CK(cudaMalloc(&b, bytes_each_way));
-    CK(cudaMemset(a, 1, bytes_each_way));
-    const double us = time_us([&] { CK(cudaMemcpyAsync(b, a, bytes_each_way, cudaMemcpyDeviceToDevice)); });
-    CK(cudaFree(a));
-    CK(cudaFree(b));
-    return us;
-  };
 
   // --- RMSNorm ---
   struct RS { long long rows; int cols; };

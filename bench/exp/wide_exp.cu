@@ -525,17 +525,6 @@ __global__ void __launch_bounds__(NT, 1) bwd_regs(const bf16_t* __restrict__ dy,
 
 static int g_sms = 0;
 
-static double copy_us(size_t bytes) {
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  const double t = time_us([&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return t;
-}
-
 static double g_copy_gbs = 0;  // 1 GiB copy, bytes read + written per second / 1e9
 
 static void report(const char* what, long long rows, long long cols, double us, double bytes, double err) {
