@@ -54,10 +54,6 @@ int parse_int(const std::string& log, const std::regex& re) {
   return -1;
 }
 
-}  // namespace
-
-namespace {
-
 namespace fs = std::filesystem;
 
 // NVRTC's automatic PCH (-pch) writes an 8 MB header image into /tmp/__nvrtc_auto_pch_<pid>_<n>
