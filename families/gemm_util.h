@@ -235,8 +235,11 @@ inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
 // B 2112 rows) instead of 8 x 16.5 (A 1024, B 4224), fewer bytes of K in flight per k-step through
 // L2. H100, 2026-11-22 seventh session, 8192^3: 0.3-0.9% faster in each of 8 paired runs (e.g.
 // 918.1 -> 912.9 us); at M = 4096 (32 rows of tiles) it measured -0.6% to +2.5%, so those keep 8.
+// Per tensor too (eighth session's variants sweep: 8192^3 815.6 -> 807.0 us, 4096 x 4096 x 7168 a
+// tie); not yet run through the GPU tests.
+inline bool wide_group_kind(Kind kind) { return kind == k_fp8_block || kind == k_fp8_tensor; }
 inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
-  return kind == k_fp8_block && bm == 128 && bn == 256 && (p.dims[k_m] + bm - 1) / bm >= 64;
+  return wide_group_kind(kind) && bm == 128 && bn == 256 && (p.dims[k_m] + bm - 1) / bm >= 64;
 }
 
 // The default tile. wgmma: the candidate (tile, split) with the least wgmma_cost; ties go to the
@@ -277,7 +280,7 @@ inline std::vector<Tile> default_tiles(Kind kind) {
       Tile t{true, bm, bn, 4, 8, 1, split};
       t.stages = default_stages(kind, t, 90);
       out.push_back(t);
-      if (split == 1 && kind == k_fp8_block && bm == 128 && bn == 256) {
+      if (split == 1 && wide_group_kind(kind) && bm == 128 && bn == 256) {
         t.group = 16;
         out.push_back(t);
       }

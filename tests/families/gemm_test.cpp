@@ -333,13 +333,16 @@ TEST(GemmFamilies, WaveFillingTileWidths) {
   // Grouped order: block 128 x 256 over 64 or more rows of tiles walks groups of 16 rows (8192^3),
   // everything else groups of 8; the catalog holds both block 128 x 256 kernels.
   EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, 1)).get_int("group"), 16);
-  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, 0)).get_int("group"), 8);
-  for (auto [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{4096, 7168, 16384}, {4096, 4096, 7168},
-                         {4096, 2112, 7168}, {128, 2112, 7168}})
-    EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, m, n, k, 1)).get_int("group"), 8);
-  const Params wide_block = f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, 1));
+  EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, 0)).get_int("group"), 16);
+  for (int mode : {0, 1})
+    for (auto [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{4096, 7168, 16384}, {4096, 4096, 7168},
+                           {4096, 2112, 7168}, {128, 2112, 7168}})
+      EXPECT_EQ(*f.heuristic(gemm_problem(DType::bf16, m, n, k, mode)).get_int("group"), 8) << mode << " " << m;
   const auto cat = f.catalog();
-  EXPECT_NE(std::find(cat.begin(), cat.end(), wide_block), cat.end()) << wide_block.canonical();
+  for (int mode : {0, 1}) {
+    const Params wide = f.heuristic(gemm_problem(DType::bf16, 8192, 8192, 8192, mode));
+    EXPECT_NE(std::find(cat.begin(), cat.end(), wide), cat.end()) << wide.canonical();
+  }
   Params p = f.heuristic(gemm_problem(DType::bf16, 4096, 2112, 7168, 0));
   EXPECT_TRUE(f.validate(p).ok());
   p.set("scaling", "block");
