@@ -236,7 +236,7 @@ inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
 // L2. H100, 2026-11-22 seventh session, 8192^3: 0.3-0.9% faster in each of 8 paired runs (e.g.
 // 918.1 -> 912.9 us); at M = 4096 (32 rows of tiles) it measured -0.6% to +2.5%, so those keep 8.
 // Per tensor too (eighth session's variants sweep: 8192^3 815.6 -> 807.0 us, 4096 x 4096 x 7168 a
-// tie); not yet run through the GPU tests.
+// tie; GemmGpu.* and the GEMM bench passed with it in the ninth session).
 inline bool wide_group_kind(Kind kind) { return kind == k_fp8_block || kind == k_fp8_tensor; }
 inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
   return wide_group_kind(kind) && bm == 128 && bn == 256 && (p.dims[k_m] + bm - 1) / bm >= 64;
