@@ -34,6 +34,32 @@ struct Workspace {
 std::mutex g_mu;
 std::map<int, DeviceInfo> g_devices;                          // by device ordinal
 std::map<std::pair<CUcontext, Stream>, Workspace> g_workspaces;  // by context and stream
+// Clusters the GPU runs at once, by device ordinal and the clustered kernel's params.
+std::map<std::pair<int, std::string>, int> g_resident;
+
+// The slab count of the heuristic's choice for `p`. The clustered bulk kernel takes one slab per
+// cluster the GPU runs at once, which only the driver knows for the loaded kernel (clusters must
+// fit in one GPC: 30 clusters of 4 on a 132-SM H100), asked once per device and variant.
+Result<std::int64_t> slabs_for(const Family& bwd, const Problem& p, int ordinal, int sms, Runtime& runtime) {
+  const auto choice = families::rmsnorm_bwd_heuristic(p);
+  int resident = 0;
+  if (choice.stages > 0 && choice.cluster > 1 && p.dims[families::k_bwd_rows] > 0) {
+    const Params params = bwd.heuristic(p);
+    const std::pair<int, std::string> key{ordinal, params.canonical()};
+    {
+      std::lock_guard lock(g_mu);
+      if (auto it = g_resident.find(key); it != g_resident.end()) resident = it->second;
+    }
+    if (resident == 0) {
+      KILN_ASSIGN_OR_RETURN(const Kernel* k, runtime.kernel(KernelSpec{std::string(bwd.name()), params}));
+      const LaunchGeometry g = bwd.geometry(params, p);
+      resident = client::resident_clusters(*k, g.block.x, g.shared_bytes, choice.cluster);
+      std::lock_guard lock(g_mu);
+      g_resident[key] = resident;
+    }
+  }
+  return families::rmsnorm_bwd_slabs(choice, p, sms, resident);
+}
 
 Result<DeviceInfo> device_info(int ordinal) {
   std::lock_guard lock(g_mu);
@@ -189,14 +215,14 @@ Status rms_norm_backward(const TensorView& dy, const TensorView& x, const Tensor
 
   KILN_ASSIGN_OR_RETURN(DeviceInfo info, device_info(x.device.index));
   p.dims[families::k_bwd_max_cluster] = info.max_cluster;
-  const std::int64_t slabs = families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_heuristic(p), p, info.sms);
+  if (!runtime) {
+    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  KILN_ASSIGN_OR_RETURN(const std::int64_t slabs, slabs_for(*bwd, p, x.device.index, info.sms, *runtime));
   p.dims[families::k_bwd_slabs] = slabs;
   pr.dims[families::k_red_slabs] = slabs;
   const std::int64_t needed = slabs * hidden;
 
-  if (!runtime) {
-    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
-  }
   void* ws = nullptr;
   if (workspace) {
     if (workspace->numel() < needed)

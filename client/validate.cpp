@@ -105,6 +105,23 @@ Result<int> sm_count(int ordinal) {
   });
 }
 
+int resident_clusters(const Kernel& kernel, unsigned block, unsigned shared_bytes, int cluster) {
+  auto d = jit::Driver::get();
+  if (!d.ok() || !(*d)->occupancy_max_active_clusters || !kernel.function || cluster < 1) return 0;
+  CUlaunchConfig config{};
+  config.gridDimX = unsigned(cluster);
+  config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = block;
+  config.blockDimY = config.blockDimZ = 1;
+  config.sharedMemBytes = shared_bytes;
+  // The kernel's compile-time cluster shape applies: the config names none.
+  int clusters = 0;
+  if ((*d)->occupancy_max_active_clusters(&clusters, static_cast<CUfunction>(kernel.function), &config) !=
+      CUDA_SUCCESS)
+    return 0;
+  return clusters;
+}
+
 Result<int> compute_capability(int ordinal) {
   static std::array<std::atomic<int>, 64> known{};
   return cached_attribute(known, ordinal, [](const jit::Driver* d, CUdevice dev) -> Result<int> {

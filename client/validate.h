@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kiln/runtime.h"
 #include "kiln/status.h"
 #include "kiln/types.h"
 
@@ -31,6 +32,11 @@ Result<RowView> as_rows(const TensorView& t, const char* name);
 // each read once per device (a lock-free table after that: typed ops call these on every launch).
 Result<int> sm_count(int ordinal);
 Result<int> compute_capability(int ordinal);
+
+// How many clusters of `kernel` (built with a fixed cluster shape of `cluster` blocks) the device
+// runs at once with blocks of `block` threads and `shared_bytes` of dynamic shared memory, as the
+// driver reports it (cuOccupancyMaxActiveClusters); 0 when the driver cannot say.
+int resident_clusters(const Kernel& kernel, unsigned block, unsigned shared_bytes, int cluster);
 
 // The largest power of two (at most 16) dividing the address and every byte stride given.
 std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,

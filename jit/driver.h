@@ -60,9 +60,12 @@ namespace kiln::jit {
 // tensor maps, so an older driver still runs everything else.
 // cuLaunchKernelEx (CUDA 12) launches with attributes: programmatic dependent launches
 // (Family::programmatic_launch) use it, and fall back to cuLaunchKernel without it.
-#define KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(X)            \
-  X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)      \
-  X(launch_kernel_ex, cuLaunchKernelEx)
+// cuOccupancyMaxActiveClusters (CUDA 12): how many clusters of a kernel run at once, which sizes
+// the clustered RMSNorm backward's slabs; without it the op assumes SMs / cluster size.
+#define KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(X)                  \
+  X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)            \
+  X(launch_kernel_ex, cuLaunchKernelEx)                         \
+  X(occupancy_max_active_clusters, cuOccupancyMaxActiveClusters)
 
 struct Driver {
 #define KILN_CU_FIELD(field, fn) decltype(&::fn) field = nullptr;

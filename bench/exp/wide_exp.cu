@@ -270,7 +270,10 @@ __global__ void __launch_bounds__(NT, 1) fwd_pipe(const bf16_t* __restrict__ x, 
 }
 
 // ---- backward, cluster, ring, split cluster barrier one row apart ----
-template <int NT, int PPT, int STAGES, int CLUSTER>
+// EARLY (ninth session): a buffer is refilled as soon as its row's dx pass is done (a block
+// barrier right after finish(i - 1), then row i - 1 + STAGES is posted), a row sooner than after
+// the next row's sum barrier.
+template <int NT, int PPT, int STAGES, int CLUSTER, int EARLY = 0>
 __global__ void __launch_bounds__(NT, 1) bwd_pipe(const bf16_t* __restrict__ dy, const bf16_t* __restrict__ x,
                                                   const bf16_t* __restrict__ w, const float* __restrict__ inv_rms,
                                                   bf16_t* __restrict__ dx, float* __restrict__ partial,
@@ -341,7 +344,7 @@ __global__ void __launch_bounds__(NT, 1) bwd_pipe(const bf16_t* __restrict__ dy,
     acc = kiln::warp_sum(acc);
     if (lane == 0) scratch[i & 1][warp] = acc;
     __syncthreads();
-    if (t == 0 && i >= 2 && i - 2 + STAGES < n) post(i - 2 + STAGES);
+    if (!EARLY && t == 0 && i >= 2 && i - 2 + STAGES < n) post(i - 2 + STAGES);
     if (t == 0) {
       float sum = 0.f;
 #pragma unroll
@@ -350,6 +353,10 @@ __global__ void __launch_bounds__(NT, 1) bwd_pipe(const bf16_t* __restrict__ dy,
     }
     cluster_arrive();
     if (i >= 1) finish(i - 1);
+    if (EARLY) {
+      __syncthreads();
+      if (t == 0 && i >= 1 && i - 1 + STAGES < n) post(i - 1 + STAGES);
+    }
     cluster_wait();
   }
   if (n > 0) finish(n - 1);
@@ -685,6 +692,20 @@ static void bwd(long long rows, long long cols) {
   pipe(bwd_pipe<512, 4, 3, 4>, 512, 4, 3, 4);
   pipe(bwd_pipe<1024, 2, 3, 4>, 1024, 2, 3, 4);
   pipe(bwd_pipe<512, 1, 6, 16>, 512, 1, 6, 16);
+  if (std::getenv("WIDE_EARLY")) {
+    // Ninth session: buffers refilled a row sooner (EARLY), each against the same shape without,
+    // and the first pair again at the end.
+    pipe(bwd_pipe<512, 4, 3, 4>, 512, 4, 3, 4);
+    pipe(bwd_pipe<512, 4, 3, 4, 1>, 512, 4, 3, 4, "bwd_pipe EARLY");
+    pipe(bwd_pipe<1024, 2, 3, 4, 1>, 1024, 2, 3, 4, "bwd_pipe EARLY");
+    pipe(bwd_pipe<512, 2, 4, 8, 1>, 512, 2, 4, 8, "bwd_pipe EARLY");
+    pipe(bwd_pipe<512, 2, 6, 8, 1>, 512, 2, 6, 8, "bwd_pipe EARLY");
+    pipe(bwd_pipe<256, 4, 6, 8, 1>, 256, 4, 6, 8, "bwd_pipe EARLY");
+    for (int c : {10, 20}) pipe(bwd_pipe<512, 4, 3, 4, 1>, 512, 4, 3, 4, "bwd_pipe EARLY", 0, c);
+    pipe(bwd_pipe<512, 4, 3, 4>, 512, 4, 3, 4);
+    pipe(bwd_pipe<512, 4, 3, 4, 1>, 512, 4, 3, 4, "bwd_pipe EARLY");
+    return;
+  }
   const bool scaling = std::getenv("WIDE_SCALING") != nullptr;
   if (scaling) {
     // Does bwd_pipe's throughput follow the number of SMs it runs on (30 clusters of 4 hold 120 of

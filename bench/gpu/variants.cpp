@@ -63,7 +63,7 @@ std::vector<Case> cases(bool quick, int sms, int cc) {
   // The backward's first stage (dx and the partial dw rows; the small reduction over slabs is
   // left out). Its slab count follows each variant's block shape (see run()).
   std::vector<std::pair<std::int64_t, std::int64_t>> bwd = {{4096, 4096}, {4096, 8192}, {32768, 4096},
-                                                            {32768, 16384}, {4096, 65536}};
+                                                            {32768, 16384}, {4096, 32768}, {4096, 65536}};
   if (quick) bwd = {{4096, 4096}, {32768, 16384}};
   for (auto [t, h] : bwd) {
     Problem p;
@@ -156,8 +156,15 @@ int run(Context& ctx) {
       auto k = (*rt)->kernel(KernelSpec{c.family, params});
       check(k.status(), "kernel");
       Problem problem = c.problem;
-      if (c.family == "rmsnorm_bwd")
-        problem.dims[families::k_bwd_slabs] = families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_choice(params), problem, sms);
+      if (c.family == "rmsnorm_bwd") {
+        // Clustered kernels: one slab per cluster resident at once, as the op asks the driver.
+        const auto choice = families::rmsnorm_bwd_choice(params);
+        const LaunchGeometry g = f.geometry(params, problem);
+        const int resident = choice.cluster > 1 && choice.stages > 0
+                                 ? client::resident_clusters(**k, g.block.x, g.shared_bytes, choice.cluster)
+                                 : 0;
+        problem.dims[families::k_bwd_slabs] = families::rmsnorm_bwd_slabs(choice, problem, sms, resident);
+      }
       std::vector<void*> ptrs(specs.size());
       double ms = time_events([&](int i) {
         for (std::size_t j = 0; j < specs.size(); ++j) ptrs[j] = bufs[i % sets][j]->get();

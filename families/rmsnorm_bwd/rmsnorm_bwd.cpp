@@ -25,14 +25,22 @@ Params params_of(DType t, const RmsNormBwdChoice& c) {
 constexpr std::int64_t k_max_block_smem = 227 * 1024;
 constexpr std::int64_t k_sm_smem = 228 * 1024;
 
-// Whether the bulk-copy kernel can run the problem: sm_90 or later (max_cluster > 1 only there),
-// 16-byte aligned buffers and row strides, whole 16-byte packs per row, at most 2048 of them.
-bool bulk_fits(const Problem& p) {
+// Whether bulk copies can bring the problem's rows: sm_90 or later (max_cluster > 1 only there),
+// 16-byte aligned buffers and row strides, whole 16-byte packs per row.
+bool bulk_able(const Problem& p) {
   const std::int64_t esize = std::int64_t(dtype_size(p.dtype)), cols = p.dims[k_bwd_cols];
   if (p.dims[k_bwd_max_cluster] <= 1 || p.alignment < 16 || (cols * esize) % 16) return false;
   for (int d : {k_bwd_dy_stride, k_bwd_x_stride, k_bwd_dx_stride})
     if ((p.dims[d] * esize) % 16) return false;
-  return cols * esize / 16 <= 2048;
+  return true;
+}
+std::int64_t packs16(const Problem& p) { return p.dims[k_bwd_cols] * std::int64_t(dtype_size(p.dtype)) / 16; }
+// Whether the one-block bulk-copy kernel can run the problem: at most 2048 packs per row.
+bool bulk_fits(const Problem& p) { return bulk_able(p) && packs16(p) <= 2048; }
+// Rows the clustered bulk kernel takes by default: more packs than one block's ring holds, at most
+// what a cluster of 4 holds at 512 threads x 4 packs (hidden 65536 in f16/bf16, 32768 in f32).
+bool bulk_cluster_default(const Problem& p) {
+  return bulk_able(p) && p.dims[k_bwd_max_cluster] >= 4 && packs16(p) > 2048 && packs16(p) <= 4 * 512 * 4;
 }
 
 // Packs of the row that one block of the cluster owns.
@@ -54,7 +62,7 @@ class RmsNormBwd final : public Family {
         {"packs", {1, 2, 4}, {}, "packs of dy and x per thread kept in registers (4: with bulk copies only)"},
         {"rows", {1, 2, 4, 8}, {}, "rows in flight per block (one per group)"},
         {"sm_threads", {512, 1024}, {}, "resident threads per SM the kernel is built for (its register cap: 128 or 64)"},
-        {"stages", {0, 2, 4}, {}, "row buffers filled by bulk copies (sm_90 and later); 0: rows read into registers"},
+        {"stages", {0, 2, 3, 4, 6}, {}, "row buffers filled by bulk copies (sm_90 and later; at least 3 with clusters); 0: rows read into registers"},
         {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
     };
     return defs;
@@ -83,8 +91,18 @@ class RmsNormBwd final : public Family {
       return {};
     }
     const std::int64_t esize = std::int64_t(dtype_size(*parse_dtype(*params.get_str("dtype"))));
-    if (c.rows != 1 || c.cluster != 1 || c.sm_threads != 512 || c.vec * esize != 16)
-      return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs rows=1, cluster=1, sm_threads=512 and "
+    if (c.cluster > 1) {
+      // The clustered bulk kernel: one block per SM, dw in registers.
+      if (c.rows != 1 || c.sm_threads != 512 || c.vec * esize != 16 || c.stages < 3)
+        return invalid_argument("rmsnorm_bwd: stages > 0 with cluster > 1 (clustered bulk copies) needs rows=1, "
+                                "sm_threads=512, 16-byte packs and stages >= 3");
+      if (rmsnorm_bwd_bulk_smem(c, esize) > k_max_block_smem)
+        return invalid_argument("rmsnorm_bwd: " + std::to_string(c.stages) + " row buffers of " +
+                                std::to_string(2 * c.group * c.packs * 16) + " bytes do not fit in shared memory");
+      return {};
+    }
+    if (c.rows != 1 || c.sm_threads != 512 || c.vec * esize != 16)
+      return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs rows=1, sm_threads=512 and "
                               "16-byte packs");
     const std::int64_t smem = rmsnorm_bwd_bulk_smem(c, esize);
     if (smem > k_max_block_smem || std::max(1, 512 / c.group) * (smem + 1024) > k_sm_smem)
@@ -98,6 +116,12 @@ class RmsNormBwd final : public Family {
     const auto c = rmsnorm_bwd_choice(params);
     Rendered r;
     r.source = "#include \"rmsnorm_bwd/rmsnorm_bwd.cuh\"\n";
+    if (c.stages > 0 && c.cluster > 1) {
+      r.name_expression = std::string("kiln::rmsnorm_bwd_bulk_cluster<") + device_type(*params.get_str("dtype")) +
+                          ", " + std::to_string(c.group) + ", " + std::to_string(c.packs) + ", " +
+                          std::to_string(c.stages) + ", " + std::to_string(c.cluster) + ">";
+      return r;
+    }
     if (c.stages > 0) {
       r.name_expression = std::string("kiln::rmsnorm_bwd_bulk<") + device_type(*params.get_str("dtype")) + ", " +
                           std::to_string(c.group) + ", " + std::to_string(c.packs) + ", " + std::to_string(c.stages) +
@@ -117,7 +141,7 @@ class RmsNormBwd final : public Family {
     std::vector<Params> out;
     std::set<std::string> seen;
     for (DType t : {DType::f32, DType::f16, DType::bf16})
-      for (std::int64_t cols : {1, 64, 128, 256, 512, 1024, 2048, 3000, 4096, 5120, 8192, 16384, 65536})
+      for (std::int64_t cols : {1, 64, 128, 256, 512, 1024, 2048, 3000, 4096, 5120, 8192, 16384, 32768, 65536})
         for (std::uint32_t align : {16u, 2u})
           for (std::int64_t max_cluster : {1, 8})
             for (std::int64_t rows : {1, 4096}) {
@@ -163,7 +187,14 @@ class RmsNormBwd final : public Family {
     // Re-read packs keep their dw in the block's partial row, which only one group may update.
     if (c.rows > 1 && packs_per_block(c, cols) > std::int64_t(c.group) * c.packs)
       return invalid_argument("rmsnorm_bwd: rows > 1 needs the row to fit in group * packs packs");
-    if (c.stages > 0) {
+    if (c.stages > 0 && c.cluster > 1) {
+      if (!bulk_able(p))
+        return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs sm_90 or later, 16-byte aligned "
+                                "buffers, row strides and rows");
+      if (cols / c.vec > std::int64_t(c.cluster) * c.group * c.packs)
+        return invalid_argument("rmsnorm_bwd: stages > 0 with a cluster needs the row to fit in cluster * group * "
+                                "packs packs");
+    } else if (c.stages > 0) {
       if (!bulk_fits(p))
         return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs sm_90 or later, 16-byte aligned "
                                 "buffers, row strides and rows, and rows of at most 2048 16-byte packs");
@@ -201,6 +232,25 @@ class RmsNormBwd final : public Family {
           if (params == out[0] || !validate(params).ok() || !check_problem(params, p).ok()) continue;
           out.push_back(std::move(params));
         }
+    }
+    // Clustered bulk kernels past one block's ring: clusters of 2, 4 or 8, 2 or 4 packs per
+    // thread, as many row buffers (3, 4 or 6) as fit.
+    if (bulk_able(p) && packs16(p) > 2048) {
+      const std::int64_t esize = std::int64_t(dtype_size(p.dtype)), packs = packs16(p);
+      for (int cluster : {2, 4, 8}) {
+        if (cluster > p.dims[k_bwd_max_cluster]) continue;
+        for (int per_thread : {2, 4}) {
+          const std::int64_t threads = (ceil_div(packs, std::int64_t(cluster) * per_thread) + 31) / 32 * 32;
+          if (threads > 512) continue;
+          for (int stages : {6, 4, 3}) {
+            const RmsNormBwdChoice c{int(threads), 1, int(16 / esize), per_thread, cluster, 512, stages};
+            Params params = params_of(p.dtype, c);
+            if (!validate(params).ok() || !check_problem(params, p).ok()) continue;
+            if (params != out[0]) out.push_back(std::move(params));
+            break;  // the deepest ring that fits
+          }
+        }
+      }
     }
     for (int cluster : {1, 2, 4, 8})
       for (int group : {32, 64, 128, 256, 512})
@@ -296,12 +346,23 @@ RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params) {
 
 std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize) {
   const std::int64_t elems = std::int64_t(c.group) * c.packs * (16 / esize);
-  return std::int64_t(c.stages) * 2 * elems * esize + (c.packs * (16 / esize) > 16 ? elems * 4 : 0);
+  // The clustered kernel keeps dw in registers.
+  const bool dw_smem = c.cluster == 1 && c.packs * (16 / esize) > 16;
+  return std::int64_t(c.stages) * 2 * elems * esize + (dw_smem ? elems * 4 : 0);
 }
 
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t cols = p.dims[k_bwd_cols];
+  // Rows of 2049 to 8192 16-byte packs on sm_90 (hidden 65536 bf16): the clustered bulk kernel,
+  // clusters of 4, four packs per thread, threads rounded up to whole warps, 3 row buffers (192 KiB
+  // at 512 threads). On an H100 at 4096 x 65536 bf16 it ran at 83.8% of the copy bandwidth against
+  // 67-69% for the register kernel in clusters of 8 (bench/exp/wide_exp.cu, ninth session).
+  if (bulk_cluster_default(p)) {
+    RmsNormBwdChoice c{0, 1, 16 / esize, 4, 4, 512, 3};
+    c.group = int((ceil_div(packs16(p), 16) + 31) / 32 * 32);
+    return c;
+  }
   // Rows of 256 to 2048 16-byte packs on sm_90: the bulk-copy kernel, which measured 1.08-1.35x the
   // register kernel at 4096 and 32768 rows of hidden 2048 to 16384 bf16 on an H100 (with dw's
   // second stage; bench/exp/bulk_exp.cu, docs/benchmarks.md). Two packs per thread up to 1024
@@ -332,9 +393,15 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   return c;
 }
 
-std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms) {
+std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms, int resident_clusters) {
   const std::int64_t rows = p.dims[k_bwd_rows];
   if (rows <= 0) return 0;
+  // The clustered bulk kernel keeps a ring per block across its slab's rows: one slab per cluster
+  // the GPU runs at once, or a late cluster would start its whole slab after the others ended.
+  if (c.stages > 0 && c.cluster > 1) {
+    const int clusters = resident_clusters > 0 ? resident_clusters : std::max(1, sms / c.cluster);
+    return std::min<std::int64_t>(clusters, rows);
+  }
   // The kernel's register cap lets an SM hold sm_threads threads.
   const int resident = std::max(1, c.sm_threads / (c.group * c.rows));
   // The GPU may hold fewer clusters of 4 or 8 than SMs / cluster (they must fit in one GPC):

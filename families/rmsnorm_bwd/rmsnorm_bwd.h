@@ -3,9 +3,11 @@
 // saved by the forward and n = cols:
 //   dx = s * dy * w - x * s^3 * mean(dy * w * x),   dw = sum over rows of dy * x * s.
 //
-// Two kernels: the register kernel (stages = 0) reads each row into registers; the bulk-copy kernel
-// (stages > 0, sm_90 and later) brings rows into a ring of `stages` shared-memory row buffers with
-// cp.async.bulk, one block per row (templates/rmsnorm_bwd/rmsnorm_bwd.cuh).
+// Three kernels: the register kernel (stages = 0) reads each row into registers; the bulk-copy
+// kernel (stages > 0, cluster 1, sm_90 and later) brings rows into a ring of `stages` shared-memory
+// row buffers with cp.async.bulk, one block per row; the clustered bulk kernel (stages > 0,
+// cluster > 1) splits each row over a cluster, each block with its own ring
+// (templates/rmsnorm_bwd/rmsnorm_bwd.cuh).
 //
 // Params: dtype {f32, f16, bf16}; group {32 .. 512} threads per row (powers of two for the register
 // kernel, multiples of 32 for the bulk one); rows {1, 2, 4, 8} rows in
@@ -14,10 +16,11 @@
 // vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes); packs {1, 2, 4} vec-packs
 // of dy and x kept in registers per thread (4: bulk only); cluster {1, 2, 4, 8} blocks sharing a
 // row (a thread-block cluster, sm_90 and later); sm_threads {512, 1024} resident threads per SM the
-// kernel is built for (a register cap of 128 or 64 per thread); stages {0, 2, 4}. Bulk kernels
-// take rows = 1, cluster = 1, sm_threads = 512, 16-byte packs, and problems with 16-byte aligned
-// buffers and row strides, rows of whole packs, at most group * packs of them, on a device with
-// clusters (max_cluster > 1: sm_90 and later, where bulk copies exist).
+// kernel is built for (a register cap of 128 or 64 per thread); stages {0, 2, 3, 4, 6}. Bulk kernels
+// take rows = 1, sm_threads = 512, 16-byte packs, and problems with 16-byte aligned buffers and row
+// strides, rows of whole packs, at most cluster * group * packs of them, on a device with clusters
+// (max_cluster > 1: sm_90 and later, where bulk copies exist); without a cluster at most 2048
+// packs, with one at least 3 stages.
 // Problem: dims = {rows, cols, dy_row_stride, x_row_stride, dx_row_stride, slabs, max_cluster}
 // (strides in elements; slabs: how many row slabs, hence partial dw rows, the caller chose, see
 // rmsnorm_bwd_slabs; max_cluster: the largest cluster the device launches, 1 before sm_90). No
@@ -26,6 +29,10 @@
 // across the GPU are neighbours in memory).
 //
 // The heuristic (rmsnorm_bwd_heuristic):
+// - The clustered bulk kernel wherever bulk copies can run, the device has clusters of 4, and a row
+//   has 2049 to 8192 16-byte packs (hidden 32768 or 65536 in bf16): clusters of 4, four packs per
+//   thread, group = the block's packs / 4 rounded up to whole warps (512 at hidden 65536), 3 row
+//   buffers.
 // - Bulk copies wherever they can run and a row has 256 to 2048 16-byte packs (hidden 2048 to
 //   16384 in bf16): two packs per thread up to 1024 packs, else four; group = packs / packs per
 //   thread rounded up to whole warps; 4 row buffers while the SM's buffers (512 / group blocks,
@@ -42,7 +49,8 @@
 // - rows: enough groups for 256 threads per block (small rows get several rows per block, one
 //   per warp at 32 threads), never more than the problem's rows.
 // - sm_threads: 1024 (the 64-register cap) for blocks of 256 threads or more, else 512.
-// - slabs (rmsnorm_bwd_slabs): as many as blocks the GPU holds at once (SMs x sm_threads / block
+// - slabs (rmsnorm_bwd_slabs): for the clustered bulk kernel, as many as clusters the GPU holds at
+//   once (the caller asks the driver); otherwise as many as blocks the GPU holds at once (SMs x sm_threads / block
 //   threads, divided by the cluster size; times cluster / 2 for clusters of 4 and 8, whose GPC
 //   packing is uncertain, so that waves stay even), never more than there are batches of `rows`
 //   rows.
@@ -78,7 +86,10 @@ std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize
 RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params);
 // Ignores dims[k_bwd_slabs]: the slab count follows from the choice.
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p);
-// The slab count for a choice on a GPU with `sms` multiprocessors (>= 1 when rows > 0).
-std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms);
+// The slab count for a choice on a GPU with `sms` multiprocessors (>= 1 when rows > 0). The
+// clustered bulk kernel (stages > 0, cluster > 1) takes one slab per cluster the GPU holds at once:
+// `resident_clusters` when the caller asked the driver (cuOccupancyMaxActiveClusters), else sms /
+// cluster, which may be more than fit (30 clusters of 4 on a 132-SM H100, not 33).
+std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms, int resident_clusters = 0);
 
 }  // namespace kiln::families

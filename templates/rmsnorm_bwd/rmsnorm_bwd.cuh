@@ -431,6 +431,150 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
 #endif
 }
 
+// Rows too wide for one block's ring (sm_90 and later): a row is split over a cluster of CLUSTER
+// blocks, block `rank` owning packs [rank * THREADS * PACKS, ...) of it (the last blocks may own
+// fewer, or none), each with its own ring of STAGES buffers filled by bulk copies. The blocks'
+// partial row sums meet through distributed shared memory, the cluster barrier split into arrive
+// and wait one row apart: a block sums row i, posts its sum, arrives, finishes row i - 1 (whose
+// sums the previous wait made visible: dx, and dw in registers), then waits. A buffer is refilled
+// as soon as its row's dx pass is done (a block barrier right after it), so two rows are in
+// flight while a block sums one and finishes another. On an H100 at 4096 x 65536 bf16 (clusters
+// of 4, 512 threads x 4 packs, 3 buffers: bench/exp/wide_exp.cu) that refill took the backward
+// from 77.1% to 83.8% of the copy bandwidth; refilling only after the next row's sum barrier, as
+// the sixth session's form did, leaves one row in flight. Clusters of 4 fit 30 at a time on an
+// H100 (GPC packing), so the caller launches as many slabs as clusters can be resident.
+//
+// Requires: sm_90; STAGES >= 3; dy, x, dx 16-byte aligned, row strides and cols multiples of 16
+// bytes; cols <= CLUSTER * THREADS * PACKS * VEC; dynamic shared memory 2 * STAGES * THREADS *
+// PACKS * 16 bytes; slabs * CLUSTER blocks, slabs <= rows.
+template <typename T, int THREADS, int PACKS, int STAGES, int CLUSTER>
+__device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, const T* __restrict__ x,
+                                                  const T* __restrict__ w, const float* __restrict__ inv_rms,
+                                                  T* __restrict__ dx, float* __restrict__ partial, long long rows,
+                                                  long long cols, long long dy_stride, long long x_stride,
+                                                  long long dx_stride, long long slabs) {
+  constexpr int VEC = 16 / int(sizeof(T));
+  constexpr int k_buffer = THREADS * PACKS * VEC;  // elements of one block's row buffer
+  using P = Pack<T, VEC>;
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024 && STAGES >= 3 && CLUSTER >= 2 && CLUSTER <= 8,
+                "bad block shape: rows i - 1 and i are in use while i + 1 arrives");
+#if __CUDA_ARCH__ < 900
+  __trap();  // never launched: the host picks this kernel on sm_90 and later only
+#else
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sdy = reinterpret_cast<T*>(smem);  // [STAGES][k_buffer]
+  T* sx = sdy + STAGES * k_buffer;       // [STAGES][k_buffer]
+  __shared__ unsigned long long full[STAGES];
+  __shared__ float scratch[2][32];
+  __shared__ float sums[4];  // this block's sum of row i in slot i % 4, read by the whole cluster
+
+  const int t = int(threadIdx.x), lane = t % 32, warp = t / 32;
+  const unsigned rank = cluster_rank();
+  const long long slab = blockIdx.x / CLUSTER;
+  const int packs = int(cols / VEC);
+  const int first = int(rank) * THREADS * PACKS;  // the first pack this block owns
+  const int own = packs - first < 0 ? 0 : (packs - first < THREADS * PACKS ? packs - first : THREADS * PACKS);
+  const unsigned own_bytes = unsigned(own) * 16u;
+  const long long col0 = (long long)first * VEC;
+  const long long n = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;  // rows slab, slab + slabs, ...
+
+  if (t == 0)
+    for (int s = 0; s < STAGES; ++s) bulk::barrier_init(&full[s], 1);
+  // Packs past the block's own stay zero (with a zero weight): no bounds checks but the stores'.
+  for (int q = own + t; q < THREADS * PACKS; q += THREADS)
+    for (int s = 0; s < STAGES; ++s) {
+      *reinterpret_cast<P*>(sdy + s * k_buffer + q * VEC) = P{};
+      *reinterpret_cast<P*>(sx + s * k_buffer + q * VEC) = P{};
+    }
+  cluster_sync();
+  auto post = [&](long long i) {
+    const int s = int(i % STAGES);
+    const long long row = slab + i * slabs;
+    bulk::arrive_expect(&full[s], 2u * own_bytes);
+    if (own_bytes > 0) {
+      bulk::copy(sdy + s * k_buffer, dy + row * dy_stride + col0, own_bytes, &full[s]);
+      bulk::copy(sx + s * k_buffer, x + row * x_stride + col0, own_bytes, &full[s]);
+    }
+  };
+  if (t == 0)
+    for (long long i = 0; i < STAGES && i < n; ++i) post(i);
+
+  P wv[PACKS];
+#pragma unroll
+  for (int j = 0; j < PACKS; ++j) wv[j] = j * THREADS + t < own ? load_pack<T, VEC>(w + col0 + (j * THREADS + t) * VEC) : P{};
+  float dw[PACKS * VEC];
+#pragma unroll
+  for (int e = 0; e < PACKS * VEC; ++e) dw[e] = 0.f;
+  const float inv_cols = 1.f / float(cols);
+
+  // dx of row i and its dw terms, once the cluster's sums of row i are visible.
+  auto finish = [&](long long i) {
+    const int s = int(i % STAGES);
+    const long long row = slab + i * slabs;
+    const float rs = inv_rms[row];
+    float total = lane < CLUSTER ? cluster_load(&sums[i & 3], unsigned(lane)) : 0.f;
+    total = warp_sum(total);
+    const float k2 = rs * rs * total * inv_cols;
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) {
+      const P a = *reinterpret_cast<const P*>(sdy + s * k_buffer + (j * THREADS + t) * VEC);
+      const P b = *reinterpret_cast<const P*>(sx + s * k_buffer + (j * THREADS + t) * VEC);
+      P out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float fdy = to_float(a.v[k]), fx = to_float(b.v[k]);
+        out.v[k] = from_float<T>(rs * fmaf(-fx, k2, fdy * to_float(wv[j].v[k])));
+        dw[j * VEC + k] = fmaf(fdy * fx, rs, dw[j * VEC + k]);
+      }
+      if (j * THREADS + t < own) store_pack<T, VEC>(dx + row * dx_stride + col0 + (j * THREADS + t) * VEC, out);
+    }
+  };
+  for (long long i = 0; i < n; ++i) {
+    const int s = int(i % STAGES);
+    bulk::wait(&full[s], unsigned(i / STAGES) & 1u);
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) {
+      const P a = *reinterpret_cast<const P*>(sdy + s * k_buffer + (j * THREADS + t) * VEC);
+      const P b = *reinterpret_cast<const P*>(sx + s * k_buffer + (j * THREADS + t) * VEC);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc = fmaf(to_float(a.v[k]) * to_float(wv[j].v[k]), to_float(b.v[k]), acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) scratch[i & 1][warp] = acc;
+    __syncthreads();
+    if (t == 0) {
+      float sum = 0.f;
+#pragma unroll
+      for (int q = 0; q < THREADS / 32; ++q) sum += scratch[i & 1][q];
+      sums[i & 3] = sum;
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    if (i >= 1) finish(i - 1);
+    // Every thread is done with row i - 1's buffer: refill it with the row STAGES after it.
+    __syncthreads();
+    if (t == 0 && i >= 1 && i - 1 + STAGES < n) post(i - 1 + STAGES);
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  }
+  if (n > 0) finish(n - 1);
+  // The partial row of the block's columns goes out through shared memory (the buffers are free
+  // once every thread is past its last finish), consecutive threads on consecutive words.
+  __syncthreads();
+  float* row_out = reinterpret_cast<float*>(smem);  // k_buffer floats fit in the 2 * STAGES buffers
+#pragma unroll
+  for (int j = 0; j < PACKS; ++j)
+#pragma unroll
+    for (int q = 0; q < VEC / 4; ++q)
+      reinterpret_cast<float4*>(row_out + (j * THREADS + t) * VEC)[q] =
+          make_float4(dw[j * VEC + 4 * q], dw[j * VEC + 4 * q + 1], dw[j * VEC + 4 * q + 2], dw[j * VEC + 4 * q + 3]);
+  __syncthreads();
+  const long long own_cols = (long long)own * VEC;
+  for (long long c = t; c < own_cols; c += THREADS) partial[slab * cols + col0 + c] = row_out[c];
+  // No block may leave while the others can still read its sums.
+  cluster_sync();
+#endif
+}
+
 }  // namespace bwd
 
 template <typename T, int THREADS, int PACKS, int STAGES>
@@ -440,6 +584,19 @@ rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __r
                  long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs) {
   bwd::bulk_body<T, THREADS, PACKS, STAGES>(dy, x, w, inv_rms, dx, partial, rows, cols, dy_stride, x_stride,
                                             dx_stride, slabs);
+}
+
+template <typename T, int THREADS, int PACKS, int STAGES, int CLUSTER>
+__global__ void __launch_bounds__(THREADS, 1)
+#if __CUDA_ARCH__ >= 900
+__cluster_dims__(CLUSTER, 1, 1)
+#endif
+rmsnorm_bwd_bulk_cluster(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                         const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial,
+                         long long rows, long long cols, long long dy_stride, long long x_stride, long long dx_stride,
+                         long long slabs) {
+  bwd::bulk_cluster_body<T, THREADS, PACKS, STAGES, CLUSTER>(dy, x, w, inv_rms, dx, partial, rows, cols, dy_stride,
+                                                             x_stride, dx_stride, slabs);
 }
 
 }  // namespace kiln

@@ -179,6 +179,8 @@ TEST_F(RmsNormBwdGpu, StridedMisalignedAndInPlace) {
         {t, 6, 512, 512, 1},           // base pointers off by one element
         {t, 11, 4096, 4096, 0, true},  // dx = dy
         {t, 4, 3000, 3001},            // odd stride: scalar accesses
+        {t, 5, 20000, 20008},          // sm_90: clustered bulk kernel, padded rows, last block short
+        {t, 3, 32768, 32768, 0, true}, // sm_90: clustered bulk kernel (f16/bf16), dx = dy
     };
     for (const auto& c : cases) {
       auto e = check_case(c, rng_, [&](void* dy, void* x, void* w, void* inv, void* dx, void* dw) {
@@ -199,6 +201,7 @@ TEST_F(RmsNormBwdGpu, BackToBackCallsShareTheWorkspace) {
   const jit::Driver* d = jit::Driver::get().value();
   const std::vector<Case> shapes = {{DType::bf16, 2048, 2048, 2048},   // bulk kernel (sm_90), many slabs
                                     {DType::f32, 96, 65536, 65536},    // register kernel, clusters
+                                    {DType::bf16, 96, 65536, 65536},   // clustered bulk kernel (sm_90)
                                     {DType::f16, 300, 1000, 1000}};    // register kernel, narrow rows
   for (const Case& c : shapes) {
     constexpr int k_calls = 6;
@@ -276,9 +279,9 @@ TEST_F(RmsNormBwdGpu, EveryCatalogVariantMatches) {
     ASSERT_TRUE(k.ok()) << k.status().to_string();
     // A row that nearly fills the register cache, plus a tail; with one row per block also one
     // that overflows it (the re-read path). Bulk copies take whole 16-byte packs and no overflow:
-    // a row 3 packs short of the buffer, and a row of one pack.
+    // a row 3 packs short of the buffers (of the cluster's blocks), and a row of one pack.
     std::vector<std::int64_t> lengths = {vec * (group * packs * cluster - 3) + (vec - 1)};
-    if (bulk) lengths = {vec * (group * packs - 3), vec};
+    if (bulk) lengths = {vec * (group * packs * cluster - 3), vec};
     else if (rows_per_block == 1) lengths.push_back(vec * (3 * group * packs * cluster + 5) + (vec - 1));
     for (std::int64_t cols : lengths) {
       const std::int64_t stride = (cols + 7) / 8 * 8;

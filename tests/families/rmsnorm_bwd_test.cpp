@@ -74,7 +74,13 @@ TEST(RmsNormBwd, SchemaRejectsBadCombinations) {
   EXPECT_TRUE(bwd().validate(bwd_params("f32", 512, 1, 4, 4, 1, 512, 2)).ok());
   EXPECT_EQ(bwd().validate(bwd_params("bf16", 320, 1, 4, 2, 1, 512, 4)).code(), Code::invalid_argument);  // 8 bytes
   EXPECT_EQ(bwd().validate(bwd_params("bf16", 128, 2, 8, 2, 1, 512, 4)).code(), Code::invalid_argument);  // rows
-  EXPECT_EQ(bwd().validate(bwd_params("bf16", 256, 1, 8, 2, 2, 512, 4)).code(), Code::invalid_argument);  // cluster
+  // With a cluster (the clustered bulk kernel): at least 3 buffers, which must fit in one block.
+  EXPECT_TRUE(bwd().validate(bwd_params("bf16", 256, 1, 8, 2, 2, 512, 4)).ok());
+  EXPECT_TRUE(bwd().validate(bwd_params("bf16", 512, 1, 8, 4, 4, 512, 3)).ok());
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 4, 4, 512, 2)).code(), Code::invalid_argument);  // 2 buffers
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 4, 4, 512, 4)).code(), Code::invalid_argument);  // 256 KiB
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 256, 2, 8, 2, 4, 512, 3)).code(), Code::invalid_argument);  // rows
+  EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 2, 4, 1024, 3)).code(), Code::invalid_argument);
   EXPECT_EQ(bwd().validate(bwd_params("bf16", 256, 1, 8, 2, 1, 1024, 4)).code(), Code::invalid_argument);
   EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 4, 1, 512, 4)).code(), Code::invalid_argument);  // 256 KiB
   EXPECT_EQ(bwd().validate(bwd_params("bf16", 512, 1, 8, 4, 1)).code(), Code::invalid_argument);  // 4 packs, no bulk
@@ -186,13 +192,25 @@ TEST(RmsNormBwd, HeuristicFollowsItsRules) {
   EXPECT_EQ(h.cluster, 1);
   EXPECT_EQ(h.group, 512);  // half the row is re-read
   EXPECT_EQ(h.packs, 2);
-  h = rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 16384, 1, 8));  // 4096 packs: no bulk copies
-  EXPECT_EQ(h.stages, 0);
+  // Past 2048 16-byte packs, up to 8192, with clusters of 4: the clustered bulk kernel.
+  h = rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 16384, 1, 8));  // 4096 packs
+  EXPECT_EQ(h.stages, 3);
+  EXPECT_EQ(h.cluster, 4);
+  EXPECT_EQ(h.group, 256);
+  EXPECT_EQ(h.packs, 4);
+  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 8));
+  EXPECT_EQ(h.stages, 3);
   EXPECT_EQ(h.cluster, 4);
   EXPECT_EQ(h.group, 512);
-  EXPECT_EQ(h.packs, 2);
-  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 8)).cluster, 8);
-  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 8)).stages, 0);
+  EXPECT_EQ(h.packs, 4);
+  EXPECT_EQ(h.sm_threads, 512);
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 20000, 1, 8)).group, 160);  // 2500 packs
+  // Beyond 8192 packs, or without 16-byte rows or clusters: the register kernel in clusters of 8.
+  h = rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 65536, 1, 8));
+  EXPECT_EQ(h.stages, 0);
+  EXPECT_EQ(h.cluster, 8);
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65540, 1, 8)).stages, 0);  // 131080-byte rows
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 1)).stages, 0);
   EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 8192, 1, 8)).stages, 4);
   h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 2048, 1, 1));
   EXPECT_EQ(h.group, 128);
@@ -226,7 +244,7 @@ TEST(RmsNormBwd, HeuristicFollowsItsRules) {
   // Whatever it picks passes check_problem, with the slab count it implies.
   for (std::int64_t max_cluster : {1, 8})
     for (std::int64_t rows : {1, 3, 37, 4096, 100000})
-      for (std::int64_t cols : {1, 3, 7, 64, 1000, 2048, 4095, 4096, 5120, 16384, 65536, 131072})
+      for (std::int64_t cols : {1, 3, 7, 64, 1000, 2048, 4095, 4096, 5120, 16384, 20000, 32768, 65536, 131072})
         for (DType t : {DType::f32, DType::f16, DType::bf16}) {
           Problem p = problem(t, rows, cols, 1, max_cluster);
           const auto c = rmsnorm_bwd_heuristic(p);
@@ -253,6 +271,18 @@ TEST(RmsNormBwd, SlabsFillTheGpu) {
         }
       }
   EXPECT_EQ(rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(problem(DType::bf16, 0, 64)), problem(DType::bf16, 0, 64), 132), 0);
+  // The clustered bulk kernel: one slab per resident cluster when the driver said how many, else
+  // one per SMs / cluster; never more than the rows.
+  const Problem wide = problem(DType::bf16, 4096, 65536, 1, 8);
+  const auto c = rmsnorm_bwd_heuristic(wide);
+  ASSERT_EQ(c.cluster, 4);
+  EXPECT_EQ(rmsnorm_bwd_slabs(c, wide, 132, 30), 30);
+  EXPECT_EQ(rmsnorm_bwd_slabs(c, wide, 132), 33);
+  EXPECT_EQ(rmsnorm_bwd_slabs(c, problem(DType::bf16, 7, 65536, 1, 8), 132, 30), 7);
+  // Other kernels ignore the resident count.
+  const Problem narrow = problem(DType::bf16, 4096, 4096, 1, 8);
+  EXPECT_EQ(rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(narrow), narrow, 132, 30),
+            rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(narrow), narrow, 132));
 }
 
 TEST(RmsNormBwd, CheckProblemRejectsMismatches) {
@@ -274,6 +304,16 @@ TEST(RmsNormBwd, CheckProblemRejectsMismatches) {
   EXPECT_EQ(bwd().check_problem(bulk, problem(DType::bf16, 8, 4084, 4, 8, 4096)).code(), Code::invalid_argument);
   EXPECT_EQ(bwd().check_problem(bulk, problem(DType::bf16, 8, 4096, 4, 8, 0, 8)).code(), Code::invalid_argument);
   EXPECT_TRUE(bwd().check_problem(bwd_params("bf16", 512, 1, 8, 2, 2), problem(DType::bf16, 8, 4096, 4, 8)).ok());
+  // The clustered bulk kernel: the row within cluster * group * packs packs (none beyond 2048
+  // needed), 16-byte rows and strides, a device with clusters of that size.
+  const Params wide = bwd_params("bf16", 512, 1, 8, 4, 4, 512, 3);
+  EXPECT_TRUE(bwd().check_problem(wide, problem(DType::bf16, 8, 65536, 4, 8)).ok());
+  EXPECT_TRUE(bwd().check_problem(wide, problem(DType::bf16, 8, 20000, 4, 8)).ok());
+  EXPECT_TRUE(bwd().check_problem(wide, problem(DType::bf16, 8, 64, 4, 8)).ok());  // blocks 1-3 own nothing
+  EXPECT_EQ(bwd().check_problem(wide, problem(DType::bf16, 8, 65544, 4, 8)).code(), Code::invalid_argument);  // long
+  EXPECT_EQ(bwd().check_problem(wide, problem(DType::bf16, 8, 65532, 4, 8)).code(), Code::invalid_argument);  // 8 B
+  EXPECT_EQ(bwd().check_problem(wide, problem(DType::bf16, 8, 65536, 4, 8, 0, 8)).code(), Code::invalid_argument);
+  EXPECT_EQ(bwd().check_problem(wide, problem(DType::bf16, 8, 65536, 4, 2)).code(), Code::invalid_argument);
   // Several rows per block need the whole row in registers.
   EXPECT_EQ(bwd().check_problem(bwd_params("bf16", 128, 2, 8, 1, 1), problem(DType::bf16, 8, 4096, 4)).code(),
             Code::invalid_argument);
