@@ -38,9 +38,11 @@ std::int64_t packs16(const Problem& p) { return p.dims[k_bwd_cols] * std::int64_
 // Whether the one-block bulk-copy kernel can run the problem: at most 2048 packs per row.
 bool bulk_fits(const Problem& p) { return bulk_able(p) && packs16(p) <= 2048; }
 // Rows the clustered bulk kernel takes by default: more packs than one block's ring holds, at most
-// what a cluster of 4 holds at 512 threads x 4 packs (hidden 65536 in f16/bf16, 32768 in f32).
+// what a cluster of 4 holds at 512 threads x 4 packs (hidden 65536 in f16/bf16, 32768 in f32), on a
+// device with clusters of that size.
 bool bulk_cluster_default(const Problem& p) {
-  return bulk_able(p) && p.dims[k_bwd_max_cluster] >= 4 && packs16(p) > 2048 && packs16(p) <= 4 * 512 * 4;
+  const std::int64_t packs = packs16(p);
+  return bulk_able(p) && packs > 2048 && packs <= 4 * 512 * 4 && p.dims[k_bwd_max_cluster] >= (packs > 4096 ? 4 : 2);
 }
 
 // Packs of the row that one block of the cluster owns.
@@ -354,13 +356,17 @@ std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t cols = p.dims[k_bwd_cols];
-  // Rows of 2049 to 8192 16-byte packs on sm_90 (hidden 65536 bf16): the clustered bulk kernel,
-  // clusters of 4, four packs per thread, threads rounded up to whole warps, 3 row buffers (192 KiB
-  // at 512 threads). On an H100 at 4096 x 65536 bf16 it ran at 83.8% of the copy bandwidth against
-  // 67-69% for the register kernel in clusters of 8 (bench/exp/wide_exp.cu, ninth session).
+  // Rows of 2049 to 8192 16-byte packs on sm_90 (hidden 32768 and 65536 in bf16): the clustered
+  // bulk kernel in the smallest cluster (2 or 4) whose blocks hold the row at 512 threads x 4
+  // packs, threads rounded up to whole warps, 3 row buffers (192 KiB at 512 threads). On an H100
+  // (bench --only variants, ninth session) at 4096 x 65536 bf16, clusters of 4 x 512 threads ran at
+  // 92.1% of the copy bandwidth, against 69.3% for the register kernel in clusters of 8 that it
+  // replaces and 78.1% for clusters of 8 x 256; at 4096 x 32768 clusters of 2 x 512 ran at 91.6%,
+  // clusters of 4 x 256 at 75.4% and of 8 x 128 at 77.8% (clusters of 2 fill all 132 SMs; 30
+  // clusters of 4 fit, 120 SMs).
   if (bulk_cluster_default(p)) {
-    RmsNormBwdChoice c{0, 1, 16 / esize, 4, 4, 512, 3};
-    c.group = int((ceil_div(packs16(p), 16) + 31) / 32 * 32);
+    RmsNormBwdChoice c{0, 1, 16 / esize, 4, packs16(p) > 4096 ? 4 : 2, 512, 3};
+    c.group = int((ceil_div(packs16(p), 4 * c.cluster) + 31) / 32 * 32);
     return c;
   }
   // Rows of 256 to 2048 16-byte packs on sm_90: the bulk-copy kernel, which measured 1.08-1.35x the

@@ -29,10 +29,10 @@
 // across the GPU are neighbours in memory).
 //
 // The heuristic (rmsnorm_bwd_heuristic):
-// - The clustered bulk kernel wherever bulk copies can run, the device has clusters of 4, and a row
-//   has 2049 to 8192 16-byte packs (hidden 32768 or 65536 in bf16): clusters of 4, four packs per
-//   thread, group = the block's packs / 4 rounded up to whole warps (512 at hidden 65536), 3 row
-//   buffers.
+// - The clustered bulk kernel wherever bulk copies can run and a row has 2049 to 8192 16-byte packs
+//   (hidden 16385 to 65536 in bf16): clusters of 2 up to 4096 packs, else 4; four packs per
+//   thread; group = the block's packs / 4 rounded up to whole warps (512 at hidden 32768 and
+//   65536 bf16); 3 row buffers.
 // - Bulk copies wherever they can run and a row has 256 to 2048 16-byte packs (hidden 2048 to
 //   16384 in bf16): two packs per thread up to 1024 packs, else four; group = packs / packs per
 //   thread rounded up to whole warps; 4 row buffers while the SM's buffers (512 / group blocks,

@@ -192,19 +192,23 @@ TEST(RmsNormBwd, HeuristicFollowsItsRules) {
   EXPECT_EQ(h.cluster, 1);
   EXPECT_EQ(h.group, 512);  // half the row is re-read
   EXPECT_EQ(h.packs, 2);
-  // Past 2048 16-byte packs, up to 8192, with clusters of 4: the clustered bulk kernel.
+  // Past 2048 16-byte packs, up to 8192: the clustered bulk kernel, clusters of 2 up to 4096 packs.
   h = rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 16384, 1, 8));  // 4096 packs
   EXPECT_EQ(h.stages, 3);
-  EXPECT_EQ(h.cluster, 4);
-  EXPECT_EQ(h.group, 256);
+  EXPECT_EQ(h.cluster, 2);
+  EXPECT_EQ(h.group, 512);
   EXPECT_EQ(h.packs, 4);
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 32768, 1, 2)).cluster, 2);
+  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 2)).stages, 0);  // needs clusters of 4
   h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 65536, 1, 8));
   EXPECT_EQ(h.stages, 3);
   EXPECT_EQ(h.cluster, 4);
   EXPECT_EQ(h.group, 512);
   EXPECT_EQ(h.packs, 4);
   EXPECT_EQ(h.sm_threads, 512);
-  EXPECT_EQ(rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 20000, 1, 8)).group, 160);  // 2500 packs
+  h = rmsnorm_bwd_heuristic(problem(DType::bf16, 4096, 20000, 1, 8));  // 2500 packs
+  EXPECT_EQ(h.cluster, 2);
+  EXPECT_EQ(h.group, 320);
   // Beyond 8192 packs, or without 16-byte rows or clusters: the register kernel in clusters of 8.
   h = rmsnorm_bwd_heuristic(problem(DType::f32, 4096, 65536, 1, 8));
   EXPECT_EQ(h.stages, 0);
