@@ -291,6 +291,21 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
 // (bench/exp/fuse_exp.cu) can wrap it in other kernels.
 namespace bwd {
 
+// The bulk kernels' ring set-up: thread 0 initializes the STAGES `full` barriers, and the packs of
+// every buffer from `filled` on (SLOTS packs each) are zeroed once. The copies never write there,
+// and with a zero weight those packs add nothing, so every thread reads and multiplies all its
+// packs without a bounds check: only its stores check. The caller synchronizes before use.
+template <typename P, int STAGES, int THREADS, int SLOTS>
+__device__ __forceinline__ void ring_init(unsigned long long* full, P* sdy, P* sx, int filled) {
+  if (threadIdx.x == 0)
+    for (int s = 0; s < STAGES; ++s) bulk::barrier_init(&full[s], 1);
+  for (int q = filled + int(threadIdx.x); q < SLOTS; q += THREADS)
+    for (int s = 0; s < STAGES; ++s) {
+      sdy[s * SLOTS + q] = P{};
+      sx[s * SLOTS + q] = P{};
+    }
+}
+
 template <typename T, int THREADS, int PACKS, int STAGES>
 __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                                           const float* __restrict__ inv_rms, T* __restrict__ dx,
@@ -317,16 +332,7 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
   const unsigned row_bytes = unsigned(packs) * 16u;
   const long long n = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;  // rows slab, slab + slabs, ...
 
-  if (t == 0)
-    for (int s = 0; s < STAGES; ++s) bulk::barrier_init(&full[s], 1);
-  // The copies fill the first `packs` packs of a buffer; the rest stays zero (with a zero weight),
-  // so every thread reads and multiplies all its packs without a bounds check: only its stores
-  // check.
-  for (int q = packs + t; q < THREADS * PACKS; q += THREADS)
-    for (int s = 0; s < STAGES; ++s) {
-      *reinterpret_cast<P*>(sdy + s * k_buffer + q * VEC) = P{};
-      *reinterpret_cast<P*>(sx + s * k_buffer + q * VEC) = P{};
-    }
+  ring_init<P, STAGES, THREADS, THREADS * PACKS>(full, reinterpret_cast<P*>(sdy), reinterpret_cast<P*>(sx), packs);
   __syncthreads();
   auto post = [&](int s, long long row) {
     bulk::arrive_expect(&full[s], 2u * row_bytes);
@@ -478,14 +484,7 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
   const long long col0 = (long long)first * VEC;
   const long long n = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;  // rows slab, slab + slabs, ...
 
-  if (t == 0)
-    for (int s = 0; s < STAGES; ++s) bulk::barrier_init(&full[s], 1);
-  // Packs past the block's own stay zero (with a zero weight): no bounds checks but the stores'.
-  for (int q = own + t; q < THREADS * PACKS; q += THREADS)
-    for (int s = 0; s < STAGES; ++s) {
-      *reinterpret_cast<P*>(sdy + s * k_buffer + q * VEC) = P{};
-      *reinterpret_cast<P*>(sx + s * k_buffer + q * VEC) = P{};
-    }
+  ring_init<P, STAGES, THREADS, THREADS * PACKS>(full, reinterpret_cast<P*>(sdy), reinterpret_cast<P*>(sx), own);
   cluster_sync();
   auto post = [&](long long i) {
     const int s = int(i % STAGES);
