@@ -37,12 +37,15 @@ bool bulk_able(const Problem& p) {
 std::int64_t packs16(const Problem& p) { return p.dims[k_bwd_cols] * std::int64_t(dtype_size(p.dtype)) / 16; }
 // Whether the one-block bulk-copy kernel can run the problem: at most 2048 packs per row.
 bool bulk_fits(const Problem& p) { return bulk_able(p) && packs16(p) <= 2048; }
-// Rows the clustered bulk kernel takes by default: more packs than one block's ring holds, at most
-// what a cluster of 4 holds at 512 threads x 4 packs (hidden 65536 in f16/bf16, 32768 in f32), on a
-// device with clusters of that size.
-bool bulk_cluster_default(const Problem& p) {
+// The cluster size the clustered bulk kernel takes by default, 0 where it is not the default: rows
+// of more packs than one block's ring holds, at most what a cluster of 4 holds at 512 threads x 4
+// packs (hidden 65536 in f16/bf16, 32768 in f32); the smallest cluster, 2 or 4, that holds the row
+// at 512 x 4 packs per block, on a device with clusters of that size.
+int bulk_cluster_default(const Problem& p) {
   const std::int64_t packs = packs16(p);
-  return bulk_able(p) && packs > 2048 && packs <= 4 * 512 * 4 && p.dims[k_bwd_max_cluster] >= (packs > 4096 ? 4 : 2);
+  if (!bulk_able(p) || packs <= 2048 || packs > 4 * 512 * 4) return 0;
+  const int cluster = packs > 2 * 512 * 4 ? 4 : 2;
+  return p.dims[k_bwd_max_cluster] >= cluster ? cluster : 0;
 }
 
 // Packs of the row that one block of the cluster owns.
@@ -364,8 +367,8 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   // replaces and 78.1% for clusters of 8 x 256; at 4096 x 32768 clusters of 2 x 512 ran at 91.6%,
   // clusters of 4 x 256 at 75.4% and of 8 x 128 at 77.8% (clusters of 2 fill all 132 SMs; 30
   // clusters of 4 fit, 120 SMs).
-  if (bulk_cluster_default(p)) {
-    RmsNormBwdChoice c{0, 1, 16 / esize, 4, packs16(p) > 4096 ? 4 : 2, 512, 3};
+  if (const int cluster = bulk_cluster_default(p)) {
+    RmsNormBwdChoice c{0, 1, 16 / esize, 4, cluster, 512, 3};
     c.group = int((ceil_div(packs16(p), 4 * c.cluster) + 31) / 32 * 32);
     return c;
   }
