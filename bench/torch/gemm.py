@@ -1,9 +1,9 @@
 """PyTorch anchors for the tensor-core GEMMs, the shapes bench/gpu/gemm.cpp times.
 
-FP8 (e4m3 -> bf16): torch._scaled_mm with tensorwise scales and, where this torch has it, rowwise
-scales ([M, 1] and [1, N]); the second operand is the transposed view of a contiguous [N, K]
-weight, the layout cuBLAS's fp8 path needs (and kiln's fp8_gemm takes). bf16 torch.mm on the same
-shapes. Gated MLP (bf16): silu(x @ Wg^T) * (x @ Wu^T), eager (two cuBLAS GEMMs and the
+FP8 (e4m3 -> bf16): torch._scaled_mm with tensorwise scales and, where this torch has them, rowwise
+scales ([M, 1] and [1, N]) and block scales (1 x 128 and 128 x 128, see blockwise); the second
+operand is the transposed view of a contiguous [N, K] weight, the layout cuBLAS's fp8 path needs
+(and kiln's fp8_gemm takes). bf16 torch.mm on the same shapes. Gated MLP (bf16): silu(x @ Wg^T) * (x @ Wu^T), eager (two cuBLAS GEMMs and the
 elementwise ops). Medians of triton.testing.do_bench; TFLOP/s = 2 M N K (gated: 4 M N K) / time.
 """
 import torch
@@ -16,6 +16,32 @@ GATED_SHAPES = [(4096, 11008, 4096), (4096, 14336, 4096)]
 
 def bench(fn, quick):
     return do_bench(fn, warmup=25, rep=100 if quick else 300, return_mode="median")
+
+
+def blockwise(row, a, w, m, n, k, flops, quick, report):
+    """cuBLAS's own block-scaled FP8 GEMM, where this torch exposes it: 1 x 128 scales of a (an
+    [M, K/128] tensor with M-major strides) and 128 x 128 scales of w (passed transposed: an
+    [N/128, K/128] row-major tensor seen as [K/128, N/128]), the DeepSeek-V3 scheme kiln's block
+    scaling follows. Checked against a dequantized fp32 product on 64 rows before it is timed."""
+    kb, nb = -(-k // 128), -(-n // 128)
+    dev = a.device
+    sa = (torch.rand(kb, m, device=dev) + 0.5).t()
+    sb = (torch.rand(nb, kb, device=dev) + 0.5).t()
+    try:
+        out = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError, ValueError) as e:  # blockwise needs a recent torch, cuBLAS 12.9+, sm_90
+        print(f"blockwise _scaled_mm unavailable: {str(e).splitlines()[0]}", flush=True)
+        return
+    rows = min(m, 64)
+    ea = sa[:rows].repeat_interleave(128, dim=1)[:, :k]
+    eb = sb.t().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+    want = (a[:rows].float() * ea) @ (w.float() * eb).t()
+    err = ((out[:rows].float() - want).norm() / want.norm()).item()
+    if not err < 2e-2:
+        print(f"blockwise _scaled_mm disagrees with the dequantized product (rel err {err:.3g}); not timed", flush=True)
+        return
+    report(row, "scaled_mm_blockwise",
+           bench(lambda: torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), quick), flops)
 
 
 def run(quick: bool) -> list[dict]:
@@ -46,6 +72,7 @@ def run(quick: bool) -> list[dict]:
                    flops)
         except (RuntimeError, TypeError) as e:  # rowwise needs a recent torch and sm_90
             print(f"rowwise _scaled_mm unavailable: {e}", flush=True)
+        blockwise(row, a, w, m, n, k, flops, quick, report)
         ab, wb = a.to(torch.bfloat16), w.to(torch.bfloat16)
         report(row, "bf16_mm", bench(lambda: torch.mm(ab, wb.t()), quick), flops)
         rows.append(row)
