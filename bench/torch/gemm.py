@@ -3,8 +3,9 @@
 FP8 (e4m3 -> bf16): torch._scaled_mm with tensorwise scales and, where this torch has them, rowwise
 scales ([M, 1] and [1, N]) and block scales (1 x 128 and 128 x 128, see blockwise); the second
 operand is the transposed view of a contiguous [N, K] weight, the layout cuBLAS's fp8 path needs
-(and kiln's fp8_gemm takes). bf16 torch.mm on the same shapes. Gated MLP (bf16): silu(x @ Wg^T) * (x @ Wu^T), eager (two cuBLAS GEMMs and the
-elementwise ops). Medians of triton.testing.do_bench; TFLOP/s = 2 M N K (gated: 4 M N K) / time.
+(and kiln's fp8_gemm takes). bf16 torch.mm on the same shapes. Gated MLP (bf16):
+silu(x @ Wg^T) * (x @ Wu^T), eager (two cuBLAS GEMMs and the elementwise ops). Medians of
+triton.testing.do_bench; TFLOP/s = 2 M N K (gated: 4 M N K) / time.
 """
 import torch
 import torch.nn.functional as F
