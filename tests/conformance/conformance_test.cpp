@@ -55,22 +55,25 @@ TEST_P(CatalogCompiles, EveryVariant) {
     // accumulator untouched while a batch is in flight: correct, and far slower.
     EXPECT_EQ(a->entry.compile_log.find("are serialized"), std::string::npos)
         << family_name << "(" << p.canonical() << ")\n" << a->entry.compile_log;
-    // The wgmma GEMM kernels keep every accumulator in registers: a stack frame there is an
-    // accumulator array moved to local memory, which ptxas reports as no spill at all (2026-11-22,
-    // eighth session: the 128 x 256 and gated kernels got 512-576 bytes and ran 25-50% slower).
-    if (arch == "sm_90a" && p.get_str("path") && *p.get_str("path") == "wgmma") {
-      const std::string& log = a->entry.compile_log;
-      int frames = 0;
-      for (std::size_t at = log.find(" bytes stack frame"); at != std::string::npos;
-           at = log.find(" bytes stack frame", at + 1)) {
-        std::size_t begin = at;
-        while (begin > 0 && std::isdigit(static_cast<unsigned char>(log[begin - 1]))) --begin;
-        ++frames;
-        EXPECT_EQ(log.substr(begin, at - begin), "0")
-            << family_name << "(" << p.canonical() << "): a stack frame\n" << log;
-      }
-      EXPECT_GT(frames, 0) << family_name << "(" << p.canonical() << "): no stack frame report\n" << log;
+    // A stack frame beyond the spill slots (the spill stores, rounded up to 16 bytes) is an array
+    // moved to local memory, which ptxas reports as no spill at all (2026-11-22, eighth session:
+    // the 128 x 256 and gated wgmma kernels got 512-576 bytes and ran 25-50% slower). The wgmma
+    // GEMM kernels keep every accumulator in registers and may have no frame at all. (2026-11-23:
+    // every catalog variant of both archs is within this; the largest frames, 24 bytes, hold
+    // spills.)
+    const bool wgmma = arch == "sm_90a" && p.get_str("path") && *p.get_str("path") == "wgmma";
+    const std::int64_t frame_limit = wgmma ? 0 : (std::int64_t(a->entry.spill_bytes) + 15) / 16 * 16;
+    const std::string& log = a->entry.compile_log;
+    int frames = 0;
+    for (std::size_t at = log.find(" bytes stack frame"); at != std::string::npos;
+         at = log.find(" bytes stack frame", at + 1)) {
+      std::size_t begin = at;
+      while (begin > 0 && std::isdigit(static_cast<unsigned char>(log[begin - 1]))) --begin;
+      ++frames;
+      EXPECT_LE(std::stoll(log.substr(begin, at - begin)), frame_limit)
+          << family_name << "(" << p.canonical() << "): a stack frame beyond its spills\n" << log;
     }
+    EXPECT_GT(frames, 0) << family_name << "(" << p.canonical() << "): no stack frame report\n" << log;
   }
   EXPECT_EQ(b.stats().compiles, std::int64_t(catalog.size()));
 }
