@@ -225,7 +225,9 @@ def _gated_grad(ctx, dout):
         sig = torch.sigmoid(g)
         act, dact = g * sig, sig * (1 + g * (1 - sig))
     else:
-        cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
+        # Phi(g) as erfc(-g / sqrt 2) / 2: 1 + erf(g / sqrt 2) cancels to 0 below g of about -5.5
+        # in fp32, which zeroes act(g) and act'(g) where they are merely small.
+        cdf = 0.5 * torch.erfc(-g * 0.7071067811865476)
         act, dact = g * cdf, cdf + g * torch.exp(-0.5 * g * g) * 0.3989422804014327
     dg = (d * u * dact).to(x.dtype)
     du = (d * act).to(x.dtype)

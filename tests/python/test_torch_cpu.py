@@ -122,3 +122,42 @@ def test_torch_tensors_read_in_c():
         kiln.rms_norm(torch.randn(64, 4).t(), w, out=out)  # column-major
     assert torch.equal(out, torch.full_like(x, 7.0))
     assert kiln.rms_norm_backward_workspace_elements(x) == 0
+
+
+def _act64(g, act):
+    # GELU as x * Phi(x) with Phi = erfc(-x / sqrt 2) / 2: exact in the far negative tail, where
+    # 1 + erf(x / sqrt 2) cancels to 0 even in fp64 (x < -8.3).
+    if act == "silu":
+        return torch.nn.functional.silu(g)
+    return 0.5 * g * torch.special.erfc(-g * 0.7071067811865476)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_fused_gated_mlp_gradients(act):
+    """The gated MLP's backward (recomputed x Wg^T and x Wu^T) against autograd through the fp64
+    composition, on random inputs; then one token whose first 8 gate values are about -9, where
+    GELU(g) is about -1e-18: the up projection's gradient there is that small and must keep its
+    relative accuracy."""
+    x = torch.randn(3, 5, 40).to(torch.bfloat16)
+    wg = (torch.randn(72, 40) * 0.3).to(torch.bfloat16)
+    wg[:8] = -9.0 / 40
+    wu = (torch.randn(72, 40) * 0.2).to(torch.bfloat16)
+
+    def grads(xs, dout):
+        xa, wga, wua = (t.clone().requires_grad_() for t in (xs, wg, wu))
+        torch.ops.kiln.fused_gated_mlp(xa, wga, wua, act).backward(dout)
+        xr, wgr, wur = (t.double().requires_grad_() for t in (xs, wg, wu))
+        (_act64(xr @ wgr.t(), act) * (xr @ wur.t())).backward(dout.double())
+        return (xa.grad, wga.grad, wua.grad), (xr.grad, wgr.grad, wur.grad)
+
+    dout = torch.randn(3, 5, 72).to(torch.bfloat16)
+    for name, got, want in zip(("x", "wg", "wu"), *grads(x, dout)):
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)
+    one = torch.ones(1, 40, dtype=torch.bfloat16)  # its gate values: 40 x -9/40, about -9
+    (_, _, wu_got), (_, _, wu_want) = grads(one, dout[0, :1])
+    tail = wu_want[:8].abs()
+    if act == "gelu":
+        assert (tail > 0).all() and (tail < 1e-15).all()
+    # The backward's g is x Wg^T rounded to bf16 (-9.0 against -8.984 in fp64), which alone moves
+    # Phi(g) by 13% this far out; 1 + erf gave 0 here.
+    torch.testing.assert_close(wu_got[:8].double(), wu_want[:8], rtol=0.25, atol=0.0, msg="wu rows where g ~ -9")
