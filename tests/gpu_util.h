@@ -55,16 +55,25 @@ inline std::vector<unsigned char> random_bytes(DType t, std::int64_t n, std::mt1
   return out;
 }
 
-// Relative L2 error of `got` against `want` over the given element indices; NaN if any got is NaN.
-inline double rel_l2(const void* got, const void* want, DType t, const std::vector<std::int64_t>& idx) {
+// ||got - want|| and ||want|| over the given element indices; the first is NaN if any got is NaN.
+struct L2Norms {
+  double diff, want;
+};
+inline L2Norms l2_norms(const void* got, const void* want, DType t, const std::vector<std::int64_t>& idx) {
   double num = 0, den = 0;
   for (auto i : idx) {
     double g = load_as_double(got, t, i), w = load_as_double(want, t, i);
-    if (std::isnan(g)) return NAN;
+    if (std::isnan(g)) return {NAN, std::sqrt(den)};
     num += (g - w) * (g - w);
     den += w * w;
   }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+  return {std::sqrt(num), std::sqrt(den)};
+}
+
+// Relative L2 error of `got` against `want` over the given element indices; NaN if any got is NaN.
+inline double rel_l2(const void* got, const void* want, DType t, const std::vector<std::int64_t>& idx) {
+  const L2Norms n = l2_norms(got, want, t, idx);
+  return n.want == 0 ? n.diff : n.diff / n.want;
 }
 
 // GPU tests run on a lent machine without a debugger: a crash prints the stack to stderr (resolve

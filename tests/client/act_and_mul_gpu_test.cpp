@@ -49,15 +49,9 @@ double atol(DType t) { return t == DType::f32 ? 0.0 : 1e-5; }
 // ||got - want|| over idx against rtol ||want|| + atol sqrt(n); true when within.
 bool within(const void* got, const void* want, DType t, const std::vector<std::int64_t>& idx, double rtol,
             double abs_tol, double* err_out) {
-  double num = 0, den = 0;
-  for (auto i : idx) {
-    const double g = load_as_double(got, t, i), w = load_as_double(want, t, i);
-    if (std::isnan(g)) return false;
-    num += (g - w) * (g - w);
-    den += w * w;
-  }
-  *err_out = std::sqrt(num);
-  return std::sqrt(num) <= rtol * std::sqrt(den) + abs_tol * std::sqrt(double(idx.size()));
+  const testing::L2Norms n = testing::l2_norms(got, want, t, idx);
+  *err_out = n.diff;
+  return n.diff <= rtol * n.want + abs_tol * std::sqrt(double(idx.size()));  // false when NaN
 }
 
 template <class Launch>
