@@ -48,11 +48,12 @@ Status launch_kernel(const jit::Driver* d, const Kernel& k, const LaunchGeometry
                   "cuLaunchKernel");
 }
 
-// "sm_90a" -> 90; 0 when the name does not start with sm_ and a number.
-int arch_number(const std::string& arch) {
-  if (arch.rfind("sm_", 0) != 0) return 0;
-  return std::atoi(arch.c_str() + 3);
-}
+// A context's device: the arch kernels are built for ("sm_90a") and its compute capability's
+// major number.
+struct DeviceArch {
+  std::string name;
+  int major = 0;
+};
 
 class RuntimeImpl final : public Runtime {
  public:
@@ -91,8 +92,8 @@ class RuntimeImpl final : public Runtime {
       if (auto it = table_.find(table_key); it != table_.end()) return &it->second->kernel;
     }
     KILN_ASSIGN_OR_RETURN(const Family* family, Registry::global().resolve(spec));
-    KILN_ASSIGN_OR_RETURN(std::string arch, arch_of(ctx));
-    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(*family, spec, arch));
+    KILN_ASSIGN_OR_RETURN(DeviceArch arch, arch_of(ctx));
+    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(*family, spec, arch.name));
     // The bytes were verified on their way here: by the store (size and SHA-256) on a cache hit,
     // by DaemonClient on arrival from kilnd, or they were compiled in this process just now.
 
@@ -114,7 +115,7 @@ class RuntimeImpl final : public Runtime {
       return s;
     }
     loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx, family->bind(spec.params)};
-    loaded->kernel.dependent_launch = family->programmatic_launch() && arch_number(arch) >= 90;
+    loaded->kernel.dependent_launch = family->programmatic_launch() && arch.major >= 9;
     std::lock_guard lock(mu_);
     ++counters_.module_loads;
     const Kernel* out = &loaded->kernel;
@@ -210,7 +211,7 @@ class RuntimeImpl final : public Runtime {
   static constexpr std::chrono::seconds k_retry_miss{10};
 
 
-  Result<std::string> arch_of(CUcontext ctx) {
+  Result<DeviceArch> arch_of(CUcontext ctx) {
     if (auto it = arch_by_ctx_.find(ctx); it != arch_by_ctx_.end()) return it->second;
     const jit::Driver* d = jit::Driver::get().value();
     CUdevice dev;
@@ -220,7 +221,7 @@ class RuntimeImpl final : public Runtime {
                       "cuDeviceGetAttribute"));
     KILN_TRY(d->check(d->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
                       "cuDeviceGetAttribute"));
-    std::string arch = arch_for_capability(major, minor);
+    const DeviceArch arch{arch_for_capability(major, minor), major};
     arch_by_ctx_.emplace(ctx, arch);
     return arch;
   }
@@ -387,7 +388,7 @@ class RuntimeImpl final : public Runtime {
   std::atomic<bool> warned_tuning_{false};
   std::atomic<bool> warned_family_{false};
   std::unordered_map<std::string, std::unique_ptr<Loaded>> table_;
-  std::unordered_map<CUcontext, std::string> arch_by_ctx_;
+  std::unordered_map<CUcontext, DeviceArch> arch_by_ctx_;
   std::unordered_map<FastKey, FastEntry, FastHash> fast_;
   RuntimeCounters counters_;
   std::string last_resolver_;

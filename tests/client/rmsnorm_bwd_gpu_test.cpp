@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "client/validate.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd_reduce/rmsnorm_bwd_reduce.h"
 #include "kiln/ops.h"
@@ -241,6 +242,16 @@ TEST_F(RmsNormBwdGpu, BackToBackCallsShareTheWorkspace) {
       expect_close(e, c.dtype, std::to_string(c.rows) + "x" + std::to_string(c.cols) + " call " + std::to_string(i));
     }
   }
+  // The reduce did launch as a programmatic dependent here on sm_90 and later (the runtime decides
+  // from the device's compute capability), and the first stage, which asks for none, did not.
+  const int cc = client::compute_capability(0).value();
+  for (const char* name : {"rmsnorm_bwd_reduce", "rmsnorm_bwd"}) {
+    const Family& f = *Registry::global().find(name);
+    auto k = rt_->kernel(KernelSpec{name, f.catalog().front()});
+    ASSERT_TRUE(k.ok()) << k.status().to_string();
+    EXPECT_EQ((*k)->dependent_launch, f.programmatic_launch() && cc >= 90) << name;
+  }
+  EXPECT_TRUE(Registry::global().find("rmsnorm_bwd_reduce")->programmatic_launch());
 }
 
 TEST_F(RmsNormBwdGpu, CallersWorkspace) {
