@@ -43,17 +43,17 @@ std::map<std::pair<int, std::string>, int> g_resident;
 Result<std::int64_t> slabs_for(const Family& bwd, const Problem& p, int ordinal, int sms, Runtime& runtime) {
   const auto choice = families::rmsnorm_bwd_heuristic(p);
   int resident = 0;
+  // Only the clustered kernel needs the count (checked here too, so other calls build no Params).
   if (choice.stages > 0 && choice.cluster > 1 && p.dims[families::k_bwd_rows] > 0) {
     const Params params = bwd.heuristic(p);
     const std::pair<int, std::string> key{ordinal, params.canonical()};
+    bool known = false;
     {
       std::lock_guard lock(g_mu);
-      if (auto it = g_resident.find(key); it != g_resident.end()) resident = it->second;
+      if (auto it = g_resident.find(key); it != g_resident.end()) resident = it->second, known = true;
     }
-    if (resident == 0) {
-      KILN_ASSIGN_OR_RETURN(const Kernel* k, runtime.kernel(KernelSpec{std::string(bwd.name()), params}));
-      const LaunchGeometry g = bwd.geometry(params, p);
-      resident = client::resident_clusters(*k, g.block.x, g.shared_bytes, choice.cluster);
+    if (!known) {
+      KILN_ASSIGN_OR_RETURN(resident, client::rmsnorm_bwd_resident_clusters(runtime, bwd, params, p));
       std::lock_guard lock(g_mu);
       g_resident[key] = resident;
     }

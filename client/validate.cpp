@@ -3,6 +3,7 @@
 #include <array>
 #include <atomic>
 
+#include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "jit/driver.h"
 
 namespace kiln::client {
@@ -120,6 +121,14 @@ int resident_clusters(const Kernel& kernel, unsigned block, unsigned shared_byte
       CUDA_SUCCESS)
     return 0;
   return clusters;
+}
+
+Result<int> rmsnorm_bwd_resident_clusters(Runtime& runtime, const Family& bwd, const Params& params, const Problem& p) {
+  const auto choice = families::rmsnorm_bwd_choice(params);
+  if (choice.stages == 0 || choice.cluster <= 1) return 0;
+  KILN_ASSIGN_OR_RETURN(const Kernel* k, runtime.kernel(KernelSpec{std::string(bwd.name()), params}));
+  const LaunchGeometry g = bwd.geometry(params, p);
+  return resident_clusters(*k, g.block.x, g.shared_bytes, choice.cluster);
 }
 
 Result<int> compute_capability(int ordinal) {

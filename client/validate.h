@@ -38,6 +38,12 @@ Result<int> compute_capability(int ordinal);
 // driver reports it (cuOccupancyMaxActiveClusters); 0 when the driver cannot say.
 int resident_clusters(const Kernel& kernel, unsigned block, unsigned shared_bytes, int cluster);
 
+// For the rmsnorm_bwd family (`bwd`): the clusters of `params`'s kernel resident at once for
+// problem `p` when that is the clustered bulk kernel, which takes one slab per such cluster (the
+// kernel is loaded through `runtime` to ask the driver); 0 for its other kernels, whose slab count
+// needs none. families/rmsnorm_bwd: rmsnorm_bwd_slabs takes it.
+Result<int> rmsnorm_bwd_resident_clusters(Runtime& runtime, const Family& bwd, const Params& params, const Problem& p);
+
 // The largest power of two (at most 16) dividing the address and every byte stride given.
 std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
                                std::initializer_list<std::int64_t> byte_strides);

@@ -119,15 +119,10 @@ int run(Context& ctx) {
     Problem hp;
     hp.dtype = DType::bf16;
     hp.dims = {tokens, hidden, hidden, hidden, hidden, 0, major >= 9 ? 8 : 1};
-    const auto choice = families::rmsnorm_bwd_heuristic(hp);
-    int resident = 0;  // clustered kernels: the op's slab count is the clusters resident at once
-    if (choice.stages > 0 && choice.cluster > 1) {
-      auto k = ctx.runtime->kernel(KernelSpec{"rmsnorm_bwd", bwd.heuristic(hp)});
-      check(k.status(), "kernel");
-      const LaunchGeometry g = bwd.geometry(bwd.heuristic(hp), hp);
-      resident = client::resident_clusters(**k, g.block.x, g.shared_bytes, choice.cluster);
-    }
-    hp.dims[families::k_bwd_slabs] = families::rmsnorm_bwd_slabs(choice, hp, sms, resident);
+    // As the op counts them: clustered kernels take one slab per cluster resident at once.
+    auto resident = client::rmsnorm_bwd_resident_clusters(*ctx.runtime, bwd, bwd.heuristic(hp), hp);
+    check(resident.status(), "resident clusters");
+    hp.dims[families::k_bwd_slabs] = families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_heuristic(hp), hp, sms, *resident);
     const std::string variant = bwd.heuristic(hp).canonical() + ",slabs=" + std::to_string(hp.dims[families::k_bwd_slabs]);
     std::printf("%8lld %7lld %10.2f %10.1f %7.1f%% %9.2e %9.2e  %s\n", (long long)tokens, (long long)hidden, ms * 1e3,
                 gbs, 100 * gbs / ctx.copy_gbs, dx_err, dw_err, variant.c_str());

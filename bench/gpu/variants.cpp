@@ -158,12 +158,10 @@ int run(Context& ctx) {
       Problem problem = c.problem;
       if (c.family == "rmsnorm_bwd") {
         // Clustered kernels: one slab per cluster resident at once, as the op asks the driver.
-        const auto choice = families::rmsnorm_bwd_choice(params);
-        const LaunchGeometry g = f.geometry(params, problem);
-        const int resident = choice.cluster > 1 && choice.stages > 0
-                                 ? client::resident_clusters(**k, g.block.x, g.shared_bytes, choice.cluster)
-                                 : 0;
-        problem.dims[families::k_bwd_slabs] = families::rmsnorm_bwd_slabs(choice, problem, sms, resident);
+        auto resident = client::rmsnorm_bwd_resident_clusters(**rt, f, params, problem);
+        check(resident.status(), "resident clusters");
+        problem.dims[families::k_bwd_slabs] =
+            families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_choice(params), problem, sms, *resident);
       }
       std::vector<void*> ptrs(specs.size());
       double ms = time_events([&](int i) {
