@@ -1,5 +1,5 @@
 // The GPU benchmark harness: shared timing and buffer helpers, and a registry of per-family
-// benchmark sections (bench/gpu/<family>.cpp), all run by kiln_bench_gpu in one process so that
+// benchmark sections (families/<name>/bench/*.cpp, bench/gpu/*.cpp), all run by kiln_bench_gpu in one process so that
 // every figure sits beside the copy bandwidth measured in the same run.
 #pragma once
 

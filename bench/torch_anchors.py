@@ -1,7 +1,7 @@
 """PyTorch anchors for kiln's GPU benchmark, run in the same command as kiln_bench_gpu.
 
-Measures the device copy bandwidth, then imports every module in bench/torch/ and calls its
-run(quick) -> list of row dicts. Each module times PyTorch eager and torch.compile on the shapes
+Measures the device copy bandwidth, then imports every family's anchor, families/<name>/bench/*.py
+(the same layout under gpu-dist/), and calls its run(quick) -> list of row dicts. Each module times PyTorch eager and torch.compile on the shapes
 kiln's section of the same name times, with triton.testing.do_bench medians.
 
     python3 bench/torch_anchors.py [--quick] [--json FILE] [--only NAME]
@@ -28,7 +28,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--only", help="anchor names under bench/torch/, comma-separated")
+    ap.add_argument("--only", help="anchor names (file stems), comma-separated")
     args = ap.parse_args()
     # Every anchor compiles one graph per shape; dynamo's default limit (8) would silently fall
     # back to eager after the eighth and report eager numbers as torch.compile's.
@@ -37,7 +37,9 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs()}
     print(f"torch {res['torch']} on {res['device']}: copy 1 GiB {res['copy_gbs']:.1f} GB/s", flush=True)
     failed = False
-    for path in sorted((pathlib.Path(__file__).parent / "torch").glob("*.py")):
+    anchors = sorted((pathlib.Path(__file__).resolve().parent.parent / "families").glob("*/bench/*.py"),
+                     key=lambda p: p.stem)
+    for path in anchors:
         if args.only and path.stem not in args.only.split(","):
             continue
         print(f"\n== torch {path.stem} ==", flush=True)

@@ -1,7 +1,7 @@
-# Writes OUT: a C++ table of every file under ROOT (path relative to ROOT, bytes).
-file(GLOB_RECURSE files RELATIVE ${ROOT} ${ROOT}/*)
+# Writes OUT: a C++ table of every .cuh file under ROOT (path relative to ROOT, bytes).
+file(GLOB_RECURSE files RELATIVE ${ROOT} ${ROOT}/*.cuh)
 list(SORT files)
-set(body "// Generated from templates/ by cmake/embed_templates.cmake. Do not edit.\n#include \"jit/templates.h\"\n\nnamespace kiln::jit {\nnamespace {\n")
+set(body "// Generated from families/*.cuh by cmake/embed_templates.cmake. Do not edit.\n#include \"jit/templates.h\"\n\nnamespace kiln::jit {\nnamespace {\n")
 set(table "")
 set(i 0)
 foreach(f ${files})

@@ -1,6 +1,6 @@
 // Host-side e4m3 (OCP FP8 E4M3, "e4m3fn": no infinities, 0x7F/0xFF NaN, max 448) conversions and
 // the quantization rule kiln's quantize_fp8 kernels follow bit for bit
-// (templates/quantize_fp8/quantize_fp8.cuh has the device twin).
+// (families/gemm/quantize_fp8.cuh has the device twin).
 #pragma once
 
 #include <cmath>

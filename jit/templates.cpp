@@ -65,7 +65,7 @@ Result<TemplateSet> TemplateSet::from_directory(const std::string& dir) {
   TemplateSet s;
   for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
        it.increment(ec)) {
-    if (!it->is_regular_file()) continue;
+    if (!it->is_regular_file() || it->path().extension() != ".cuh") continue;
     std::ifstream in(it->path(), std::ios::binary);
     std::ostringstream buf;
     buf << in.rdbuf();

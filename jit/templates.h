@@ -1,7 +1,8 @@
 // The kernel templates given to NVRTC as in-memory headers.
 //
-// Normally the files embedded from templates/ at build time. With KILN_TEMPLATE_DIR set, every
-// file under that directory is read instead (development override).
+// Normally the .cuh files under families/, embedded at build time. With KILN_TEMPLATE_DIR set (to a
+// checkout's families/, say), every .cuh file under that directory is read instead (development
+// override).
 #pragma once
 
 #include <map>

@@ -9,7 +9,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 src=${KILN_SRC:-$root}
 cmake -S "$src" -B "$src/build-gpu" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$src/build-gpu" -j2 --target kilnd kiln_cli kiln_bench_gpu \
-  $(cd "$src/tests" && for d in */; do ls "$d"*_gpu_test.cpp >/dev/null 2>&1 && echo "kiln_gpu_tests_${d%/}"; done)
+  $(cd "$src/tests" && for d in */; do ls "$d"*_gpu_test.cpp >/dev/null 2>&1 && echo "kiln_gpu_tests_${d%/}"; done) \
+  $(ls "$src"/families/*/tests/*_gpu_test.cpp >/dev/null 2>&1 && echo kiln_gpu_tests_families)
 rm -rf "$root/gpu-dist"
 mkdir -p "$root/gpu-dist/tests" "$root/gpu-dist/bench"
 cp "$src/build-gpu/kilnd" "$src/build-gpu/kiln" "$root/gpu-dist/"
@@ -26,6 +27,10 @@ cp "$src/build-gpu/tests/test_plugins/libc_ok.so" "$root/gpu-dist/tests/test_plu
 # runs what was built even when the checkout it copies holds other work in progress.
 mkdir -p "$root/gpu-dist/scripts"
 cp "$src/scripts/gpu_run.sh" "$root/gpu-dist/scripts/"
-cp -r "$src/bench/torch_anchors.py" "$src/bench/torch" "$root/gpu-dist/bench/"
-find "$root/gpu-dist/bench" -name __pycache__ -prune -exec rm -rf {} +
+cp "$src/bench/torch_anchors.py" "$root/gpu-dist/bench/"
+for f in "$src"/families/*/bench/*.py; do
+  rel=${f#"$src"/}
+  mkdir -p "$root/gpu-dist/$(dirname "$rel")"
+  cp "$f" "$root/gpu-dist/$rel"
+done
 du -sh "$root/gpu-dist"

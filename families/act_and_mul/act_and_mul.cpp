@@ -1,5 +1,5 @@
 #include "families/act_and_mul/act_and_mul.h"
-#include "families/family_util.h"
+#include "families/common/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -206,7 +206,7 @@ ActAndMulChoice act_and_mul_heuristic(const Problem& p) {
   // Measured on an H100 (bench section `variants`, 2026-11-22): 8-byte accesses and 128-thread
   // blocks were best or within 1% of the best for SiLU and GELU at 4096x14336 and 32768x11008;
   // 16-byte accesses lost 7-10% with GELU (erf) computed with erff, and tie with the fitted form
-  // of templates/act_and_mul/activations.cuh.
+  // of families/act_and_mul/activations.cuh.
   int vec = std::max(1, 8 / esize);
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || d % vec || p.dims[k_am_x_stride] % vec ||
                      p.dims[k_am_out_stride] % vec))

@@ -14,7 +14,7 @@
 // half allow. Measured on an H100 (bench section `variants`): 8-byte accesses with 128 threads
 // were within 1% of the best variant at 4096x14336 and 32768x11008 for SiLU and GELU, while
 // 16-byte ones lost 7-10% with GELU (erf) computed with erff; with the fitted form in
-// templates/act_and_mul/activations.cuh, 16- and 8-byte accesses tie (4096x14336, bf16).
+// families/act_and_mul/activations.cuh, 16- and 8-byte accesses tie (4096x14336, bf16).
 #pragma once
 
 #include <cstdint>

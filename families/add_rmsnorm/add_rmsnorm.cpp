@@ -1,5 +1,5 @@
 #include "families/add_rmsnorm/add_rmsnorm.h"
-#include "families/family_util.h"
+#include "families/common/family_util.h"
 
 #include <algorithm>
 #include <cmath>

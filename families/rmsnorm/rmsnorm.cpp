@@ -1,5 +1,5 @@
 #include "families/rmsnorm/rmsnorm.h"
-#include "families/family_util.h"
+#include "families/common/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -231,7 +231,7 @@ class RmsNorm final : public Family {
 }  // namespace
 
 namespace {
-// Packs per thread in the kernel's register cache (templates/rmsnorm/rmsnorm_fwd.cuh,
+// Packs per thread in the kernel's register cache (families/rmsnorm/rmsnorm_fwd.cuh,
 // rmsnorm_cache_regs).
 std::int64_t cached_packs(const Params& params, const Problem& p) {
   return register_cache_packs(*params.get_int("block") >= 1024 ? 8 : 16,
@@ -263,7 +263,7 @@ std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
   const std::int64_t packs = p.dims[k_cols] / vec, pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
   const std::int64_t cached = cached_packs(params, p);
   // Rows that fit the register cache: blocks under 1024 threads with packs of 8 bytes and more
-  // stage the weight there (templates/rmsnorm/rmsnorm_fwd.cuh, k_w_smem).
+  // stage the weight there (families/rmsnorm/rmsnorm_fwd.cuh, k_w_smem).
   if (packs <= block * cached) return block < 1024 && pack_bytes >= 8 ? packs : 0;
   return smem_cache_packs(packs, block, cached, pack_bytes, k_rmsnorm_max_smem);
 }

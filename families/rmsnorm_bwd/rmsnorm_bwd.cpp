@@ -1,5 +1,5 @@
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
-#include "families/family_util.h"
+#include "families/common/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -423,6 +423,10 @@ std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int 
 
 }  // namespace kiln::families
 
+void kiln_register_kernels_rmsnorm_bwd_reduce(kiln::Registry& r);
+
+// The backward's two kernel families: the row pass and the reduction of its partial dw rows.
 void kiln_register_family_rmsnorm_bwd(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::RmsNormBwd>());
+  kiln_register_kernels_rmsnorm_bwd_reduce(r);
 }

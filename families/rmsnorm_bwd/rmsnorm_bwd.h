@@ -7,7 +7,7 @@
 // kernel (stages > 0, cluster 1, sm_90 and later) brings rows into a ring of `stages` shared-memory
 // row buffers with cp.async.bulk, one block per row; the clustered bulk kernel (stages > 0,
 // cluster > 1) splits each row over a cluster, each block with its own ring
-// (templates/rmsnorm_bwd/rmsnorm_bwd.cuh).
+// (families/rmsnorm_bwd/rmsnorm_bwd.cuh).
 //
 // Params: dtype {f32, f16, bf16}; group {32 .. 512} threads per row (powers of two for the register
 // kernel, multiples of 32 for the bulk one); rows {1, 2, 4, 8} rows in

@@ -1,5 +1,5 @@
 #include "families/rmsnorm_rope/rmsnorm_rope.h"
-#include "families/family_util.h"
+#include "families/common/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -220,7 +220,7 @@ class RmsNormRope final : public Family {
 }  // namespace
 
 std::int64_t rmsnorm_rope_weight_smem(const Params& params, const Problem& p) {
-  // The kernel's register cache (templates/rmsnorm_rope/rmsnorm_rope_fwd.cuh): 16 registers per
+  // The kernel's register cache (families/rmsnorm_rope/rmsnorm_rope_fwd.cuh): 16 registers per
   // thread, 8 in 1024-thread blocks; an item is two packs.
   const auto block = *params.get_int("block"), vec = *params.get_int("vec");
   const std::int64_t pack_bytes = vec * std::int64_t(dtype_size(p.dtype));

@@ -1,5 +1,5 @@
 #include "families/rope/rope.h"
-#include "families/family_util.h"
+#include "families/common/family_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -154,7 +154,7 @@ class Rope final : public Family {
     return out;
   }
 
-  // The rope benchmark shapes (bench/gpu/rope.cpp): 32 query and 8 key heads of 64 or 128, both
+  // The rope benchmark shapes (families/rope/bench/rope.cpp): 32 query and 8 key heads of 64 or 128, both
   // layouts, contiguous tokens, positions below 4096.
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;

@@ -13,7 +13,7 @@
 #include <cmath>
 
 #include "common/half.h"
-#include "families/family_util.h"  // header-only helpers kiln's families share; plugins may use them
+#include "families/common/family_util.h"  // header-only helpers kiln's families share; plugins may use them
 #include "jit/templates.h"  // EmbeddedFile: the table cmake/embed_templates.cmake writes
 #include "kiln/plugin_cpp.h"
 

@@ -1,0 +1,291 @@
+// The tensor-core typed ops: quantize_fp8, fp8_gemm, fused_gated_mlp (contracts in kiln/ops.h).
+#include <cstring>
+
+#include "client/validate.h"
+#include "families/gemm/fp8_gemm.h"
+#include "families/gemm/gated_mlp.h"
+#include "families/common/gemm/gemm_util.h"
+#include "families/gemm/quantize_fp8.h"
+#include "jit/driver.h"
+#include "kiln/ops.h"
+
+namespace kiln {
+namespace {
+
+namespace g = families::gemm;
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+std::string shape_text(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
+}
+
+bool has_shape(const TensorView& t, std::initializer_list<std::int64_t> shape) {
+  if (t.rank != int(shape.size())) return false;
+  int i = 0;
+  for (auto v : shape)
+    if (t.shape[i++] != v) return false;
+  return true;
+}
+
+Status require_contiguous(const TensorView& t, const char* op, const char* name) {
+  if (!t.is_contiguous()) return shape_mismatch(std::string(op) + ": " + name + " must be contiguous");
+  return {};
+}
+
+// Operands move in 16-byte pieces; scales are read as single floats.
+Status require_aligned(const TensorView& t, const char* op, const char* name, std::uintptr_t bytes = 16) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % bytes)
+    return invalid_argument(std::string(op) + ": " + name + " must be " + std::to_string(bytes) + "-byte aligned");
+  return {};
+}
+
+// Checks that every tensor is on one device kind (the first's) and one GPU; returns that kind.
+Result<DeviceKind> common_device(const char* op, std::initializer_list<std::pair<const TensorView*, const char*>> ts) {
+  const TensorView& first = *ts.begin()->first;
+  const DeviceKind where = first.device.kind;
+  for (const auto& [t, name] : ts) {
+    KILN_TRY(client::check_device(*t, name, where));
+    if (where == DeviceKind::cuda && t->device.index != first.device.index)
+      return device_error(std::string(op) + ": tensors are on different GPUs");
+  }
+  return where;
+}
+
+// A GEMM family's problem (families/common/gemm/gemm_util.h), with the device-dependent dims (persistent
+// grid bound, compute capability) of the tensors' device.
+Result<Problem> gemm_problem(DType dtype, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode,
+                             DeviceKind where, int ordinal) {
+  Problem p;
+  p.dtype = dtype;
+  p.alignment = 16;
+  p.dims[g::k_m] = m;
+  p.dims[g::k_n] = n;
+  p.dims[g::k_k] = k;
+  p.dims[g::k_mode] = mode;
+  p.dims[g::k_sms] = 1;
+  p.dims[g::k_cc] = 90;
+  if (where == DeviceKind::cuda) {
+    KILN_ASSIGN_OR_RETURN(int sms, client::sm_count(ordinal));
+    KILN_ASSIGN_OR_RETURN(int cc, client::compute_capability(ordinal));
+    p.dims[g::k_sms] = sms;
+    p.dims[g::k_cc] = cc;
+  }
+  return p;
+}
+
+Result<Runtime*> runtime_or_shared(Runtime* runtime) {
+  if (runtime) return runtime;
+  return Runtime::shared();
+}
+
+// Runs `family` on the problem: the CPU reference for host tensors, the GPU kernel otherwise.
+Status dispatch(const char* family_name, const Problem& p, std::span<void* const> buffers, DeviceKind where,
+                Stream stream, Runtime* runtime) {
+  const Family* family = Registry::global().find(family_name);
+  if (!family) return internal_error(std::string("the ") + family_name + " family is not registered");
+  if (where == DeviceKind::cpu) {
+    const Params params = family->heuristic(p);
+    KILN_TRY(family->check_problem(params, p));
+    return family->cpu_reference(params, p, buffers);
+  }
+  KILN_ASSIGN_OR_RETURN(Runtime * rt, runtime_or_shared(runtime));
+  return rt->run(*family, p, buffers, stream);
+}
+
+// K = 0: the product is all zeros (no kernel to run).
+Status write_zeros(const TensorView& out, DeviceKind where, Stream stream) {
+  const std::size_t bytes = std::size_t(out.numel()) * dtype_size(out.dtype);
+  if (where == DeviceKind::cpu) {
+    std::memset(out.data, 0, bytes);
+    return {};
+  }
+  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
+  return d->check(d->memset_d8_async(reinterpret_cast<CUdeviceptr>(out.data), 0, bytes, static_cast<CUstream>(stream)),
+                  "cuMemsetD8Async");
+}
+
+}  // namespace
+
+Status quantize_fp8(const TensorView& x, const TensorView& q, const TensorView& scale, Fp8Granularity granularity,
+                    bool transpose, Stream stream, Runtime* runtime) {
+  constexpr const char* op = "quantize_fp8";
+  KILN_TRY(client::check_view(x, "x"));
+  KILN_TRY(client::check_view(q, "q"));
+  KILN_TRY(client::check_view(scale, "scale"));
+  KILN_TRY(client::check_float_dtype(x, "x"));
+  if (q.dtype != DType::u8) return unsupported_dtype("quantize_fp8: q must be u8 (e4m3 codes)");
+  if (scale.dtype != DType::f32) return unsupported_dtype("quantize_fp8: scale must be f32");
+  std::int64_t mode;
+  switch (granularity) {
+    case Fp8Granularity::tensor: mode = families::k_q_tensor; break;
+    case Fp8Granularity::row_1x128: mode = families::k_q_row; break;
+    case Fp8Granularity::tile_128: mode = families::k_q_tile; break;
+    default: return invalid_argument("quantize_fp8: unknown granularity " + std::to_string(int(granularity)));
+  }
+  if (transpose && mode == families::k_q_row)
+    return invalid_argument("quantize_fp8: transpose is for weights (tensor or tile_128 granularity)");
+  if (transpose && x.rank != 2) return shape_mismatch("quantize_fp8: transpose takes a rank-2 x");
+  for (const auto& [t, name] : {std::pair{&x, "x"}, {&q, "q"}, {&scale, "scale"}}) {
+    KILN_TRY(require_contiguous(*t, op, name));
+    KILN_TRY(require_aligned(*t, op, name, t == &scale ? 4 : 16));
+  }
+  const std::int64_t cols = x.shape[x.rank - 1], rows = cols ? x.numel() / cols : 0;
+  bool q_ok = q.rank == x.rank;
+  for (int i = 0; q_ok && i < x.rank; ++i) q_ok = q.shape[i] == x.shape[transpose ? 1 - i : i];
+  if (!q_ok)
+    return shape_mismatch("quantize_fp8: q must have shape " +
+                          (transpose ? "[" + std::to_string(cols) + ", " + std::to_string(rows) + "]" : shape_text(x)) +
+                          ", got " + shape_text(q));
+  const std::int64_t want = mode == families::k_q_tensor ? 1
+                            : mode == families::k_q_row  ? rows * ceil_div(cols, 128)
+                                                         : ceil_div(rows, 128) * ceil_div(cols, 128);
+  bool s_ok = scale.numel() == want;
+  if (mode == families::k_q_row)
+    s_ok = s_ok && scale.rank >= 2 && scale.shape[scale.rank - 1] == ceil_div(cols, 128);
+  if (mode == families::k_q_tile)
+    s_ok = has_shape(scale, {transpose ? ceil_div(cols, 128) : ceil_div(rows, 128),
+                             transpose ? ceil_div(rows, 128) : ceil_div(cols, 128)});
+  if (!s_ok) return shape_mismatch("quantize_fp8: scale has the wrong shape " + shape_text(scale) + " for this granularity");
+  KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&x, "x"}, {&q, "q"}, {&scale, "scale"}}));
+  if (rows == 0 || cols == 0) return {};
+
+  Problem p;
+  p.dtype = x.dtype;
+  p.alignment = 16;
+  p.dims[families::k_q_rows] = rows;
+  p.dims[families::k_q_cols] = cols;
+  p.dims[families::k_q_transpose] = transpose ? 1 : 0;
+  void* buffers[3] = {x.data, q.data, scale.data};
+  if (mode == families::k_q_tensor) {
+    // Pass 1 raises scale[0] from 0 to amax / 448; pass 2 quantizes with it.
+    if (where == DeviceKind::cpu) {
+      *static_cast<float*>(scale.data) = 0.0f;
+    } else {
+      KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
+      KILN_TRY(d->check(d->memset_d8_async(reinterpret_cast<CUdeviceptr>(scale.data), 0, 4, static_cast<CUstream>(stream)),
+                        "cuMemsetD8Async"));
+    }
+    Problem amax = p;
+    amax.dims[families::k_q_mode] = families::k_q_amax;
+    amax.dims[families::k_q_transpose] = 0;
+    KILN_TRY(dispatch("quantize_fp8", amax, buffers, where, stream, runtime));
+  }
+  p.dims[families::k_q_mode] = mode;
+  return dispatch("quantize_fp8", p, buffers, where, stream, runtime);
+}
+
+Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale, const TensorView& b_scale,
+                const TensorView& out, Stream stream, Runtime* runtime) {
+  constexpr const char* op = "fp8_gemm";
+  KILN_TRY(client::check_view(a, "a"));
+  KILN_TRY(client::check_view(b, "b"));
+  if (!a_scale.data) return invalid_argument("fp8_gemm: a is pre-quantized (u8 e4m3 codes) and needs a_scale");
+  if (!b_scale.data) return invalid_argument("fp8_gemm: b is pre-quantized (u8 e4m3 codes) and needs b_scale");
+  KILN_TRY(client::check_view(a_scale, "a_scale"));
+  KILN_TRY(client::check_view(b_scale, "b_scale"));
+  KILN_TRY(client::check_view(out, "out"));
+  for (const auto& [t, name] : {std::pair{&a, "a"}, {&b, "b"}})
+    if (t->dtype != DType::u8)
+      return unsupported_dtype(std::string("fp8_gemm: ") + name + " has dtype " + dtype_name(t->dtype) +
+                               "; expected u8 e4m3 codes (quantize_fp8 makes them)");
+  if (a_scale.dtype != DType::f32 || b_scale.dtype != DType::f32)
+    return unsupported_dtype("fp8_gemm: a_scale and b_scale must be f32");
+  if (out.dtype != DType::f16 && out.dtype != DType::bf16)
+    return unsupported_dtype(std::string("fp8_gemm: out has dtype ") + dtype_name(out.dtype) + "; expected f16 or bf16");
+  if (a.rank != 2 || b.rank != 2 || out.rank != 2) return shape_mismatch("fp8_gemm: a, b and out must be matrices");
+  const std::int64_t m = a.shape[0], k = a.shape[1], n = b.shape[1];
+  if (b.shape[0] != k)
+    return shape_mismatch("fp8_gemm: a is " + shape_text(a) + " but b is " + shape_text(b) + " (K does not match)");
+  if (!has_shape(out, {m, n}))
+    return shape_mismatch("fp8_gemm: out must have shape [" + std::to_string(m) + ", " + std::to_string(n) + "], got " +
+                          shape_text(out));
+  KILN_TRY(require_contiguous(a, op, "a"));
+  KILN_TRY(require_contiguous(out, op, "out"));
+  KILN_TRY(require_contiguous(a_scale, op, "a_scale"));
+  KILN_TRY(require_contiguous(b_scale, op, "b_scale"));
+  KILN_TRY(require_aligned(a_scale, op, "a_scale", 4));
+  KILN_TRY(require_aligned(b_scale, op, "b_scale", 4));
+  if (!(b.strides[0] == 1 && (b.strides[1] == k || n <= 1)) && !(k <= 1 && b.is_contiguous()))
+    return invalid_argument(
+        "fp8_gemm: b must be K-major ([K, N] with strides {1, K}: the transposed view of a contiguous [N, K] "
+        "tensor); quantize_fp8 with transpose makes that layout from a row-major [K, N] weight");
+  if (k % 16) return shape_mismatch("fp8_gemm: K = " + std::to_string(k) + " must be a multiple of 16");
+  const std::int64_t kb = ceil_div(k, 128);
+  std::int64_t mode;
+  // Where both readings fit (M = 1, K <= 128, N <= 128) they compute the same product.
+  if (has_shape(a_scale, {m, kb}) && has_shape(b_scale, {ceil_div(n, 128), kb})) {
+    mode = families::k_fp8_blockwise;
+  } else if (a_scale.numel() == 1 && b_scale.numel() == 1) {
+    mode = families::k_fp8_per_tensor;
+  } else {
+    return shape_mismatch("fp8_gemm: scales must be one element each (per tensor) or a_scale [" + std::to_string(m) +
+                          ", " + std::to_string(kb) + "] and b_scale [" + std::to_string(ceil_div(n, 128)) + ", " +
+                          std::to_string(kb) + "] (block-wise); got " + shape_text(a_scale) + " and " +
+                          shape_text(b_scale));
+  }
+  for (const auto& [t, name] : {std::pair{&a, "a"}, {&b, "b"}, {&out, "out"}}) KILN_TRY(require_aligned(*t, op, name));
+  KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&a, "a"}, {&b, "b"}, {&a_scale, "a_scale"},
+                                                             {&b_scale, "b_scale"}, {&out, "out"}}));
+  if (m == 0 || n == 0) return {};
+  if (k == 0) return write_zeros(out, where, stream);
+
+  KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(out.dtype, m, n, k, mode, where, a.device.index));
+  void* buffers[5] = {a.data, b.data, a_scale.data, b_scale.data, out.data};
+  return dispatch("fp8_gemm", p, buffers, where, stream, runtime);
+}
+
+Status fused_gated_mlp(const TensorView& x, const TensorView& gate_weight, const TensorView& up_weight,
+                       const TensorView& out, GatedActivation act, Stream stream, Runtime* runtime) {
+  constexpr const char* op = "fused_gated_mlp";
+  KILN_TRY(client::check_view(x, "x"));
+  KILN_TRY(client::check_view(gate_weight, "gate_weight"));
+  KILN_TRY(client::check_view(up_weight, "up_weight"));
+  KILN_TRY(client::check_view(out, "out"));
+  if (x.dtype != DType::f16 && x.dtype != DType::bf16)
+    return unsupported_dtype(std::string("fused_gated_mlp: x has dtype ") + dtype_name(x.dtype) +
+                             "; expected f16 or bf16");
+  for (const auto& [t, name] : {std::pair{&gate_weight, "gate_weight"}, {&up_weight, "up_weight"}, {&out, "out"}})
+    if (t->dtype != x.dtype)
+      return unsupported_dtype(std::string("fused_gated_mlp: ") + name + " has dtype " + dtype_name(t->dtype) +
+                               ", x has " + dtype_name(x.dtype));
+  std::int64_t mode;
+  switch (act) {
+    case GatedActivation::silu: mode = families::k_gated_silu; break;
+    case GatedActivation::gelu: mode = families::k_gated_gelu; break;
+    default: return invalid_argument("fused_gated_mlp: unknown activation " + std::to_string(int(act)));
+  }
+  if (x.rank < 2) return shape_mismatch("fused_gated_mlp: x must be [..., hidden] with at least 2 dimensions");
+  const std::int64_t hidden = x.shape[x.rank - 1], m = hidden ? x.numel() / hidden : 0;
+  if (gate_weight.rank != 2) return shape_mismatch("fused_gated_mlp: gate_weight must be [intermediate, hidden]");
+  const std::int64_t inter = gate_weight.shape[0];
+  if (gate_weight.shape[1] != hidden)
+    return shape_mismatch("fused_gated_mlp: gate_weight is " + shape_text(gate_weight) + " but x has hidden size " +
+                          std::to_string(hidden));
+  if (!has_shape(up_weight, {inter, hidden}))
+    return shape_mismatch("fused_gated_mlp: up_weight must have gate_weight's shape " + shape_text(gate_weight) +
+                          ", got " + shape_text(up_weight));
+  bool out_ok = out.rank == x.rank && out.shape[out.rank - 1] == inter;
+  for (int i = 0; out_ok && i + 1 < x.rank; ++i) out_ok = out.shape[i] == x.shape[i];
+  if (!out_ok)
+    return shape_mismatch("fused_gated_mlp: out must be x's leading shape by " + std::to_string(inter) + ", got " +
+                          shape_text(out));
+  if (hidden % 8) return shape_mismatch("fused_gated_mlp: hidden = " + std::to_string(hidden) + " must be a multiple of 8");
+  for (const auto& [t, name] :
+       {std::pair{&x, "x"}, {&gate_weight, "gate_weight"}, {&up_weight, "up_weight"}, {&out, "out"}}) {
+    KILN_TRY(require_contiguous(*t, op, name));
+    KILN_TRY(require_aligned(*t, op, name));
+  }
+  KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&x, "x"}, {&gate_weight, "gate_weight"},
+                                                             {&up_weight, "up_weight"}, {&out, "out"}}));
+  if (m == 0 || inter == 0) return {};
+  if (hidden == 0) return write_zeros(out, where, stream);
+
+  KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(x.dtype, m, inter, hidden, mode, where, x.device.index));
+  void* buffers[4] = {x.data, gate_weight.data, up_weight.data, out.data};
+  return dispatch("gated_mlp", p, buffers, where, stream, runtime);
+}
+
+}  // namespace kiln

@@ -1,0 +1,244 @@
+// kiln::rms_norm_backward: validation, the CPU fallback, and the two launches (rmsnorm_bwd, then
+// rmsnorm_bwd_reduce) over an f32 workspace of partial dw rows.
+//
+// Workspace policy: a caller's workspace is used as given. Without one, the op keeps one device
+// buffer per (CUDA context, stream) in a process-wide table: work on one stream runs in order, so
+// consecutive calls can share it, while two streams never do. A buffer only grows (to twice the
+// previous size at least); growing synchronizes that stream before freeing the old buffer, since
+// earlier launches may still read it. Nothing is freed at exit: contexts may be gone by then.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "client/validate.h"
+#include "families/rmsnorm_bwd/rmsnorm_bwd.h"
+#include "families/rmsnorm_bwd/rmsnorm_bwd_reduce.h"
+#include "jit/driver.h"
+#include "kiln/ops.h"
+
+namespace kiln {
+namespace {
+
+struct DeviceInfo {
+  int sms = 0;
+  int max_cluster = 1;
+};
+
+struct Workspace {
+  CUdeviceptr ptr = 0;
+  std::int64_t elements = 0;
+};
+
+std::mutex g_mu;
+std::map<int, DeviceInfo> g_devices;                          // by device ordinal
+std::map<std::pair<CUcontext, Stream>, Workspace> g_workspaces;  // by context and stream
+// Clusters the GPU runs at once, by device ordinal and the clustered kernel's params.
+std::map<std::pair<int, std::string>, int> g_resident;
+
+// The slab count of the heuristic's choice for `p`. The clustered bulk kernel takes one slab per
+// cluster the GPU runs at once, which only the driver knows for the loaded kernel (clusters must
+// fit in one GPC: 30 clusters of 4 on a 132-SM H100), asked once per device and variant.
+Result<std::int64_t> slabs_for(const Family& bwd, const Problem& p, int ordinal, int sms, Runtime& runtime) {
+  const auto choice = families::rmsnorm_bwd_heuristic(p);
+  int resident = 0;
+  // Only the clustered kernel needs the count (checked here too, so other calls build no Params).
+  if (choice.stages > 0 && choice.cluster > 1 && p.dims[families::k_bwd_rows] > 0) {
+    const Params params = bwd.heuristic(p);
+    const std::pair<int, std::string> key{ordinal, params.canonical()};
+    bool known = false;
+    {
+      std::lock_guard lock(g_mu);
+      if (auto it = g_resident.find(key); it != g_resident.end()) resident = it->second, known = true;
+    }
+    if (!known) {
+      KILN_ASSIGN_OR_RETURN(resident, client::rmsnorm_bwd_resident_clusters(runtime, bwd, params, p));
+      std::lock_guard lock(g_mu);
+      g_resident[key] = resident;
+    }
+  }
+  return families::rmsnorm_bwd_slabs(choice, p, sms, resident);
+}
+
+Result<DeviceInfo> device_info(int ordinal) {
+  std::lock_guard lock(g_mu);
+  if (auto it = g_devices.find(ordinal); it != g_devices.end()) return it->second;
+  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
+  CUdevice dev;
+  KILN_TRY(d->check(d->device_get(&dev, ordinal), "cuDeviceGet"));
+  DeviceInfo info;
+  int major = 0, cluster_launch = 0;
+  KILN_TRY(d->check(d->device_get_attribute(&info.sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+                    "cuDeviceGetAttribute"));
+  KILN_TRY(d->check(d->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+                    "cuDeviceGetAttribute"));
+  // Older drivers do not know the attribute: no clusters then.
+  if (d->device_get_attribute(&cluster_launch, CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH, dev) != CUDA_SUCCESS)
+    cluster_launch = 0;
+  info.max_cluster = major >= 9 && cluster_launch ? 8 : 1;  // 8: the portable cluster size
+  g_devices.emplace(ordinal, info);
+  return info;
+}
+
+Result<void*> cached_workspace(CUcontext ctx, Stream stream, std::int64_t elements) {
+  std::lock_guard lock(g_mu);
+  Workspace& ws = g_workspaces[{ctx, stream}];
+  if (ws.elements >= elements) return reinterpret_cast<void*>(ws.ptr);
+  const jit::Driver* d = jit::Driver::get().value();
+  // At least doubling, so a slowly growing batch reallocates only logarithmically often.
+  const std::int64_t grown = std::max(elements, 2 * ws.elements);
+  if (ws.ptr) {
+    KILN_TRY(d->check(d->stream_synchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize"));
+    KILN_TRY(d->check(d->mem_free(ws.ptr), "cuMemFree"));
+    ws = Workspace{};
+  }
+  KILN_TRY(d->check(d->mem_alloc(&ws.ptr, std::size_t(grown) * sizeof(float)), "cuMemAlloc"));
+  ws.elements = grown;
+  return reinterpret_cast<void*>(ws.ptr);
+}
+
+}  // namespace
+
+Result<std::int64_t> rms_norm_backward_workspace_elements(const TensorView& x) {
+  KILN_TRY(client::check_view(x, "x"));
+  KILN_TRY(client::check_float_dtype(x, "x"));
+  KILN_ASSIGN_OR_RETURN(auto xr, client::as_rows(x, "x"));
+  if (x.device.kind != DeviceKind::cuda || xr.rows == 0 || xr.cols == 0) return std::int64_t(0);
+  KILN_ASSIGN_OR_RETURN(DeviceInfo info, device_info(x.device.index));
+  Problem p;
+  p.dtype = x.dtype;
+  p.dims[families::k_bwd_rows] = xr.rows;
+  p.dims[families::k_bwd_cols] = xr.cols;
+  p.dims[families::k_bwd_max_cluster] = info.max_cluster;
+  // dy and dx may allow narrower accesses than x, which changes the heuristic's block shape: the
+  // most slabs over every access width.
+  std::int64_t slabs = 0;
+  for (std::uint32_t align : {16u, 8u, 4u, 2u})
+    for (std::int64_t stride : {xr.cols, xr.cols + 1}) {
+      p.alignment = align;
+      p.dims[families::k_bwd_dy_stride] = p.dims[families::k_bwd_x_stride] = p.dims[families::k_bwd_dx_stride] = stride;
+      slabs = std::max(slabs, families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_heuristic(p), p, info.sms));
+    }
+  return slabs * xr.cols;
+}
+
+Status rms_norm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
+                         const TensorView& inv_rms, const TensorView& dx, const TensorView& dw, Stream stream,
+                         Runtime* runtime, const TensorView* workspace) {
+  KILN_TRY(client::check_view(dy, "dy"));
+  KILN_TRY(client::check_view(x, "x"));
+  KILN_TRY(client::check_view(weight, "weight"));
+  KILN_TRY(client::check_view(inv_rms, "inv_rms"));
+  KILN_TRY(client::check_view(dx, "dx"));
+  KILN_TRY(client::check_view(dw, "dw"));
+  if (workspace) KILN_TRY(client::check_view(*workspace, "workspace"));
+  KILN_TRY(client::check_float_dtype(x, "x"));
+  if (dy.dtype != x.dtype || weight.dtype != x.dtype || dx.dtype != x.dtype || dw.dtype != x.dtype)
+    return unsupported_dtype(std::string("rms_norm_backward: dtypes differ (x ") + dtype_name(x.dtype) + ", dy " +
+                             dtype_name(dy.dtype) + ", weight " + dtype_name(weight.dtype) + ", dx " +
+                             dtype_name(dx.dtype) + ", dw " + dtype_name(dw.dtype) + ")");
+  if (inv_rms.dtype != DType::f32)
+    return unsupported_dtype(std::string("rms_norm_backward: inv_rms must be f32, not ") + dtype_name(inv_rms.dtype));
+  if (workspace && workspace->dtype != DType::f32)
+    return unsupported_dtype(std::string("rms_norm_backward: workspace must be f32, not ") +
+                             dtype_name(workspace->dtype));
+  if (dy.rank != x.rank || dx.rank != x.rank) return shape_mismatch("rms_norm_backward: dy, x and dx have different ranks");
+  for (int i = 0; i < x.rank; ++i)
+    if (dy.shape[i] != x.shape[i] || dx.shape[i] != x.shape[i])
+      return shape_mismatch("rms_norm_backward: dy, x and dx have different shapes");
+  const std::int64_t hidden = x.shape[x.rank - 1];
+  if (hidden == 0) return shape_mismatch("rms_norm_backward: the normalized dimension is empty");
+  for (const auto* t : {&weight, &dw}) {
+    const char* name = t == &weight ? "weight" : "dw";
+    if (t->rank != 1 || t->shape[0] != hidden)
+      return shape_mismatch(std::string("rms_norm_backward: ") + name + " must have shape [" + std::to_string(hidden) +
+                            "]");
+    if (t->strides[0] != 1 && hidden > 1)
+      return shape_mismatch(std::string("rms_norm_backward: ") + name + " must be contiguous");
+  }
+  KILN_ASSIGN_OR_RETURN(auto dyr, client::as_rows(dy, "dy"));
+  KILN_ASSIGN_OR_RETURN(auto xr, client::as_rows(x, "x"));
+  KILN_ASSIGN_OR_RETURN(auto dxr, client::as_rows(dx, "dx"));
+  if (inv_rms.numel() != xr.rows)
+    return shape_mismatch("rms_norm_backward: inv_rms must hold one value per row (" + std::to_string(xr.rows) + ")");
+  if (!inv_rms.is_contiguous()) return shape_mismatch("rms_norm_backward: inv_rms must be contiguous");
+  if (workspace && !workspace->is_contiguous())
+    return shape_mismatch("rms_norm_backward: workspace must be contiguous");
+
+  const DeviceKind where = x.device.kind;
+  const TensorView* all[] = {&dy, &x, &weight, &inv_rms, &dx, &dw};
+  const char* names[] = {"dy", "x", "weight", "inv_rms", "dx", "dw"};
+  for (int i = 0; i < 6; ++i) {
+    KILN_TRY(client::check_device(*all[i], names[i], where));
+    if (where == DeviceKind::cuda && all[i]->device.index != x.device.index)
+      return device_error("rms_norm_backward: tensors are on different GPUs");
+  }
+  if (workspace) {
+    if (where != DeviceKind::cuda) return device_error("rms_norm_backward: a workspace is for CUDA tensors only");
+    KILN_TRY(client::check_device(*workspace, "workspace", where));
+    if (workspace->device.index != x.device.index)
+      return device_error("rms_norm_backward: the workspace is on another GPU");
+  }
+
+  Problem p;
+  p.dtype = x.dtype;
+  p.dims[families::k_bwd_rows] = xr.rows;
+  p.dims[families::k_bwd_cols] = hidden;
+  p.dims[families::k_bwd_dy_stride] = dyr.row_stride;
+  p.dims[families::k_bwd_x_stride] = xr.row_stride;
+  p.dims[families::k_bwd_dx_stride] = dxr.row_stride;
+  const auto esize = std::int64_t(dtype_size(x.dtype));
+  p.alignment = client::common_alignment(
+      {reinterpret_cast<std::uintptr_t>(dy.data), reinterpret_cast<std::uintptr_t>(x.data),
+       reinterpret_cast<std::uintptr_t>(weight.data), reinterpret_cast<std::uintptr_t>(dx.data)},
+      {dyr.row_stride * esize, xr.row_stride * esize, dxr.row_stride * esize});
+  Problem pr;
+  pr.dtype = x.dtype;
+  pr.dims[families::k_red_cols] = hidden;
+
+  static const Family* const bwd = Registry::global().find("rmsnorm_bwd");
+  static const Family* const reduce = Registry::global().find("rmsnorm_bwd_reduce");
+  if (!bwd || !reduce) return internal_error("the rmsnorm_bwd families are not registered");
+
+  if (where == DeviceKind::cpu) {
+    // One slab: the whole sum in fp64, rounded once.
+    p.dims[families::k_bwd_slabs] = xr.rows > 0 ? 1 : 0;
+    p.dims[families::k_bwd_max_cluster] = 1;
+    pr.dims[families::k_red_slabs] = p.dims[families::k_bwd_slabs];
+    std::vector<float> partial(std::size_t(hidden), 0.f);
+    void* b[6] = {dy.data, x.data, weight.data, inv_rms.data, dx.data, partial.data()};
+    KILN_TRY(bwd->cpu_reference(bwd->heuristic(p), p, b));
+    void* r[2] = {partial.data(), dw.data};
+    return reduce->cpu_reference(reduce->heuristic(pr), pr, r);
+  }
+
+  KILN_ASSIGN_OR_RETURN(DeviceInfo info, device_info(x.device.index));
+  p.dims[families::k_bwd_max_cluster] = info.max_cluster;
+  if (!runtime) {
+    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  KILN_ASSIGN_OR_RETURN(const std::int64_t slabs, slabs_for(*bwd, p, x.device.index, info.sms, *runtime));
+  p.dims[families::k_bwd_slabs] = slabs;
+  pr.dims[families::k_red_slabs] = slabs;
+  const std::int64_t needed = slabs * hidden;
+
+  void* ws = nullptr;
+  if (workspace) {
+    if (workspace->numel() < needed)
+      return invalid_argument("rms_norm_backward: the workspace holds " + std::to_string(workspace->numel()) +
+                              " elements, this call needs " + std::to_string(needed));
+    ws = workspace->data;
+  } else if (needed > 0) {
+    KILN_ASSIGN_OR_RETURN(CUcontext ctx, jit::current_context(x.device.index));
+    KILN_ASSIGN_OR_RETURN(ws, cached_workspace(ctx, stream, needed));
+  }
+  if (slabs > 0) {
+    void* b[6] = {dy.data, x.data, weight.data, inv_rms.data, dx.data, ws};
+    KILN_TRY(runtime->run(*bwd, p, b, stream));
+  }
+  void* r[2] = {ws, dw.data};
+  return runtime->run(*reduce, pr, r, stream);
+}
+
+}  // namespace kiln
