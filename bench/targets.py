@@ -227,7 +227,7 @@ def markdown(bench_path, torch_path):
         run.append(f", torch {torch['torch']}")
     print("".join(run) + f"; 1 GiB device-to-device copy: {copy:.0f} GB/s (kiln)"
           + (f", {torch['copy_gbs']:.0f} GB/s (PyTorch)." if "copy_gbs" in torch else "."))
-    print(f"Source: `{bench_path}`, `{torch_path}`.")
+    print(f"\nSource: `{bench_path}`, `{torch_path}`.")
 
     names = {"hidden": "hidden", "d": "d", "act": "activation", "head_dim": "head_dim", "layout": "layout"}
     rows = memory_rows(bench, torch)
