@@ -46,4 +46,27 @@ Result<const Family*> Registry::resolve(const KernelSpec& spec) const {
   return f;
 }
 
+Status Registry::add_op(OpDecl op) {
+  KILN_TRY(op.check());
+  std::lock_guard lock(mu_);
+  for (const auto& o : ops_)
+    if (o->name == op.name) return invalid_argument("an op named '" + op.name + "' is already registered");
+  ops_.push_back(std::make_unique<const OpDecl>(std::move(op)));
+  return {};
+}
+
+const OpDecl* Registry::find_op(std::string_view name) const {
+  std::lock_guard lock(mu_);
+  for (const auto& o : ops_)
+    if (o->name == name) return o.get();
+  return nullptr;
+}
+
+std::vector<const OpDecl*> Registry::ops() const {
+  std::lock_guard lock(mu_);
+  std::vector<const OpDecl*> out;
+  for (const auto& o : ops_) out.push_back(o.get());
+  return out;
+}
+
 }  // namespace kiln

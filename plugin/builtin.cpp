@@ -7,15 +7,26 @@
 
 namespace kiln::plugin {
 
+namespace {
+
+// The families and ops as families/*/ register them (cmake/builtin_families.cpp.in); kept for the
+// process's life, like a loaded plugin's.
+const Registry* staging_registry() {
+  static Registry* staging = [] {
+    auto* r = new Registry;
+    register_builtin_families(*r);
+    return r;
+  }();
+  return staging;
+}
+
+}  // namespace
+
+std::vector<const OpDecl*> builtin_ops() { return staging_registry()->ops(); }
+
 const kiln_plugin* builtin_descriptor() {
   static plugin_bridge::ExportedPlugin plugin("builtin", KILN_VERSION, [] {
-    // The families as families/*/ register them (cmake/builtin_families.cpp.in); kept for the
-    // process's life, like a loaded plugin's.
-    static Registry* staging = [] {
-      auto* r = new Registry;
-      register_builtin_families(*r);
-      return r;
-    }();
+    const Registry* staging = staging_registry();
     // They ship kiln's template set (embedded, or KILN_TEMPLATE_DIR): its hash is in their keys.
     std::vector<std::pair<std::string, std::string>> templates(jit::TemplateSet::active().files().begin(),
                                                                jit::TemplateSet::active().files().end());

@@ -320,6 +320,7 @@ std::vector<std::string> search_path() {
 void populate_global(Registry& registry) {
   Report& report = global_report();
   (void)register_plugin(registry, builtin_descriptor(), k_builtin_path, report);
+  for (const OpDecl* op : builtin_ops()) (void)registry.add_op(*op);  // checked when the family added it
   std::vector<std::string> entries = search_path();
   // The default directory is optional; entries someone listed in KILN_PLUGIN_PATH are not.
   std::error_code ec;

@@ -48,6 +48,8 @@ void populate_global(Registry& registry);
 
 // The built-in families as a plugin descriptor (plugin/builtin.cpp).
 const kiln_plugin* builtin_descriptor();
+// The ops the built-in families declare (families/*/ops.cpp), copied into the global registry.
+std::vector<const OpDecl*> builtin_ops();
 inline constexpr const char* k_builtin_path = "(built in)";
 
 }  // namespace kiln::plugin

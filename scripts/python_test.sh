@@ -23,4 +23,5 @@ CMAKE_GENERATOR="Unix Makefiles" "$venv/bin/python" -m pip install -q --disable-
   --config-settings=cmake.define.KILN_BUILD_PLUGINS=ON \
   "$root/python"
 cd "$build"
-"$venv/bin/python" -m pytest -q -rs "$root/tests/python"
+# The package tests, and every family's Python tests (families/*/tests/test_*.py).
+"$venv/bin/python" -m pytest -q -rs "$root/tests/python" $(ls "$root"/families/*/tests/test_*.py 2>/dev/null)

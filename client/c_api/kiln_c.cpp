@@ -1,10 +1,15 @@
 // The C ABI over the C++ client. Every entry point catches everything: no exception crosses it.
 #include "kiln/kiln.h"
 
+#include <algorithm>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "jit/driver.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 struct kiln_runtime {
@@ -54,6 +59,28 @@ kiln::Status to_view(const kiln_tensor* t, const char* name, kiln::TensorView& o
 template <std::size_t N>
 kiln::Status to_views(const kiln_tensor* const (&ts)[N], const char* const (&names)[N], kiln::TensorView (&out)[N]) {
   for (std::size_t i = 0; i < N; ++i) KILN_TRY(to_view(ts[i], names[i], out[i]));
+  return {};
+}
+
+// An op's tensors and scalars as views and OpValues, in declaration order.
+struct OpArgs {
+  kiln::TensorView views[16];
+  const kiln::TensorView* ptrs[16] = {};
+  kiln::OpValue values[8];
+};
+
+kiln::Status to_op_args(const kiln::OpDecl& op, const kiln_tensor* const* tensors, int32_t tensor_count,
+                        const kiln_value* scalars, int32_t scalar_count, bool outputs, OpArgs& a) {
+  if (tensor_count != int32_t(op.tensors.size()) || (tensor_count > 0 && !tensors))
+    return kiln::invalid_argument(op.name + ": takes " + std::to_string(op.tensors.size()) + " tensors");
+  if (scalar_count != int32_t(op.scalars.size()) || (scalar_count > 0 && !scalars))
+    return kiln::invalid_argument(op.name + ": takes " + std::to_string(op.scalars.size()) + " scalars");
+  for (int32_t i = 0; i < tensor_count; ++i) {
+    if (!tensors[i] || (!outputs && op.tensors[std::size_t(i)].role == kiln::TensorRole::output)) continue;
+    KILN_TRY(to_view(tensors[i], op.tensors[std::size_t(i)].name.c_str(), a.views[i]));
+    a.ptrs[i] = &a.views[i];
+  }
+  for (int32_t i = 0; i < scalar_count; ++i) a.values[i] = {scalars[i].f64, scalars[i].i64};
   return {};
 }
 
@@ -282,6 +309,132 @@ const char* kiln_runtime_resolver_name(kiln_runtime* rt) {
   auto shared = kiln::Runtime::shared();
   name = shared.ok() ? (*shared)->resolver() : std::string();
   return name.c_str();
+}
+
+kiln_code kiln_op_count(int32_t* out) {
+  return guarded([&] {
+    if (!out) return fail(kiln::invalid_argument("out is NULL"));
+    *out = int32_t(kiln::Registry::global().ops().size());
+    return finish({});
+  });
+}
+
+kiln_code kiln_op_at(int32_t index, const kiln_op** out) {
+  return guarded([&] {
+    if (!out) return fail(kiln::invalid_argument("out is NULL"));
+    const auto ops = kiln::Registry::global().ops();
+    if (index < 0 || std::size_t(index) >= ops.size())
+      return fail(kiln::not_found("no op at index " + std::to_string(index)));
+    *out = reinterpret_cast<const kiln_op*>(ops[std::size_t(index)]);
+    return finish({});
+  });
+}
+
+kiln_code kiln_op_find(const char* name, const kiln_op** out) {
+  return guarded([&] {
+    if (!name || !out) return fail(kiln::invalid_argument("name or out is NULL"));
+    const kiln::OpDecl* op = kiln::Registry::global().find_op(name);
+    if (!op) return fail(kiln::not_found(std::string("no op named '") + name + "'"));
+    *out = reinterpret_cast<const kiln_op*>(op);
+    return finish({});
+  });
+}
+
+const char* kiln_op_describe(const kiln_op* op) {
+  if (!op) return nullptr;
+  // Built once per op and kept: declarations never change after registration.
+  static std::mutex mu;
+  static std::map<const kiln_op*, std::string> described;
+  std::lock_guard lock(mu);
+  auto it = described.find(op);
+  if (it == described.end())
+    it = described.emplace(op, reinterpret_cast<const kiln::OpDecl*>(op)->describe()).first;
+  return it->second.c_str();
+}
+
+kiln_code kiln_op_call(kiln_runtime* rt, const kiln_op* op, const kiln_tensor* const* tensors, int32_t tensor_count,
+                       const kiln_value* scalars, int32_t scalar_count, void* stream) {
+  return guarded([&] {
+    if (!op) return fail(kiln::invalid_argument("op is NULL"));
+    const auto& decl = *reinterpret_cast<const kiln::OpDecl*>(op);
+    OpArgs a;
+    if (auto s = to_op_args(decl, tensors, tensor_count, scalars, scalar_count, true, a); !s.ok()) return fail(s);
+    kiln::OpCall call{{a.ptrs, std::size_t(tensor_count)}, {a.values, std::size_t(scalar_count)}, stream,
+                      runtime_of(rt)};
+    if (auto s = kiln::check_op_call(decl, call); !s.ok()) return fail(s);
+    return finish(decl.run(call));
+  });
+}
+
+kiln_code kiln_op_infer(const kiln_op* op, const kiln_tensor* const* tensors, int32_t tensor_count,
+                        const kiln_value* scalars, int32_t scalar_count, kiln_shape* outputs, int32_t output_count) {
+  return guarded([&] {
+    if (!op || !outputs) return fail(kiln::invalid_argument("op or outputs is NULL"));
+    const auto& decl = *reinterpret_cast<const kiln::OpDecl*>(op);
+    const std::size_t n_out = decl.tensors.size() - decl.input_count();
+    if (output_count != int32_t(n_out))
+      return fail(kiln::invalid_argument(decl.name + ": has " + std::to_string(n_out) + " outputs"));
+    OpArgs a;
+    if (auto s = to_op_args(decl, tensors, tensor_count, scalars, scalar_count, false, a); !s.ok()) return fail(s);
+    kiln::OpCall call{{a.ptrs, std::size_t(tensor_count)}, {a.values, std::size_t(scalar_count)}, nullptr, nullptr};
+    if (auto s = kiln::check_op_call(decl, call, false); !s.ok()) return fail(s);
+    kiln::OutputShape shapes[16];
+    if (auto s = decl.infer(call, {shapes, n_out}); !s.ok()) return fail(s);
+    for (std::size_t i = 0; i < n_out; ++i) {
+      outputs[i].dtype = int32_t(shapes[i].dtype);
+      outputs[i].rank = shapes[i].rank;
+      for (int d = 0; d < 8; ++d) outputs[i].shape[d] = d < shapes[i].rank ? shapes[i].shape[d] : 0;
+    }
+    return finish({});
+  });
+}
+
+kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const int64_t* dims, int32_t dim_count,
+                      const double* scalars, int32_t scalar_count, uint32_t alignment, void* const* buffers,
+                      int32_t buffer_count, void* stream) {
+  return guarded([&] {
+    if (!family) return fail(kiln::invalid_argument("family is NULL"));
+    const kiln::Family* f = kiln::Registry::global().find(family);
+    if (!f) return fail(kiln::not_found(std::string("no kernel family named '") + family + "'"));
+    if (dtype < 0 || dtype > KILN_I64) return fail(kiln::unsupported_dtype("unknown dtype code"));
+    if (dim_count < 0 || dim_count > kiln::Problem::k_max_dims || (dim_count && !dims) || scalar_count < 0 ||
+        scalar_count > kiln::Problem::k_max_scalars || (scalar_count && !scalars))
+      return fail(kiln::invalid_argument("kiln_launch: at most 8 dims and 4 scalars, with their arrays"));
+    if (dim_count != int32_t(f->problem_dims().size()) || scalar_count != int32_t(f->problem_scalars().size()))
+      return fail(kiln::invalid_argument(std::string("kiln_launch: ") + family + " takes " +
+                                         std::to_string(f->problem_dims().size()) + " dims and " +
+                                         std::to_string(f->problem_scalars().size()) + " scalars"));
+    if (buffer_count < 0 || buffer_count > int32_t(kiln::ArgPack::k_max_args) || (buffer_count && !buffers))
+      return fail(kiln::invalid_argument("kiln_launch: bad buffer list"));
+    kiln::Problem p;
+    p.dtype = static_cast<kiln::DType>(dtype);
+    std::uint64_t bits = alignment ? std::min<std::uint32_t>(alignment, 16) : 16;
+    for (int32_t i = 0; i < buffer_count; ++i) {
+      if (!buffers[i]) return fail(kiln::invalid_argument("kiln_launch: buffer " + std::to_string(i) + " is NULL"));
+      bits |= reinterpret_cast<std::uintptr_t>(buffers[i]);
+    }
+    p.alignment = std::uint32_t(bits & (~bits + 1));
+    for (int32_t i = 0; i < dim_count; ++i) p.dims[std::size_t(i)] = dims[i];
+    for (int32_t i = 0; i < scalar_count; ++i) p.scalars[std::size_t(i)] = scalars[i];
+    // The buffer count must match the family's own list for this problem.
+    const auto specs = f->buffers(f->heuristic(p), p);
+    if (std::size_t(buffer_count) != specs.size())
+      return fail(kiln::invalid_argument(std::string("kiln_launch: ") + family + " takes " +
+                                         std::to_string(specs.size()) + " buffers for this problem"));
+    for (int32_t i = 0; i < buffer_count; ++i) {
+      int32_t kind = KILN_CPU, index = 0;
+      if (kiln_pointer_device(buffers[i], &kind, &index) != KILN_OK || kind != KILN_CUDA)
+        return fail(kiln::device_error("kiln_launch: buffer " + std::to_string(i) + " (" + specs[std::size_t(i)].name +
+                                       ") is not CUDA memory"));
+    }
+    kiln::Runtime* runtime = runtime_of(rt);
+    if (!runtime) {
+      auto r = kiln::Runtime::shared();
+      if (!r.ok()) return fail(r.status());
+      runtime = *r;
+    }
+    return finish(runtime->run(*f, p, {buffers, std::size_t(buffer_count)}, stream));
+  });
 }
 
 }  // extern "C"

@@ -1,5 +1,7 @@
 #include "client/validate.h"
 #include "families/act_and_mul/act_and_mul.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -74,3 +76,25 @@ Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, S
 }
 
 }  // namespace kiln
+
+// ---- declarations (kiln/op.h) ----
+
+void kiln_register_ops_act_and_mul(kiln::Registry& r) {
+  using namespace kiln;
+  OpDecl op;
+  op.name = "act_and_mul";
+  op.doc = "out = act(x[..., :d]) * x[..., d:]; activation: silu, gelu (erf) or gelu_tanh.";
+  op.tensors = {{.name = "x", .shape = "[..., 2d]"}, {.name = "out", .role = TensorRole::output, .shape = "[..., d]"}};
+  op.scalars = {{.name = "activation", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
+                 .choices = {"silu", "gelu", "gelu_tanh"}}};
+  op.run = [](const OpCall& c) {
+    return act_and_mul(c.tensor(0), c.tensor(1), static_cast<Activation>(c.i64(0)), c.stream, c.runtime);
+  };
+  op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+    const TensorView& x = c.tensor(0);
+    if (x.shape[x.rank - 1] % 2) return shape_mismatch("act_and_mul: the last dimension of x must be even (2d)");
+    out[0] = shape_like(x, x.dtype, x.shape[x.rank - 1] / 2);
+    return Status{};
+  };
+  (void)r.add_op(std::move(op));
+}

@@ -3,6 +3,8 @@
 
 #include "client/validate.h"
 #include "families/add_rmsnorm/add_rmsnorm.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -111,3 +113,28 @@ Status add_rms_norm(const TensorView& x, const TensorView& residual, const Tenso
 }
 
 }  // namespace kiln
+
+// ---- declarations (kiln/op.h) ----
+
+void kiln_register_ops_add_rmsnorm(kiln::Registry& r) {
+  using namespace kiln;
+  OpDecl op;
+  op.name = "add_rms_norm";
+  op.doc = "(out, residual_out): h = x + residual, residual_out = h, out = rms_norm(h) * weight. "
+           "residual_out may be residual and out may be x (in place).";
+  op.tensors = {{.name = "x", .shape = "[..., hidden]"},
+                {.name = "residual", .shape = "[..., hidden]"},
+                {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
+                {.name = "out", .role = TensorRole::output, .shape = "[..., hidden]"},
+                {.name = "residual_out", .role = TensorRole::output, .shape = "[..., hidden]"}};
+  op.scalars = {{.name = "eps", .kind = ScalarKind::f64, .has_default = true, .default_value = 1e-6}};
+  op.run = [](const OpCall& c) {
+    return add_rms_norm(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.f64(0), c.stream,
+                        c.runtime);
+  };
+  op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+    out[0] = out[1] = shape_like(c.tensor(0), c.tensor(0).dtype);
+    return Status{};
+  };
+  (void)r.add_op(std::move(op));
+}

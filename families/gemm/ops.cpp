@@ -7,6 +7,8 @@
 #include "families/common/gemm/gemm_util.h"
 #include "families/gemm/quantize_fp8.h"
 #include "jit/driver.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -289,3 +291,107 @@ Status fused_gated_mlp(const TensorView& x, const TensorView& gate_weight, const
 }
 
 }  // namespace kiln
+
+// ---- declarations (kiln/op.h) ----
+
+void kiln_register_ops_gemm(kiln::Registry& r) {
+  using namespace kiln;
+  {
+    OpDecl op;
+    op.name = "quantize_fp8";
+    op.doc = "(q, scale): x (f32/f16/bf16, contiguous) as e4m3 codes (u8) and f32 scales, one per granularity "
+             "group: tensor, 1x128 (per 128 values of a row) or 128x128 (per block). transpose (rank-2 x; tensor "
+             "and 128x128) writes q as [cols, rows].";
+    op.tensors = {{.name = "x", .shape = "[..., cols]"},
+                  {.name = "q", .role = TensorRole::output, .dtypes = dtype_bit(DType::u8), .shape = "[..., cols]"},
+                  {.name = "scale", .role = TensorRole::output, .dtypes = dtype_bit(DType::f32), .shape = "[groups]"}};
+    op.scalars = {{.name = "granularity", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
+                   .choices = {"tensor", "1x128", "128x128"}},
+                  {.name = "transpose", .kind = ScalarKind::boolean, .has_default = true, .default_value = 0}};
+    op.run = [](const OpCall& c) {
+      return quantize_fp8(c.tensor(0), c.tensor(1), c.tensor(2), static_cast<Fp8Granularity>(c.i64(0)),
+                          c.i64(1) != 0, c.stream, c.runtime);
+    };
+    op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+      const TensorView& x = c.tensor(0);
+      const bool transpose = c.i64(1) != 0;
+      const std::int64_t cols = x.shape[x.rank - 1];
+      std::int64_t rows = 1;
+      for (int i = 0; i + 1 < x.rank; ++i) rows *= x.shape[i];
+      const auto blocks = [](std::int64_t n) { return (n + 127) / 128; };
+      out[0] = shape_like(x, DType::u8);
+      if (transpose) {
+        if (x.rank != 2) return shape_mismatch("quantize_fp8: transpose takes a rank-2 x");
+        out[0].shape[0] = x.shape[1];
+        out[0].shape[1] = x.shape[0];
+      }
+      out[1].dtype = DType::f32;
+      switch (static_cast<Fp8Granularity>(c.i64(0))) {
+        case Fp8Granularity::tensor: out[1].rank = 1, out[1].shape[0] = 1; break;
+        case Fp8Granularity::row_1x128: out[1].rank = 2, out[1].shape[0] = rows, out[1].shape[1] = blocks(cols); break;
+        case Fp8Granularity::tile_128:
+          out[1].rank = 2;
+          out[1].shape[0] = transpose ? blocks(cols) : blocks(rows);
+          out[1].shape[1] = transpose ? blocks(rows) : blocks(cols);
+          break;
+      }
+      return Status{};
+    };
+    (void)r.add_op(std::move(op));
+  }
+  {
+    OpDecl op;
+    op.name = "fp8_gemm";
+    op.doc = "out [M, N] = a [M, K] x b [K, N] in e4m3 (u8 codes) with fp32 accumulation, f16 or bf16 out; b "
+             "K-major (the transposed view of a contiguous [N, K]); scales f32, one element each (per tensor) or "
+             "[M, ceil(K/128)] and [ceil(N/128), ceil(K/128)] (block-wise). K a multiple of 16.";
+    op.tensors = {{.name = "a", .dtypes = dtype_bit(DType::u8), .min_rank = 2, .max_rank = 2, .shape = "[M, K]"},
+                  {.name = "b", .dtypes = dtype_bit(DType::u8), .min_rank = 2, .max_rank = 2, .shape = "[K, N]"},
+                  {.name = "a_scale", .dtypes = dtype_bit(DType::f32), .max_rank = 2, .shape = "[1] or [M, K/128]"},
+                  {.name = "b_scale", .dtypes = dtype_bit(DType::f32), .max_rank = 2, .shape = "[1] or [N/128, K/128]"},
+                  {.name = "out", .role = TensorRole::output, .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2,
+                   .shape = "[M, N]"}};
+    op.scalars = {{.name = "output_dtype", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
+                   .choices = {"f16", "bf16"}, .doc = "the dtype of out when kiln allocates it"}};
+    op.run = [](const OpCall& c) {
+      const DType want = c.i64(0) == 0 ? DType::f16 : DType::bf16;
+      if (c.tensor(4).dtype != want)
+        return unsupported_dtype(std::string("fp8_gemm: out is ") + dtype_name(c.tensor(4).dtype) +
+                                 " but output_dtype is " + dtype_name(want));
+      return fp8_gemm(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.stream, c.runtime);
+    };
+    op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+      out[0].dtype = c.i64(0) == 0 ? DType::f16 : DType::bf16;
+      out[0].rank = 2;
+      out[0].shape[0] = c.tensor(0).shape[0];
+      out[0].shape[1] = c.tensor(1).shape[1];
+      return Status{};
+    };
+    (void)r.add_op(std::move(op));
+  }
+  {
+    OpDecl op;
+    op.name = "fused_gated_mlp";
+    op.doc = "out = act(x gate_weight^T) * (x up_weight^T), both projections in one kernel and the intermediate "
+             "never written. x [..., hidden] f16/bf16 contiguous; weights [intermediate, hidden]; activation silu "
+             "or gelu.";
+    op.tensors = {{.name = "x", .dtypes = k_half_dtypes, .shape = "[..., hidden]"},
+                  {.name = "gate_weight", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2,
+                   .shape = "[intermediate, hidden]"},
+                  {.name = "up_weight", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2,
+                   .shape = "[intermediate, hidden]"},
+                  {.name = "out", .role = TensorRole::output, .dtypes = k_half_dtypes, .shape = "[..., intermediate]"}};
+    op.scalars = {{.name = "activation", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
+                   .choices = {"silu", "gelu"}}};
+    op.run = [](const OpCall& c) {
+      return fused_gated_mlp(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3),
+                             static_cast<GatedActivation>(c.i64(0)), c.stream, c.runtime);
+    };
+    op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+      if (c.tensor(1).rank != 2) return shape_mismatch("fused_gated_mlp: gate_weight must be [intermediate, hidden]");
+      out[0] = shape_like(c.tensor(0), c.tensor(0).dtype, c.tensor(1).shape[0]);
+      return Status{};
+    };
+    (void)r.add_op(std::move(op));
+  }
+}

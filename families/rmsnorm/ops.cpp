@@ -2,6 +2,8 @@
 
 #include "client/validate.h"
 #include "families/rmsnorm/rmsnorm.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -89,3 +91,30 @@ Status rms_norm(const TensorView& x, const TensorView& weight, const TensorView&
 }
 
 }  // namespace kiln
+
+// ---- declarations (kiln/op.h) ----
+
+void kiln_register_ops_rmsnorm(kiln::Registry& r) {
+  using namespace kiln;
+  OpDecl op;
+  op.name = "rms_norm";
+  op.doc = "out = x * rsqrt(mean(x^2, last dim) + eps) * weight; also fills inv_rms (f32, one value per row) if given.";
+  op.tensors = {{.name = "x", .shape = "[..., hidden]"},
+                {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
+                {.name = "out", .role = TensorRole::output, .shape = "[..., hidden]"},
+                {.name = "inv_rms", .role = TensorRole::output, .optional = true, .dtypes = dtype_bit(DType::f32),
+                 .shape = "[rows]"}};
+  op.scalars = {{.name = "eps", .kind = ScalarKind::f64, .has_default = true, .default_value = 1e-6}};
+  op.backward = "rms_norm_backward";
+  op.run = [](const OpCall& c) {
+    if (const TensorView* inv = c.optional(3))
+      return rms_norm(c.tensor(0), c.tensor(1), c.tensor(2), *inv, c.f64(0), c.stream, c.runtime);
+    return rms_norm(c.tensor(0), c.tensor(1), c.tensor(2), c.f64(0), c.stream, c.runtime);
+  };
+  op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+    out[0] = shape_like(c.tensor(0), c.tensor(0).dtype);
+    out[1] = rows_of(c.tensor(0), DType::f32);
+    return Status{};
+  };
+  (void)r.add_op(std::move(op));
+}

@@ -1,11 +1,9 @@
 // kiln::rms_norm_backward: validation, the CPU fallback, and the two launches (rmsnorm_bwd, then
 // rmsnorm_bwd_reduce) over an f32 workspace of partial dw rows.
 //
-// Workspace policy: a caller's workspace is used as given. Without one, the op keeps one device
-// buffer per (CUDA context, stream) in a process-wide table: work on one stream runs in order, so
-// consecutive calls can share it, while two streams never do. A buffer only grows (to twice the
-// previous size at least); growing synchronizes that stream before freeing the old buffer, since
-// earlier launches may still read it. Nothing is freed at exit: contexts may be gone by then.
+// Workspace policy: a caller's workspace is used as given. Without one, the op takes the per-stream
+// workspace of client/workspace.h: work on one stream runs in order, so consecutive calls share
+// it, while two streams never do.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -13,9 +11,12 @@
 #include <vector>
 
 #include "client/validate.h"
+#include "client/workspace.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd_reduce.h"
 #include "jit/driver.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -26,14 +27,8 @@ struct DeviceInfo {
   int max_cluster = 1;
 };
 
-struct Workspace {
-  CUdeviceptr ptr = 0;
-  std::int64_t elements = 0;
-};
-
 std::mutex g_mu;
 std::map<int, DeviceInfo> g_devices;                          // by device ordinal
-std::map<std::pair<CUcontext, Stream>, Workspace> g_workspaces;  // by context and stream
 // Clusters the GPU runs at once, by device ordinal and the clustered kernel's params.
 std::map<std::pair<int, std::string>, int> g_resident;
 
@@ -79,23 +74,6 @@ Result<DeviceInfo> device_info(int ordinal) {
   info.max_cluster = major >= 9 && cluster_launch ? 8 : 1;  // 8: the portable cluster size
   g_devices.emplace(ordinal, info);
   return info;
-}
-
-Result<void*> cached_workspace(CUcontext ctx, Stream stream, std::int64_t elements) {
-  std::lock_guard lock(g_mu);
-  Workspace& ws = g_workspaces[{ctx, stream}];
-  if (ws.elements >= elements) return reinterpret_cast<void*>(ws.ptr);
-  const jit::Driver* d = jit::Driver::get().value();
-  // At least doubling, so a slowly growing batch reallocates only logarithmically often.
-  const std::int64_t grown = std::max(elements, 2 * ws.elements);
-  if (ws.ptr) {
-    KILN_TRY(d->check(d->stream_synchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize"));
-    KILN_TRY(d->check(d->mem_free(ws.ptr), "cuMemFree"));
-    ws = Workspace{};
-  }
-  KILN_TRY(d->check(d->mem_alloc(&ws.ptr, std::size_t(grown) * sizeof(float)), "cuMemAlloc"));
-  ws.elements = grown;
-  return reinterpret_cast<void*>(ws.ptr);
 }
 
 }  // namespace
@@ -230,8 +208,7 @@ Status rms_norm_backward(const TensorView& dy, const TensorView& x, const Tensor
                               " elements, this call needs " + std::to_string(needed));
     ws = workspace->data;
   } else if (needed > 0) {
-    KILN_ASSIGN_OR_RETURN(CUcontext ctx, jit::current_context(x.device.index));
-    KILN_ASSIGN_OR_RETURN(ws, cached_workspace(ctx, stream, needed));
+    KILN_ASSIGN_OR_RETURN(ws, client::stream_workspace(x.device.index, stream, needed));
   }
   if (slabs > 0) {
     void* b[6] = {dy.data, x.data, weight.data, inv_rms.data, dx.data, ws};
@@ -242,3 +219,30 @@ Status rms_norm_backward(const TensorView& dy, const TensorView& x, const Tensor
 }
 
 }  // namespace kiln
+
+// ---- declarations (kiln/op.h) ----
+
+void kiln_register_ops_rmsnorm_bwd(kiln::Registry& r) {
+  using namespace kiln;
+  OpDecl op;
+  op.name = "rms_norm_backward";
+  op.doc = "(dx, dw) of RMSNorm from the forward's inv_rms. workspace: f32 scratch for the partial dw rows "
+           "(at least rms_norm_backward_workspace_elements(x)); absent: one cached per stream.";
+  op.tensors = {{.name = "dy", .shape = "[..., hidden]", .grad_of = "out"},
+                {.name = "x", .shape = "[..., hidden]"},
+                {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
+                {.name = "inv_rms", .dtypes = dtype_bit(DType::f32), .shape = "[rows]"},
+                {.name = "workspace", .optional = true, .dtypes = dtype_bit(DType::f32), .shape = "[elements]"},
+                {.name = "dx", .role = TensorRole::output, .shape = "[..., hidden]", .grad_of = "x"},
+                {.name = "dw", .role = TensorRole::output, .max_rank = 1, .shape = "[hidden]", .grad_of = "weight"}};
+  op.run = [](const OpCall& c) {
+    return rms_norm_backward(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(5), c.tensor(6), c.stream,
+                             c.runtime, c.optional(4));
+  };
+  op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+    out[0] = shape_like(c.tensor(1), c.tensor(1).dtype);
+    out[1] = shape_like(c.tensor(2), c.tensor(2).dtype);
+    return Status{};
+  };
+  (void)r.add_op(std::move(op));
+}

@@ -3,6 +3,8 @@
 
 #include "client/validate.h"
 #include "families/rmsnorm_rope/rmsnorm_rope.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -125,3 +127,31 @@ Status rms_norm_rope(const TensorView& x, const TensorView& weight, const Tensor
 }
 
 }  // namespace kiln
+
+// ---- declarations (kiln/op.h) ----
+
+void kiln_register_ops_rmsnorm_rope(kiln::Registry& r) {
+  using namespace kiln;
+  OpDecl op;
+  op.name = "rms_norm_rope";
+  op.doc = "RMSNorm then neox RoPE per head, in one kernel (CUDA only). x [batch, seq, hidden], cos/sin [seq, "
+           "head_dim] or [1, seq, 1, head_dim]; num_heads 0 infers hidden / head_dim.";
+  op.tensors = {{.name = "x", .min_rank = 3, .max_rank = 3, .shape = "[batch, seq, hidden]"},
+                {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
+                {.name = "cos", .min_rank = 2, .max_rank = 4, .shape = "[seq, head_dim]"},
+                {.name = "sin", .min_rank = 2, .max_rank = 4, .shape = "[seq, head_dim]"},
+                {.name = "out", .role = TensorRole::output, .min_rank = 3, .max_rank = 3,
+                 .shape = "[batch, seq, hidden]"}};
+  op.scalars = {{.name = "eps", .kind = ScalarKind::f64, .has_default = true, .default_value = 1e-6},
+                {.name = "num_heads", .kind = ScalarKind::i64, .has_default = true, .default_value = 0}};
+  op.cpu = false;
+  op.run = [](const OpCall& c) {
+    return rms_norm_rope(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.f64(0), c.i64(1),
+                         c.stream, c.runtime);
+  };
+  op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+    out[0] = shape_like(c.tensor(0), c.tensor(0).dtype);
+    return Status{};
+  };
+  (void)r.add_op(std::move(op));
+}

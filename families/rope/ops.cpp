@@ -3,6 +3,8 @@
 
 #include "client/validate.h"
 #include "families/rope/rope.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -184,3 +186,37 @@ Status apply_rope_qk(const TensorView& q, const TensorView& k, const TensorView&
 }
 
 }  // namespace kiln
+
+// ---- declarations (kiln/op.h) ----
+
+void kiln_register_ops_rope(kiln::Registry& r) {
+  using namespace kiln;
+  OpDecl op;
+  op.name = "apply_rope_qk";
+  op.doc = "(q_out, k_out): rotary embedding of q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] at "
+           "position_ids (i64 [tokens]) from f32 cos/sin [max_pos, head_dim/2]; layout neox or gptj. q_out may be q "
+           "and k_out may be k (in place).";
+  op.tensors = {{.name = "q", .min_rank = 3, .max_rank = 3, .shape = "[tokens, q_heads, head_dim]"},
+                {.name = "k", .min_rank = 3, .max_rank = 3, .shape = "[tokens, kv_heads, head_dim]"},
+                {.name = "cos", .dtypes = dtype_bit(DType::f32), .min_rank = 2, .max_rank = 2,
+                 .shape = "[max_pos, head_dim / 2]"},
+                {.name = "sin", .dtypes = dtype_bit(DType::f32), .min_rank = 2, .max_rank = 2,
+                 .shape = "[max_pos, head_dim / 2]"},
+                {.name = "position_ids", .dtypes = dtype_bit(DType::i64), .max_rank = 1, .shape = "[tokens]"},
+                {.name = "q_out", .role = TensorRole::output, .min_rank = 3, .max_rank = 3,
+                 .shape = "[tokens, q_heads, head_dim]"},
+                {.name = "k_out", .role = TensorRole::output, .min_rank = 3, .max_rank = 3,
+                 .shape = "[tokens, kv_heads, head_dim]"}};
+  op.scalars = {{.name = "layout", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
+                 .choices = {"neox", "gptj"}}};
+  op.run = [](const OpCall& c) {
+    return apply_rope_qk(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.tensor(5), c.tensor(6),
+                         static_cast<RopeLayout>(c.i64(0)), c.stream, c.runtime);
+  };
+  op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+    out[0] = shape_like(c.tensor(0), c.tensor(0).dtype);
+    out[1] = shape_like(c.tensor(1), c.tensor(1).dtype);
+    return Status{};
+  };
+  (void)r.add_op(std::move(op));
+}

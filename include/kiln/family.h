@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kiln/op.h"
 #include "kiln/plugin.h"
 #include "kiln/spec.h"
 #include "kiln/status.h"
@@ -221,8 +222,9 @@ class Family {
 // The bucket a size falls in for tuning: the smallest power of two >= n (0 for n <= 0).
 std::int64_t tuning_bucket(std::int64_t n);
 
-// Families by name. Thread-safe. The global registry is filled once, on first use, by the plugin
-// loader: the built-in families, then the plugins of KILN_PLUGIN_PATH or the default directory.
+// Families and ops by name. Thread-safe. The global registry is filled once, on first use, by the
+// plugin loader: the built-in families and their ops, then the plugins of KILN_PLUGIN_PATH or the
+// default directory.
 class Registry {
  public:
   static Registry& global();
@@ -235,9 +237,16 @@ class Registry {
   // Looks the family up and validates spec.params against it.
   Result<const Family*> resolve(const KernelSpec& spec) const;
 
+  // Refuses a declaration that fails OpDecl::check or reuses a name (invalid_argument). A
+  // registered op lives as long as the registry, at a stable address.
+  Status add_op(OpDecl op);
+  const OpDecl* find_op(std::string_view name) const;
+  std::vector<const OpDecl*> ops() const;
+
  private:
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<const Family>> families_;
+  std::vector<std::unique_ptr<const OpDecl>> ops_;
 };
 
 // Defined in the CMake-generated builtin_families.cpp.

@@ -8,7 +8,8 @@
  * kiln_abi_version() >= N at load time. Version 1: runtime and kiln_rms_norm. Version 2: every
  * typed op (RMSNorm with inv_rms and backward, add + RMSNorm, activation-and-mul, RoPE, RMSNorm +
  * RoPE), the runtime counters and kiln_pointer_device. Version 3: kiln_quantize_fp8, kiln_fp8_gemm,
- * kiln_fused_gated_mlp.
+ * kiln_fused_gated_mlp. Version 4: ops by their declarations (kiln_op_*) and kiln_launch, the
+ * generic launch of any registered family, plugins' included.
  *
  * Each op is the C++ op of the same name in kiln/ops.h, with that contract: it validates every
  * tensor and returns KILN_DEVICE_ERROR, KILN_SHAPE_MISMATCH, KILN_UNSUPPORTED_DTYPE or
@@ -25,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KILN_ABI_VERSION 3
+#define KILN_ABI_VERSION 4
 
 /* Same values as kiln::Code. */
 typedef enum kiln_code {
@@ -166,6 +167,56 @@ kiln_code kiln_pointer_device(const void* ptr, int32_t* kind, int32_t* index);
 
 /* The resolver of rt, or of the process-wide runtime for NULL ("" before its first kernel). */
 const char* kiln_runtime_resolver_name(kiln_runtime* rt);
+
+/* --- ABI version 4: every op by its declaration --- */
+
+/* An op as its family declares it (kiln/op.h): a handle valid for the process's life. Every typed
+ * op above is also an op here, under the same name without the kiln_ prefix; ops that families
+ * add later (and their bindings) appear here with no change to this header. */
+typedef struct kiln_op kiln_op;
+
+/* One scalar argument: ops read f64 for "f64" scalars and i64 for the others ("i64", "bool" as
+ * 0/1, "choice" as the index of the choice). */
+typedef struct kiln_value {
+  double f64;
+  int64_t i64;
+} kiln_value;
+
+/* The shape and dtype of one output (kiln_op_infer). */
+typedef struct kiln_shape {
+  int32_t dtype; /* kiln_dtype */
+  int32_t rank;
+  int64_t shape[8];
+} kiln_shape;
+
+/* The number of registered ops, and the op at index 0..count-1 (registration order). */
+kiln_code kiln_op_count(int32_t* out);
+kiln_code kiln_op_at(int32_t index, const kiln_op** out);
+/* KILN_NOT_FOUND when no op has that name. */
+kiln_code kiln_op_find(const char* name, const kiln_op** out);
+/* The op's declaration as JSON: {"name", "doc", "backward", "cpu", "tensors": [{"name", "output",
+ * "optional", "dtypes", "min_rank", "max_rank", "shape", "grad_of"}], "scalars": [{"name", "kind",
+ * "doc", "choices", "default"?}]}; valid for the process's life. NULL for a NULL op. */
+const char* kiln_op_describe(const kiln_op* op);
+/* Runs the op: tensors in declaration order (inputs, then outputs; NULL for an absent optional
+ * one), scalars in declaration order. Validation and errors as the typed op's. */
+kiln_code kiln_op_call(kiln_runtime* rt, const kiln_op* op, const kiln_tensor* const* tensors, int32_t tensor_count,
+                       const kiln_value* scalars, int32_t scalar_count, void* stream);
+/* The shape and dtype of every output (declaration order, `outputs` has one entry per output
+ * tensor) for these inputs and scalars. Output entries of `tensors` are ignored, and input data
+ * pointers may be NULL: only shapes, strides and dtypes are read. */
+kiln_code kiln_op_infer(const kiln_op* op, const kiln_tensor* const* tensors, int32_t tensor_count,
+                        const kiln_value* scalars, int32_t scalar_count, kiln_shape* outputs, int32_t output_count);
+
+/* Launches the registered kernel family `family` (built in or from a plugin) on CUDA buffers:
+ * dims and scalars fill the family's problem slots in order (kiln family describes them), dtype
+ * its element type; the problem's alignment is the smallest of the buffers' address alignments
+ * (at most 16 bytes) and `alignment` (pass 16 when row strides are multiples of 16 bytes). The
+ * variant is the tuned or heuristic one, as for a typed op. Checks the problem with the family
+ * (check_problem) before anything is compiled or launched. */
+kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const int64_t* dims, int32_t dim_count,
+                      const double* scalars, int32_t scalar_count, uint32_t alignment, void* const* buffers,
+                      int32_t buffer_count, void* stream);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,10 @@
-"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 3)."""
+"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 4)."""
 import ctypes
 import os
 
 from ._errors import error_for
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _P = ctypes.c_void_p
 
@@ -14,6 +14,11 @@ _OPS = {
     "kiln_runtime_create": (ctypes.c_char_p, _P),
     "kiln_runtime_get_counters": (_P, _P),
     "kiln_pointer_device": (_P, _P, _P),
+    "kiln_op_count": (_P,),
+    "kiln_op_at": (ctypes.c_int32, _P),
+    "kiln_op_infer": (_P, _P, ctypes.c_int32, _P, ctypes.c_int32, _P, ctypes.c_int32),
+    "kiln_launch": (_P, ctypes.c_char_p, ctypes.c_int32, _P, ctypes.c_int32, _P, ctypes.c_int32, ctypes.c_uint32, _P,
+                    ctypes.c_int32, _P),
 }
 
 
@@ -46,6 +51,8 @@ def _load():
     lib.kiln_runtime_resolver.argtypes = (_P,)
     lib.kiln_runtime_resolver_name.restype = ctypes.c_char_p
     lib.kiln_runtime_resolver_name.argtypes = (_P,)
+    lib.kiln_op_describe.restype = ctypes.c_char_p
+    lib.kiln_op_describe.argtypes = (_P,)
     for name, argtypes in _OPS.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int

@@ -8,29 +8,200 @@ tensor, the stream of a __cuda_array_interface__, else the legacy default stream
 passed are allocated like the first input (torch, NumPy, or an array-API namespace).
 """
 import ctypes
+import json
 
 from . import _arrays as A
 from . import _fast
 from ._errors import InvalidArgumentError, ShapeMismatchError, UnsupportedDtypeError
 from ._lib import check, lib, raise_for
 
-# Every op is one _fast.call(op id, runtime, stream, *arrays, *scalars); the ids are the order of
-# the C functions here (python/src/_fast.c has the same list and each op's arguments).
-_OP_FUNCTIONS = (None, "kiln_rms_norm_inv", "kiln_add_rms_norm", "kiln_act_and_mul", "kiln_apply_rope_qk",
-                 "kiln_rms_norm_rope", "kiln_rms_norm_backward", "kiln_rms_norm_backward_workspace_elements",
-                 "kiln_quantize_fp8", "kiln_fp8_gemm", "kiln_fused_gated_mlp")
-(_READ, _RMS_NORM, _ADD_RMS_NORM, _ACT_AND_MUL, _APPLY_ROPE_QK, _RMS_NORM_ROPE, _RMS_NORM_BACKWARD,
- _WORKSPACE_ELEMENTS, _QUANTIZE_FP8, _FP8_GEMM, _FUSED_GATED_MLP) = range(len(_OP_FUNCTIONS))
-assert len(_OP_FUNCTIONS) == _fast.OP_COUNT, "kiln._fast does not match kiln.ops"
-_fast.init(tuple(name and ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _OP_FUNCTIONS),
+_fast.init(ctypes.cast(lib.kiln_op_call, ctypes.c_void_p).value,
+           ctypes.cast(lib.kiln_rms_norm_backward_workspace_elements, ctypes.c_void_p).value,
            A.describe, A.handler_for, A._torch, A.torch_dtype_table, A.torch_stream_function, A._TORCH_STREAM,
            A.as_stream, raise_for, ShapeMismatchError)
 _call = _fast.call
+_READ, _WORKSPACE_ELEMENTS = _fast.READ, _fast.WORKSPACE_ELEMENTS
 
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-ROPE_LAYOUTS = {"neox": 0, "gptj": 1}
-FP8_GRANULARITIES = {"tensor": 0, "1x128": 1, "128x128": 2}
-GATED_ACTIVATIONS = {"silu": 0, "gelu": 1}
+
+# ---- ops from their declarations (include/kiln/op.h) ----
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("rank", ctypes.c_int32),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("device_kind", ctypes.c_int32), ("device_index", ctypes.c_int32)]
+
+
+class _Value(ctypes.Structure):
+    _fields_ = [("f64", ctypes.c_double), ("i64", ctypes.c_int64)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int32), ("rank", ctypes.c_int32), ("shape", ctypes.c_int64 * 8)]
+
+
+_DTYPE_BY_NAME = {"float32": A.F32, "float16": A.F16, "bfloat16": A.BF16, "uint8": A.U8, "int32": A.I32,
+                  "int64": A.I64, "f32": A.F32, "f16": A.F16, "bf16": A.BF16, "u8": A.U8, "i32": A.I32, "i64": A.I64}
+
+
+def _dtype_code(a):
+    name = str(getattr(a, "dtype", "")).replace("torch.", "")
+    code = _DTYPE_BY_NAME.get(name)
+    if code is None:
+        raise UnsupportedDtypeError(f"kiln cannot read arrays of dtype {name or type(a).__name__}")
+    return code
+
+
+class OpDecl:
+    """One op as its family declares it: name, doc, tensors (inputs, then outputs), scalars and the
+    op computing its gradients (kiln_op_describe)."""
+
+    def __init__(self, handle, decl):
+        self.handle = handle
+        self.name = decl["name"]
+        self.doc = decl["doc"]
+        self.backward = decl["backward"] or None
+        self.cpu = decl["cpu"]
+        self.tensors = decl["tensors"]
+        self.scalars = decl["scalars"]
+        self.inputs = [t for t in self.tensors if not t["output"]]
+        self.outputs = [t for t in self.tensors if t["output"]]
+        self.id = _fast.register(handle, len(self.tensors),
+                                 "".join("d" if s["kind"] == "f64" else "l" for s in self.scalars))
+        self._shapes = {}
+
+    def scalar_values(self, values):
+        """The scalars as the C op takes them: choices by name to their index, None to the default."""
+        out = []
+        for s, v in zip(self.scalars, values):
+            if v is None and "default" in s:
+                v = s["default"]
+            if s["kind"] == "choice":
+                try:
+                    v = s["choices"].index(v)
+                except ValueError:
+                    raise InvalidArgumentError(
+                        f"{s['name']} must be one of {', '.join(s['choices'])} (got {v!r})") from None
+            elif s["kind"] == "bool":
+                v = 1 if v else 0
+            elif v is None:
+                raise InvalidArgumentError(f"{self.name}: {s['name']} is required")
+            out.append(v)
+        return out
+
+    def infer(self, shapes, dtypes, scalars):
+        """[(shape, dtype code)] of every output for inputs of these shapes and dtype codes (None: absent),
+        and scalars as scalar_values gives them."""
+        key = (tuple(shapes), tuple(dtypes), tuple(scalars))
+        hit = self._shapes.get(key)
+        if hit is not None:
+            return hit
+        n = len(self.tensors)
+        tensors = (ctypes.POINTER(_Tensor) * n)()
+        keep = []
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+            if shape is None:
+                continue
+            dims = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+            t = _Tensor(None, dtype, len(shape), dims, None, 0, 0)
+            keep += [dims, t]
+            tensors[i] = ctypes.pointer(t)
+        values = (_Value * max(1, len(scalars)))(*[_Value(float(v), 0) if s["kind"] == "f64" else _Value(0, int(v))
+                                                  for s, v in zip(self.scalars, scalars)])
+        outs = (_Shape * len(self.outputs))()
+        check(lib.kiln_op_infer(self.handle, tensors, n, values, len(scalars), outs, len(self.outputs)))
+        result = [(tuple(o.shape[:o.rank]), o.dtype) for o in outs]
+        if len(self._shapes) < 1024:
+            self._shapes[key] = result
+        return result
+
+    def bind(self, args, kwargs):
+        """(inputs, outputs, scalars) from a call: inputs then scalars by position, any of them and the
+        outputs by name; optional inputs and outputs default to None, scalars to their defaults."""
+        names = [t["name"] for t in self.inputs] + [sc["name"] for sc in self.scalars]
+        if len(args) > len(names):
+            raise TypeError(f"{self.name}() takes at most {len(names)} positional arguments ({len(args)} given)")
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k in bound:
+                raise TypeError(f"{self.name}() got multiple values for argument {k!r}")
+            bound[k] = v
+        unknown = set(bound) - set(names) - {t["name"] for t in self.outputs}
+        if unknown:
+            raise TypeError(f"{self.name}() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+        inputs = [bound.get(t["name"]) for t in self.inputs]
+        missing = [t["name"] for t, a in zip(self.inputs, inputs) if a is None and not t["optional"]]
+        if missing:
+            raise TypeError(f"{self.name}() missing required inputs: {', '.join(missing)}")
+        outputs = [bound.get(t["name"]) for t in self.outputs]
+        return inputs, outputs, self.scalar_values([bound.get(sc["name"]) for sc in self.scalars])
+
+    def allocate(self, inputs, outputs, scalars):
+        """outputs with every required one that is None allocated next to the first input."""
+        if all(o is not None or t["optional"] for o, t in zip(outputs, self.outputs)):
+            return outputs
+        shapes = [None if a is None else _shape(a) for a in inputs] + [None] * len(outputs)
+        dtypes = [None if a is None else _dtype_code(a) for a in inputs] + [None] * len(outputs)
+        first = next(a for a in inputs if a is not None)
+        inferred = self.infer(shapes, dtypes, scalars)
+        return [A.empty(first, shape, dtype) if o is None and not t["optional"] else o
+                for o, t, (shape, dtype) in zip(outputs, self.outputs, inferred)]
+
+    def __call__(self, *args, stream=None, runtime=None, **kwargs):
+        inputs, outputs, scalars = self.bind(args, kwargs)
+        outputs = self.allocate(inputs, outputs, scalars)
+        _call(self.id, runtime, stream, *inputs, *outputs, *scalars)
+        ret = [o for o, t in zip(outputs, self.outputs) if not t["optional"]]
+        return ret[0] if len(ret) == 1 else tuple(ret)
+
+    def signature(self):
+        """The Python call, as help() shows it."""
+        parts = [t["name"] + ("=None" if t["optional"] else "") for t in self.inputs]
+        for sc in self.scalars:
+            parts.append(sc["name"] + (f"={sc['default']!r}" if "default" in sc else ""))
+        parts.append("*")
+        parts += [t["name"] + "=None" for t in self.outputs] + ["stream=None", "runtime=None"]
+        return f"{self.name}({', '.join(parts)})"
+
+
+def _function(decl):
+    def op(*args, stream=None, runtime=None, **kwargs):
+        return decl(*args, stream=stream, runtime=runtime, **kwargs)
+
+    op.__name__ = op.__qualname__ = decl.name
+    outs = ", ".join(t["name"] for t in decl.outputs if not t["optional"])
+    op.__doc__ = f"{decl.signature()} -> {outs}\n\n{decl.doc}"
+    op.decl = decl
+    return op
+
+
+def _load_declared():
+    count = ctypes.c_int32()
+    check(lib.kiln_op_count(ctypes.byref(count)))
+    out = {}
+    for i in range(count.value):
+        handle = ctypes.c_void_p()
+        check(lib.kiln_op_at(i, ctypes.byref(handle)))
+        decl = OpDecl(handle.value, json.loads(lib.kiln_op_describe(handle.value).decode()))
+        out[decl.name] = decl
+    return out
+
+
+OPS = _load_declared()
+"""Every op the loaded libkiln declares (built-in families), by name: kiln.ops.OPS["layer_norm"](x, w, b)."""
+
+# One module function per declared op; the functions below add what a declaration cannot say.
+globals().update({name: _function(decl) for name, decl in OPS.items()})
+
+
+def _choices(op, scalar):
+    return {name: i for i, name in enumerate(next(s for s in OPS[op].scalars if s["name"] == scalar)["choices"])}
+
+
+ACTIVATIONS = _choices("act_and_mul", "activation")
+ROPE_LAYOUTS = _choices("apply_rope_qk", "layout")
+FP8_GRANULARITIES = _choices("quantize_fp8", "granularity")
+GATED_ACTIVATIONS = _choices("fused_gated_mlp", "activation")
 FP8_SCALINGS = ("tensor", "block")
 
 
@@ -113,36 +284,10 @@ def _rows_shape(x):
     return shape[:-1] if len(shape) > 1 else (1,)
 
 
-def _choice(table, value, what):
-    try:
-        return table[value]
-    except (KeyError, TypeError):
-        raise InvalidArgumentError(f"{what} must be one of {', '.join(table)} (got {value!r})") from None
-
-
-def rms_norm(x, weight, eps=1e-6, *, out=None, inv_rms=None, stream=None, runtime=None):
-    """out = x * rsqrt(mean(x^2, last dim) + eps) * weight; also fills inv_rms (f32, one value per row) if given."""
-    if out is None:
-        out = A.empty(x, _shape(x))
-    _call(_RMS_NORM, runtime, stream, x, weight, out, inv_rms, eps)
-    return out
-
-
 def rms_norm_with_inv_rms(x, weight, eps=1e-6, *, stream=None, runtime=None):
     """(out, inv_rms): rms_norm that also returns the f32 inverse RMS per row, for rms_norm_backward."""
     inv_rms = A.empty(x, _rows_shape(x), A.F32)
-    return rms_norm(x, weight, eps, inv_rms=inv_rms, stream=stream, runtime=runtime), inv_rms
-
-
-def rms_norm_backward(dy, x, weight, inv_rms, *, dx=None, dw=None, workspace=None, stream=None, runtime=None):
-    """(dx, dw) of RMSNorm from the forward's inv_rms. workspace: f32 scratch for the partial dw rows
-    (at least rms_norm_backward_workspace_elements(x)); None uses one cached per stream."""
-    if dx is None:
-        dx = A.empty(x, _shape(x))
-    if dw is None:
-        dw = A.empty(weight, _shape(weight))
-    _call(_RMS_NORM_BACKWARD, runtime, stream, dy, x, weight, inv_rms, dx, dw, workspace)
-    return dx, dw
+    return OPS["rms_norm"](x, weight, eps, inv_rms=inv_rms, stream=stream, runtime=runtime), inv_rms
 
 
 def rms_norm_backward_workspace_elements(x):
@@ -150,54 +295,7 @@ def rms_norm_backward_workspace_elements(x):
     return _call(_WORKSPACE_ELEMENTS, None, None, x)
 
 
-def add_rms_norm(x, residual, weight, eps=1e-6, *, out=None, residual_out=None, stream=None, runtime=None):
-    """(out, residual_out): h = x + residual, residual_out = h, out = rms_norm(h) * weight.
-    residual_out may be residual and out may be x (in place)."""
-    if out is None:
-        out = A.empty(x, _shape(x))
-    if residual_out is None:
-        residual_out = A.empty(x, _shape(x))
-    _call(_ADD_RMS_NORM, runtime, stream, x, residual, weight, out, residual_out, eps)
-    return out, residual_out
-
-
-def act_and_mul(x, activation="silu", *, out=None, stream=None, runtime=None):
-    """out = act(x[..., :d]) * x[..., d:]; activation: "silu", "gelu" (erf) or "gelu_tanh"."""
-    act = _choice(ACTIVATIONS, activation, "activation")
-    if out is None:
-        shape = _shape(x)
-        out = A.empty(x, shape[:-1] + (shape[-1] // 2,) if shape else shape)
-    _call(_ACT_AND_MUL, runtime, stream, x, out, act)
-    return out
-
-
-def apply_rope_qk(q, k, cos, sin, position_ids, layout="neox", *, q_out=None, k_out=None, stream=None, runtime=None):
-    """(q_out, k_out): rotary embedding of q [tokens, q_heads, head_dim] and k [tokens, kv_heads,
-    head_dim] at position_ids (i64 [tokens]) from f32 cos/sin [max_pos, head_dim/2]; layout "neox"
-    or "gptj". q_out may be q and k_out may be k (in place)."""
-    lay = _choice(ROPE_LAYOUTS, layout, "layout")
-    if q_out is None:
-        q_out = A.empty(q, _shape(q))
-    if k_out is None:
-        k_out = A.empty(k, _shape(k))
-    _call(_APPLY_ROPE_QK, runtime, stream, q, k, cos, sin, position_ids, q_out, k_out, lay)
-    return q_out, k_out
-
-
-def rms_norm_rope(x, weight, cos, sin, eps=1e-6, num_heads=None, *, out=None, stream=None, runtime=None):
-    """RMSNorm then neox RoPE per head, in one kernel (CUDA only). x [batch, seq, hidden], cos/sin
-    [seq, head_dim] or [1, seq, 1, head_dim]; num_heads None infers hidden / head_dim."""
-    if out is None:
-        out = A.empty(x, _shape(x))
-    _call(_RMS_NORM_ROPE, runtime, stream, x, weight, cos, sin, out, eps, num_heads or 0)
-    return out
-
-
 # --- tensor-core GEMMs ---
-
-
-def _ceil128(n):
-    return -(-n // 128)
 
 
 def _dtype_name(a):
@@ -206,32 +304,6 @@ def _dtype_name(a):
 
 
 _OUTPUT_DTYPES = {"float16": A.F16, "f16": A.F16, "half": A.F16, "bfloat16": A.BF16, "bf16": A.BF16}
-
-
-def quantize_fp8(x, granularity="tensor", *, transpose=False, q=None, scale=None, stream=None, runtime=None):
-    """(q, scale): x (f32/f16/bf16, contiguous) as e4m3 codes (uint8) and f32 scales, one per
-    granularity group: "tensor" (one scale), "1x128" (per 128 values of a row, for activations)
-    or "128x128" (per block, for weights). Dequantize as e4m3_value(q) * scale. transpose (rank-2
-    x; "tensor" and "128x128") writes q as [cols, rows]: a [K, N] weight becomes the K-major operand
-    fp8_gemm takes (pass q.T)."""
-    g = _choice(FP8_GRANULARITIES, granularity, "granularity")
-    shape = _shape(x)
-    cols = shape[-1] if shape else 0
-    rows = 1
-    for n in shape[:-1]:
-        rows *= n
-    if q is None:
-        q = A.empty(x, (shape[1], shape[0]) if transpose and len(shape) == 2 else shape, A.U8)
-    if scale is None:
-        if g == 0:
-            scale_shape = (1,)
-        elif g == 1:
-            scale_shape = (rows, _ceil128(cols))
-        else:
-            scale_shape = (_ceil128(cols), _ceil128(rows)) if transpose else (_ceil128(rows), _ceil128(cols))
-        scale = A.empty(x, scale_shape, A.F32)
-    _call(_QUANTIZE_FP8, runtime, stream, x, q, scale, g, 1 if transpose else 0)
-    return q, scale
 
 
 def fp8_gemm(a, b, a_scale=None, b_scale=None, output_dtype="float16", *, scaling="tensor", out=None, stream=None,
@@ -269,21 +341,6 @@ def fp8_gemm(a, b, a_scale=None, b_scale=None, output_dtype="float16", *, scalin
         ashape, bshape = _shape(a), _shape(b)
         if len(ashape) != 2 or len(bshape) != 2:
             raise ShapeMismatchError(f"fp8_gemm: a and b must be matrices (got {ashape} and {bshape})")
-        out = A.empty(a, (ashape[0], bshape[1]), out_code)
-    _call(_FP8_GEMM, runtime, stream, a, b, a_scale, b_scale, out)
-    return out
+    return OPS["fp8_gemm"](a, b, a_scale, b_scale, "f16" if out_code == A.F16 else "bf16", out=out, stream=stream,
+                           runtime=runtime)
 
-
-def fused_gated_mlp(x, gate_weight, up_weight, activation="silu", *, out=None, stream=None, runtime=None):
-    """out = act(x gate_weight^T) * (x up_weight^T), both projections in one kernel and the
-    intermediate never written. x [..., hidden] f16/bf16 contiguous; gate_weight, up_weight
-    [intermediate, hidden]; activation "silu" or "gelu"; out [..., intermediate]."""
-    act = _choice(GATED_ACTIVATIONS, activation, "activation")
-    if out is None:
-        shape, wshape = _shape(x), _shape(gate_weight)
-        if not shape or len(wshape) != 2:
-            raise ShapeMismatchError(f"fused_gated_mlp: x must be [..., hidden] and the weights [intermediate, hidden] "
-                                     f"(got {shape} and {wshape})")
-        out = A.empty(x, shape[:-1] + (wshape[0],))
-    _call(_FUSED_GATED_MLP, runtime, stream, x, gate_weight, up_weight, out, act)
-    return out

@@ -527,3 +527,147 @@ class FP8Linear(torch.nn.Module):
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"scaling={self.scaling}"
+
+
+# --- every other declared op, from its declaration (include/kiln/op.h) ---
+#
+# Each op of kiln.ops.OPS that the hand-written ops above do not cover becomes the custom op
+# kiln::<name>, returning every output (optional ones included, so a backward can use them), with
+# a fake implementation from the declaration's shape inference and, when the declaration names a
+# backward op, an autograd formula built from the backward's grad_of marks. kiln.torch.<name> calls
+# it and returns the required outputs.
+
+_TORCH_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16, 3: torch.uint8, 4: torch.int32, 5: torch.int64}
+_KIND_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3, torch.int32: 4, torch.int64: 5}
+_SCALAR_TYPES = {"f64": "float", "i64": "int", "bool": "bool", "choice": "str"}
+
+
+def _schema(decl):
+    args = [("Tensor? " if t["optional"] else "Tensor ") + t["name"] for t in decl.inputs]
+    args += [f"{_SCALAR_TYPES[s['kind']]} {s['name']}" for s in decl.scalars]
+    outs = ", ".join("Tensor" for _ in decl.outputs)
+    return f"({', '.join(args)}) -> ({outs})" if len(decl.outputs) > 1 else f"({', '.join(args)}) -> Tensor"
+
+
+def _output_shapes(decl, inputs, scalars):
+    values = decl.scalar_values(scalars)
+    shapes = [None if t is None else tuple(t.shape) for t in inputs] + [None] * len(decl.outputs)
+    dtypes = [None if t is None else _KIND_CODE.get(t.dtype, -1) for t in inputs] + [None] * len(decl.outputs)
+    if -1 in dtypes:
+        bad = next(t.dtype for t in inputs if t is not None and t.dtype not in _KIND_CODE)
+        raise _ops.UnsupportedDtypeError(f"{decl.name}: kiln does not take {bad} tensors")
+    return [(shape, _TORCH_DTYPES[dtype]) for shape, dtype in decl.infer(shapes, dtypes, values)]
+
+
+def _declared_impl(decl):
+    def impl(*args):
+        inputs = [None if t is None else t.contiguous() for t in args[:len(decl.inputs)]]
+        scalars = list(args[len(decl.inputs):])
+        first = next(t for t in inputs if t is not None)
+        shapes = _output_shapes(decl, inputs, scalars)
+        if any(t is not None and t.numel() == 0 for t in inputs):
+            # PyTorch gives empty tensors a null pointer, which kiln rejects: sums of nothing are 0.
+            outs = [torch.zeros(s, dtype=d, device=first.device) for s, d in shapes]
+        else:
+            outs = [torch.empty(s, dtype=d, device=first.device) for s, d in shapes]
+            kwargs = {t["name"]: o for t, o in zip(decl.outputs, outs)}
+            decl(*inputs, *scalars, **kwargs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def fake(*args):
+        inputs = list(args[:len(decl.inputs)])
+        first = next(t for t in inputs if t is not None)
+        outs = [first.new_empty(s, dtype=d) for s, d in _output_shapes(decl, inputs, list(args[len(decl.inputs):]))]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return impl, fake
+
+
+def _register_autograd(decl, op):
+    bwd = _ops.OPS[decl.backward]
+    names_in = [t["name"] for t in decl.inputs]
+    names_out = [t["name"] for t in decl.outputs]
+    scalar_names = [s["name"] for s in decl.scalars]
+    # What the backward reads besides gradients: forward inputs and outputs, by name.
+    saved = [t["name"] for t in bwd.inputs if not t["grad_of"] and (t["name"] in names_in or t["name"] in names_out)]
+    bwd_op = getattr(torch.ops.kiln, bwd.name)
+
+    def setup_context(ctx, inputs, output):
+        outs = output if isinstance(output, tuple) else (output,)
+        by_name = dict(zip(names_in, inputs[:len(names_in)]))
+        by_name.update(zip(names_out, outs))
+        ctx.save_for_backward(*[by_name[n] for n in saved])
+        ctx.scalars = dict(zip(scalar_names, inputs[len(names_in):]))
+        ctx.present = [t is not None for t in inputs[:len(names_in)]]
+        ctx.out_meta = [(o.shape, o.dtype) for o in outs]
+
+    def backward(ctx, *grads):
+        by_name = dict(zip(saved, ctx.saved_tensors))
+        args = []
+        for t in bwd.inputs:
+            if t["grad_of"]:
+                i = names_out.index(t["grad_of"])
+                g = grads[i]
+                if g is None:
+                    g = torch.zeros(ctx.out_meta[i][0], dtype=ctx.out_meta[i][1], device=ctx.saved_tensors[0].device)
+                args.append(g)
+            else:
+                args.append(by_name.get(t["name"]))
+        args += [ctx.scalars[s["name"]] for s in bwd.scalars]
+        outs = bwd_op(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        result = [None] * (len(names_in) + len(scalar_names))
+        for t, g in zip(bwd.outputs, outs):
+            if t["grad_of"] in names_in:
+                i = names_in.index(t["grad_of"])
+                result[i] = g if ctx.present[i] else None
+        return tuple(result)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def _python_function(decl):
+    def fn(*args, **kwargs):
+        inputs, outputs, _ = decl.bind(args, kwargs)
+        if any(o is not None for o in outputs):
+            raise InvalidArgumentError(f"kiln.torch.{decl.name} allocates its outputs; use kiln.{decl.name} to pass them")
+        names = [s["name"] for s in decl.scalars]
+        bound = dict(zip([t["name"] for t in decl.inputs] + names, args))
+        bound.update(kwargs)
+        scalars = []
+        for s in decl.scalars:
+            v = bound.get(s["name"], s.get("default"))
+            if v is None:
+                v = s.get("default")
+            scalars.append(v)
+        outs = getattr(torch.ops.kiln, decl.name)(*inputs, *scalars)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        ret = [o for o, t in zip(outs, decl.outputs) if not t["optional"]]
+        return ret[0] if len(ret) == 1 else tuple(ret)
+
+    fn.__name__ = fn.__qualname__ = decl.name
+    fn.__doc__ = f"kiln.torch.{decl.name}: {decl.doc} (custom op kiln::{decl.name}, with autograd where the " \
+                 f"declaration names a backward)"
+    return fn
+
+
+def _register_declared():
+    ops = {}
+    for name, decl in _ops.OPS.items():
+        if hasattr(torch.ops.kiln, name):
+            continue  # a hand-written op above
+        impl, fake = _declared_impl(decl)
+        op = torch.library.custom_op(f"kiln::{name}", impl, mutates_args=(), schema=_schema(decl))
+        op.register_fake(fake)
+        ops[name] = (decl, op)
+    for name, (decl, op) in ops.items():
+        if decl.backward and decl.backward in _ops.OPS and hasattr(torch.ops.kiln, decl.backward):
+            _register_autograd(decl, op)
+        if name not in globals():
+            globals()[name] = _python_function(decl)
+            __all__.append(name)
+    return sorted(ops)
+
+
+DECLARED = _register_declared()
+"""The ops registered here from their declarations (kiln::<name>), e.g. layer_norm and its backward."""

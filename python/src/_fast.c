@@ -24,49 +24,32 @@
 
 #include "kiln/kiln.h"
 
-#define MAX_ARRAYS 8
+#define MAX_ARRAYS 16
+#define MAX_SCALARS 8
 #define MAX_RANK 8
 #define MAX_TYPES 16
+#define MAX_OPS 256
 
-/* The ops, in the order of kiln.ops' _OP table (ids are indexes). READ only reads the arrays and
- * returns the launch stream (for tests and the host-overhead benchmark). */
-enum {
-  OP_READ,
-  OP_RMS_NORM,
-  OP_ADD_RMS_NORM,
-  OP_ACT_AND_MUL,
-  OP_APPLY_ROPE_QK,
-  OP_RMS_NORM_ROPE,
-  OP_RMS_NORM_BACKWARD,
-  OP_WORKSPACE_ELEMENTS,
-  OP_QUANTIZE_FP8,
-  OP_FP8_GEMM,
-  OP_FUSED_GATED_MLP,
-  OP_COUNT
-};
-
-/* Arrays and scalars ('d' double, 'i' int32, 'l' int64) after (op, runtime, stream). */
-static const struct {
-  int arrays;
-  const char* scalars;
-} op_spec[OP_COUNT] = {
-    {-1, ""}, {4, "d"}, {5, "d"}, {2, "i"}, {7, "i"}, {5, "dl"}, {7, ""}, {1, ""}, {3, "ii"}, {5, ""}, {4, "i"},
-};
+/* Ids 0 and 1 are built in: READ only reads the arrays and returns the launch stream (for tests
+ * and the host-overhead benchmark); WORKSPACE_ELEMENTS is kiln_rms_norm_backward_workspace_elements
+ * on one array. Every other id is an op registered by kiln.ops from its declaration (kiln/op.h):
+ * the kiln_op handle, its tensor count and the kind of each scalar ('d' f64, 'l' the rest). */
+enum { OP_READ, OP_WORKSPACE_ELEMENTS, OP_FIRST_DECLARED };
 
 typedef const kiln_tensor* T;
 typedef kiln_runtime* R;
-typedef kiln_code (*rms_norm_fn)(R, T, T, T, T, double, void*);
-typedef kiln_code (*add_rms_norm_fn)(R, T, T, T, T, T, double, void*);
-typedef kiln_code (*act_and_mul_fn)(R, T, T, int32_t, void*);
-typedef kiln_code (*apply_rope_qk_fn)(R, T, T, T, T, T, T, T, int32_t, void*);
-typedef kiln_code (*rms_norm_rope_fn)(R, T, T, T, T, T, double, int64_t, void*);
-typedef kiln_code (*rms_norm_backward_fn)(R, T, T, T, T, T, T, T, void*);
+typedef kiln_code (*op_call_fn)(R, const kiln_op*, const kiln_tensor* const*, int32_t, const kiln_value*, int32_t,
+                                void*);
 typedef kiln_code (*workspace_elements_fn)(T, int64_t*);
-typedef kiln_code (*quantize_fp8_fn)(R, T, T, T, int32_t, int32_t, void*);
-typedef kiln_code (*fp8_gemm_fn)(R, T, T, T, T, T, void*);
-typedef kiln_code (*fused_gated_mlp_fn)(R, T, T, T, T, int32_t, void*);
 
-static void* op_fn[OP_COUNT];
+static struct {
+  const kiln_op* op;
+  int arrays;
+  char scalars[MAX_SCALARS + 1];
+} ops[MAX_OPS];
+static int n_ops = OP_FIRST_DECLARED;
+static op_call_fn op_call;
+static workspace_elements_fn workspace_elements;
 
 /* Python hooks, set once by init(). */
 static PyObject* py_describe;      /* _arrays.describe(a, stream) -> description tuple */
@@ -353,26 +336,13 @@ static int explicit_stream(PyObject* stream, void** out) {
   return (!*out && PyErr_Occurred()) ? -1 : 0;
 }
 
-static kiln_code run_op(int op, R rt, Slot* slots, const int* present, const double* d, const int64_t* i, void* stream,
+static kiln_code run_op(int op, R rt, Slot* slots, const int* present, const kiln_value* values, void* stream,
                         int64_t* result) {
-#define A(k) (present[k] ? &slots[k].t : NULL)
-  void* f = op_fn[op];
-  switch (op) {
-    case OP_RMS_NORM: return ((rms_norm_fn)f)(rt, A(0), A(1), A(2), A(3), d[0], stream);
-    case OP_ADD_RMS_NORM: return ((add_rms_norm_fn)f)(rt, A(0), A(1), A(2), A(3), A(4), d[0], stream);
-    case OP_ACT_AND_MUL: return ((act_and_mul_fn)f)(rt, A(0), A(1), (int32_t)i[0], stream);
-    case OP_APPLY_ROPE_QK:
-      return ((apply_rope_qk_fn)f)(rt, A(0), A(1), A(2), A(3), A(4), A(5), A(6), (int32_t)i[0], stream);
-    case OP_RMS_NORM_ROPE: return ((rms_norm_rope_fn)f)(rt, A(0), A(1), A(2), A(3), A(4), d[0], i[1], stream);
-    case OP_RMS_NORM_BACKWARD:
-      return ((rms_norm_backward_fn)f)(rt, A(0), A(1), A(2), A(3), A(4), A(5), A(6), stream);
-    case OP_WORKSPACE_ELEMENTS: return ((workspace_elements_fn)f)(A(0), result);
-    case OP_QUANTIZE_FP8: return ((quantize_fp8_fn)f)(rt, A(0), A(1), A(2), (int32_t)i[0], (int32_t)i[1], stream);
-    case OP_FP8_GEMM: return ((fp8_gemm_fn)f)(rt, A(0), A(1), A(2), A(3), A(4), stream);
-    case OP_FUSED_GATED_MLP: return ((fused_gated_mlp_fn)f)(rt, A(0), A(1), A(2), A(3), (int32_t)i[0], stream);
-  }
-#undef A
-  return KILN_INTERNAL;
+  if (op == OP_WORKSPACE_ELEMENTS) return workspace_elements(present[0] ? &slots[0].t : NULL, result);
+  const kiln_tensor* tensors[MAX_ARRAYS];
+  const int n = ops[op].arrays;
+  for (int k = 0; k < n; k++) tensors[k] = present[k] ? &slots[k].t : NULL;
+  return op_call(rt, ops[op].op, tensors, n, values, (int32_t)strlen(ops[op].scalars), stream);
 }
 
 /* call(op, runtime, stream, *arrays, *scalars) */
@@ -383,13 +353,14 @@ static PyObject* fast_call(PyObject* self, PyObject* const* args, Py_ssize_t nar
     return NULL;
   }
   long op = PyLong_AsLong(args[0]);
-  if (op < 0 || op >= OP_COUNT || (op != OP_READ && !op_fn[op])) {
+  if (op < 0 || op >= n_ops || (op == OP_WORKSPACE_ELEMENTS && !workspace_elements) ||
+      (op >= OP_FIRST_DECLARED && !op_call)) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "kiln._fast.call: unknown op");
     return NULL;
   }
-  const char* scalars = op_spec[op].scalars;
+  const char* scalars = op >= OP_FIRST_DECLARED ? ops[op].scalars : "";
   int n_scalars = (int)strlen(scalars);
-  int n = op == OP_READ ? (int)nargs - 3 : op_spec[op].arrays;
+  int n = op == OP_READ ? (int)nargs - 3 : op == OP_WORKSPACE_ELEMENTS ? 1 : ops[op].arrays;
   if (n < 0 || n > MAX_ARRAYS || nargs != 3 + n + n_scalars) {
     PyErr_SetString(PyExc_TypeError, "kiln._fast.call: wrong number of arguments for the op");
     return NULL;
@@ -460,23 +431,22 @@ static PyObject* fast_call(PyObject* self, PyObject* const* args, Py_ssize_t nar
     Py_DECREF(h);
     if (!rt && PyErr_Occurred()) goto out;
   }
-  double d[2] = {0, 0};
-  int64_t iv[2] = {0, 0};
+  kiln_value values[MAX_SCALARS];
   for (int j = 0; j < n_scalars; j++) {
     PyObject* v = args[3 + n + j];
+    values[j].f64 = 0;
+    values[j].i64 = 0;
     if (scalars[j] == 'd') {
-      d[j] = PyFloat_AsDouble(v);
+      values[j].f64 = PyFloat_AsDouble(v);
     } else {
-      iv[j] = PyLong_AsLongLong(v);
-      if (scalars[j] == 'i' && (iv[j] < INT32_MIN || iv[j] > INT32_MAX) && !PyErr_Occurred())
-        PyErr_SetString(PyExc_OverflowError, "kiln: an int32 argument is out of range");
+      values[j].i64 = PyLong_AsLongLong(v);
     }
     if (PyErr_Occurred()) goto out;
   }
   int64_t elements = 0;
   kiln_code code;
   Py_BEGIN_ALLOW_THREADS
-  code = run_op((int)op, rt, slots, present, d, iv, stream, &elements);
+  code = run_op((int)op, rt, slots, present, values, stream, &elements);
   Py_END_ALLOW_THREADS
   if (code != KILN_OK) {
     PyObject* c = PyLong_FromLong(code);
@@ -500,34 +470,68 @@ out:
   return result;
 }
 
-/* init(op function addresses, describe, handler_for, torch handler, torch dtype table, torch
- * stream function, torch stream hint, as_stream, raise_for, ShapeMismatchError) */
+/* init(kiln_op_call address, kiln_rms_norm_backward_workspace_elements address, describe,
+ * handler_for, torch handler, torch dtype table, torch stream function, torch stream hint,
+ * as_stream, raise_for, ShapeMismatchError) */
 static PyObject* fast_init(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 10 || !PyTuple_Check(args[0]) || PyTuple_Size(args[0]) != OP_COUNT) {
+  if (nargs != 11) {
     PyErr_SetString(PyExc_TypeError, "kiln._fast.init: wrong arguments");
     return NULL;
   }
-  for (int op = 0; op < OP_COUNT; op++) {
-    op_fn[op] = as_pointer(PyTuple_GetItem(args[0], op));
-    if (PyErr_Occurred()) return NULL;
-  }
+  op_call = (op_call_fn)as_pointer(args[0]);
+  if (PyErr_Occurred()) return NULL;
+  workspace_elements = (workspace_elements_fn)as_pointer(args[1]);
+  if (PyErr_Occurred()) return NULL;
   PyObject** hooks[] = {&py_describe, &py_handler_for, &py_torch_handler, &py_torch_dtypes, &py_torch_stream,
                         &py_torch_hint, &py_as_stream, &py_raise_for, &py_shape_error};
   for (int j = 0; j < 9; j++) {
-    Py_INCREF(args[1 + j]);
+    Py_INCREF(args[2 + j]);
     PyObject* old = *hooks[j];
-    *hooks[j] = args[1 + j];
+    *hooks[j] = args[2 + j];
     Py_XDECREF(old);
   }
   Py_INCREF(Py_None);
   return Py_None;
 }
 
+/* register(kiln_op address, tensor count, scalar kinds) -> the op's id for call() */
+static PyObject* fast_register(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 3 || !PyUnicode_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "kiln._fast.register(op, arrays, scalar_kinds)");
+    return NULL;
+  }
+  const kiln_op* op = (const kiln_op*)as_pointer(args[0]);
+  if (!op && PyErr_Occurred()) return NULL;
+  long arrays = PyLong_AsLong(args[1]);
+  if (arrays == -1 && PyErr_Occurred()) return NULL;
+  Py_ssize_t len = 0;
+  const char* kinds = PyUnicode_AsUTF8AndSize(args[2], &len);
+  if (!kinds) return NULL;
+  if (!op || arrays < 1 || arrays > MAX_ARRAYS || len > MAX_SCALARS || strspn(kinds, "dl") != (size_t)len) {
+    PyErr_SetString(PyExc_ValueError, "kiln._fast.register: bad op description");
+    return NULL;
+  }
+  for (int i = OP_FIRST_DECLARED; i < n_ops; i++)
+    if (ops[i].op == op) return PyLong_FromLong(i);
+  if (n_ops == MAX_OPS) {
+    PyErr_SetString(PyExc_RuntimeError, "kiln._fast.register: too many ops");
+    return NULL;
+  }
+  ops[n_ops].op = op;
+  ops[n_ops].arrays = (int)arrays;
+  memcpy(ops[n_ops].scalars, kinds, (size_t)len);
+  ops[n_ops].scalars[len] = '\0';
+  return PyLong_FromLong(n_ops++);
+}
+
 static PyMethodDef methods[] = {
     {"call", (PyCFunction)(void (*)(void))fast_call, METH_FASTCALL,
      "call(op, runtime, stream, *arrays, *scalars): one kiln op (kiln.ops)."},
     {"init", (PyCFunction)(void (*)(void))fast_init, METH_FASTCALL, "Called once by kiln.ops."},
+    {"register", (PyCFunction)(void (*)(void))fast_register, METH_FASTCALL,
+     "register(op, arrays, scalar_kinds) -> id: an op from its declaration (kiln.ops)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -545,7 +549,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
   if (!s_dtype || !s_shape || !s_handle || !s_data_ptr || !s_get_device || !s_stride || !empty_tuple) return NULL;
   PyObject* m = PyModule_Create(&module);
   if (!m) return NULL;
-  if (PyModule_AddIntConstant(m, "OP_COUNT", OP_COUNT) < 0) {
+  if (PyModule_AddIntConstant(m, "READ", OP_READ) < 0 ||
+      PyModule_AddIntConstant(m, "WORKSPACE_ELEMENTS", OP_WORKSPACE_ELEMENTS) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -30,7 +30,7 @@ def test_import_does_not_import_torch():
 
 
 def test_library_ships_inside_the_package():
-    assert kiln.abi_version() >= kiln.ABI_VERSION == 3
+    assert kiln.abi_version() >= kiln.ABI_VERSION == 4
     if "KILN_LIBRARY" not in os.environ:
         assert os.path.dirname(kiln.library_path) == os.path.dirname(kiln.__file__)
         assert os.path.isfile(kiln.library_path)
@@ -510,3 +510,35 @@ def test_fused_gated_mlp_errors(rng):
         kiln.fused_gated_mlp(x, w, rng.standard_normal((8, 32)).astype(np.float16))
     with pytest.raises(kiln.UnsupportedDtypeError):
         kiln.fused_gated_mlp(x.astype(np.float32), w.astype(np.float32), w.astype(np.float32))
+
+
+# --- ops from their declarations ---
+
+
+def test_every_declared_op_is_a_module_function():
+    ops = kiln.ops.OPS
+    for name in ("rms_norm", "rms_norm_backward", "add_rms_norm", "act_and_mul", "apply_rope_qk", "rms_norm_rope",
+                 "quantize_fp8", "fp8_gemm", "fused_gated_mlp"):
+        assert name in ops, name
+    for name, decl in ops.items():
+        fn = getattr(kiln.ops, name)
+        assert decl.name in (fn.__doc__ or "") or name == "fp8_gemm"  # fp8_gemm adds quantization by hand
+        assert [t["name"] for t in decl.tensors] == [t["name"] for t in decl.inputs + decl.outputs]
+        if decl.backward:
+            assert decl.backward in ops
+    assert kiln.ACTIVATIONS == {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+
+def test_declared_op_calls_bind_like_python(rng):
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    w = np.ones(8, np.float32)
+    with pytest.raises(TypeError):
+        kiln.rms_norm(x)  # weight is required
+    with pytest.raises(TypeError):
+        kiln.rms_norm(x, w, nonsense=1)
+    with pytest.raises(TypeError):
+        kiln.rms_norm(x, w, 1e-6, eps=1e-6)
+    with pytest.raises(kiln.InvalidArgumentError, match="activation must be one of silu, gelu, gelu_tanh"):
+        kiln.act_and_mul(np.ones((2, 8), np.float32), "relu")
+    np.testing.assert_array_equal(kiln.rms_norm(x, w, eps=1e-6), kiln.rms_norm(x, w, 1e-6))
