@@ -6,6 +6,7 @@
 #include "families/gated_mlp/gated_mlp.h"
 #include "families/gemm_util.h"
 #include "families/quantize_fp8/quantize_fp8.h"
+#include "jit/device_info.h"
 #include "jit/driver.h"
 #include "kiln/ops.h"
 
@@ -68,10 +69,9 @@ Result<Problem> gemm_problem(DType dtype, std::int64_t m, std::int64_t n, std::i
   p.dims[g::k_sms] = 1;
   p.dims[g::k_cc] = 90;
   if (where == DeviceKind::cuda) {
-    KILN_ASSIGN_OR_RETURN(int sms, client::sm_count(ordinal));
-    KILN_ASSIGN_OR_RETURN(int cc, client::compute_capability(ordinal));
-    p.dims[g::k_sms] = sms;
-    p.dims[g::k_cc] = cc;
+    KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(ordinal));
+    p.dims[g::k_sms] = dev->sm_count;
+    p.dims[g::k_cc] = dev->compute_capability;
   }
   return p;
 }

@@ -6,17 +6,14 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
-#include <sstream>
 #include <thread>
 
 #include "common/half.h"
@@ -32,21 +29,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-// The NVIDIA kernel module's version ("580.65.06"): cuDriverGetVersion alone does not change
-// between driver releases of one CUDA version, and those can change code generation in the JIT.
-std::string kernel_module_version() {
-  std::ifstream f("/proc/driver/nvidia/version");
-  std::string line;
-  if (!std::getline(f, line)) return "unknown";
-  std::istringstream words(line);
-  std::string w, prev;
-  while (words >> w) {
-    if (prev == "Module" && !w.empty() && std::isdigit(static_cast<unsigned char>(w[0]))) return w;
-    prev = w;
-  }
-  return "unknown";
-}
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -337,47 +319,6 @@ std::mutex g_gpu_mu;  // the process-wide half of GpuLock
 
 }  // namespace
 
-Result<DeviceInfo> device_info(int ordinal) {
-  KILN_ASSIGN_OR_RETURN(const Driver* d, Driver::get());
-  CUdevice dev;
-  KILN_TRY(d->check(d->device_get(&dev, ordinal), "cuDeviceGet"));
-  DeviceInfo info;
-  info.ordinal = ordinal;
-  auto attr = [&](CUdevice_attribute a, int& out) {
-    return d->check(d->device_get_attribute(&out, a, dev), "cuDeviceGetAttribute");
-  };
-  int major = 0, minor = 0, domain = 0, bus = 0, slot = 0, l2 = 0;
-  KILN_TRY(attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, major));
-  KILN_TRY(attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, minor));
-  KILN_TRY(attr(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, domain));
-  KILN_TRY(attr(CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, bus));
-  KILN_TRY(attr(CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, slot));
-  KILN_TRY(attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, l2));
-  info.arch = arch_for_capability(major, minor);
-  char name[256] = {};
-  KILN_TRY(d->check(d->device_get_name(name, sizeof name - 1, dev), "cuDeviceGetName"));
-  info.name = name;
-  int cuda_version = 0;
-  KILN_TRY(d->check(d->driver_get_version(&cuda_version), "cuDriverGetVersion"));
-  info.driver_version = kernel_module_version() + " cuda " + std::to_string(cuda_version);
-  char pci[32];
-  std::snprintf(pci, sizeof pci, "%04x:%02x:%02x", domain, bus, slot);
-  info.pci_bus_id = pci;
-  info.l2_bytes = std::size_t(std::max(l2, 0));
-  return info;
-}
-
-Result<int> device_by_pci(const std::string& pci_bus_id) {
-  KILN_ASSIGN_OR_RETURN(const Driver* d, Driver::get());
-  int count = 0;
-  KILN_TRY(d->check(d->device_get_count(&count), "cuDeviceGetCount"));
-  for (int i = 0; i < count; ++i) {
-    auto info = device_info(i);
-    if (info.ok() && info->pci_bus_id == pci_bus_id) return i;
-  }
-  return not_found("no CUDA device with PCI bus id " + pci_bus_id);
-}
-
 Result<std::string> tuning_toolchain(const Family& family, const Problem& problem) {
   static std::mutex mu;
   static std::map<std::string, std::string> memo;  // family name + rendered source -> fingerprint
@@ -460,7 +401,8 @@ Result<cache::TuningRecord> Tuner::tune(const Family& family, const Problem& pro
   // Bad input fails here, before anything is compiled or launched.
   KILN_TRY(family.validate(heuristic));
   KILN_TRY(family.check_problem(heuristic, tp));
-  KILN_ASSIGN_OR_RETURN(DeviceInfo dev, device_info(o.device));
+  KILN_ASSIGN_OR_RETURN(const DeviceInfo* device, device_info(o.device));
+  const DeviceInfo& dev = *device;
   KILN_ASSIGN_OR_RETURN(cache::Setup setup, tuning_setup(family, tp, dev.arch, dev.name, dev.driver_version));
 
   std::vector<Params> cands = o.candidates.empty() ? family.tuning_space(tp) : o.candidates;

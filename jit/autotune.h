@@ -19,6 +19,7 @@
 
 #include "cache/tuning.h"
 #include "jit/builder.h"
+#include "jit/device_info.h"
 #include "kiln/family.h"
 #include "kiln/status.h"
 
@@ -39,19 +40,6 @@ struct TuneOptions {
   std::vector<Params> candidates;
   bool store = true;                 // write the record to the table (when there is one)
 };
-
-// The GPU a tuning result belongs to.
-struct DeviceInfo {
-  int ordinal = 0;
-  std::string arch;            // "sm_90a"
-  std::string name;            // "NVIDIA H100 80GB HBM3"
-  std::string driver_version;  // "580.65.06 cuda 13000"
-  std::string pci_bus_id;      // "0000:1b:00"
-  std::size_t l2_bytes = 0;
-};
-Result<DeviceInfo> device_info(int ordinal);
-// The ordinal of the device with this PCI bus id (as device_info reports it).
-Result<int> device_by_pci(const std::string& pci_bus_id);
 
 // The toolchain fingerprint a family's tuning results depend on: NVRTC version, the family and
 // its version, the hash of the templates its kernels include, and the base compile options.
