@@ -14,9 +14,11 @@
 #include "client/daemon_client.h"
 #include "common/paths.h"
 #include "jit/autotune.h"
+#include "jit/autotune_mode.h"
 #include "jit/builder.h"
 #include "jit/device_info.h"
 #include "jit/driver.h"
+#include "jit/tuning_setup.h"
 
 namespace kiln {
 namespace {

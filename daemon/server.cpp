@@ -43,7 +43,10 @@
 #include "daemon/protocol.h"
 #include "daemon/work_pool.h"
 #include "jit/autotune.h"
+#include "jit/autotune_mode.h"
 #include "jit/builder.h"
+#include "jit/device_info.h"
+#include "jit/tuning_setup.h"
 #include "kiln/family.h"
 #include "kiln/spec.h"
 

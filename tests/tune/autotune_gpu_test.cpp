@@ -12,8 +12,10 @@
 #include "client/daemon_client.h"
 #include "common/half.h"
 #include "jit/autotune.h"
+#include "jit/autotune_mode.h"
 #include "jit/builder.h"
 #include "jit/device_info.h"
+#include "jit/tuning_setup.h"
 #include "tests/daemon/kilnd_harness.h"
 #include "tests/gpu_util.h"
 
