@@ -28,6 +28,7 @@
 #include "common/half.h"
 #include "families/rmsnorm/rmsnorm.h"
 #include "jit/builder.h"
+#include "jit/device_info.h"
 #include "jit/driver.h"
 #include "jit/nvrtc.h"
 #include "bench/gpu_harness.h"
@@ -67,12 +68,10 @@ int main(int argc, char** argv) {
   check(jit::current_context().status(), "context");
   CUdevice dev;
   check(drv->ctx_get_device(&dev), "cuCtxGetDevice");
-  char name[256] = {};
-  check(drv->device_get_name(name, sizeof name, dev), "cuDeviceGetName");
-  int major = 0, minor = 0;
-  check(drv->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "attribute");
-  check(drv->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "attribute");
-  const std::string arch = arch_for_capability(major, minor);
+  auto info = jit::device_info(int(dev));
+  check(info.status(), "device");
+  const char* name = (*info)->name.c_str();
+  const std::string arch = (*info)->arch;
   int drv_version = 0;
   drv->driver_get_version(&drv_version);
   nlohmann::json out;

@@ -8,11 +8,11 @@
 
 #include "cache/tuning.h"
 #include "cli/cli.h"
-#include "client/validate.h"
 #include "common/paths.h"
 #include "daemon/protocol.h"
 #include "jit/autotune.h"
 #include "jit/builder.h"
+#include "jit/device_info.h"
 
 namespace kiln::cli {
 namespace {
@@ -54,10 +54,9 @@ Result<std::vector<std::pair<std::string, std::int64_t>>> parse_shape(const std:
 using DeviceFacts = std::vector<std::pair<std::string, std::int64_t>>;
 
 DeviceFacts device_facts(int device) {
-  auto sms = client::sm_count(device);
-  auto cc = client::compute_capability(device);
-  if (!sms.ok() || !cc.ok()) return {};
-  return {{"sms", *sms}, {"cc", *cc}};
+  auto dev = jit::device_info(device);
+  if (!dev.ok()) return {};
+  return {{"sms", (*dev)->sm_count}, {"cc", (*dev)->compute_capability}};
 }
 
 // Index of the family's problem dim named `name`, or -1.

@@ -16,7 +16,7 @@
 
 #include "cache/store.h"
 #include "cache/tuning.h"
-#include "jit/autotune.h"
+#include "jit/autotune_mode.h"
 #include "jit/builder.h"
 #include "kiln/family.h"
 #include "kiln/spec.h"

@@ -14,8 +14,11 @@
 #include "client/daemon_client.h"
 #include "common/paths.h"
 #include "jit/autotune.h"
+#include "jit/autotune_mode.h"
 #include "jit/builder.h"
+#include "jit/device_info.h"
 #include "jit/driver.h"
+#include "jit/tuning_setup.h"
 
 namespace kiln {
 namespace {
@@ -47,13 +50,6 @@ Status launch_kernel(const jit::Driver* d, const Kernel& k, const LaunchGeometry
                                    stream, args, nullptr),
                   "cuLaunchKernel");
 }
-
-// A context's device: the arch kernels are built for ("sm_90a") and its compute capability's
-// major number.
-struct DeviceArch {
-  std::string name;
-  int major = 0;
-};
 
 class RuntimeImpl final : public Runtime {
  public:
@@ -92,8 +88,8 @@ class RuntimeImpl final : public Runtime {
       if (auto it = table_.find(table_key); it != table_.end()) return &it->second->kernel;
     }
     KILN_ASSIGN_OR_RETURN(const Family* family, Registry::global().resolve(spec));
-    KILN_ASSIGN_OR_RETURN(DeviceArch arch, arch_of(ctx));
-    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(*family, spec, arch.name));
+    KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, device_of(ctx));
+    KILN_ASSIGN_OR_RETURN(jit::Artifact art, resolve(*family, spec, dev->arch));
     // The bytes were verified on their way here: by the store (size and SHA-256) on a cache hit,
     // by DaemonClient on arrival from kilnd, or they were compiled in this process just now.
 
@@ -115,7 +111,7 @@ class RuntimeImpl final : public Runtime {
       return s;
     }
     loaded->kernel = Kernel{family, spec.params, art.entry.key, art.entry.lowered_name, fn, ctx, family->bind(spec.params)};
-    loaded->kernel.dependent_launch = family->programmatic_launch() && arch.major >= 9;
+    loaded->kernel.dependent_launch = family->programmatic_launch() && dev->major >= 9;
     std::lock_guard lock(mu_);
     ++counters_.module_loads;
     const Kernel* out = &loaded->kernel;
@@ -211,21 +207,6 @@ class RuntimeImpl final : public Runtime {
   static constexpr std::chrono::seconds k_retry_miss{10};
 
 
-  Result<DeviceArch> arch_of(CUcontext ctx) {
-    if (auto it = arch_by_ctx_.find(ctx); it != arch_by_ctx_.end()) return it->second;
-    const jit::Driver* d = jit::Driver::get().value();
-    CUdevice dev;
-    KILN_TRY(d->check(d->ctx_get_device(&dev), "cuCtxGetDevice"));
-    int major = 0, minor = 0;
-    KILN_TRY(d->check(d->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-                      "cuDeviceGetAttribute"));
-    KILN_TRY(d->check(d->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-                      "cuDeviceGetAttribute"));
-    const DeviceArch arch{arch_for_capability(major, minor), major};
-    arch_by_ctx_.emplace(ctx, arch);
-    return arch;
-  }
-
   // The variant for a shape's first call: the tuned winner for the problem's signature when the
   // tuning table has a fresh one, else the heuristic's choice. Tuning trouble (no daemon, an
   // unreadable table, a failed tuning run) never fails the call: it costs the tuned winner only.
@@ -305,13 +286,16 @@ class RuntimeImpl final : public Runtime {
     return std::optional<Params>(std::move(p));
   }
 
+  // The device of the current context `ctx`, remembered per context so that a call needs no
+  // driver round trip to find it.
   Result<const jit::DeviceInfo*> device_of(CUcontext ctx) {
-    if (auto it = device_by_ctx_.find(ctx); it != device_by_ctx_.end()) return &it->second;
+    if (auto it = device_by_ctx_.find(ctx); it != device_by_ctx_.end()) return it->second;
     const jit::Driver* d = jit::Driver::get().value();
     CUdevice dev;
     KILN_TRY(d->check(d->ctx_get_device(&dev), "cuCtxGetDevice"));
-    KILN_ASSIGN_OR_RETURN(jit::DeviceInfo info, jit::device_info(int(dev)));
-    return &device_by_ctx_.emplace(ctx, std::move(info)).first->second;
+    KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* info, jit::device_info(int(dev)));
+    device_by_ctx_.emplace(ctx, info);
+    return info;
   }
 
   // Connects on first use. ok with no connection when none can be made in automatic mode.
@@ -377,18 +361,17 @@ class RuntimeImpl final : public Runtime {
 
   RuntimeOptions opts_;
   mutable std::mutex mu_;  // table_, counters_, last_resolver_
-  std::mutex resolve_mu_;  // everything resolve() and arch_of() touch
+  std::mutex resolve_mu_;  // everything resolve() and device_of() touch
   std::unique_ptr<cache::Store> store_;
   std::unique_ptr<jit::Builder> builder_;
   std::unique_ptr<cache::TuningTable> tuning_;
   std::unique_ptr<client::DaemonClient> daemon_;
-  std::unordered_map<CUcontext, jit::DeviceInfo> device_by_ctx_;
+  std::unordered_map<CUcontext, const jit::DeviceInfo*> device_by_ctx_;
   std::unordered_map<std::string, TunedMemo> tuned_memo_;  // under mu_
   jit::AutotuneMode autotune_ = jit::AutotuneMode::off;
   std::atomic<bool> warned_tuning_{false};
   std::atomic<bool> warned_family_{false};
   std::unordered_map<std::string, std::unique_ptr<Loaded>> table_;
-  std::unordered_map<CUcontext, DeviceArch> arch_by_ctx_;
   std::unordered_map<FastKey, FastEntry, FastHash> fast_;
   RuntimeCounters counters_;
   std::string last_resolver_;

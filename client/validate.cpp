@@ -1,8 +1,5 @@
 #include "client/validate.h"
 
-#include <array>
-#include <atomic>
-
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "jit/driver.h"
 
@@ -73,39 +70,6 @@ std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
   return std::uint32_t(bits & (~bits + 1));
 }
 
-namespace {
-
-// attribute(device) of CUDA device `ordinal`, read once per device into `known` (0: not read yet;
-// a lock-free table after that: typed ops call this on every launch).
-template <class Read>
-Result<int> cached_attribute(std::array<std::atomic<int>, 64>& known, int ordinal, Read read) {
-  if (ordinal < 0) return device_error("negative device ordinal");
-  if (ordinal < int(known.size())) {
-    if (int n = known[ordinal].load(std::memory_order_relaxed); n > 0) return n;
-  }
-  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
-  CUdevice dev;
-  KILN_TRY(d->check(d->device_get(&dev, ordinal), "cuDeviceGet"));
-  KILN_ASSIGN_OR_RETURN(int n, read(d, dev));
-  if (ordinal < int(known.size())) known[ordinal].store(n, std::memory_order_relaxed);
-  return n;
-}
-
-Result<int> attribute(const jit::Driver* d, CUdevice dev, CUdevice_attribute a) {
-  int n = 0;
-  KILN_TRY(d->check(d->device_get_attribute(&n, a, dev), "cuDeviceGetAttribute"));
-  return n;
-}
-
-}  // namespace
-
-Result<int> sm_count(int ordinal) {
-  static std::array<std::atomic<int>, 64> known{};
-  return cached_attribute(known, ordinal, [](const jit::Driver* d, CUdevice dev) {
-    return attribute(d, dev, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
-  });
-}
-
 int resident_clusters(const Kernel& kernel, unsigned block, unsigned shared_bytes, int cluster) {
   auto d = jit::Driver::get();
   if (!d.ok() || !(*d)->occupancy_max_active_clusters || !kernel.function || cluster < 1) return 0;
@@ -129,15 +93,6 @@ Result<int> rmsnorm_bwd_resident_clusters(Runtime& runtime, const Family& bwd, c
   KILN_ASSIGN_OR_RETURN(const Kernel* k, runtime.kernel(KernelSpec{std::string(bwd.name()), params}));
   const LaunchGeometry g = bwd.geometry(params, p);
   return resident_clusters(*k, g.block.x, g.shared_bytes, choice.cluster);
-}
-
-Result<int> compute_capability(int ordinal) {
-  static std::array<std::atomic<int>, 64> known{};
-  return cached_attribute(known, ordinal, [](const jit::Driver* d, CUdevice dev) -> Result<int> {
-    KILN_ASSIGN_OR_RETURN(int major, attribute(d, dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR));
-    KILN_ASSIGN_OR_RETURN(int minor, attribute(d, dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR));
-    return major * 10 + minor;
-  });
 }
 
 }  // namespace kiln::client

@@ -28,11 +28,6 @@ struct RowView {
 };
 Result<RowView> as_rows(const TensorView& t, const char* name);
 
-// The number of SMs of CUDA device `ordinal`, and its compute capability as major * 10 + minor,
-// each read once per device (a lock-free table after that: typed ops call these on every launch).
-Result<int> sm_count(int ordinal);
-Result<int> compute_capability(int ordinal);
-
 // How many clusters of `kernel` (built with a fixed cluster shape of `cluster` blocks) the device
 // runs at once with blocks of `block` threads and `shared_bytes` of dynamic shared memory, as the
 // driver reports it (cuOccupancyMaxActiveClusters); 0 when the driver cannot say.

@@ -43,4 +43,10 @@ void log_line(LogLevel level, std::string_view message) {
   }
 }
 
+std::string format_ms(double ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", ms);
+  return buf;
+}
+
 }  // namespace kiln::daemon

@@ -4,6 +4,7 @@
 // never interleave. Thread-safe, never throws.
 #pragma once
 
+#include <string>
 #include <string_view>
 
 namespace kiln::daemon {
@@ -14,5 +15,8 @@ void log_line(LogLevel level, std::string_view message);
 inline void log_info(std::string_view m) { log_line(LogLevel::info, m); }
 inline void log_warn(std::string_view m) { log_line(LogLevel::warn, m); }
 inline void log_error(std::string_view m) { log_line(LogLevel::error, m); }
+
+// A duration for a log line: milliseconds with one decimal ("12.5").
+std::string format_ms(double ms);
 
 }  // namespace kiln::daemon

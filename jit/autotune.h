@@ -8,12 +8,10 @@
 // candidate, with ties (within the noise band) going to the heuristic's choice, then to the
 // smallest canonical spec. Timing holds the GPU exclusively: a process-wide mutex plus an flock
 // on a per-device lock file shared by every kiln process (kilnd, `kiln tune`, embedded clients).
+// The steps live beside it: jit/tune_check.h, jit/tune_timing.h, jit/gpu_lock.h.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
-#include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,26 +38,6 @@ struct TuneOptions {
   bool store = true;                 // write the record to the table (when there is one)
 };
 
-// The GPU a tuning result belongs to.
-struct DeviceInfo {
-  int ordinal = 0;
-  std::string arch;            // "sm_90a"
-  std::string name;            // "NVIDIA H100 80GB HBM3"
-  std::string driver_version;  // "580.65.06 cuda 13000"
-  std::string pci_bus_id;      // "0000:1b:00"
-  std::size_t l2_bytes = 0;
-};
-Result<DeviceInfo> device_info(int ordinal);
-// The ordinal of the device with this PCI bus id (as device_info reports it).
-Result<int> device_by_pci(const std::string& pci_bus_id);
-
-// The toolchain fingerprint a family's tuning results depend on: NVRTC version, the family and
-// its version, the hash of the templates its kernels include, and the base compile options.
-Result<std::string> tuning_toolchain(const Family& family, const Problem& problem);
-// The setup for lookups and records: the device's arch, name and driver plus the toolchain.
-Result<cache::Setup> tuning_setup(const Family& family, const Problem& problem, const std::string& arch,
-                                  const std::string& device_name, const std::string& driver_version);
-
 // The tie-break (docs/autotune.md), exposed so it can be tested without a GPU. Ranks `cands`
 // in place (ok ones by median time, then the rest by status and spec) and returns the winner's
 // params, or "" when no candidate is ok. Ties: every ok candidate whose median is within
@@ -67,20 +45,6 @@ Result<cache::Setup> tuning_setup(const Family& family, const Problem& problem, 
 // smallest canonical spec string.
 std::string rank_candidates(std::vector<cache::CandidateResult>& cands, const std::string& heuristic,
                             double band, double floor_ms);
-
-// Exclusive use of one GPU for timing. Blocks until both the process-wide mutex and the flock on
-// runtime_dir()/gpu-<pci bus id>.lock are held; released by the destructor.
-class GpuLock {
- public:
-  static Result<std::unique_ptr<GpuLock>> acquire(const DeviceInfo& device);
-  ~GpuLock();
-  GpuLock(const GpuLock&) = delete;
-  GpuLock& operator=(const GpuLock&) = delete;
-
- private:
-  GpuLock() = default;
-  int fd_ = -1;
-};
 
 class Tuner {
  public:
@@ -97,14 +61,6 @@ class Tuner {
   Builder* builder_;
   cache::TuningTable* table_;
 };
-
-// How a first call for a shape treats tuning: KILN_AUTOTUNE unset or "0" reads tuned winners only;
-// "1" also asks kilnd to tune missing signatures in the background; "wait" tunes a missing
-// signature before answering (in kilnd, or in-process when embedded).
-enum class AutotuneMode { off, background, wait };
-Result<AutotuneMode> autotune_mode_from_env();
-const char* autotune_mode_name(AutotuneMode m);
-std::optional<AutotuneMode> parse_autotune_mode(const std::string& name);
 
 // "rows=4096,cols=4096,..." for people (the dims by name).
 std::string describe_problem(const Family& family, const Problem& problem);

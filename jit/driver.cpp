@@ -6,6 +6,8 @@
 #include <mutex>
 #include <vector>
 
+#include "jit/device_info.h"
+
 namespace kiln::jit {
 
 Result<const Driver*> Driver::get() {
@@ -84,9 +86,9 @@ Status allow_dynamic_smem(CUfunction fn) {
   KILN_ASSIGN_OR_RETURN(const Driver* d, Driver::get());
   CUdevice dev;
   KILN_TRY(d->check(d->ctx_get_device(&dev), "cuCtxGetDevice"));
-  int optin = 0, static_bytes = 0;
-  KILN_TRY(d->check(d->device_get_attribute(&optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
-                    "cuDeviceGetAttribute"));
+  KILN_ASSIGN_OR_RETURN(const DeviceInfo* info, device_info(int(dev)));
+  const int optin = info->max_shared_optin;
+  int static_bytes = 0;
   KILN_TRY(d->check(d->func_get_attribute(&static_bytes, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn), "cuFuncGetAttribute"));
   if (optin - static_bytes <= 48 * 1024) return {};
   return d->check(d->func_set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static_bytes),

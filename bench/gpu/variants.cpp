@@ -20,6 +20,7 @@
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_rope/rmsnorm_rope.h"
 #include "families/rope/rope.h"
+#include "jit/device_info.h"
 
 namespace kiln::bench {
 namespace {
@@ -133,7 +134,8 @@ int run(Context& ctx) {
   auto rt = Runtime::create(options);
   check(rt.status(), "runtime");
   nlohmann::json all = nlohmann::json::array();
-  const int sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
+  const jit::DeviceInfo* dev = jit::device_info(0).value();
+  const int sms = dev->sm_count, cc = dev->compute_capability;
   for (const Case& c : cases(ctx.quick, sms, cc)) {
     if (!wanted(c.family)) continue;
     const Family& f = *Registry::global().find(c.family);

@@ -2,10 +2,11 @@
 #include <cstring>
 
 #include "client/validate.h"
+#include "families/common/gemm/gemm_util.h"
 #include "families/gemm/fp8_gemm.h"
 #include "families/gemm/gated_mlp.h"
-#include "families/common/gemm/gemm_util.h"
 #include "families/gemm/quantize_fp8.h"
+#include "jit/device_info.h"
 #include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
@@ -70,10 +71,9 @@ Result<Problem> gemm_problem(DType dtype, std::int64_t m, std::int64_t n, std::i
   p.dims[g::k_sms] = 1;
   p.dims[g::k_cc] = 90;
   if (where == DeviceKind::cuda) {
-    KILN_ASSIGN_OR_RETURN(int sms, client::sm_count(ordinal));
-    KILN_ASSIGN_OR_RETURN(int cc, client::compute_capability(ordinal));
-    p.dims[g::k_sms] = sms;
-    p.dims[g::k_cc] = cc;
+    KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(ordinal));
+    p.dims[g::k_sms] = dev->sm_count;
+    p.dims[g::k_cc] = dev->compute_capability;
   }
   return p;
 }

@@ -2,6 +2,7 @@
 
 #include "client/validate.h"
 #include "families/rmsnorm/rmsnorm.h"
+#include "jit/device_info.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
 #include "kiln/ops.h"
@@ -71,10 +72,9 @@ Status rms_norm_impl(const TensorView& x, const TensorView& weight, const Tensor
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  KILN_ASSIGN_OR_RETURN(const int sms, client::sm_count(x.device.index));
-  KILN_ASSIGN_OR_RETURN(const int cc, client::compute_capability(x.device.index));
-  p.dims[families::k_sms] = sms;
-  p.dims[families::k_cc] = cc;
+  KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(x.device.index));
+  p.dims[families::k_sms] = dev->sm_count;
+  p.dims[families::k_cc] = dev->compute_capability;
   return runtime->run(*family, p, buffers, stream);
 }
 

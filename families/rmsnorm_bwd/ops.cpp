@@ -14,6 +14,7 @@
 #include "client/workspace.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd_reduce.h"
+#include "jit/device_info.h"
 #include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
@@ -28,7 +29,6 @@ struct DeviceInfo {
 };
 
 std::mutex g_mu;
-std::map<int, DeviceInfo> g_devices;                          // by device ordinal
 // Clusters the GPU runs at once, by device ordinal and the clustered kernel's params.
 std::map<std::pair<int, std::string>, int> g_resident;
 
@@ -57,22 +57,10 @@ Result<std::int64_t> slabs_for(const Family& bwd, const Problem& p, int ordinal,
 }
 
 Result<DeviceInfo> device_info(int ordinal) {
-  std::lock_guard lock(g_mu);
-  if (auto it = g_devices.find(ordinal); it != g_devices.end()) return it->second;
-  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
-  CUdevice dev;
-  KILN_TRY(d->check(d->device_get(&dev, ordinal), "cuDeviceGet"));
+  KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(ordinal));
   DeviceInfo info;
-  int major = 0, cluster_launch = 0;
-  KILN_TRY(d->check(d->device_get_attribute(&info.sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
-                    "cuDeviceGetAttribute"));
-  KILN_TRY(d->check(d->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-                    "cuDeviceGetAttribute"));
-  // Older drivers do not know the attribute: no clusters then.
-  if (d->device_get_attribute(&cluster_launch, CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH, dev) != CUDA_SUCCESS)
-    cluster_launch = 0;
-  info.max_cluster = major >= 9 && cluster_launch ? 8 : 1;  // 8: the portable cluster size
-  g_devices.emplace(ordinal, info);
+  info.sms = dev->sm_count;
+  info.max_cluster = dev->major >= 9 && dev->cluster_launch ? 8 : 1;  // 8: the portable cluster size
   return info;
 }
 

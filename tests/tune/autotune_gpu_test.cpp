@@ -12,7 +12,10 @@
 #include "client/daemon_client.h"
 #include "common/half.h"
 #include "jit/autotune.h"
+#include "jit/autotune_mode.h"
 #include "jit/builder.h"
+#include "jit/device_info.h"
+#include "jit/tuning_setup.h"
 #include "tests/daemon/kilnd_harness.h"
 #include "tests/gpu_util.h"
 
@@ -188,7 +191,7 @@ TEST_F(AutotuneGpu, PicksAVariantThatMatchesTheReferenceAndStoresIt) {
                 rec->heuristic_ms * 1e3, rec->compile_ms, rec->measure_ms);
 
     // Stored for this GPU's setup, and the winner computes the right thing on the real problem.
-    auto dev = jit::device_info(0).value();
+    const jit::DeviceInfo& dev = *jit::device_info(0).value();
     auto setup = jit::tuning_setup(f, p, dev.arch, dev.name, dev.driver_version).value();
     auto found = table_->lookup(std::string(f.name()), f.signature(p), setup);
     ASSERT_TRUE(found.ok() && found->has_value());
@@ -292,7 +295,7 @@ TEST_F(AutotuneGpu, KilndServesTheTunedWinnerToASecondClient) {
 
   // Client two, a Runtime in daemon mode, resolves the same signature (another row count of the
   // bucket) and runs the winner.
-  const auto dev = jit::device_info(0).value();
+  const jit::DeviceInfo& dev = *jit::device_info(0).value();
   auto two = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(two.ok());
   const Problem member = f.problem_from_shape(DType::bf16, {{"rows", 3001}, {"cols", 5120}}).value();

@@ -7,8 +7,9 @@
 
 #include "cache/store.h"
 #include "cache/tuning.h"
-#include "jit/autotune.h"
+#include "jit/autotune_mode.h"
 #include "jit/driver.h"
+#include "jit/tuning_setup.h"
 #include "tests/daemon/kilnd_harness.h"
 
 namespace kiln::testing {

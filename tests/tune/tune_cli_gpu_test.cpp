@@ -3,7 +3,7 @@
 // the stored timings belong to this GPU and not to a default one.
 #include <nlohmann/json.hpp>
 
-#include "client/validate.h"
+#include "jit/device_info.h"
 #include "tests/gpu_util.h"
 #include "tests/tune/tune_cli_util.h"
 
@@ -19,9 +19,10 @@ std::string tuned_problem(const Proc& p) {
 
 TEST_F(TuneCli, ShapesTakeTheTuningDevicesFacts) {
   KILN_REQUIRE_GPU();
-  const auto sms = client::sm_count(0), cc = client::compute_capability(0);
-  ASSERT_TRUE(sms.ok() && cc.ok());
-  const std::string facts = "sms=" + std::to_string(*sms) + ",cc=" + std::to_string(*cc);
+  const auto dev = jit::device_info(0);
+  ASSERT_TRUE(dev.ok());
+  const int sms = (*dev)->sm_count, cc = (*dev)->compute_capability;
+  const std::string facts = "sms=" + std::to_string(sms) + ",cc=" + std::to_string(cc);
 
   Proc p = kiln({"--embedded", "tune", "--family", "rmsnorm", "--dtype", "bf16", "--shape", "rows=64,cols=1024", "--json"});
   ASSERT_EQ(p.rc, 0) << p.all();
@@ -30,7 +31,7 @@ TEST_F(TuneCli, ShapesTakeTheTuningDevicesFacts) {
   // What the shape names is kept.
   p = kiln({"--embedded", "tune", "--family", "rmsnorm", "--dtype", "bf16", "--shape", "rows=64,cols=1024,cc=0", "--json"});
   ASSERT_EQ(p.rc, 0) << p.all();
-  EXPECT_EQ(tuned_problem(p), "rows=64,cols=1024,x_row_stride=1024,y_row_stride=1024,sms=" + std::to_string(*sms) + ",cc=0");
+  EXPECT_EQ(tuned_problem(p), "rows=64,cols=1024,x_row_stride=1024,y_row_stride=1024,sms=" + std::to_string(sms) + ",cc=0");
 }
 
 }  // namespace

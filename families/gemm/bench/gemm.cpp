@@ -9,11 +9,11 @@
 #include <cstring>
 
 #include "bench/gpu_harness.h"
-#include "client/validate.h"
 #include "common/fp8.h"
 #include "common/half.h"
-#include "families/gemm/fp8_gemm.h"
 #include "families/common/gemm/gemm_util.h"
+#include "families/gemm/fp8_gemm.h"
+#include "jit/device_info.h"
 
 namespace kiln::bench {
 namespace {
@@ -127,8 +127,9 @@ int fp8(Context& ctx, nlohmann::json& rows) {
       const double tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12;
       Problem p;
       p.dtype = DType::bf16;
-      p.dims = {m, n, k, block ? families::k_fp8_blockwise : families::k_fp8_per_tensor, client::sm_count(0).value(),
-                client::compute_capability(0).value()};
+      const jit::DeviceInfo* dev = jit::device_info(0).value();
+      p.dims = {m, n, k, block ? families::k_fp8_blockwise : families::k_fp8_per_tensor, dev->sm_count,
+                dev->compute_capability};
       const std::string variant = f.heuristic(p).canonical();
       std::printf("%6lld %6lld %6lld %7s %10.1f %9.1f %9.2e %44s\n", (long long)m, (long long)n, (long long)k,
                   block ? "block" : "tensor", ms * 1e3, tflops, c.err, variant.c_str());
@@ -191,7 +192,8 @@ int gated(Context& ctx, nlohmann::json& rows) {
 // depth named) and group 8 (or the one named): the data behind the model. Correctness is the other parts' and the GPU
 // tests' job. Only with KILN_BENCH_GEMM_VARIANTS=1 (after the other parts) or =only (alone).
 int variants(Context& ctx, nlohmann::json& rows) {
-  const int sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
+  const jit::DeviceInfo* dev = jit::device_info(0).value();
+  const int sms = dev->sm_count, cc = dev->compute_capability;
   struct Cand {
     int bm, bn, cluster, split;
     int stages = 0;  // 0: default_stages

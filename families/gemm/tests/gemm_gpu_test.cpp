@@ -9,12 +9,12 @@
 #include <cmath>
 #include <cstring>
 
-#include "client/validate.h"
 #include "common/fp8.h"
+#include "families/common/gemm/gemm_util.h"
 #include "families/gemm/fp8_gemm.h"
 #include "families/gemm/gated_mlp.h"
-#include "families/common/gemm/gemm_util.h"
 #include "families/gemm/quantize_fp8.h"
+#include "jit/device_info.h"
 #include "kiln/ops.h"
 #include "tests/gpu_util.h"
 
@@ -31,8 +31,8 @@ class GemmGpu : public testing::GpuFixture {
   void SetUp() override {
     GpuFixture::SetUp();
     if (IsSkipped()) return;
-    cc_ = client::compute_capability(0).value();
-    sms_ = client::sm_count(0).value();
+    cc_ = jit::device_info(0).value()->compute_capability;
+    sms_ = jit::device_info(0).value()->sm_count;
   }
   // The arch paths this device runs.
   std::vector<std::string> paths() const {

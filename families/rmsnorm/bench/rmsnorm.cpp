@@ -3,9 +3,9 @@
 #include <cstdio>
 
 #include "bench/gpu_harness.h"
-#include "client/validate.h"
 #include "common/half.h"
 #include "families/rmsnorm/rmsnorm.h"
+#include "jit/device_info.h"
 
 namespace kiln::bench {
 namespace {
@@ -20,7 +20,8 @@ int run(Context& ctx) {
   if (ctx.quick) shapes = {{1, 4096}, {4096, 4096}, {32768, 4096}, {4096, 65536}};
   const Family& f = *Registry::global().find("rmsnorm");
   // The device facts the typed op puts in its problem (families/rmsnorm/ops.cpp), for the variant printed.
-  const std::int64_t sms = client::sm_count(0).value(), cc = client::compute_capability(0).value();
+  const jit::DeviceInfo* dev = jit::device_info(0).value();
+  const std::int64_t sms = dev->sm_count, cc = dev->compute_capability;
   std::printf("%8s %7s %10s %10s %8s %9s %9s\n", "tokens", "hidden", "median_us", "GB/s", "%copy", "rel_err", "variant");
   nlohmann::json rows = nlohmann::json::array();
   for (auto [tokens, hidden] : shapes) {

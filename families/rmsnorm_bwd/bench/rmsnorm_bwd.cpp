@@ -9,6 +9,7 @@
 #include "common/half.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd_reduce.h"
+#include "jit/device_info.h"
 
 namespace kiln::bench {
 namespace {
@@ -36,11 +37,9 @@ int run(Context& ctx) {
   if (ctx.quick) shapes = {{4096, 4096}, {32768, 4096}, {4096, 65536}};
   const Family& bwd = *Registry::global().find("rmsnorm_bwd");
   const Family& red = *Registry::global().find("rmsnorm_bwd_reduce");
-  CUdevice dev;
-  int sms = 0, major = 0;
-  check(ctx.driver->device_get(&dev, 0), "cuDeviceGet");
-  check(ctx.driver->device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "sms");
-  check(ctx.driver->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cc");
+  auto dev = jit::device_info(0);
+  check(dev.status(), "device");
+  const int sms = (*dev)->sm_count, major = (*dev)->major;
 
   std::printf("%8s %7s %10s %10s %8s %9s %9s  %s\n", "tokens", "hidden", "median_us", "GB/s", "%copy", "dx_err",
               "dw_err", "variant");

@@ -5,9 +5,9 @@
 
 #include <cmath>
 
-#include "client/validate.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd_reduce.h"
+#include "jit/device_info.h"
 #include "kiln/ops.h"
 #include "tests/gpu_util.h"
 #include "tests/test_util.h"
@@ -244,7 +244,7 @@ TEST_F(RmsNormBwdGpu, BackToBackCallsShareTheWorkspace) {
   }
   // The reduce did launch as a programmatic dependent here on sm_90 and later (the runtime decides
   // from the device's compute capability), and the first stage, which asks for none, did not.
-  const int cc = client::compute_capability(0).value();
+  const int cc = jit::device_info(0).value()->compute_capability;
   for (const char* name : {"rmsnorm_bwd_reduce", "rmsnorm_bwd"}) {
     const Family& f = *Registry::global().find(name);
     auto k = rt_->kernel(KernelSpec{name, f.catalog().front()});

@@ -1,0 +1,105 @@
+#include "jit/tune_check.h"
+
+#include <algorithm>
+#include <cmath>
+#include <span>
+#include <string>
+
+#include "common/half.h"
+#include "jit/driver.h"
+#include "jit/tune_launch.h"
+
+namespace kiln::jit {
+namespace {
+
+// f32 allows for fp32 accumulation order over rows of up to 2^16 elements (reductions); a kernel
+// that skips or misplaces elements is off by far more than any of these.
+double tolerance(DType t) { return t == DType::f32 ? 1e-4 : t == DType::f16 ? 2e-3 : 1e-2; }
+
+// Relative L2 error of got against want over the elements the reference wrote (want is poisoned
+// like got beforehand, so an element it left alone, a row-stride gap, stays NaN and is skipped).
+// NaN when got holds a NaN where want does not: an element the kernel never wrote.
+double compare(const unsigned char* got, const unsigned char* want, DType t, std::int64_t n) {
+  double num = 0, den = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double w = load_as_double(want, t, i);
+    if (std::isnan(w)) continue;
+    const double g = load_as_double(got, t, i);
+    if (!std::isfinite(g)) return NAN;
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& ref_params, const Problem& cp,
+                                                 std::mt19937& rng) {
+  auto cs = std::make_unique<CheckSet>();
+  cs->problem = cp;
+  cs->specs = f.buffers(ref_params, cp);
+  std::vector<void*> host_ptrs;
+  for (const auto& b : cs->specs) {
+    if (b.role == BufferRole::input)
+      cs->host.push_back(random_block(b.dtype, b.elements, rng));
+    else
+      cs->host.emplace_back(buffer_bytes(b), 0xFF);
+    host_ptrs.push_back(cs->host.back().data());
+  }
+  KILN_TRY(f.cpu_reference(ref_params, cp, std::span<void* const>(host_ptrs.data(), host_ptrs.size())));
+  const Driver* d = Driver::get().value();
+  for (std::size_t i = 0; i < cs->specs.size(); ++i) {
+    cs->dev.emplace_back();
+    KILN_TRY(cs->dev.back().alloc(buffer_bytes(cs->specs[i])));
+    if (cs->specs[i].role == BufferRole::input)
+      KILN_TRY(d->check(d->memcpy_htod(cs->dev.back().ptr(), cs->host[i].data(), cs->host[i].size()), "cuMemcpyHtoD"));
+  }
+  return cs;
+}
+
+cache::CandidateResult check_candidate(const Family& f, const Params& params, CUfunction fn, CheckSet& cs) {
+  cache::CandidateResult r;
+  r.params = params.canonical();
+  const Driver* d = Driver::get().value();
+  std::vector<void*> bufs;
+  for (std::size_t i = 0; i < cs.specs.size(); ++i) {
+    if (cs.specs[i].role == BufferRole::output) {
+      Status s = d->check(d->memset_d8(cs.dev[i].ptr(), 0xFF, cs.dev[i].bytes()), "cuMemsetD8");
+      if (!s.ok()) return r.status = cache::CandidateStatus::launch_failed, r.error = s.message(), r;
+    }
+    bufs.push_back(cs.dev[i].get());
+  }
+  Status s = launch_candidate(f, params, cs.problem, fn, bufs);
+  if (s.ok()) s = d->check(d->ctx_synchronize(), "kernel execution");
+  if (!s.ok()) return r.status = cache::CandidateStatus::launch_failed, r.error = s.message(), r;
+  for (std::size_t i = 0; i < cs.specs.size(); ++i) {
+    if (cs.specs[i].role != BufferRole::output) continue;
+    std::vector<unsigned char> got(cs.dev[i].bytes());
+    s = d->check(d->memcpy_dtoh(got.data(), cs.dev[i].ptr(), got.size()), "cuMemcpyDtoH");
+    if (!s.ok()) return r.status = cache::CandidateStatus::launch_failed, r.error = s.message(), r;
+    const double err = compare(got.data(), cs.host[i].data(), cs.specs[i].dtype, cs.specs[i].elements);
+    if (!(err <= tolerance(cs.specs[i].dtype))) {
+      r.status = cache::CandidateStatus::wrong_result;
+      r.error = "output " + cs.specs[i].name + ": relative L2 error " + (std::isnan(err) ? "NaN (unwritten or non-finite elements)" : std::to_string(err)) +
+                " above " + std::to_string(tolerance(cs.specs[i].dtype));
+      return r;
+    }
+  }
+  return r;
+}
+
+Problem check_problem_for(const Family& f, const Params& h, const Problem& tp, std::int64_t cap) {
+  Problem cp = tp;
+  const int bd = f.bucketed_dim();
+  if (bd < 0 || bd >= Problem::k_max_dims) return cp;
+  auto largest = [&](const Problem& p) {
+    std::int64_t m = 0;
+    for (const auto& b : f.buffers(h, p)) m = std::max(m, b.elements);
+    return m;
+  };
+  while (cp.dims[bd] > 1 && largest(cp) > cap) cp.dims[bd] = (cp.dims[bd] + 1) / 2;
+  return f.check_problem(h, cp).ok() ? cp : tp;
+}
+
+}  // namespace kiln::jit

@@ -1,0 +1,41 @@
+// The tuner's correctness check: a candidate runs once on small random inputs with poisoned
+// outputs, and every output must match the family's CPU reference within its dtype's tolerance
+// before the candidate may be timed.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cache/tuning.h"
+#include "jit/tune_memory.h"
+#include "kiln/family.h"
+#include "kiln/status.h"
+
+namespace kiln::jit {
+
+// The reference check: small inputs with every element random, the CPU reference's outputs, and
+// the device buffers a candidate writes into.
+struct CheckSet {
+  Problem problem;
+  std::vector<BufferSpec> specs;
+  std::vector<std::vector<unsigned char>> host;  // inputs random, outputs what the reference wrote
+  std::vector<DeviceMem> dev;
+};
+
+// Builds the check set for the buffer layout of `ref_params` on problem `cp`: random inputs, the CPU
+// reference's outputs, and device copies of the inputs.
+Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& ref_params, const Problem& cp,
+                                                 std::mt19937& rng);
+
+// Runs the candidate once on the check set (outputs poisoned first) and compares every output.
+cache::CandidateResult check_candidate(const Family& f, const Params& params, CUfunction fn, CheckSet& cs);
+
+// Halves the bucketed dim until the largest buffer has at most `cap` elements, so the CPU
+// reference stays fast; the kernel code is the same, only the grid is smaller.
+Problem check_problem_for(const Family& f, const Params& h, const Problem& tp, std::int64_t cap);
+
+}  // namespace kiln::jit
