@@ -1,4 +1,4 @@
-// Compiles in child processes, under a deadline (issue 5 item 7; docs/reliability.md).
+// Compiles in child processes, under a deadline (docs/reliability.md, item 7).
 //
 // NVRTC cannot be interrupted from another thread: a compile that runs away (a template that
 // instantiates without end, a pathological unroll) would hold a compile thread, its memory and

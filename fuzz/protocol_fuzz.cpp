@@ -1,5 +1,5 @@
-// libFuzzer target (issue 5 item 11): everything kilnd does with a peer's bytes before a request
-// reaches a compile worker, and everything the client library does with a daemon's reply.
+// libFuzzer target (docs/reliability.md, item 11): everything kilnd does with a peer's bytes before
+// a request reaches a compile worker, and everything the client library does with a daemon's reply.
 //
 // Input: a 16-byte frame header, then the frame body. The header goes through decode_header and
 // check_limits (as the server reads it); the body through parse_json and, when it is an object,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reliability suite (issue 5, docs/reliability.md) beyond what CI runs.
+# The reliability suite (docs/reliability.md) beyond what CI runs.
 #
 #   scripts/reliability.sh            the CI counts (same as ctest -R reliability)
 #   scripts/reliability.sh --long     long-run counts: 200 SIGKILLs, ... (KILN_RELIABILITY_LONG=1)

@@ -203,10 +203,10 @@ FastDiv fast_div(std::uint32_t d) {
 ActAndMulChoice act_and_mul_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
   const auto d = p.dims[k_am_d];
-  // Measured on an H100 (bench section `variants`, 2026-11-22): 8-byte accesses and 128-thread
-  // blocks were best or within 1% of the best for SiLU and GELU at 4096x14336 and 32768x11008;
-  // 16-byte accesses lost 7-10% with GELU (erf) computed with erff, and tie with the fitted form
-  // of families/act_and_mul/activations.cuh.
+  // 8-byte accesses and 128-thread blocks are at or near the best for SiLU and GELU at large
+  // shapes on Hopper (bench section `variants`); 16-byte accesses are slower with GELU (erf)
+  // computed with erff, and tie with the fitted form of families/act_and_mul/activations.cuh.
+  // docs/benchmarks.md has the figures.
   int vec = std::max(1, 8 / esize);
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || d % vec || p.dims[k_am_x_stride] % vec ||
                      p.dims[k_am_out_stride] % vec))

@@ -11,10 +11,10 @@
 //
 // Heuristic: a flat grid, one pack per thread, 128-thread blocks. vec is the widest access up to
 // 8 bytes that the common alignment of x, out, both row strides and the offset d of the second
-// half allow. Measured on an H100 (bench section `variants`): 8-byte accesses with 128 threads
-// were within 1% of the best variant at 4096x14336 and 32768x11008 for SiLU and GELU, while
-// 16-byte ones lost 7-10% with GELU (erf) computed with erff; with the fitted form in
-// families/act_and_mul/activations.cuh, 16- and 8-byte accesses tie (4096x14336, bf16).
+// half allow. In the bench's `variants` section on Hopper, 8-byte accesses with 128 threads are at
+// or near the best variant for SiLU and GELU at large shapes, while 16-byte ones are slower with
+// GELU (erf) computed with erff; with the fitted form in families/act_and_mul/activations.cuh,
+// 16- and 8-byte accesses tie. docs/benchmarks.md has the figures.
 #pragma once
 
 #include <cstdint>

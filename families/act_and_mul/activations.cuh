@@ -28,8 +28,8 @@ struct Activation<k_act_silu, PRECISE> {
 // at most 6.4e-6 in f32 arithmetic, far below the outputs' rounding (2^-11, 2^-8); then
 // Phi = 1 - e/2 for x >= 0 and e/2 for x < 0, so negative x do not cancel either. Past a = 4
 // (x < -5.66, Phi < 7.8e-9) Phi is 0. About half the instructions of erff, whose two polynomials
-// and branch held GELU to 97.6% of a same-size copy at 4096 x 14336 bf16 where SiLU reached 101%
-// (H100, 2026-11-22: 123.6 µs with erff, 120.5 µs with this form).
+// and branch keep GELU below SiLU's bandwidth at large bf16 shapes on Hopper, where this form
+// does not (docs/benchmarks.md has the figures).
 template <bool PRECISE>
 struct Activation<k_act_gelu, PRECISE> {
   static __device__ __forceinline__ float apply(float v) {
@@ -53,7 +53,7 @@ struct Activation<k_act_gelu, PRECISE> {
 // 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). For negative x, 1 + tanh cancels as
 // 1 + erf does above (1.7e-5 relative error at f32 on an H100), so f32 outputs use the equal
 // x / (1 + exp(-2u)), which has no cancellation (0 once exp overflows, at x < -10, where
-// |result| < 1e-37); f16/bf16 keep the tanh form the bandwidth figures were measured with.
+// |result| < 1e-37); f16/bf16 keep the cheaper tanh form (see PRECISE above).
 template <bool PRECISE>
 struct Activation<k_act_gelu_tanh, PRECISE> {
   static __device__ __forceinline__ float apply(float v) {

@@ -182,19 +182,18 @@ AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p) {
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || !strides_allow(vec) || p.dims[k_add_cols] < vec))
     vec /= 2;
   // Rows past the register cache (two packs per thread of 1024): 8-byte accesses, whose
-  // shared-memory batches keep two loads per buffer in flight (measured on an H100 at 4096x65536
-  // bf16: 86% of the copy bandwidth with 8-byte packs, 43% with 16-byte ones).
-  // From 2048 rows those rows take 512 threads: kiln tune ranked 4096x65536 bf16 at 834.8 µs for
-  // 512 threads against 844.6 for 1024 (H100, 2026-11-22 fifth session; spreads 0.5-0.7%).
+  // shared-memory batches keep two loads per buffer in flight; 16-byte packs are far slower there
+  // on Hopper. From 2048 rows those rows take 512 threads, which kiln tune ranks slightly ahead of
+  // 1024 at 4096 x 65536 bf16. docs/benchmarks.md has the figures.
   const bool past_cache = p.dims[k_add_cols] / vec > 2 * 1024;
   if (past_cache && vec * esize > 8) vec = 8 / esize;
   const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_add_cols] / vec);
   const int max_block = past_cache && p.dims[k_add_rows] >= 2048 ? 512 : 1024;
   // The smallest block that gives each thread at most its two cached packs; from 2048 rows, up to
   // half a pack more per thread through shared memory rather than a block twice the size with
-  // some threads holding one. The bench's variants sweep on an H100 (eighth session): 32768 x
-  // 5120 bf16 (640 packs) 256 threads 98.5% of the copy against 96.7% for 512; 4096 x 5120 88.6
-  // against 88.4. Power-of-two rows choose the same block either way.
+  // some threads holding one: at 5120 bf16 columns (640 packs) the bench's variants sweep has 256
+  // threads ahead of 512 at 32768 rows and level at 4096. Power-of-two rows choose the same block
+  // either way.
   const std::int64_t per_thread_x2 = p.dims[k_add_rows] >= 2048 ? 5 : 4;  // packs per thread, doubled
   int block = 64;
   while (block < max_block && block * per_thread_x2 < packs * 2) block *= 2;

@@ -14,14 +14,15 @@
 // residual_out may alias residual and y may alias x (same base, same row stride).
 //
 // Heuristic: vec is the widest access (up to 16 bytes; 8 for rows past the register cache) that
-// the common alignment of the five buffers and four row strides allows, and no wider than the row. block is the smallest power of
-// two in 64..1024 giving each thread at most two packs (one to two; from 2048 rows at most 2.5, the
-// half pack through shared memory, which measured faster than a twice larger block at 5120 bf16
-// columns): the kernel caches two 16-byte
-// packs of h per thread in registers, so rows up to 2048 packs (16384 bf16, 8192 f32 elements)
-// are read from memory once; longer rows use 1024 threads (512 from 2048 rows, which measured 1%
-// faster at 4096 x 65536) and keep the rest of h in up to 96 KiB of shared memory, re-reading any remainder from residual_out (just written, still in L2). The small cache keeps every variant within 64
-// registers, so at least 1024 threads stay resident per SM.
+// the common alignment of the five buffers and four row strides allows, and no wider than the row.
+// block is the smallest power of two in 64..1024 giving each thread at most two packs (one to two;
+// from 2048 rows at most 2.5, the half pack through shared memory, which is faster than a twice
+// larger block at 5120 bf16 columns): the kernel caches two 16-byte packs of h per thread in
+// registers, so rows up to 2048 packs (16384 bf16, 8192 f32 elements) are read from memory once;
+// longer rows use 1024 threads (512 from 2048 rows, slightly faster at 4096 x 65536) and keep the
+// rest of h in up to 96 KiB of shared memory, re-reading any remainder from residual_out (just
+// written, still in L2). The small cache keeps every variant within 64 registers, so at least
+// 1024 threads stay resident per SM.
 #pragma once
 
 #include "kiln/family.h"

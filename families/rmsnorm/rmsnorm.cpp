@@ -269,26 +269,25 @@ std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
 }
 
 RmsNormChoice rmsnorm_heuristic(const Problem& p) {
-  // Measured on an H100 (docs/benchmarks.md: bench section `variants` and scripts/tune_report.sh,
-  // 2026-11-22), with the 64-register cap:
+  // Chosen on Hopper with bench section `variants` and scripts/tune_report.sh, under the
+  // 64-register cap (docs/benchmarks.md has the figures):
   // - 2048 rows and more: 8-byte accesses, eight packs per thread (the whole register cache), blocks
-  //   of 64..512 threads; best or within 1% of the best at 4096 and 32768 rows for hidden 2048 ..
+  //   of 64..512 threads; at or near the best at 4096 and 32768 rows for hidden 2048 ..
   //   16384; f16/bf16 rows of 10-32 KiB under 16384 rows take 16-byte accesses, four per thread
   //   (below). Rows of 64-128 KiB (hidden 65536 bf16): 1024 threads and 4-byte accesses, 24 of each
-  //   thread's 32 packs in shared memory (against 59.6% of the copy for 16-byte packs).
-  // - Up to 2048 rows: 4-byte accesses and 16 packs per thread (1.05-1.1x at 512 rows).
+  //   thread's 32 packs in shared memory (16-byte packs are far slower there).
+  // - Up to 2048 rows: 4-byte accesses and 16 packs per thread (ahead of the others at 512 rows).
   // - Decode (up to 64 rows), rows that 1024 threads cover with two 16-byte packs each: 16-byte
-  //   accesses, two packs per thread (bench/exp/decode_exp.cu, after the weight moved before the
-  //   reduction: 1x4096 bf16 4.38 µs with 256 threads, 1.44x an empty kernel, against 5.02 µs for
-  //   1024 threads and 2-byte accesses; 16x4096 4.6 against 5.2). Longer rows: 1024 threads,
+  //   accesses, two packs per thread, with the weight loaded before the reduction: faster than
+  //   1024 threads with 2-byte accesses at 1 and 16 rows of 4096 bf16. Longer rows: 1024 threads,
   //   accesses widened (up to 8 bytes) only while each thread keeps at least eight.
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t rows = p.dims[k_rows], cols = p.dims[k_cols];
   // From 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows: the bulk-copy kernel,
   // the smallest block of 256..1024 threads that covers the row with 8 packs each, an even number
-  // of packs per thread (4096 x 65536 bf16 on an H100: 375 µs against 442 for the register kernel
-  // below, bench; 4096 x 32768: 197 µs with 512 x 8 against 210, kiln tune). Shorter rows lost to
-  // the register kernel in the tuner (4096 x 5120 to 16384: 4-9% slower).
+  // of packs per thread (faster than the register kernel below at 4096 x 65536 and 4096 x 32768
+  // bf16, in the bench and in kiln tune). Shorter rows lose to the register kernel in the tuner
+  // (4096 x 5120 to 16384).
   if (rows >= 2048 && cols * esize >= 64 * 1024 && cols * esize <= 128 * 1024 && bulk_fits(p)) {
     const std::int64_t packs = cols * esize / 16;
     int block = 256;
@@ -298,11 +297,9 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   }
   int pack_bytes = rows >= 2048 ? 8 : 4;
   // 2048 to 16383 rows of 10-32 KiB in f16/bf16 (hidden 5120 to 16384): 16-byte accesses, four per
-  // thread (the same 64-byte register cache). The bench's variants sweep on an H100 (eighth
-  // session, docs/benchmarks.md) at 4096 rows: hidden 5120 33.0 against 33.5 µs with 8-byte
-  // packs, 8192 49.6 against 49.8, 16384 93.7 against 94.4; at 32768 rows 8-byte packs were as
-  // fast or faster (8192: 359.5 against 360.7, 16384: 710.6 against 713.2), and at hidden 4096 too
-  // (4096 rows: 27.5 against 27.7).
+  // thread (the same 64-byte register cache). In the bench's variants sweep they are slightly
+  // ahead of 8-byte packs at 4096 rows; at 32768 rows, and at hidden 4096, 8-byte packs are as
+  // fast or faster (docs/benchmarks.md).
   const bool wide_packs = rows >= 2048 && rows < 16384 && esize == 2 && cols * esize >= 10 * 1024 &&
                           cols * esize <= 32 * 1024;
   if (wide_packs) pack_bytes = 16;
@@ -326,9 +323,8 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     block = 1024;
   } else if (rows >= 2048 && cols * esize > 64 * 1024 && cols * esize <= 128 * 1024 && vec * esize == 8) {
     // Rows of 64-128 KiB: 1024 threads with 4-byte packs keep 8 packs each in registers and 24 in
-    // shared memory, the weight in registers (kiln tune on an H100, 2026-11-22 fifth session:
-    // 4096 x 65536 bf16 449 µs against 510 for 512 threads with 8-byte packs, which also stage
-    // the weight in the shared memory the row cache needs).
+    // shared memory, the weight in registers. kiln tune ranks them well ahead of 512 threads with
+    // 8-byte packs, which also stage the weight in the shared memory the row cache needs.
     return {1024, std::max(1, 4 / esize), 0};
   } else {
     // Packs per thread that fill the register cache: eight of 8 bytes, four of 16.

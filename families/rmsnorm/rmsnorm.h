@@ -13,7 +13,7 @@
 // there. Bulk-copy kernel: persistent blocks (as many as the SMs hold), each row copied into
 // shared memory in two parts, the first held in registers so that the next row's copy overlaps
 // this row's stores.
-// Heuristic (measured on an H100 with bench section `variants`, the tuner and bench/exp): from
+// Heuristic (chosen with bench section `variants` and the tuner on Hopper; rmsnorm.cpp says why): from
 // 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows take the bulk-copy kernel (512
 // or 1024 threads); otherwise 8-byte accesses and the smallest block of 64..512 threads giving at most
 // eight packs per thread (longer rows keep the rest in shared memory), except f16/bf16 rows of
@@ -47,7 +47,7 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p);
 // and leaves room for two such blocks per H100 SM. Rows that fit it: room for the weight in blocks
 // under 1024 threads with packs of 8 bytes and more, which the kernel stages there once, before its
 // first reduction (1024-thread blocks keep the weight in registers; other rows read it after the
-// reduction, as before).
+// reduction).
 constexpr std::int64_t k_rmsnorm_max_smem = 96 * 1024;
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p);
 

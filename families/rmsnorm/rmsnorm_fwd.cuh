@@ -21,9 +21,9 @@ namespace kiln {
 // Registers of row cache per thread: 16, and 8 in 1024-thread blocks (16 made ptxas spill there).
 // Every variant runs under a 64-register cap (at least 1024 resident threads per SM): a block's
 // warps stall in the reduction, and the other resident blocks keep loads in flight meanwhile; a
-// 32-register cache without the cap left too few threads per SM to fill the memory pipe (measured
-// on an H100: 66% of the copy bandwidth at 4096x4096 bf16, against 89.7% for add_rmsnorm built this
-// way). The host mirrors this rule (families/rmsnorm) to size the shared-memory cache.
+// 32-register cache without the cap leaves too few threads per SM to fill the memory pipe (well
+// below add_rmsnorm, built this way, at 4096x4096 bf16; docs/benchmarks.md has the figures). The
+// host mirrors this rule (families/rmsnorm) to size the shared-memory cache.
 template <int BLOCK>
 constexpr int rmsnorm_cache_regs() { return BLOCK >= 1024 ? 8 : 16; }
 
@@ -128,11 +128,10 @@ rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
   // Rows that fit the register cache: the weight is loaded right behind x, so that no row waits
   // for it after its reduction. 1024-thread blocks (an 8-register row cache) keep it in registers,
   // loaded for each row; smaller blocks with packs of 8 bytes and more stage it in shared memory
-  // (the host sizes it), copied once per block with cp.async, which takes no registers. Measured on
-  // an H100 (bf16, bench/exp/rms_exp2.cu): 4096x2048 16.4 µs against 18.4 with the weight read
-  // after the reduction, 1x16384 5.3 against 5.8; staging 4-byte packs (fewer than 2048 rows) lost
-  // 7-12% at 512 rows, so those keep the weight load after the reduction. A loop of its own, so
-  // that the longer rows' path keeps its registers.
+  // (the host sizes it), copied once per block with cp.async, which takes no registers. Both are
+  // faster than reading the weight after the reduction (bf16, 4096x2048 and 1x16384); staging
+  // 4-byte packs (fewer than 2048 rows) is slower at 512 rows, so those keep the weight load after
+  // the reduction. A loop of its own, so that the longer rows' path keeps its registers.
   constexpr bool k_w_regs = BLOCK >= 1024;
   constexpr bool k_w_smem = !k_w_regs && sizeof(P) >= 8;
   if (packs <= first_uncached && (k_w_regs || (k_w_smem && smem_packs >= packs))) {
@@ -285,9 +284,8 @@ struct BulkChecked {
 // the next row's first part is posted; the second part is written out of shared memory, then a
 // second barrier frees its buffer for the next row's second part, and the first part is written
 // out of registers while that copy runs. So a row's reads overlap the previous row's stores,
-// where the one-block-per-row kernel above reads the next row only when its block starts (4096 x
-// 65536 bf16 on an H100: 375 µs, 95% of the copy, against 442 µs; bench/exp/wide_exp.cu and
-// docs/benchmarks.md, sixth session).
+// where the one-block-per-row kernel above reads the next row only when its block starts (faster
+// at 4096 x 65536 bf16; docs/benchmarks.md has the figures).
 // The weight is read for every row (from L2): in registers it would take as many as the row.
 // Requires: sm_90; x, y aligned to 16 bytes, row strides and cols multiples of 16 bytes;
 // cols <= BLOCK * PACKS * 16 / sizeof(T); BLOCK * PACKS * 16 bytes of dynamic shared memory.
@@ -330,8 +328,8 @@ rmsnorm_fwd_bulk(const T* __restrict__ x, const T* __restrict__ w, T* __restrict
   const float inv_cols = 1.f / float(cols);
   // One row. Unchecked (rows of exactly BLOCK * PACKS packs, the host's choice for whole rows): no
   // pack is tested against the row's end. With a branch around each pack the weight loads of a
-  // part could not be issued together and each waited out an L2 round trip (4096 x 65536 bf16 on
-  // an H100: 438 µs checked, 418 with the loads paired by hand, 375 unchecked; wide_exp.cu).
+  // part could not be issued together and each would wait out an L2 round trip (slower than
+  // unchecked at 4096 x 65536 bf16, even with the loads paired by hand).
   auto row_body = [&](auto checked, long long row, long long next, unsigned phase) {
     constexpr bool k_checked = decltype(checked)::value;
     auto in_row = [&](int j) { return !k_checked || j * BLOCK + t < packs; };

@@ -361,23 +361,21 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   const std::int64_t cols = p.dims[k_bwd_cols];
   // Rows of 2049 to 8192 16-byte packs on sm_90 (hidden 32768 and 65536 in bf16): the clustered
   // bulk kernel in the smallest cluster (2 or 4) whose blocks hold the row at 512 threads x 4
-  // packs, threads rounded up to whole warps, 3 row buffers (192 KiB at 512 threads). On an H100
-  // (bench --only variants, ninth session) at 4096 x 65536 bf16, clusters of 4 x 512 threads ran at
-  // 92.1% of the copy bandwidth, against 69.3% for the register kernel in clusters of 8 that it
-  // replaces and 78.1% for clusters of 8 x 256; at 4096 x 32768 clusters of 2 x 512 ran at 91.6%,
-  // clusters of 4 x 256 at 75.4% and of 8 x 128 at 77.8% (clusters of 2 fill all 132 SMs; 30
-  // clusters of 4 fit, 120 SMs).
+  // packs, threads rounded up to whole warps, 3 row buffers (192 KiB at 512 threads). In the
+  // bench's variants section on Hopper, at 4096 x 65536 bf16 clusters of 4 x 512 threads are well
+  // ahead of the register kernel in clusters of 8 and of clusters of 8 x 256; at 4096 x 32768
+  // clusters of 2 x 512 are well ahead of 4 x 256 and 8 x 128 (clusters of 2 fill all 132 SMs of
+  // an H100; 30 clusters of 4 fit, 120 SMs). docs/benchmarks.md has the figures.
   if (const int cluster = bulk_cluster_default(p)) {
     RmsNormBwdChoice c{0, 1, 16 / esize, 4, cluster, 512, 3};
     c.group = int((ceil_div(packs16(p), 4 * c.cluster) + 31) / 32 * 32);
     return c;
   }
-  // Rows of 256 to 2048 16-byte packs on sm_90: the bulk-copy kernel, which measured 1.08-1.35x the
-  // register kernel at 4096 and 32768 rows of hidden 2048 to 16384 bf16 on an H100 (with dw's
-  // second stage; bench/exp/bulk_exp.cu, docs/benchmarks.md). Two packs per thread up to 1024
-  // packs, else four; threads rounded up to whole warps; blocks come 512 / threads to an SM; four
-  // row buffers while the SM's shared memory for them (rmsnorm_bwd_bulk_smem) stays within 128 KiB,
-  // else two.
+  // Rows of 256 to 2048 16-byte packs on sm_90: the bulk-copy kernel, which is faster than the
+  // register kernel at 4096 and 32768 rows of hidden 2048 to 16384 bf16 on Hopper (with dw's second
+  // stage; docs/benchmarks.md). Two packs per thread up to 1024 packs, else four; threads rounded
+  // up to whole warps; blocks come 512 / threads to an SM; four row buffers while the SM's shared
+  // memory for them (rmsnorm_bwd_bulk_smem) stays within 128 KiB, else two.
   if (bulk_fits(p) && cols * esize / 16 >= 256) {
     const std::int64_t packs = cols * esize / 16;
     RmsNormBwdChoice c{0, 1, 16 / esize, packs <= 1024 ? 2 : 4, 1, 512, 4};
@@ -396,8 +394,8 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   while (c.group < 512 && 2 * c.group < per_block) c.group *= 2;
   c.packs = per_block > c.group ? 2 : 1;
   while (c.group * c.rows < 256 && c.rows * 2 <= std::min<std::int64_t>(8, p.dims[k_bwd_rows])) c.rows *= 2;
-  // The 64-register cap wherever validate allows it: on an H100 it was the fastest variant at every
-  // benchmark shape, 1.1-1.5x the 128-register one (bench --only variants, docs/benchmarks.md).
+  // The 64-register cap wherever validate allows it: on Hopper it is the fastest variant at every
+  // benchmark shape, well ahead of the 128-register one (bench --only variants, docs/benchmarks.md).
   if (c.group * c.rows >= 256) c.sm_threads = 1024;
   return c;
 }

@@ -4,10 +4,9 @@
 //   dx = s * (dy * w - x * s^2 * c),   dw = sum over rows of dy * x * s.
 //
 // Rows are dealt to `slabs` slabs in turn (slab i: rows i, i + slabs, i + 2 * slabs, ...), so the
-// rows in flight on the whole GPU at any time are neighbours in memory (contiguous slabs measured
-// 3-6% slower at 32768 rows on an H100: bench/exp/bulk_exp.cu); a slab belongs to a cluster of
-// CLUSTER blocks (a plain block when CLUSTER is 1), each block owning a fixed contiguous range of
-// the row's packs.
+// rows in flight on the whole GPU at any time are neighbours in memory (contiguous slabs are
+// slower at 32768 rows); a slab belongs to a cluster of CLUSTER blocks (a plain block when CLUSTER
+// is 1), each block owning a fixed contiguous range of the row's packs.
 // Inside a block, ROWS groups of GROUP threads each work on their own row, in lockstep. A thread
 // owns the same columns for every row it sees, so it keeps its dw in registers across the whole
 // slab and never needs an atomic: at the end the groups of a block add their dw through shared
@@ -262,8 +261,8 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
     }
   }
   // Group 0's dw (the cached packs) goes out with consecutive threads on consecutive words: each
-  // thread storing its own VEC adjacent floats touched a new 32-byte sector per store (that cost
-  // the bulk kernel below up to 60 µs at 32768 x 16384).
+  // thread storing its own VEC adjacent floats would touch a new 32-byte sector per store (a
+  // large cost to the bulk kernel below at 32768 x 16384).
   __syncthreads();
   float* const block_part = partial + slab * cols + pack_begin * VEC;
   for (int c = int(threadIdx.x); c < PACKS * GROUP * VEC; c += GROUP * ROWS) {
@@ -287,8 +286,8 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
 //
 // Requires: sm_90; dy, x, dx aligned to 16 bytes, row strides and cols multiples of 16 bytes;
 // cols <= THREADS * PACKS * VEC; the dynamic shared memory that rmsnorm_bwd_bulk_smem gives for
-// this choice (families/rmsnorm_bwd). The body is a device function so that experiments
-// (bench/exp/fuse_exp.cu) can wrap it in other kernels.
+// this choice (families/rmsnorm_bwd). The body is a device function so that other kernels can
+// wrap it (the fusion experiments kept under the tag bench-exp-archive do).
 namespace bwd {
 
 // The bulk kernels' ring set-up: thread 0 initializes the STAGES `full` barriers, and the packs of
@@ -419,8 +418,8 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
     }
   }
   // The partial row goes out through shared memory (the row buffers are free now), consecutive
-  // threads on consecutive words: each thread storing its own VEC adjacent floats touched a new
-  // 32-byte sector per store and cost up to 60 µs at 32768 x 16384 (bench/exp/bulk_exp.cu).
+  // threads on consecutive words: each thread storing its own VEC adjacent floats would touch a
+  // new 32-byte sector per store, a large cost at 32768 x 16384.
   __syncthreads();
   float* row_out = reinterpret_cast<float*>(smem);  // k_buffer floats fit in the 2 * STAGES row buffers
 #pragma unroll
@@ -444,10 +443,9 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
 // and wait one row apart: a block sums row i, posts its sum, arrives, finishes row i - 1 (whose
 // sums the previous wait made visible: dx, and dw in registers), then waits. A buffer is refilled
 // as soon as its row's dx pass is done (a block barrier right after it), so two rows are in
-// flight while a block sums one and finishes another. On an H100 at 4096 x 65536 bf16 (clusters
-// of 4, 512 threads x 4 packs, 3 buffers: bench/exp/wide_exp.cu) that refill took the backward
-// from 77.1% to 83.8% of the copy bandwidth; refilling only after the next row's sum barrier, as
-// the sixth session's form did, leaves one row in flight. Clusters of 4 fit 30 at a time on an
+// flight while a block sums one and finishes another; refilling only after the next row's sum
+// barrier would leave one row in flight, and is clearly slower at 4096 x 65536 bf16 (clusters of
+// 4, 512 threads x 4 packs, 3 buffers; docs/benchmarks.md). Clusters of 4 fit 30 at a time on an
 // H100 (GPC packing), so the caller launches as many slabs as clusters can be resident.
 //
 // Requires: sm_90; STAGES >= 3; dy, x, dx 16-byte aligned, row strides and cols multiples of 16

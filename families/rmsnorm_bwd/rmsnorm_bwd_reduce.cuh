@@ -5,17 +5,15 @@
 // adds slabs l, l + lanes, ... of its column (four loads in flight per step), then the lanes of a
 // warp that share a column add by shuffles and the warps through shared memory. With COLUMNS = 8
 // each slab row is read as one 32-byte sector per block, and a row of 2048 columns still spreads
-// over 256 blocks (with 32 columns, 64 blocks left half the GPU idle: 528 x 2048 partials 9.1 ->
-// 7.2 µs, 264 x 2048 6.9 -> 6.0 on an H100, bench/exp/bulk_exp.cu). With no slabs (no rows) dw is
-// zero.
+// over 256 blocks (with 32 columns, 64 blocks leave half the GPU idle). With no slabs (no rows) dw
+// is zero.
 //
 // On sm_90 and later the host launches it as a programmatic dependent of rmsnorm_bwd, so the
 // launch is prepared while the first stage runs and the blocks start as its last ones leave
-// (the first stage triggers nothing itself; its blocks' exits do). On an H100
-// (bench/exp/fuse_exp.cu) that took 1.3-1.6 µs off the pair at 4096 rows: 4096 x 2048 27.4 ->
-// 26.1 µs, 4096 x 4096 44.3 -> 43.0. Letting the first stage trigger as it starts, so that these
-// blocks sit resident beside it, was slower (26.5-27.5 µs), and so was one cooperative kernel
-// summing dw after a grid barrier (28.3-28.7 µs).
+// (the first stage triggers nothing itself; its blocks' exits do). That shortens the pair at 4096
+// rows. Letting the first stage trigger as it starts, so that these blocks sit resident beside
+// it, is slower, and so is one cooperative kernel summing dw after a grid barrier (experiments
+// kept under the tag bench-exp-archive; docs/benchmarks.md has the figures).
 #pragma once
 
 #include "common/dtype.cuh"

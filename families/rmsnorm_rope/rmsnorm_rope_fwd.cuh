@@ -54,9 +54,9 @@ __device__ __forceinline__ float sum_squares(const Pack<T, VEC>& a, const Pack<T
 }
 
 // On Hopper, at least 1024 threads resident per SM (64 registers at most): with fewer, too few
-// bytes are in flight while blocks wait at the reduction's barrier (measured on an H100: 86% of the
-// copy bandwidth at 32768 x 4096 bf16 without the bound, 89% with it). sm_80's ptxas spills some
-// f16 variants under that cap, and the gain is unmeasured there, so it keeps the plain bound.
+// bytes are in flight while blocks wait at the reduction's barrier (the bound is faster at 32768 x
+// 4096 bf16; docs/benchmarks.md). sm_80's ptxas spills some f16 variants under that cap, and the
+// gain is unmeasured there, so it keeps the plain bound.
 #if __CUDA_ARCH__ >= 900
 #define KILN_RMSNORM_ROPE_MIN_BLOCKS(BLOCK) (1024 / (BLOCK) > 0 ? 1024 / (BLOCK) : 1)
 #else
@@ -80,8 +80,8 @@ rmsnorm_rope_fwd(const T* x, const T* __restrict__ w, const C* __restrict__ cos,
   // The token's cos and sin rows, staged before the reduction (two buffers, alternating by row:
   // a row's copy can start while slower threads still read the previous row's), and, when the host
   // gives dynamic shared memory for it (rows within the register cache), the weight: their latency
-  // then passes during the reduction instead of after it, before the first store (measured on an
-  // H100 at 32768 tokens x 4096, bf16: 186.8 µs against 203.1 µs for head_dim 64).
+  // then passes during the reduction instead of after it, before the first store (faster at 32768
+  // tokens x 4096 bf16, head_dim 64; docs/benchmarks.md has the figures).
   constexpr int k_cs_bytes = int(VEC * sizeof(C)) < 16 ? int(VEC * sizeof(C)) : 16;  // the host's cos alignment
   constexpr int k_cs_elems = k_cs_bytes / int(sizeof(C));
   __shared__ __align__(16) C cs_buf[2][2][HEAD_DIM];

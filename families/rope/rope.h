@@ -18,14 +18,14 @@
 //
 // Heuristic: vec is the widest rotation-pair count, up to 16-byte q/k packs, whose q/k access
 // (vec * sizeof(dtype)) and cos/sin access (min(vec * 4, 16) bytes) the buffers' common alignment
-// allows. gptj items used to take their two packs adjacent, so that each warp-wide access touched
-// every other 16 bytes and gptj ran best with 8-byte packs (89-93% of the copy bandwidth on an
-// H100, bf16, 32 + 8 heads, 32768 tokens; 82-83% with 16-byte ones); they now take them at the same
-// offsets as neox, which reaches 96-98% with 16-byte packs.
+// allows. gptj items take their two packs at the same offsets as neox rather than adjacent (where
+// each warp-wide access would touch every other 16 bytes and 8-byte packs would do best), so both
+// layouts run best with 16-byte packs; docs/benchmarks.md has the figures.
 // block is 256 threads when the problem has at least 256 * 264 work items (two blocks per SM on a
 // 132-SM H100 with every thread busy), else 128, so that small problems (decode) spread over more
-// SMs; block size made no measurable difference at 4096 and 32768 tokens. One work item per thread: each moves two
-// vec-wide loads and two stores, which keeps enough bytes in flight at full occupancy.
+// SMs; block size makes no measurable difference at 4096 and 32768 tokens. One work item per
+// thread: each moves two vec-wide loads and two stores, which keeps enough bytes in flight at full
+// occupancy.
 #pragma once
 
 #include "kiln/family.h"

@@ -84,8 +84,8 @@ __device__ __forceinline__ void rope_qk_items(const T* q, const T* k, const C* _
     } else {
       // gptj: the item's two packs are taken at the same offsets as neox's, `pair` into each half
       // of the head (VEC / 2 whole pairs each), so that each load and store instruction of a warp
-      // covers one contiguous span; the VEC contiguous elements at 2 * pair made every instruction
-      // touch every other 16 bytes.
+      // covers one contiguous span; the VEC contiguous elements at 2 * pair would make every
+      // instruction touch every other 16 bytes.
       constexpr int k_half = VEC / 2;
       float ca[k_half], sa[k_half], cb[k_half], sb[k_half];
       if (pos_ok) {

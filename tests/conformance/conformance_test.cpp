@@ -47,7 +47,7 @@ TEST_P(CatalogCompiles, EveryVariant) {
     // to local memory (hundreds of bytes) is what this catches.
     EXPECT_GE(a->entry.spill_bytes, 0) << "spill report not parsed";
     // rmsnorm_bwd's sm_threads=1024 variants spill up to ~90 bytes under their 64-register cap and
-    // still ran 1.1-1.5x faster than the unspilled 128-register ones on an H100 (docs/benchmarks.md).
+    // are still faster than the unspilled 128-register ones on Hopper (docs/benchmarks.md).
     const bool capped_on_purpose = family_name == "rmsnorm_bwd" && p.get_int("sm_threads") == 1024;
     EXPECT_LE(a->entry.spill_bytes, capped_on_purpose ? 128 : 32)
         << family_name << "(" << p.canonical() << ")\n" << a->entry.compile_log;
@@ -56,11 +56,10 @@ TEST_P(CatalogCompiles, EveryVariant) {
     EXPECT_EQ(a->entry.compile_log.find("are serialized"), std::string::npos)
         << family_name << "(" << p.canonical() << ")\n" << a->entry.compile_log;
     // A stack frame beyond the spill slots (the spill stores, rounded up to 16 bytes) is an array
-    // moved to local memory, which ptxas reports as no spill at all (2026-11-22, eighth session:
-    // the 128 x 256 and gated wgmma kernels got 512-576 bytes and ran 25-50% slower). The wgmma
-    // GEMM kernels keep every accumulator in registers and may have no frame at all. (2026-11-23:
-    // every catalog variant of both archs is within this; the largest frames, 24 bytes, hold
-    // spills.)
+    // moved to local memory, which ptxas reports as no spill at all (a wgmma kernel whose
+    // accumulators land there is far slower). The wgmma GEMM kernels keep every accumulator in
+    // registers and may have no frame at all. Every catalog variant of both archs is within this;
+    // the largest frames, 24 bytes, hold spills.
     const bool wgmma = arch == "sm_90a" && p.get_str("path") && *p.get_str("path") == "wgmma";
     const std::int64_t frame_limit = wgmma ? 0 : (std::int64_t(a->entry.spill_bytes) + 15) / 16 * 16;
     const std::string& log = a->entry.compile_log;

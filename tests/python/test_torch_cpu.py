@@ -159,5 +159,5 @@ def test_fused_gated_mlp_gradients(act):
     if act == "gelu":
         assert (tail > 0).all() and (tail < 1e-15).all()
     # The backward's g is x Wg^T rounded to bf16 (-9.0 against -8.984 in fp64), which alone moves
-    # Phi(g) by 13% this far out; 1 + erf gave 0 here.
+    # Phi(g) by 13% this far out; 1 + erf gives 0 here.
     torch.testing.assert_close(wu_got[:8].double(), wu_want[:8], rtol=0.25, atol=0.0, msg="wu rows where g ~ -9")

@@ -1,5 +1,5 @@
-// Issue 5 item 16: a size cap with LRU eviction by last use, pinned entries, `kiln evict` and
-// `kiln stats`; and the schema step 1 -> 2 that added pinning.
+// docs/reliability.md, item 16: a size cap with LRU eviction by last use, pinned entries,
+// `kiln evict` and `kiln stats`; and the schema step 1 -> 2 that added pinning.
 #include <gtest/gtest.h>
 
 #include <set>

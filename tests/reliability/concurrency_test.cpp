@@ -1,5 +1,5 @@
-// Issue 5 items 3, 4, 5 and 6: a cold-key stampede, several processes writing one cache file,
-// simultaneous daemon starts, and recovery from a killed daemon.
+// docs/reliability.md, items 3, 4, 5 and 6: a cold-key stampede, several processes writing one
+// cache file, simultaneous daemon starts, and recovery from a killed daemon.
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -1,5 +1,5 @@
-// Issue 5 items 2 and 13: corrupt, truncated, mismatched and foreign cache rows are detected
-// before their bytes leave the store, served as misses, recompiled and counted.
+// docs/reliability.md, items 2 and 13: corrupt, truncated, mismatched and foreign cache rows are
+// detected before their bytes leave the store, served as misses, recompiled and counted.
 #include <gtest/gtest.h>
 
 #include <fstream>

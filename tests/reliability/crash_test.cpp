@@ -1,5 +1,5 @@
-// Issue 5 item 1: SIGKILL at random moments while kilnd compiles and stores. After every kill the
-// cache file passes PRAGMA integrity_check and every row passes its checksum.
+// docs/reliability.md, item 1: SIGKILL at random moments while kilnd compiles and stores. After
+// every kill the cache file passes PRAGMA integrity_check and every row passes its checksum.
 #include <gtest/gtest.h>
 
 #include <atomic>

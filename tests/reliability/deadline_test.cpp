@@ -1,5 +1,5 @@
-// Issue 5 item 7: a compile that runs too long is cancelled with a clear timeout error (its worker
-// process killed), and other clients are served meanwhile at their usual speed.
+// docs/reliability.md, item 7: a compile that runs too long is cancelled with a clear timeout error
+// (its worker process killed), and other clients are served meanwhile at their usual speed.
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -1,6 +1,6 @@
-// Issue 5 item 14, second half: a cache on a file system that has become read-only. Needs
-// CAP_SYS_ADMIN for a private mount namespace and a tmpfs (root in the CI container has it); skips
-// with the reason otherwise. File modes cannot stand in: root ignores them.
+// docs/reliability.md, item 14, second half: a cache on a file system that has become read-only.
+// Needs CAP_SYS_ADMIN for a private mount namespace and a tmpfs (root in the CI container has it);
+// skips with the reason otherwise. File modes cannot stand in: root ignores them.
 #include <gtest/gtest.h>
 
 #include <sched.h>

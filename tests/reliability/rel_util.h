@@ -1,5 +1,6 @@
-// Helpers for the reliability suite (issue 5): scaled iteration counts, a pool of distinct kernel
-// specs, direct SQLite tampering, and /proc readings of a daemon's file descriptors and memory.
+// Helpers for the reliability suite (docs/reliability.md): scaled iteration counts, a pool of
+// distinct kernel specs, direct SQLite tampering, and /proc readings of a daemon's file descriptors
+// and memory.
 #pragma once
 
 #include <sqlite3.h>

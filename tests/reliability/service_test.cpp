@@ -1,5 +1,5 @@
-// Issue 5 items 8, 10, 12, 14 and 15: negative caching, slow and idle peers, hostile specs, a full
-// disk, and SIGTERM with compiles in flight; all against real kilnd processes.
+// docs/reliability.md, items 8, 10, 12, 14 and 15: negative caching, slow and idle peers, hostile
+// specs, a full disk, and SIGTERM with compiles in flight; all against real kilnd processes.
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>

@@ -180,10 +180,9 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
 
 // Stages for a tile: at least 96 KiB of loads in flight, 4 to 6; on the wgmma path, tiles whose
 // stage is at most 24 KiB (the decode-sized problems' tiles, bound by how many bytes each SM has
-// in flight, not by the tensor cores) take as many as fit, up to 16 (H100, 2026-11-22 fifth
-// session: at M = 128, 64 x 32 with 16 stages ran 14.6-14.9 us against 17.3 with 6, 64 x 64 with
-// 14 20.0-20.4 against 24.4, 128 x 56 with 9 56.4-56.8 against 60.5); always as the device's
-// shared memory allows.
+// in flight, not by the tensor cores) take as many as fit, up to 16 (at M = 128 the deep rings
+// are clearly faster than 6 stages for 64 x 32, 64 x 64 and 128 x 56 tiles on Hopper;
+// docs/benchmarks.md has the figures); always as the device's shared memory allows.
 inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
   const std::int64_t stage = (t.bm + (kind == k_gated ? 2 : 1) * t.bn) * 128;
   t.stages = int(std::clamp<std::int64_t>((96 * 1024 + stage - 1) / stage, 4, 6));
@@ -203,7 +202,7 @@ inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
 
 // Split-K candidates of the heuristic (wgmma, fp8, no cluster): 2 CTAs per tile for the 128-row
 // tiles that decode-sized problems (M = 128) can widen once K is split. Splits of 3 and 4 are in
-// the tuning space only: on the H100 they ran 1.3-1.7x slower than 2 at the same problems, most
+// the tuning space only: on Hopper they are clearly slower than 2 at the same problems, most
 // likely because fewer clusters of 3 or 4 CTAs fit at once than sms / size (a GPC's SMs, not the
 // device's, bound a cluster), which the wave model cannot see.
 inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
@@ -217,9 +216,9 @@ inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
 // which dominates for the small tiles of decode-sized problems, and a split-K reduction costs
 // 2 bm bn + twenty k-steps (the partial tile through shared memory, the cluster handshakes, one
 // more pass over the output): the constant that puts the model's choice on the fastest measured
-// variant at all six M = 128 problems (H100, 2026-11-22; four k-steps chose splits that ran
-// 1.1-1.6x slower; with ten, block-scaled 128 x 7168 x 16384 split 128 x 128 tiles in two, 60.6-
-// 62.0 us, where 64 x 128 unsplit with the deep pipelines of default_stages ran 57.6-58.0).
+// variant at all six M = 128 problems on Hopper (with four k-steps it picks splits that are slower;
+// with ten, block-scaled 128 x 7168 x 16384 splits 128 x 128 tiles in two, slower than 64 x 128
+// unsplit with the deep pipelines of default_stages).
 inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t size = c.cluster * c.split;
   const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
@@ -233,10 +232,9 @@ inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
 // Block scales with 128 x 256 tiles over at least 64 rows of tiles (M >= 8192) take the grouped
 // order in groups of 16 rows of tiles: a wave of 132 tiles then spans 16 x 8.25 tiles (A 2048 rows,
 // B 2112 rows) instead of 8 x 16.5 (A 1024, B 4224), fewer bytes of K in flight per k-step through
-// L2. H100, 2026-11-22 seventh session, 8192^3: 0.3-0.9% faster in each of 8 paired runs (e.g.
-// 918.1 -> 912.9 us); at M = 4096 (32 rows of tiles) it measured -0.6% to +2.5%, so those keep 8.
-// Per tensor too (eighth session's variants sweep: 8192^3 815.6 -> 807.0 us, 4096 x 4096 x 7168 a
-// tie; GemmGpu.* and the GEMM bench passed with it in the ninth session).
+// L2. At 8192^3 that is slightly but consistently faster in paired runs on Hopper; at M = 4096
+// (32 rows of tiles) it is within noise either way, so those keep 8. Per tensor too (faster at
+// 8192^3, a tie at 4096 x 4096 x 7168). docs/benchmarks.md has the figures.
 inline bool wide_group_kind(Kind kind) { return kind == k_fp8_block || kind == k_fp8_tensor; }
 inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
   return wide_group_kind(kind) && bm == 128 && bn == 256 && (p.dims[k_m] + bm - 1) / bm >= 64;
@@ -244,7 +242,7 @@ inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
 
 // The default tile. wgmma: the candidate (tile, split) with the least wgmma_cost; ties go to the
 // larger tile, then to no split; group 8, or 16 where wide_group says. No clusters of A multicast:
-// they measured neutral to slower (docs/kernels.md). mma: 128 x 128 (gated 128 x 64), bm and then
+// they are neutral to slower (docs/kernels.md). mma: 128 x 128 (gated 128 x 64), bm and then
 // bn halved while the tiles leave SMs idle. Stages: default_stages.
 inline Tile default_tile(Kind kind, const Problem& p) {
   const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]), cc = p.dims[k_cc];

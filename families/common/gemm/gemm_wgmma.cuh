@@ -110,8 +110,8 @@ __device__ __forceinline__ void cluster_sync_all() {
 }
 // Arrive on the mbarrier at the same offset in CTA `rank` of the cluster. Default semantics
 // (release at CTA scope), as for a local arrive: what it orders is the consumers' wgmma reads of
-// the stage, retired by wgmma.wait before it. `.release.cluster` made every call a cluster-wide
-// memory fence: each k-step took ~1.5 us and cluster variants ran 2-3x slower (H100, 2026-11-22).
+// the stage, retired by wgmma.wait before it. `.release.cluster` would make every call a
+// cluster-wide memory fence, which makes each k-step and the cluster variants far slower.
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
   asm volatile(
       "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [r];\n}\n" ::"r"(
@@ -175,14 +175,14 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 
 // Split-K (SPLIT > 1, fp8 only, no CLUSTER): the SPLIT CTAs of a cluster compute the same output
 // tile, CTA r over k-steps [r ktiles / SPLIT, (r + 1) ktiles / SPLIT). For decode-sized M every
-// CTA streams its whole A tile once per column tile, and an SM takes in ~48 GB/s however the loads
-// are issued (H100, 2026-11-22: every M = 128 tile and cluster shape measured ran at 41-49 GB/s of
-// A + B per SM), so A's share of those bytes decides; splitting K lets wider column tiles (less
-// A per byte of B) fill the SMs. Each CTA writes its fp32 partial tile to its own shared memory,
-// arrives on a `ready` barrier in every CTA of the cluster, then sums rows [r BM / SPLIT, ...) of
-// all SPLIT partial tiles in rank order (deterministic: the same sum whatever the timing), read
-// through distributed shared memory, and stores them; a `done` barrier keeps a partial tile
-// alive until every CTA has read it.
+// CTA streams its whole A tile once per column tile, and an SM takes in A + B at about the same
+// rate however the loads are issued (on Hopper every M = 128 tile and cluster shape measured lands
+// close to it; docs/benchmarks.md), so A's share of those bytes decides; splitting K lets wider
+// column tiles (less A per byte of B) fill the SMs. Each CTA writes its fp32 partial tile to its
+// own shared memory, arrives on a `ready` barrier in every CTA of the cluster, then sums rows
+// [r BM / SPLIT, ...) of all SPLIT partial tiles in rank order (deterministic: the same sum
+// whatever the timing), read through distributed shared memory, and stores them; a `done` barrier
+// keeps a partial tile alive until every CTA has read it.
 // Block-scaled fp8 (KIND k_fp8_block): one stage is exactly one 128-wide k-block. The producer
 // warpgroup's second warp copies the stage's scales (BM rows of a_scale, the tile's one or two
 // b_scale blocks) into a small per-stage area beside the ring with cp.async and arrives on the
@@ -193,18 +193,16 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
 // bn 256 (HALVES): each k-block goes as two 128-column halves, exactly one scale block each,
 // through a 64-column partial-sum set (acc 128 + part 64 registers): issue half 0, wait, promote
 // it, then half 1, the stage released after the second; the consumers keep no issue order there
-// (H100, 2026-11-22 sixth session: with the order 7% slower at 8192^3, 4096 x 7168 x 16384 and
-// 4096 x 4096 x 7168; without it 128 x 256 ran 5% faster than 128 x 192 at 8192^3 and 12% at
-// 4096 x 7168 x 16384, and 14% faster than 128 x 128 at 4096 x 4096 x 7168).
+// (with the order these tiles are slower at the large shapes; without it 128 x 256 beats 128 x 192
+// and 128 x 128 there; docs/benchmarks.md has the figures).
 // DIRECT (block scales, 64 x 32 tiles only: decode-sized M at N = 2112): no scale warp; the
 // consumer loads its two rows' a scales and the tile's b scale itself (plain cached loads, one
 // group of PSETS = 4 k-blocks ahead) and the full barrier waits for the copies alone; it issues 4
 // k-blocks' batches into 4 partial-sum sets of 16 registers back to back, then waits for and
-// promotes each in turn. H100, 2026-11-22 seventh session, 128 x 2112 x 7168: 17.3-17.5 us with the
-// scale warp (with 1, 2 or 4 sets alike: the consumer was not the limit), 15.4 with no scale warp
-// at all (a probe without scales), 15.6-15.9 with DIRECT (19.6 with DIRECT and one set). On larger
-// tiles DIRECT measured slower (64 x 64 at 128 x 4096 x 7168 21.8 against 20.8, 128 x 256 at
-// 8192^3 2% slower, 128 x 192 at 4096 x 2112 7% slower), so they keep the scale warp.
+// promotes each in turn. At 128 x 2112 x 7168 that is faster than the scale warp (with 1, 2 or 4
+// sets alike: the consumer is not the limit) and close to a probe without scales at all; DIRECT
+// with one set is slower than either. On larger tiles DIRECT is slower (64 x 64 at 128 x 4096 x
+// 7168, 128 x 256 at 8192^3, 128 x 192 at 4096 x 2112), so they keep the scale warp.
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc& map_a, const TmaDesc& map_b0,
                                                 const TmaDesc& map_b1) {
@@ -426,8 +424,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
   // 1's batch j, then consumer 0's batch j + 1 (named barriers 1 and 2, each consumer arriving
   // after it issues and syncing before). Each waits for its batch before promoting it, so without
   // an order both tend to wait, and promote, at the same time while the tensor cores idle; in
-  // turn, one promotes while the other's batch runs (H100: 2-5% faster with 128 x 192 tiles;
-  // 7% slower with bn 256's halves, which keep none).
+  // turn, one promotes while the other's batch runs (faster with 128 x 192 tiles; slower with
+  // bn 256's halves, which keep none).
   constexpr bool ORDER = BLOCK && CONSUMERS == 2 && !HALVES;
   int batch = 0, batches = 0;
   if (ORDER) batches = first < units ? ((units - first + step - 1) / step) * nk : 0;
@@ -456,8 +454,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const TmaDesc&
     if (BLOCK) {
       // One partial-sum set (DIRECT tiles: PSETS): each k-block's batch is waited for, its stage
       // released, then the partial sums promoted. (Two sets, the next batch queued before each
-      // promotion, ran 5-7% slower on the H100 with two consumers: docs/benchmarks.md, 2026-11-22
-      // fifth session.)
+      // promotion, are slower with two consumers: docs/benchmarks.md.)
       zero_fragments(acc);
       if constexpr (DIRECT) {
         const int ra = tm * BM + scale_row;

@@ -355,10 +355,10 @@ TEST(GemmFamilies, WaveFillingTileWidths) {
   EXPECT_EQ(gated.validate(gp).code(), Code::invalid_argument);
 }
 
-// The heuristic at the M = 128 problems takes the fastest variant measured there (H100,
-// 2026-11-22, fifth session: with deep pipelines none splits K; block-scaled 128 x 7168 x 16384
-// takes 64 x 128 tiles). Large problems never split (their waves are full). Grids are whole clusters, the
-// partial tile fits beside the stages, and only fp8 on the wgmma path without A multicast splits.
+// The heuristic at the M = 128 problems takes the fastest variant measured there on Hopper (with
+// deep pipelines none splits K; block-scaled 128 x 7168 x 16384 takes 64 x 128 tiles). Large
+// problems never split (their waves are full). Grids are whole clusters, the partial tile fits
+// beside the stages, and only fp8 on the wgmma path without A multicast splits.
 TEST(GemmFamilies, SplitKForDecodeShapes) {
   const Family& f = fam("fp8_gemm");
   const auto catalog = f.catalog();
