@@ -1,7 +1,16 @@
-# Writes OUT: a C++ table of every .cuh file under ROOT (path relative to ROOT, bytes).
+# Writes OUT: a C++ source that defines FUNCTION, the table of every .cuh file under ROOT (path
+# relative to ROOT, bytes) as a std::vector<kiln::EmbeddedFile>. HEADER is the header declaring
+# FUNCTION; the defaults are a plugin's (kiln/embedded_templates.h, kiln::plugin_templates).
+#   cmake -DROOT=<dir> -DOUT=<file.cpp> [-DHEADER=<h> -DFUNCTION=<name>] -P embed_templates.cmake
+if(NOT DEFINED HEADER)
+  set(HEADER kiln/embedded_templates.h)
+endif()
+if(NOT DEFINED FUNCTION)
+  set(FUNCTION kiln::plugin_templates)
+endif()
 file(GLOB_RECURSE files RELATIVE ${ROOT} ${ROOT}/*.cuh)
 list(SORT files)
-set(body "// Generated from families/*.cuh by cmake/embed_templates.cmake. Do not edit.\n#include \"jit/templates.h\"\n\nnamespace kiln::jit {\nnamespace {\n")
+set(body "// Generated from ${ROOT}/**/*.cuh by embed_templates.cmake. Do not edit.\n#include \"${HEADER}\"\n\nnamespace {\n")
 set(table "")
 set(i 0)
 foreach(f ${files})
@@ -10,9 +19,10 @@ foreach(f ${files})
   math(EXPR n "${n} / 2")
   string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," bytes "${hex}")
   string(APPEND body "const unsigned char k_file_${i}[] = {${bytes} 0};\n")
-  string(APPEND table "    {\"${f}\", {reinterpret_cast<const char*>(k_file_${i}), ${n}}},\n")
+  string(APPEND table "      {\"${f}\", {reinterpret_cast<const char*>(k_file_${i}), ${n}}},\n")
   math(EXPR i "${i} + 1")
 endforeach()
-string(APPEND body "}  // namespace\n\nconst std::vector<EmbeddedFile>& embedded_templates() {\n  static const std::vector<EmbeddedFile> files = {\n${table}  };\n  return files;\n}\n}  // namespace kiln::jit\n")
+string(APPEND body "}  // namespace\n\nconst std::vector<kiln::EmbeddedFile>& ${FUNCTION}() {\n  static const std::vector<kiln::EmbeddedFile> files = {\n${table}  };\n  return files;\n}\n")
 file(WRITE ${OUT}.tmp "${body}")
 file(COPY_FILE ${OUT}.tmp ${OUT} ONLY_IF_DIFFERENT)
+file(REMOVE ${OUT}.tmp)

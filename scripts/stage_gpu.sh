@@ -20,8 +20,8 @@ find "$src/build-gpu/tests" -maxdepth 1 -type f -perm -u+x -name "kiln_gpu_tests
 cp "$src/build-gpu/bench/kiln_bench_gpu" "$root/gpu-dist/bench/"
 # The plugins the tests load (the example and the C fixture), where the test binaries look for
 # them: next to their own folder, as in the build tree (tests/plugin_util.h).
-mkdir -p "$root/gpu-dist/plugins/layernorm" "$root/gpu-dist/tests/test_plugins"
-cp "$src/build-gpu/plugins/layernorm/libkiln_layernorm.so" "$root/gpu-dist/plugins/layernorm/"
+mkdir -p "$root/gpu-dist/plugins/softcap" "$root/gpu-dist/tests/test_plugins"
+cp "$src/build-gpu/plugins/softcap/libkiln_softcap.so" "$root/gpu-dist/plugins/softcap/"
 cp "$src/build-gpu/tests/test_plugins/libc_ok.so" "$root/gpu-dist/tests/test_plugins/"
 # The run script and the PyTorch anchors travel with the binaries they go with, so a device call
 # runs what was built even when the checkout it copies holds other work in progress.

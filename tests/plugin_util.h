@@ -30,10 +30,11 @@ inline std::string built_plugin(const std::string& relative, const std::string& 
 }
 
 inline std::string example_plugin() {
-  return built_plugin("plugins/layernorm/libkiln_layernorm.so", KILN_LAYERNORM_PLUGIN);
+  return built_plugin("plugins/softcap/libkiln_softcap.so", KILN_SOFTCAP_PLUGIN);
 }
+// The example rebuilt with an edited template (tests/CMakeLists.txt).
 inline std::string example_plugin_changed() {
-  return built_plugin("plugins/layernorm/libkiln_layernorm_changed.so", KILN_LAYERNORM_CHANGED_PLUGIN);
+  return built_plugin("tests/test_plugins/libkiln_softcap_changed.so", KILN_SOFTCAP_CHANGED_PLUGIN);
 }
 // The C fixture, built as "ok" or broken in one way (tests/plugins/fixtures/c_plugin.c).
 inline std::string c_plugin(const std::string& kind) {
@@ -57,7 +58,7 @@ inline const plugin::Report& register_test_plugins() {
   static TempDir dir;
   static const plugin::Report report = [] {
     std::vector<std::string> entries;
-    if (!Registry::global().find("layernorm")) entries.push_back(private_copy(example_plugin(), dir.path()));
+    if (!Registry::global().find("softcap")) entries.push_back(private_copy(example_plugin(), dir.path()));
     if (!Registry::global().find("c_scale")) entries.push_back(private_copy(c_plugin("ok"), dir.path()));
     return plugin::load(Registry::global(), entries);
   }();

@@ -139,7 +139,7 @@ struct PluginInfo {
   std::vector<std::string> families;
 };
 
-// Template files by path ("layernorm/layernorm.cuh" -> source).
+// Template files by path ("softcap/softcap.cuh" -> source).
 using TemplateFiles = std::map<std::string, std::string>;
 
 class Family {

@@ -284,7 +284,7 @@ typedef struct kiln_family_vtable {
 
 typedef struct kiln_family {
   uint32_t struct_size; /* sizeof(kiln_family) as the plugin was built */
-  const char* name;     /* [a-z][a-z0-9_]*: what specs name ("layernorm(...)") */
+  const char* name;     /* [a-z][a-z0-9_]*: what specs name ("softcap(...)") */
   int32_t version;      /* bump when generated code changes meaning; part of every cache key */
   const kiln_param_def* params;
   uint32_t param_count;

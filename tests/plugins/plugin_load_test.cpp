@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -41,16 +42,16 @@ TEST(PluginLoad, TheExamplePluginLoadsIntoARegistry) {
   ASSERT_EQ(rep.loaded.size(), 1u) << (rep.skipped.empty() ? "" : rep.skipped[0].reason);
   EXPECT_TRUE(rep.skipped.empty());
   const PluginInfo& info = *rep.loaded[0];
-  EXPECT_EQ(info.name, "kiln-example-layernorm");
+  EXPECT_EQ(info.name, "kiln-example-softcap");
   EXPECT_EQ(info.version, "1.0.0");
   EXPECT_EQ(info.path, fs::canonical(file).string());
-  EXPECT_EQ(info.families, std::vector<std::string>{"layernorm"});
+  EXPECT_EQ(info.families, std::vector<std::string>{"softcap"});
   EXPECT_EQ(info.templates_hash.size(), 64u);
-  const Family* f = r.find("layernorm");
+  const Family* f = r.find("softcap");
   ASSERT_NE(f, nullptr);
   EXPECT_EQ(f->plugin(), rep.loaded[0].get());
   ASSERT_NE(f->template_files(), nullptr);
-  EXPECT_EQ(f->template_files()->count("layernorm/layernorm_fwd.cuh"), 1u);
+  EXPECT_EQ(f->template_files()->count("softcap/softcap.cuh"), 1u);
 }
 
 TEST(PluginLoad, APluginWrittenInCLoads) {
@@ -290,24 +291,24 @@ TEST(PluginLoad, TwoPluginsOfOneNameKeepTheFirst) {
   EXPECT_EQ(rep.loaded[0]->path, fs::canonical(a).string());
   ASSERT_EQ(rep.skipped.size(), 2u);
   EXPECT_EQ(rep.skipped[0].path, fs::canonical(b).string());
-  EXPECT_TRUE(contains(rep.skipped[0].reason, "conflict: a plugin named 'kiln-example-layernorm' is already loaded from " +
+  EXPECT_TRUE(contains(rep.skipped[0].reason, "conflict: a plugin named 'kiln-example-softcap' is already loaded from " +
                                                   fs::canonical(a).string()))
       << rep.skipped[0].reason;
   EXPECT_TRUE(contains(rep.skipped[1].reason, "the same file is already listed")) << rep.skipped[1].reason;
-  EXPECT_EQ(r.find("layernorm")->plugin()->path, fs::canonical(a).string());
+  EXPECT_EQ(r.find("softcap")->plugin()->path, fs::canonical(a).string());
 }
 
 TEST(PluginLoad, ADirectoryContributesItsSharedLibrariesInNameOrder) {
   TempDir dir;
   Registry r;
-  private_copy(example_plugin(), dir.path(), "libz_layernorm.so");
+  private_copy(example_plugin(), dir.path(), "libz_softcap.so");
   private_copy(c_plugin("ok"), dir.path(), "liba_scale.so");
   std::ofstream(dir.path() / "README") << "not a plugin, not a .so: ignored\n";
   plugin::Report rep = plugin::load(r, {dir.path().string()}, true);
   ASSERT_EQ(rep.loaded.size(), 2u);
   EXPECT_TRUE(rep.skipped.empty()) << rep.skipped[0].path << ": " << rep.skipped[0].reason;
   EXPECT_EQ(rep.loaded[0]->name, "c-scale");
-  EXPECT_EQ(rep.loaded[1]->name, "kiln-example-layernorm");
+  EXPECT_EQ(rep.loaded[1]->name, "kiln-example-softcap");
 }
 
 TEST(PluginLoad, SearchPathComesFromTheEnvironment) {
@@ -333,13 +334,20 @@ TEST(PluginLoad, BuiltInFamiliesComeThroughTheLoader) {
   EXPECT_EQ(rep.loaded[0]->name, "builtin");
   EXPECT_EQ(rep.loaded[0]->path, plugin::k_builtin_path);
   EXPECT_EQ(rep.loaded[0]->version, KILN_VERSION);
-  for (const char* name : {"rmsnorm", "add_rmsnorm", "act_and_mul", "rope", "rmsnorm_rope", "rmsnorm_bwd"}) {
-    const Family* f = Registry::global().find(name);
-    ASSERT_NE(f, nullptr) << name;
-    ASSERT_NE(f->plugin(), nullptr) << name;
-    EXPECT_EQ(f->plugin()->name, "builtin");
-    EXPECT_NE(f->bind(f->catalog()[0]), nullptr) << name << ": the launch path binds a handle";
+  // Every family the built-in plugin lists is registered from it, and nothing else came from it.
+  const PluginInfo& builtin = *rep.loaded[0];
+  ASSERT_FALSE(builtin.families.empty());
+  EXPECT_NE(Registry::global().find("rmsnorm"), nullptr);
+  std::size_t from_builtin = 0;
+  for (const Family* f : Registry::global().all()) {
+    ASSERT_NE(f->plugin(), nullptr) << f->name();
+    if (f->plugin()->name != "builtin") continue;
+    ++from_builtin;
+    EXPECT_NE(std::find(builtin.families.begin(), builtin.families.end(), f->name()), builtin.families.end())
+        << f->name();
+    EXPECT_NE(f->bind(f->catalog()[0]), nullptr) << f->name() << ": the launch path binds a handle";
   }
+  EXPECT_EQ(from_builtin, builtin.families.size());
 }
 
 // kilnd with a plugin directory holding the example and a broken plugin: it starts, logs the
@@ -359,12 +367,12 @@ TEST(PluginLoad, KilndServesPluginKernelsAndSurvivesBrokenPlugins) {
   ASSERT_TRUE(k->wait_ready()) << k->log();
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  auto spec = KernelSpec::parse("layernorm(block=256,dtype=bf16,vec=8)");
+  auto spec = KernelSpec::parse("softcap(block=256,dtype=bf16,vec=8)");
   ASSERT_TRUE(spec.ok());
   auto art = (*c)->get_kernel(*spec, "sm_90a");
   ASSERT_TRUE(art.ok()) << art.status().to_string() << "\n" << k->log();
   EXPECT_GT(art->entry.cubin.size(), 100u);
-  EXPECT_TRUE(contains(art->entry.key_text, "plugin kiln-example-layernorm 1.0.0")) << art->entry.key_text;
+  EXPECT_TRUE(contains(art->entry.key_text, "plugin kiln-example-softcap 1.0.0")) << art->entry.key_text;
   EXPECT_TRUE(contains(k->log(), "libc_wrong_version.so skipped: built for plugin ABI version 99")) << k->log();
   EXPECT_TRUE(k->running());
 
@@ -373,11 +381,11 @@ TEST(PluginLoad, KilndServesPluginKernelsAndSurvivesBrokenPlugins) {
   Registry same, edited;
   ASSERT_EQ(plugin::load(same, {private_copy(example_plugin(), mine.path(), "a.so")}).loaded.size(), 1u);
   ASSERT_EQ(plugin::load(edited, {private_copy(example_plugin_changed(), mine.path(), "b.so")}).loaded.size(), 1u);
-  EXPECT_TRUE(client::same_family_build(*same.find("layernorm"), art->entry).ok());
-  Status other = client::same_family_build(*edited.find("layernorm"), art->entry);
+  EXPECT_TRUE(client::same_family_build(*same.find("softcap"), art->entry).ok());
+  Status other = client::same_family_build(*edited.find("softcap"), art->entry);
   EXPECT_EQ(other.code(), Code::unavailable);
-  EXPECT_TRUE(contains(other.message(), "kilnd serves another build of family 'layernorm' (plugin "
-                                        "kiln-example-layernorm 1.0.0, plugin_templates ")) << other.message();
+  EXPECT_TRUE(contains(other.message(), "kilnd serves another build of family 'softcap' (plugin "
+                                        "kiln-example-softcap 1.0.0, plugin_templates ")) << other.message();
   EXPECT_FALSE(client::same_family_build(*Registry::global().find("rmsnorm"), art->entry).ok());
 }
 
@@ -392,7 +400,7 @@ TEST(PluginLoad, KilndWithoutThePluginDoesNotKnowItsFamily) {
   ASSERT_TRUE(k->wait_ready()) << k->log();
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  auto art = (*c)->get_kernel(*KernelSpec::parse("layernorm(block=256,dtype=bf16,vec=8)"), "sm_90a");
+  auto art = (*c)->get_kernel(*KernelSpec::parse("softcap(block=256,dtype=bf16,vec=8)"), "sm_90a");
   ASSERT_FALSE(art.ok());
   EXPECT_EQ(art.status().code(), Code::not_found) << art.status().to_string();
 }

@@ -1,5 +1,5 @@
 // A plugin family through the runtime's launch path on a GPU: Runtime::run with the example
-// LayerNorm plugin loaded from its .so, first call and fast-path hits, against the CPU reference;
+// softcap plugin loaded from its .so, first call and fast-path hits, against the CPU reference;
 // with a kilnd that has the plugin (the kernel comes from kilnd) and with one that does not (the
 // kernel is compiled in the process instead of failing the call).
 #include <gtest/gtest.h>
@@ -15,34 +15,31 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Runs layernorm on rows x cols bf16 through `rt` three times (one miss, two hits) on fresh random
+// Runs softcap on n bf16 elements through `rt` three times (one miss, two hits) on fresh random
 // inputs each time, poisoned output, and compares with the CPU reference.
-void run_and_check(Runtime& rt, std::int64_t rows, std::int64_t cols, unsigned seed) {
-  const Family& ln = *Registry::global().find("layernorm");
+void run_and_check(Runtime& rt, std::int64_t n, unsigned seed) {
+  const Family& sc = *Registry::global().find("softcap");
   std::mt19937 rng(seed);
   Problem p;
   p.dtype = DType::bf16;
-  p.dims[0] = rows;
-  p.dims[1] = cols;
-  p.scalars[0] = 1e-5;
+  p.dims[0] = n;
+  p.scalars[0] = 1.5;
   p.alignment = 16;
   for (int call = 0; call < 3; ++call) {
-    auto x = random_bytes(DType::bf16, rows * cols, rng), g = random_bytes(DType::bf16, cols, rng),
-         b = random_bytes(DType::bf16, cols, rng);
+    // Inputs of scale 4 against a cap of 1.5: the near-linear part and the saturated one.
+    auto x = random_bytes(DType::bf16, n, rng, 4.0f);
     std::vector<unsigned char> want(x.size(), 0xFF), got(x.size());
-    DeviceBuffer dx(x.size()), dg(g.size()), db(b.size()), dy(x.size());
+    DeviceBuffer dx(x.size()), dy(x.size());
     dx.upload(x.data());
-    dg.upload(g.data());
-    db.upload(b.data());
     dy.poison();
-    void* dev[4] = {dx.get(), dg.get(), db.get(), dy.get()};
-    Status s = rt.run(ln, p, dev, nullptr);
+    void* dev[2] = {dx.get(), dy.get()};
+    Status s = rt.run(sc, p, dev, nullptr);
     ASSERT_TRUE(s.ok()) << s.to_string();
     ASSERT_EQ(jit::Driver::get().value()->ctx_synchronize(), CUDA_SUCCESS);
     dy.download(got.data());
-    void* host[4] = {x.data(), g.data(), b.data(), want.data()};
-    ASSERT_TRUE(ln.cpu_reference(ln.heuristic(p), p, host).ok());
-    std::vector<std::int64_t> all(std::size_t(rows * cols));
+    void* host[2] = {x.data(), want.data()};
+    ASSERT_TRUE(sc.cpu_reference(sc.heuristic(p), p, host).ok());
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = std::int64_t(i);
     EXPECT_LE(rel_l2(got.data(), want.data(), DType::bf16, all), tolerance(DType::bf16))
         << "call " << call << ", seed " << seed;
@@ -54,7 +51,7 @@ class PluginRuntimeGpu : public ::testing::Test {
   void SetUp() override {
     KILN_REQUIRE_GPU();
     const auto& rep = register_test_plugins();
-    ASSERT_NE(Registry::global().find("layernorm"), nullptr)
+    ASSERT_NE(Registry::global().find("softcap"), nullptr)
         << (rep.skipped.empty() ? "" : rep.skipped[0].reason);
   }
 
@@ -80,7 +77,7 @@ TEST_F(PluginRuntimeGpu, KilndWithThePluginServesItsKernel) {
   auto k = Kilnd::spawn(o);
   ASSERT_TRUE(k->wait_ready()) << k->log();
   auto rt = runtime(env);
-  run_and_check(*rt, 77, 768, fresh_seed());
+  run_and_check(*rt, 77 * 768, fresh_seed());
   EXPECT_EQ(rt->counters().from_daemon, 1);
   EXPECT_EQ(rt->counters().from_embedded, 0);
 }
@@ -92,7 +89,7 @@ TEST_F(PluginRuntimeGpu, KilndWithoutThePluginLeavesTheKernelToTheProcess) {
   auto k = Kilnd::spawn(o);
   ASSERT_TRUE(k->wait_ready()) << k->log();
   auto rt = runtime(env);
-  run_and_check(*rt, 4096, 1023, fresh_seed());
+  run_and_check(*rt, 4096 * 1023, fresh_seed());
   EXPECT_EQ(rt->counters().from_daemon, 0);
   EXPECT_EQ(rt->counters().from_embedded, 1);
   EXPECT_EQ(rt->resolver(), "embedded");
