@@ -1,0 +1,354 @@
+#include "families/layernorm/layernorm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/half.h"
+#include "families/common/family_util.h"
+
+namespace kiln::families {
+namespace {
+
+// Packs per thread either kernel may hold: the forward keeps a row's values, the backward four
+// values per element (x-hat, dy and the two slab sums), within the registers a block size leaves.
+std::int64_t max_elements(bool backward, std::int64_t block) {
+  if (!backward) return 32;
+  return block >= 512 ? 16 : 32;
+}
+
+Status check_variant(std::string_view family, const Params& params, bool backward) {
+  KILN_TRY(check_access_width(family, params));
+  const auto packs = *params.get_int("packs"), vec = *params.get_int("vec"), block = *params.get_int("block");
+  if (packs * vec > max_elements(backward, block))
+    return invalid_argument(std::string(family) + ": packs * vec must be at most " +
+                            std::to_string(max_elements(backward, block)) + " for block=" + std::to_string(block));
+  return {};
+}
+
+// What both kernels check of a problem for a variant: sizes, dtype, alignment and row length.
+Status check_rows(std::string_view family, const Params& params, const Problem& p) {
+  const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols];
+  const std::string f(family);
+  if (rows < 0 || cols <= 0) return shape_mismatch(f + ": need rows >= 0 and cols > 0");
+  const auto dtype = *parse_dtype(*params.get_str("dtype"));
+  if (dtype != p.dtype)
+    return unsupported_dtype(f + ": kernel is for " + dtype_name(dtype) + ", tensors are " + dtype_name(p.dtype));
+  const auto vec = *params.get_int("vec"), block = *params.get_int("block"), packs = *params.get_int("packs");
+  if (p.alignment < vec * std::int64_t(dtype_size(dtype)) || cols % vec)
+    return invalid_argument(f + ": vec=" + std::to_string(vec) +
+                            " needs buffers aligned to vec elements and a row length divisible by vec");
+  if (cols > block * packs * vec)
+    return invalid_argument(f + ": block=" + std::to_string(block) + ", packs=" + std::to_string(packs) +
+                            ", vec=" + std::to_string(vec) + " holds rows of at most " +
+                            std::to_string(block * packs * vec) + " elements, not " + std::to_string(cols));
+  return {};
+}
+
+std::string render_name(const char* kernel, const Params& params) {
+  return std::string("kiln::layernorm::") + kernel + "<" + device_type(*params.get_str("dtype")) + ", " +
+         std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ", " +
+         std::to_string(*params.get_int("packs")) + ">";
+}
+
+// The catalog: 16-byte and 1-element accesses (odd row lengths), every block and packs count.
+std::vector<Params> variants(const Family& f, std::initializer_list<std::int64_t> blocks,
+                             std::initializer_list<std::int64_t> packs_list) {
+  std::vector<Params> out;
+  for (const char* dtype : {"f32", "f16", "bf16"})
+    for (std::int64_t vec : {std::int64_t(1), std::int64_t(16 / dtype_size(*parse_dtype(dtype)))})
+      for (std::int64_t block : blocks)
+        for (std::int64_t packs : packs_list) {
+          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"packs", packs}};
+          if (f.validate(p).ok()) out.push_back(p);
+        }
+  return out;
+}
+
+std::vector<Params> tuning_candidates(const Family& f, const Problem& p) {
+  std::vector<Params> out;
+  for (const char* dtype : {"f32", "f16", "bf16"}) {
+    if (dtype != std::string(dtype_name(p.dtype))) continue;
+    for (std::int64_t vec : {1, 2, 4, 8})
+      for (std::int64_t block : {128, 256, 512, 1024})
+        for (std::int64_t packs : {1, 2, 4, 8}) {
+          Params c{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"packs", packs}};
+          if (f.validate(c).ok() && f.check_problem(c, p).ok()) out.push_back(c);
+        }
+  }
+  return out;
+}
+
+std::vector<Problem> shapes(const Family& f, DType dtype, bool backward) {
+  std::vector<Problem> out;
+  // BERT/ViT and Llama-style widths, a row length that is no multiple of a vector width, decode
+  // and prefill row counts.
+  for (std::int64_t rows : {1, 77, 4096})
+    for (std::int64_t cols : {768, 1023, 4096, 8192}) {
+      std::vector<std::pair<std::string, std::int64_t>> s = {{"rows", rows}, {"cols", cols}};
+      if (backward) s.emplace_back("slabs", layernorm_bwd_slabs(rows, 132));
+      out.push_back(f.problem_from_shape(dtype, s).value());
+    }
+  return out;
+}
+
+class LayerNorm final : public Family {
+ public:
+  std::string_view name() const override { return "layernorm"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"block", {128, 256, 512, 1024}, {}, "threads per block (one block per row)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of x, weight, bias and y"},
+        {"packs", {1, 2, 4, 8}, {}, "packs of vec elements each thread holds in registers"},
+        {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override { return {"rows", "cols"}; }
+  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    return check_variant(name(), params, false);
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"layernorm/layernorm.cuh\"\n";
+    r.name_expression = render_name("layernorm_fwd", params);
+    return r;
+  }
+
+  std::vector<Params> catalog() const override { return variants(*this, {128, 256, 512, 1024}, {1, 2, 4, 8}); }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    KILN_TRY(check_rows(name(), params, p));
+    if (!std::isfinite(p.scalars[k_ln_eps]) || !(p.scalars[k_ln_eps] >= 0))
+      return invalid_argument("layernorm: eps must be finite and non-negative");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_ln_rows], 1, 0x7fffffff));
+    g.block.x = std::uint32_t(*params.get_int("block"));
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    auto c = layernorm_choice(p, false);
+    return c.ok() ? *c : Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", 1024}, {"vec", 1}, {"packs", 8}};
+  }
+  std::vector<Params> tuning_space(const Problem& p) const override { return tuning_candidates(*this, p); }
+
+  // eps defaults to 1e-5 (torch.nn.LayerNorm's).
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, shape));
+    p.scalars[k_ln_eps] = 1e-5;
+    return p;
+  }
+  std::vector<Problem> benchmark_problems(DType dtype) const override { return shapes(*this, dtype, false); }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols];
+    return {{"x", BufferRole::input, p.dtype, rows * cols},     {"weight", BufferRole::input, p.dtype, cols},
+            {"bias", BufferRole::input, p.dtype, cols},         {"y", BufferRole::output, p.dtype, rows * cols},
+            {"mean", BufferRole::output, DType::f32, rows},     {"rstd", BufferRole::output, DType::f32, rows}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    for (std::size_t i = 0; i < 6; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
+    out.add(static_cast<long long>(p.dims[k_ln_rows]));
+    out.add(static_cast<long long>(p.dims[k_ln_cols]));
+    out.add(static_cast<float>(p.scalars[k_ln_eps]));
+  }
+
+  // Buffers as buffers() lists them; bias, mean and rstd may be null.
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 6 || !b[0] || !b[1] || !b[3])
+      return invalid_argument("layernorm: the reference takes x, weight, bias, y, mean, rstd (x, weight, y non-null)");
+    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double sum = 0, sq = 0;
+      for (std::int64_t c = 0; c < cols; ++c) sum += load_as_double(b[0], p.dtype, r * cols + c);
+      const double mean = sum / double(cols);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const double d = load_as_double(b[0], p.dtype, r * cols + c) - mean;
+        sq += d * d;
+      }
+      const double rstd = 1.0 / std::sqrt(sq / double(cols) + p.scalars[k_ln_eps]);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const double bias = b[2] ? load_as_double(b[2], p.dtype, c) : 0.0;
+        store_from_double(b[3], p.dtype, r * cols + c,
+                          (load_as_double(b[0], p.dtype, r * cols + c) - mean) * rstd * load_as_double(b[1], p.dtype, c) +
+                              bias);
+      }
+      if (b[4]) static_cast<float*>(b[4])[r] = float(mean);
+      if (b[5]) static_cast<float*>(b[5])[r] = float(rstd);
+    }
+    return {};
+  }
+};
+
+class LayerNormBwd final : public Family {
+ public:
+  std::string_view name() const override { return "layernorm_bwd"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"block", {128, 256, 512}, {}, "threads per block (one block per slab of rows)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dy, x, weight and dx"},
+        {"packs", {1, 2, 4}, {}, "packs of vec elements each thread holds in registers"},
+        {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
+    };
+    return defs;
+  }
+  std::vector<std::string> problem_dims() const override { return {"rows", "cols", "slabs"}; }
+  std::vector<std::string> problem_scalars() const override { return {}; }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    return check_variant(name(), params, true);
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"layernorm/layernorm.cuh\"\n";
+    r.name_expression = render_name("layernorm_bwd", params);
+    return r;
+  }
+
+  std::vector<Params> catalog() const override { return variants(*this, {128, 256, 512}, {1, 2, 4}); }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    KILN_TRY(check_rows(name(), params, p));
+    const auto rows = p.dims[k_ln_rows], slabs = p.dims[k_ln_slabs];
+    if (slabs < (rows > 0 ? 1 : 0) || slabs > std::max<std::int64_t>(rows, 1) || slabs > 0x7fffffff)
+      return shape_mismatch("layernorm_bwd: need 1 <= slabs <= rows");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::max<std::int64_t>(p.dims[k_ln_slabs], 1));
+    g.block.x = std::uint32_t(*params.get_int("block"));
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    auto c = layernorm_choice(p, true);
+    return c.ok() ? *c : Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", 512}, {"vec", 1}, {"packs", 4}};
+  }
+  std::vector<Params> tuning_space(const Problem& p) const override { return tuning_candidates(*this, p); }
+
+  // slabs defaults to the op's choice for a 132-SM GPU when not named.
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    auto named = shape;
+    const bool has_slabs = std::any_of(shape.begin(), shape.end(), [](const auto& s) { return s.first == "slabs"; });
+    if (!has_slabs) {
+      std::int64_t rows = 0;
+      for (const auto& [n, v] : shape)
+        if (n == "rows") rows = v;
+      named.emplace_back("slabs", layernorm_bwd_slabs(rows, 132));
+    }
+    return Family::problem_from_shape(dtype, named);
+  }
+  std::vector<Problem> benchmark_problems(DType dtype) const override { return shapes(*this, dtype, true); }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols], slabs = p.dims[k_ln_slabs];
+    return {{"dy", BufferRole::input, p.dtype, rows * cols},   {"x", BufferRole::input, p.dtype, rows * cols},
+            {"weight", BufferRole::input, p.dtype, cols},      {"mean", BufferRole::input, DType::f32, rows},
+            {"rstd", BufferRole::input, DType::f32, rows},     {"dx", BufferRole::output, p.dtype, rows * cols},
+            {"partial", BufferRole::output, DType::f32, 2 * slabs * cols}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    for (std::size_t i = 0; i < 7; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
+    const auto rows = p.dims[k_ln_rows], slabs = std::max<std::int64_t>(p.dims[k_ln_slabs], 1);
+    out.add(static_cast<long long>(rows));
+    out.add(static_cast<long long>(p.dims[k_ln_cols]));
+    out.add(static_cast<long long>((rows + slabs - 1) / slabs));
+  }
+
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 7)
+      return invalid_argument("layernorm_bwd: the reference takes dy, x, weight, mean, rstd, dx and partial");
+    for (void* ptr : b)
+      if (!ptr) return invalid_argument("layernorm_bwd: a buffer of the reference is null");
+    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols], slabs = std::max<std::int64_t>(p.dims[k_ln_slabs], 1);
+    const std::int64_t per_slab = (rows + slabs - 1) / slabs;
+    auto* partial = static_cast<float*>(b[6]);
+    std::vector<double> acc_w(static_cast<std::size_t>(cols)), acc_b(static_cast<std::size_t>(cols));
+    for (std::int64_t s = 0; s < slabs; ++s) {
+      std::fill(acc_w.begin(), acc_w.end(), 0.0);
+      std::fill(acc_b.begin(), acc_b.end(), 0.0);
+      for (std::int64_t r = s * per_slab; r < std::min(rows, (s + 1) * per_slab); ++r) {
+        const double m = static_cast<const float*>(b[3])[r], rs = static_cast<const float*>(b[4])[r];
+        double sum_g = 0, sum_gx = 0;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double d = load_as_double(b[0], p.dtype, r * cols + c);
+          const double xh = (load_as_double(b[1], p.dtype, r * cols + c) - m) * rs;
+          const double g = d * load_as_double(b[2], p.dtype, c);
+          sum_g += g;
+          sum_gx += g * xh;
+          acc_w[std::size_t(c)] += d * xh;
+          acc_b[std::size_t(c)] += d;
+        }
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double xh = (load_as_double(b[1], p.dtype, r * cols + c) - m) * rs;
+          const double g = load_as_double(b[0], p.dtype, r * cols + c) * load_as_double(b[2], p.dtype, c);
+          store_from_double(b[5], p.dtype, r * cols + c, rs * (g - (sum_g + xh * sum_gx) / double(cols)));
+        }
+      }
+      for (std::int64_t c = 0; c < cols; ++c) {
+        partial[s * cols + c] = float(acc_w[std::size_t(c)]);
+        partial[(slabs + s) * cols + c] = float(acc_b[std::size_t(c)]);
+      }
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+Result<Params> layernorm_choice(const Problem& p, bool backward) {
+  const auto esize = std::int64_t(dtype_size(p.dtype));
+  const auto cols = p.dims[k_ln_cols];
+  std::int64_t vec = 16 / esize;
+  while (vec > 1 && (p.alignment < vec * esize || cols % vec)) vec /= 2;
+  const std::int64_t packs_total = (cols + vec - 1) / vec;
+  static const std::vector<std::int64_t> fwd_blocks = {128, 256, 512, 1024}, bwd_blocks = {128, 256, 512};
+  const std::vector<std::int64_t>& blocks = backward ? bwd_blocks : fwd_blocks;
+  for (std::int64_t block : blocks) {
+    std::int64_t packs = 1;
+    while (packs * block < packs_total) packs *= 2;
+    if (packs * vec <= max_elements(backward, block) && packs <= (backward ? 4 : 8))
+      return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", block}, {"vec", vec}, {"packs", packs}};
+  }
+  std::int64_t limit = 0;
+  for (std::int64_t block : blocks)
+    limit = std::max(limit, block * std::min<std::int64_t>(backward ? 4 : 8, max_elements(backward, block) / vec) * vec);
+  return invalid_argument(std::string(backward ? "layer_norm_backward" : "layer_norm") + ": rows of " +
+                          std::to_string(cols) + " elements are longer than the kernel holds (at most " +
+                          std::to_string(limit) + " with " + std::to_string(vec) + "-element accesses)");
+}
+
+std::int64_t layernorm_bwd_slabs(std::int64_t rows, int sms) {
+  // Four blocks per SM: enough rows in flight, and partial sums a small fraction of the traffic.
+  return std::clamp<std::int64_t>(std::int64_t(4) * std::max(sms, 1), 1, std::max<std::int64_t>(rows, 1));
+}
+
+}  // namespace kiln::families
+
+void kiln_register_family_layernorm(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::LayerNorm>());
+  (void)r.add(std::make_shared<kiln::families::LayerNormBwd>());
+}

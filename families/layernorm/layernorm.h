@@ -1,0 +1,35 @@
+// LayerNorm kernel families (README.md in this folder): "layernorm" (forward) and "layernorm_bwd"
+// (the backward's row pass; the slab sums of dweight and dbias are reduced by rmsnorm_bwd_reduce).
+//
+// layernorm params: dtype {f32, f16, bf16}; block {128, 256, 512, 1024} threads, one block per
+// row; vec {1, 2, 4, 8} elements per access (at most 16 bytes); packs {1, 2, 4, 8} packs per
+// thread held in registers (packs * vec <= 32). A variant runs rows of up to block * packs * vec
+// elements, cols a multiple of vec.
+// Problem: dims = {rows, cols}, scalars = {eps}. Buffers: x, weight, bias (may be null), y, mean
+// and rstd (f32 [rows], may be null).
+//
+// layernorm_bwd params: dtype, block {128, 256, 512}, vec, packs {1, 2, 4} (packs * vec <= 16 at
+// 512 threads, 32 below). Problem: dims = {rows, cols, slabs}. Buffers: dy, x, weight, mean, rstd,
+// dx, partial (f32 [2 * slabs, cols]: dweight's slab sums, then dbias's).
+//
+// Heuristic: the widest access the alignment and row length allow, then the smallest block whose
+// threads hold the row in at most the family's packs limit (fewer, fuller blocks keep more bytes
+// in flight per thread), packs rounded up to a power of two.
+#pragma once
+
+#include <cstdint>
+
+#include "kiln/family.h"
+
+namespace kiln::families {
+
+enum LayerNormDim { k_ln_rows = 0, k_ln_cols = 1, k_ln_slabs = 2 };
+enum LayerNormScalar { k_ln_eps = 0 };
+
+// The heuristic's variant of either kernel for p; invalid_argument when no variant holds a row of
+// p's length (longer than the family's register budget).
+Result<Params> layernorm_choice(const Problem& p, bool backward);
+// The backward's slab count for `rows` rows on a GPU of `sms` SMs.
+std::int64_t layernorm_bwd_slabs(std::int64_t rows, int sms);
+
+}  // namespace kiln::families

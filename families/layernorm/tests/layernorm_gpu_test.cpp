@@ -1,0 +1,146 @@
+// LayerNorm on the GPU against the CPU reference: fresh random data each run, outputs poisoned
+// before each launch, every dtype, one and many rows, row lengths from odd to the kernels' limits,
+// with and without bias; the backward's dx, dweight and dbias, and its determinism.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "families/layernorm/ops.h"
+#include "jit/driver.h"
+#include "tests/gpu_util.h"
+#include "tests/test_util.h"
+
+namespace kiln {
+namespace {
+
+using testing::DeviceBuffer;
+
+class LayerNormGpu : public testing::GpuFixture {};
+
+std::vector<std::int64_t> all(std::int64_t n) {
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) idx[std::size_t(i)] = i;
+  return idx;
+}
+
+TensorView dev(const DeviceBuffer& b, DType t, std::initializer_list<std::int64_t> shape) {
+  return TensorView::contiguous(b.get(), t, shape, Device::cuda(0));
+}
+TensorView hostv(std::vector<unsigned char>& b, DType t, std::initializer_list<std::int64_t> shape) {
+  return TensorView::contiguous(b.data(), t, shape, Device::cpu());
+}
+
+struct Case {
+  DType dtype;
+  std::int64_t rows, cols;
+  bool bias;
+};
+
+// Forward and backward of one case on the GPU and on the CPU (the typed ops' host path, which
+// runs the families' fp64 references), compared by relative L2 error.
+void check(Runtime* rt, const Case& c, unsigned seed) {
+  SCOPED_TRACE(std::string(dtype_name(c.dtype)) + " " + std::to_string(c.rows) + "x" + std::to_string(c.cols) +
+               (c.bias ? " bias" : "") + " seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const auto es = dtype_size(c.dtype);
+  const std::int64_t n = c.rows * c.cols;
+  auto hx = testing::random_bytes(c.dtype, n, rng, 2.0f), hw = testing::random_bytes(c.dtype, c.cols, rng),
+       hb = testing::random_bytes(c.dtype, c.cols, rng), hdy = testing::random_bytes(c.dtype, n, rng);
+  DeviceBuffer x(n * es), w(c.cols * es), b(c.cols * es), y(n * es), mean(c.rows * 4), rstd(c.rows * 4), dy(n * es),
+      dx(n * es), dw(c.cols * es), db(c.cols * es);
+  x.upload(hx.data());
+  w.upload(hw.data());
+  b.upload(hb.data());
+  dy.upload(hdy.data());
+  for (DeviceBuffer* p : {&y, &mean, &rstd, &dx, &dw, &db}) p->poison();
+  auto bv = dev(b, c.dtype, {c.cols});
+  auto mv = dev(mean, DType::f32, {c.rows}), rv = dev(rstd, DType::f32, {c.rows});
+  Status s = layer_norm(dev(x, c.dtype, {c.rows, c.cols}), dev(w, c.dtype, {c.cols}), c.bias ? &bv : nullptr,
+                        dev(y, c.dtype, {c.rows, c.cols}), &mv, &rv, 1e-5, nullptr, rt);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  auto dbv = dev(db, c.dtype, {c.cols});
+  s = layer_norm_backward(dev(dy, c.dtype, {c.rows, c.cols}), dev(x, c.dtype, {c.rows, c.cols}),
+                          dev(w, c.dtype, {c.cols}), mv, rv, dev(dx, c.dtype, {c.rows, c.cols}),
+                          dev(dw, c.dtype, {c.cols}), c.bias ? &dbv : nullptr, nullptr, rt);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(jit::Driver::get().value()->ctx_synchronize(), CUDA_SUCCESS);
+
+  std::vector<unsigned char> gy(n * es), gmean(c.rows * 4), grstd(c.rows * 4), gdx(n * es), gdw(c.cols * es),
+      gdb(c.cols * es);
+  y.download(gy.data());
+  mean.download(gmean.data());
+  rstd.download(grstd.data());
+  dx.download(gdx.data());
+  dw.download(gdw.data());
+  db.download(gdb.data());
+
+  std::vector<unsigned char> wy(n * es), wmean(c.rows * 4), wrstd(c.rows * 4), wdx(n * es), wdw(c.cols * es),
+      wdb(c.cols * es);
+  auto hbv = hostv(hb, c.dtype, {c.cols});
+  auto hmv = hostv(wmean, DType::f32, {c.rows}), hrv = hostv(wrstd, DType::f32, {c.rows});
+  ASSERT_TRUE(layer_norm(hostv(hx, c.dtype, {c.rows, c.cols}), hostv(hw, c.dtype, {c.cols}), c.bias ? &hbv : nullptr,
+                         hostv(wy, c.dtype, {c.rows, c.cols}), &hmv, &hrv, 1e-5)
+                  .ok());
+  auto hdbv = hostv(wdb, c.dtype, {c.cols});
+  // The CPU backward from the GPU's statistics, so the comparison isolates the backward.
+  auto gmv = hostv(gmean, DType::f32, {c.rows}), grv = hostv(grstd, DType::f32, {c.rows});
+  ASSERT_TRUE(layer_norm_backward(hostv(hdy, c.dtype, {c.rows, c.cols}), hostv(hx, c.dtype, {c.rows, c.cols}),
+                                  hostv(hw, c.dtype, {c.cols}), gmv, grv, hostv(wdx, c.dtype, {c.rows, c.cols}),
+                                  hostv(wdw, c.dtype, {c.cols}), c.bias ? &hdbv : nullptr)
+                  .ok());
+  const double tol = testing::tolerance(c.dtype);
+  EXPECT_LE(testing::rel_l2(gy.data(), wy.data(), c.dtype, all(n)), tol) << "y";
+  EXPECT_LE(testing::rel_l2(gmean.data(), wmean.data(), DType::f32, all(c.rows)), 1e-5) << "mean";
+  EXPECT_LE(testing::rel_l2(grstd.data(), wrstd.data(), DType::f32, all(c.rows)), 1e-5) << "rstd";
+  EXPECT_LE(testing::rel_l2(gdx.data(), wdx.data(), c.dtype, all(n)), tol) << "dx";
+  // dweight and dbias sum rows in fp32 on the GPU: a little more error than one row's.
+  EXPECT_LE(testing::rel_l2(gdw.data(), wdw.data(), c.dtype, all(c.cols)), 2 * tol) << "dweight";
+  if (c.bias) {
+    EXPECT_LE(testing::rel_l2(gdb.data(), wdb.data(), c.dtype, all(c.cols)), 2 * tol) << "dbias";
+  }
+}
+
+TEST_F(LayerNormGpu, MatchesTheReferenceForEveryDtypeAndRowLength) {
+  for (DType t : {DType::f32, DType::f16, DType::bf16})
+    for (std::int64_t cols : {1, 8, 768, 1023, 4096})
+      for (std::int64_t rows : {1, 3, 300}) check(rt_.get(), {t, rows, cols, cols % 2 == 0}, seed_ + unsigned(cols + rows));
+}
+
+TEST_F(LayerNormGpu, RowsAtTheKernelsLimits) {
+  check(rt_.get(), {DType::bf16, 64, 8192, true}, seed_);
+  check(rt_.get(), {DType::f32, 16, 8192, false}, seed_ + 1);
+  check(rt_.get(), {DType::f16, 2, 2047, true}, seed_ + 2);  // odd: 1-element accesses
+}
+
+TEST_F(LayerNormGpu, BackwardIsDeterministic) {
+  std::mt19937& rng = rng_;
+  const std::int64_t rows = 4096, cols = 1024, n = rows * cols;
+  const DType t = DType::bf16;
+  auto hx = testing::random_bytes(t, n, rng), hw = testing::random_bytes(t, cols, rng),
+       hdy = testing::random_bytes(t, n, rng);
+  DeviceBuffer x(n * 2), w(cols * 2), y(n * 2), mean(rows * 4), rstd(rows * 4), dy(n * 2), dx(n * 2), dw(cols * 2),
+      db(cols * 2);
+  x.upload(hx.data());
+  w.upload(hw.data());
+  dy.upload(hdy.data());
+  auto mv = dev(mean, DType::f32, {rows}), rv = dev(rstd, DType::f32, {rows});
+  ASSERT_TRUE(layer_norm(dev(x, t, {rows, cols}), dev(w, t, {cols}), nullptr, dev(y, t, {rows, cols}), &mv, &rv, 1e-5, nullptr,
+                         rt_.get())
+                  .ok());
+  std::vector<unsigned char> first, got(cols * 4);
+  for (int run = 0; run < 3; ++run) {
+    auto dbv = dev(db, t, {cols});
+    ASSERT_TRUE(layer_norm_backward(dev(dy, t, {rows, cols}), dev(x, t, {rows, cols}), dev(w, t, {cols}), mv, rv,
+                                    dev(dx, t, {rows, cols}), dev(dw, t, {cols}), &dbv, nullptr, rt_.get())
+                    .ok());
+    ASSERT_EQ(jit::Driver::get().value()->ctx_synchronize(), CUDA_SUCCESS);
+    dw.download(got.data());
+    db.download(got.data() + cols * 2);
+    if (run == 0) first = got;
+    else EXPECT_EQ(got, first) << "run " << run;
+  }
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,174 @@
+// LayerNorm on the CPU: the typed ops against a plain fp64 LayerNorm written here (forward, and the
+// backward against central differences of the forward's loss), errors before any launch, the
+// heuristic's row-length limits, and the op declarations the bindings are generated from.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "families/layernorm/layernorm.h"
+#include "families/layernorm/ops.h"
+#include "kiln/family.h"
+#include "kiln/op.h"
+
+namespace kiln {
+namespace {
+
+TensorView host(std::vector<float>& v, std::initializer_list<std::int64_t> shape) {
+  return TensorView::contiguous(v.data(), DType::f32, shape, Device::cpu());
+}
+
+// y = (x - mean) / sqrt(var + eps) * w + b per row, in fp64.
+std::vector<double> layer_norm_f64(const std::vector<double>& x, const std::vector<double>& w,
+                                   const std::vector<double>& b, std::int64_t rows, std::int64_t cols, double eps) {
+  std::vector<double> y(x.size());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double mean = 0, var = 0;
+    for (std::int64_t c = 0; c < cols; ++c) mean += x[r * cols + c];
+    mean /= double(cols);
+    for (std::int64_t c = 0; c < cols; ++c) var += (x[r * cols + c] - mean) * (x[r * cols + c] - mean);
+    var /= double(cols);
+    for (std::int64_t c = 0; c < cols; ++c)
+      y[r * cols + c] = (x[r * cols + c] - mean) / std::sqrt(var + eps) * w[c] + (b.empty() ? 0.0 : b[c]);
+  }
+  return y;
+}
+
+struct Data {
+  std::int64_t rows, cols;
+  std::vector<float> x, w, b, dy;
+  Data(std::int64_t r, std::int64_t c, unsigned seed) : rows(r), cols(c) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n(0.f, 1.f);
+    for (std::int64_t i = 0; i < r * c; ++i) x.push_back(n(rng) + 3.f);  // a large mean: two-pass statistics
+    for (std::int64_t i = 0; i < c; ++i) w.push_back(1.f + 0.5f * n(rng)), b.push_back(n(rng));
+    for (std::int64_t i = 0; i < r * c; ++i) dy.push_back(n(rng));
+  }
+};
+
+std::vector<double> as_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+TEST(LayerNormCpu, ForwardMatchesFp64WithAndWithoutBias) {
+  for (bool with_bias : {true, false}) {
+    Data d(5, 37, 1);
+    std::vector<float> y(d.x.size()), mean(5), rstd(5);
+    auto xv = host(d.x, {5, 37}), wv = host(d.w, {37}), bv = host(d.b, {37}), yv = host(y, {5, 37});
+    auto mv = host(mean, {5}), rv = host(rstd, {5});
+    ASSERT_TRUE(layer_norm(xv, wv, with_bias ? &bv : nullptr, yv, &mv, &rv, 1e-5).ok());
+    const auto want = layer_norm_f64(as_double(d.x), as_double(d.w), with_bias ? as_double(d.b) : std::vector<double>{},
+                                     5, 37, 1e-5);
+    for (std::size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], want[i], 1e-5) << i;
+    for (int r = 0; r < 5; ++r) {
+      double m = 0;
+      for (int c = 0; c < 37; ++c) m += d.x[r * 37 + c];
+      EXPECT_NEAR(mean[r], m / 37, 1e-5);
+      EXPECT_GT(rstd[r], 0.f);
+    }
+  }
+}
+
+TEST(LayerNormCpu, BackwardMatchesCentralDifferences) {
+  // loss = sum(dy * layer_norm(x, w, b)); its gradients by central differences in fp64.
+  Data d(3, 11, 2);
+  const double eps = 1e-5, h = 1e-6;
+  auto loss = [&](const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b) {
+    const auto y = layer_norm_f64(x, w, b, d.rows, d.cols, eps);
+    double s = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) s += d.dy[i] * y[i];
+    return s;
+  };
+  auto numeric = [&](std::vector<double> v, int which) {
+    std::vector<double> g(v.size());
+    auto x = as_double(d.x), w = as_double(d.w), b = as_double(d.b);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      std::vector<double>* t = which == 0 ? &x : which == 1 ? &w : &b;
+      const double keep = (*t)[i];
+      (*t)[i] = keep + h;
+      const double up = loss(x, w, b);
+      (*t)[i] = keep - h;
+      g[i] = (up - loss(x, w, b)) / (2 * h);
+      (*t)[i] = keep;
+    }
+    return g;
+  };
+  std::vector<float> y(d.x.size()), mean(3), rstd(3), dx(d.x.size()), dw(11), db(11);
+  auto xv = host(d.x, {3, 11}), wv = host(d.w, {11}), bv = host(d.b, {11}), yv = host(y, {3, 11});
+  auto mv = host(mean, {3}), rv = host(rstd, {3}), dyv = host(d.dy, {3, 11}), dxv = host(dx, {3, 11});
+  auto dwv = host(dw, {11}), dbv = host(db, {11});
+  ASSERT_TRUE(layer_norm(xv, wv, &bv, yv, &mv, &rv, eps).ok());
+  ASSERT_TRUE(layer_norm_backward(dyv, xv, wv, mv, rv, dxv, dwv, &dbv).ok());
+  const auto gx = numeric(as_double(d.x), 0), gw = numeric(as_double(d.w), 1), gb = numeric(as_double(d.b), 2);
+  for (std::size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx[i], gx[i], 1e-4) << "dx " << i;
+  for (std::size_t i = 0; i < dw.size(); ++i) EXPECT_NEAR(dw[i], gw[i], 1e-4) << "dw " << i;
+  for (std::size_t i = 0; i < db.size(); ++i) EXPECT_NEAR(db[i], gb[i], 1e-4) << "db " << i;
+}
+
+TEST(LayerNormCpu, BadInputIsATypedErrorAndWritesNothing) {
+  Data d(2, 8, 3);
+  std::vector<float> y(16, 7.f), short_w(7);
+  auto xv = host(d.x, {2, 8}), wv = host(d.w, {8}), yv = host(y, {2, 8}), sw = host(short_w, {7});
+  EXPECT_EQ(layer_norm(xv, sw, nullptr, yv, nullptr, nullptr).code(), Code::shape_mismatch);
+  EXPECT_EQ(layer_norm(xv, wv, nullptr, yv, nullptr, nullptr, -1.0).code(), Code::invalid_argument);
+  EXPECT_EQ(layer_norm(xv, wv, nullptr, yv, nullptr, nullptr, NAN).code(), Code::invalid_argument);
+  std::vector<std::uint16_t> half(8);
+  auto hw = TensorView::contiguous(half.data(), DType::bf16, {8}, Device::cpu());
+  EXPECT_EQ(layer_norm(xv, hw, nullptr, yv, nullptr, nullptr).code(), Code::unsupported_dtype);
+  std::vector<float> bad_mean(3);
+  auto bm = host(bad_mean, {3});
+  EXPECT_EQ(layer_norm(xv, wv, nullptr, yv, &bm, nullptr).code(), Code::shape_mismatch);
+  auto strided = xv;
+  strided.strides[0] = 16;
+  EXPECT_EQ(layer_norm(strided, wv, nullptr, yv, nullptr, nullptr).code(), Code::shape_mismatch);
+  // A host pointer claimed to be on a GPU: device_error (no driver here, or not device memory).
+  auto on_gpu = xv;
+  on_gpu.device = Device::cuda(0);
+  EXPECT_EQ(layer_norm(on_gpu, wv, nullptr, yv, nullptr, nullptr).code(), Code::device_error);
+  for (float v : y) EXPECT_EQ(v, 7.f);
+}
+
+TEST(LayerNormCpu, HeuristicHoldsRowsInRegistersUpToTheLimit) {
+  Problem p;
+  p.dtype = DType::bf16;
+  p.alignment = 16;
+  p.dims[families::k_ln_rows] = 4096;
+  p.dims[families::k_ln_cols] = 4096;
+  auto fwd = families::layernorm_choice(p, false);
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_EQ(fwd->get_int("vec"), 8);
+  EXPECT_EQ(*fwd->get_int("block") * *fwd->get_int("packs") * 8, 4096);
+  p.dims[families::k_ln_cols] = 32768;
+  EXPECT_TRUE(families::layernorm_choice(p, false).ok());
+  EXPECT_EQ(families::layernorm_choice(p, true).status().code(), Code::invalid_argument);
+  p.dims[families::k_ln_cols] = 8192;
+  EXPECT_TRUE(families::layernorm_choice(p, true).ok());
+  p.dims[families::k_ln_cols] = 1023;  // odd: 1-element accesses
+  auto odd = families::layernorm_choice(p, true);
+  ASSERT_TRUE(odd.ok());
+  EXPECT_EQ(odd->get_int("vec"), 1);
+  const Family* f = Registry::global().find("layernorm_bwd");
+  ASSERT_NE(f, nullptr);
+  p.dims[families::k_ln_slabs] = families::layernorm_bwd_slabs(4096, 132);
+  EXPECT_TRUE(f->check_problem(*odd, p).ok());
+}
+
+TEST(LayerNormCpu, DeclaresItsOpsAndTheirGradients) {
+  const OpDecl* fwd = Registry::global().find_op("layer_norm");
+  const OpDecl* bwd = Registry::global().find_op("layer_norm_backward");
+  ASSERT_NE(fwd, nullptr);
+  ASSERT_NE(bwd, nullptr);
+  EXPECT_EQ(fwd->backward, "layer_norm_backward");
+  const auto j = nlohmann::json::parse(bwd->describe());
+  int grads = 0;
+  for (const auto& t : j["tensors"])
+    if (!t["grad_of"].get<std::string>().empty()) {
+      ++grads;
+      EXPECT_LT(fwd->tensor_index(t["grad_of"].get<std::string>()), fwd->tensors.size()) << t.dump();
+    }
+  EXPECT_EQ(grads, 4);  // dy, and dx, dweight, dbias
+}
+
+}  // namespace
+}  // namespace kiln
