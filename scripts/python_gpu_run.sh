@@ -32,7 +32,8 @@ cd "$(mktemp -d)"  # import the installed package, not anything from the checkou
   2>&1 | tee "$out/python_env.txt"
 rc=0
 if [ "$what" != bench ]; then
-  tests="$root/tests/python/gpu $root/tests/python/test_torch_cpu.py"
+  # The package's tests and every family's Python tests (families/*/tests/test_*.py).
+  tests="$root/tests/python/gpu $root/tests/python/test_torch_cpu.py $(ls "$root"/families/*/tests/test_*.py 2>/dev/null)"
   "$py" -c 'import numpy' 2>/dev/null && tests="$tests $root/tests/python/test_cpu.py"
   PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" -m pytest -q -rs -p no:cacheprovider --durations=10 $tests 2>&1 \
     | tee "$out/python_tests.log"

@@ -69,11 +69,12 @@ class OpDecl:
         self.id = _fast.register(handle, len(self.tensors),
                                  "".join("d" if s["kind"] == "f64" else "l" for s in self.scalars))
         self._shapes = {}
+        self._prepare()
 
-    def scalar_values(self, values):
+    def scalar_values(self, values, scalars=None):
         """The scalars as the C op takes them: choices by name to their index, None to the default."""
         out = []
-        for s, v in zip(self.scalars, values):
+        for s, v in zip(self.scalars if scalars is None else scalars, values):
             if v is None and "default" in s:
                 v = s["default"]
             if s["kind"] == "choice":
@@ -115,26 +116,52 @@ class OpDecl:
             self._shapes[key] = result
         return result
 
+    def _prepare(self):
+        """The lookup tables bind() uses: every argument's slot, and the scalars' defaults as passed."""
+        self._n_in, self._n_sc = len(self.inputs), len(self.scalars)
+        names = [t["name"] for t in self.inputs] + [s["name"] for s in self.scalars] + [t["name"] for t in self.outputs]
+        self._slot = {n: i for i, n in enumerate(names)}
+        self._defaults = [None] * self._n_in
+        for s in self.scalars:
+            self._defaults.append(self.scalar_values([s["default"]], [s])[0] if "default" in s else None)
+        self._defaults += [None] * len(self.outputs)
+        self._required = [i for i, t in enumerate(self.inputs) if not t["optional"]]
+
+    def scalar_value(self, i, v):
+        """Scalar i as the C op takes it: a choice by name to its index, None to the default."""
+        if v is None:
+            v = self._defaults[self._n_in + i]
+            if v is None:
+                raise InvalidArgumentError(f"{self.name}: {self.scalars[i]['name']} is required")
+            return v
+        return self.scalar_values([v], [self.scalars[i]])[0]
+
     def bind(self, args, kwargs):
         """(inputs, outputs, scalars) from a call: inputs then scalars by position, any of them and the
         outputs by name; optional inputs and outputs default to None, scalars to their defaults."""
-        names = [t["name"] for t in self.inputs] + [sc["name"] for sc in self.scalars]
-        if len(args) > len(names):
-            raise TypeError(f"{self.name}() takes at most {len(names)} positional arguments ({len(args)} given)")
-        bound = dict(zip(names, args))
+        n_in, n_sc = self._n_in, self._n_sc
+        if len(args) > n_in + n_sc:
+            raise TypeError(f"{self.name}() takes at most {n_in + n_sc} positional arguments ({len(args)} given)")
+        slots = list(self._defaults)
+        slots[:len(args)] = args
+        given = set(range(len(args)))
         for k, v in kwargs.items():
-            if k in bound:
+            i = self._slot.get(k)
+            if i is None:
+                raise TypeError(f"{self.name}() got an unexpected keyword argument {k!r}")
+            if i in given:
                 raise TypeError(f"{self.name}() got multiple values for argument {k!r}")
-            bound[k] = v
-        unknown = set(bound) - set(names) - {t["name"] for t in self.outputs}
-        if unknown:
-            raise TypeError(f"{self.name}() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
-        inputs = [bound.get(t["name"]) for t in self.inputs]
-        missing = [t["name"] for t, a in zip(self.inputs, inputs) if a is None and not t["optional"]]
-        if missing:
-            raise TypeError(f"{self.name}() missing required inputs: {', '.join(missing)}")
-        outputs = [bound.get(t["name"]) for t in self.outputs]
-        return inputs, outputs, self.scalar_values([bound.get(sc["name"]) for sc in self.scalars])
+            given.add(i)
+            slots[i] = v
+        for i in self._required:
+            if slots[i] is None:
+                raise TypeError(f"{self.name}() missing required input {self.inputs[i]['name']!r}")
+        for i in range(n_sc):
+            if n_in + i in given:
+                slots[n_in + i] = self.scalar_value(i, slots[n_in + i])
+            elif slots[n_in + i] is None:
+                raise TypeError(f"{self.name}() missing required scalar {self.scalars[i]['name']!r}")
+        return slots[:n_in], slots[n_in + n_sc:], slots[n_in:n_in + n_sc]
 
     def allocate(self, inputs, outputs, scalars):
         """outputs with every required one that is None allocated next to the first input."""
