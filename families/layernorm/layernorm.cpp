@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "common/half.h"
@@ -51,12 +52,13 @@ std::string render_name(const char* kernel, const Params& params) {
          std::to_string(*params.get_int("packs")) + ">";
 }
 
-// The catalog: 16-byte and 1-element accesses (odd row lengths), every block and packs count.
+// The catalog: the heuristic's 8-byte accesses and 1-element ones (odd row lengths), every block
+// and packs count.
 std::vector<Params> variants(const Family& f, std::initializer_list<std::int64_t> blocks,
                              std::initializer_list<std::int64_t> packs_list) {
   std::vector<Params> out;
   for (const char* dtype : {"f32", "f16", "bf16"})
-    for (std::int64_t vec : {std::int64_t(1), std::int64_t(16 / dtype_size(*parse_dtype(dtype)))})
+    for (std::int64_t vec : {std::int64_t(1), std::max<std::int64_t>(8 / std::int64_t(dtype_size(*parse_dtype(dtype))), 2)})
       for (std::int64_t block : blocks)
         for (std::int64_t packs : packs_list) {
           Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"packs", packs}};
@@ -319,26 +321,52 @@ class LayerNormBwd final : public Family {
 
 }  // namespace
 
-Result<Params> layernorm_choice(const Problem& p, bool backward) {
+namespace {
+
+// The heuristic's variant for accesses of up to `widest` elements; none when its threads cannot
+// hold the row.
+std::optional<Params> choose(const Problem& p, bool backward, std::int64_t widest) {
   const auto esize = std::int64_t(dtype_size(p.dtype));
   const auto cols = p.dims[k_ln_cols];
-  std::int64_t vec = 16 / esize;
+  std::int64_t vec = widest;
   while (vec > 1 && (p.alignment < vec * esize || cols % vec)) vec /= 2;
   const std::int64_t packs_total = (cols + vec - 1) / vec;
-  static const std::vector<std::int64_t> fwd_blocks = {128, 256, 512, 1024}, bwd_blocks = {128, 256, 512};
-  const std::vector<std::int64_t>& blocks = backward ? bwd_blocks : fwd_blocks;
-  for (std::int64_t block : blocks) {
+  const auto make = [&](std::int64_t block, std::int64_t packs) {
+    return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", block}, {"vec", vec}, {"packs", packs}};
+  };
+  if (backward) {
+    // The backward is latency-bound (two reductions a row, rows one after another in a slab):
+    // as many threads as the row has packs, up to 512, then more packs per thread.
+    std::int64_t block = 128;
+    while (block < 512 && block < packs_total) block *= 2;
     std::int64_t packs = 1;
     while (packs * block < packs_total) packs *= 2;
-    if (packs * vec <= max_elements(backward, block) && packs <= (backward ? 4 : 8))
-      return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", block}, {"vec", vec}, {"packs", packs}};
+    if (packs <= 4 && packs * vec <= max_elements(true, block)) return make(block, packs);
+    return std::nullopt;
   }
-  std::int64_t limit = 0;
-  for (std::int64_t block : blocks)
-    limit = std::max(limit, block * std::min<std::int64_t>(backward ? 4 : 8, max_elements(backward, block) / vec) * vec);
+  // The forward keeps a row in registers: the most packs a thread may hold, and as few threads as
+  // that needs (at least 128).
+  std::int64_t packs = 8;
+  while (packs > 1 && packs * vec > max_elements(false, 1024)) packs /= 2;
+  std::int64_t block = 128;
+  while (block < 1024 && block * packs < packs_total) block *= 2;
+  while (packs > 1 && block * (packs / 2) >= packs_total) packs /= 2;
+  if (block * packs >= packs_total) return make(block, packs);
+  return std::nullopt;
+}
+
+}  // namespace
+
+Result<Params> layernorm_choice(const Problem& p, bool backward) {
+  // 8-byte accesses first (at least two elements), 16-byte ones for rows too long for them.
+  const auto esize = std::int64_t(dtype_size(p.dtype));
+  for (std::int64_t widest : {std::max<std::int64_t>(8 / esize, 2), 16 / esize})
+    if (auto c = choose(p, backward, widest)) return *c;
+  const std::int64_t vec_max = 16 / esize, limit = backward ? 512 * 16 : 1024 * 32;
   return invalid_argument(std::string(backward ? "layer_norm_backward" : "layer_norm") + ": rows of " +
-                          std::to_string(cols) + " elements are longer than the kernel holds (at most " +
-                          std::to_string(limit) + " with " + std::to_string(vec) + "-element accesses)");
+                          std::to_string(p.dims[k_ln_cols]) + " elements are longer than the kernels hold (" +
+                          std::to_string(limit) + " with " + std::to_string(vec_max) +
+                          "-element accesses, fewer when the row length or alignment needs narrower ones)");
 }
 
 std::int64_t layernorm_bwd_slabs(std::int64_t rows, int sms) {

@@ -12,9 +12,10 @@
 // 512 threads, 32 below). Problem: dims = {rows, cols, slabs}. Buffers: dy, x, weight, mean, rstd,
 // dx, partial (f32 [2 * slabs, cols]: dweight's slab sums, then dbias's).
 //
-// Heuristic: the widest access the alignment and row length allow, then the smallest block whose
-// threads hold the row in at most the family's packs limit (fewer, fuller blocks keep more bytes
-// in flight per thread), packs rounded up to a power of two.
+// Heuristic: 8-byte accesses where the alignment and row length allow (the tuner found them ahead
+// of 16-byte ones on Hopper). Forward: up to 8 packs a thread, as few threads as the row then
+// needs. Backward, which waits on two block reductions a row: up to 512 threads, as many as the
+// row has packs, then more packs a thread. docs/benchmarks.md has the measurements.
 #pragma once
 
 #include <cstdint>

@@ -137,13 +137,21 @@ TEST(LayerNormCpu, HeuristicHoldsRowsInRegistersUpToTheLimit) {
   p.dims[families::k_ln_cols] = 4096;
   auto fwd = families::layernorm_choice(p, false);
   ASSERT_TRUE(fwd.ok());
-  EXPECT_EQ(fwd->get_int("vec"), 8);
-  EXPECT_EQ(*fwd->get_int("block") * *fwd->get_int("packs") * 8, 4096);
+  EXPECT_EQ(fwd->get_int("vec"), 4);  // 8-byte accesses
+  EXPECT_EQ(*fwd->get_int("block") * *fwd->get_int("packs") * 4, 4096);
+  auto bwd = families::layernorm_choice(p, true);
+  ASSERT_TRUE(bwd.ok());
+  EXPECT_EQ(bwd->get_int("block"), 512);
   p.dims[families::k_ln_cols] = 32768;
   EXPECT_TRUE(families::layernorm_choice(p, false).ok());
   EXPECT_EQ(families::layernorm_choice(p, true).status().code(), Code::invalid_argument);
   p.dims[families::k_ln_cols] = 8192;
   EXPECT_TRUE(families::layernorm_choice(p, true).ok());
+  p.dtype = DType::f32;  // 16-byte accesses where 8-byte ones cannot hold the row
+  auto f32 = families::layernorm_choice(p, true);
+  ASSERT_TRUE(f32.ok());
+  EXPECT_EQ(f32->get_int("vec"), 4);
+  p.dtype = DType::bf16;
   p.dims[families::k_ln_cols] = 1023;  // odd: 1-element accesses
   auto odd = families::layernorm_choice(p, true);
   ASSERT_TRUE(odd.ok());
