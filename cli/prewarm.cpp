@@ -230,12 +230,15 @@ int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o) {
     return k_exit_failure;
   }
 
+  // Each arch gets the variants that run on it (catalog_for), not the whole catalog.
   std::vector<WorkItem> items;
   for (const Family* f : *fams) {
-    const auto catalog = f->catalog();
-    if (catalog.empty()) print_warning("family " + std::string(f->name()) + " has an empty catalog");
-    for (const auto& arch : *archs)
-      for (const auto& params : catalog) items.push_back({KernelSpec{std::string(f->name()), params}, arch});
+    if (f->catalog().empty()) print_warning("family " + std::string(f->name()) + " has an empty catalog");
+    for (const auto& arch : *archs) {
+      auto catalog = catalog_for(*f, arch);
+      if (!catalog.ok()) return report_error(catalog.status(), k_exit_usage);
+      for (const auto& params : *catalog) items.push_back({KernelSpec{std::string(f->name()), params}, arch});
+    }
   }
   if (items.empty()) {
     print_error("nothing to compile: the selected families have no catalog variants");

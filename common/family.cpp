@@ -1,5 +1,5 @@
 // The Family base's defaults: schema validation, signatures with a power-of-two bucket, the
-// problem a bucket is tuned on, and problems from named sizes. Part of the family SDK that plugins
+// problem a bucket is tuned on, problems from named sizes, and catalogs per arch. Part of the family SDK that plugins
 // link (kiln_family_sdk), so nothing here may reach the registry.
 #include <algorithm>
 
@@ -37,6 +37,14 @@ Status Family::validate(const Params& params) const {
     if (!params.has(d.name))
       return invalid_argument(std::string(this->name()) + ": missing parameter '" + d.name + "'");
   return {};
+}
+
+Result<std::vector<Params>> catalog_for(const Family& family, std::string_view arch) {
+  KILN_ASSIGN_OR_RETURN(const GpuArch a, parse_arch(arch));
+  std::vector<Params> out;
+  for (Params& p : family.catalog())
+    if (family.runs_on(p, a)) out.push_back(std::move(p));
+  return out;
 }
 
 std::int64_t tuning_bucket(std::int64_t n) {

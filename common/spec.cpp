@@ -107,6 +107,18 @@ Status validate_arch(std::string_view arch) {
   return {};
 }
 
+Result<GpuArch> parse_arch(std::string_view arch) {
+  KILN_TRY(validate_arch(arch));
+  GpuArch out;
+  std::string_view digits = arch.substr(3);
+  if (digits.back() == 'a' || digits.back() == 'f') {
+    out.suffix = digits.back();
+    digits.remove_suffix(1);
+  }
+  for (char c : digits) out.capability = out.capability * 10 + (c - '0');
+  return out;
+}
+
 std::string arch_for_capability(int major, int minor) {
   std::string arch = "sm_" + std::to_string(major) + std::to_string(minor);
   // Hopper and Blackwell datacenter parts: compile for the arch-specific feature set.

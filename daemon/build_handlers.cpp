@@ -117,15 +117,19 @@ awaitable<json> BuildHandlers::prewarm(const json& req) {
   }
   if (!s.ok()) co_return error_reply(s);
 
+  // Each arch gets the variants that run on it (catalog_for), not the whole catalog.
   std::vector<std::function<BuildOutcome(bool)>> jobs;
   std::vector<std::string> labels;
   for (const auto& arch : archs)
-    for (const Family* f : chosen)
-      for (const Params& p : f->catalog()) {
+    for (const Family* f : chosen) {
+      auto catalog = catalog_for(*f, arch);
+      if (!catalog.ok()) co_return error_reply(catalog.status());
+      for (const Params& p : *catalog) {
         KernelSpec spec{std::string(f->name()), p};
         labels.push_back(spec.canonical() + " @ " + arch);
         jobs.push_back([this, spec, arch](bool run) { return build(builder_, spec, arch, run); });
       }
+    }
   log_info("prewarm: " + std::to_string(jobs.size()) + " variant(s) for " + std::to_string(archs.size()) +
            " arch(s)");
   const auto t0 = Clock::now();

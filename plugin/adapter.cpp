@@ -49,6 +49,10 @@ class PluginFamily final : public Family {
         // A descriptor built before `flags` was appended has none set.
         programmatic_(d.struct_size >= offsetof(kiln_family, flags) + sizeof(d.flags) &&
                       (d.flags & KILN_FAMILY_PROGRAMMATIC_LAUNCH) != 0),
+        // A vtable built before `runs_on` was appended has none: every variant runs everywhere.
+        runs_on_(d.vtable->struct_size >= offsetof(kiln_family_vtable, runs_on) + sizeof(d.vtable->runs_on)
+                     ? d.vtable->runs_on
+                     : nullptr),
         info_(std::move(info)), templates_(std::move(templates)) {
     for (std::uint32_t i = 0; i < d.param_count; ++i) {
       const kiln_param_def& p = d.params[i];
@@ -94,6 +98,19 @@ class PluginFamily final : public Family {
   bool programmatic_launch() const override { return programmatic_; }
   const PluginInfo* plugin() const override { return info_.get(); }
   const TemplateFiles* template_files() const override { return templates_.get(); }
+
+  // A plugin that fails to answer is logged and taken to mean "runs": the variant is then
+  // compiled, and a compile that cannot work reports why.
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    if (!runs_on_) return true;
+    CParams c(params);
+    const kiln_arch a{std::uint32_t(arch.capability), std::uint32_t(static_cast<unsigned char>(arch.suffix))};
+    std::int32_t runs = 1;
+    Error err;
+    Status s = check(runs_on_(ctx_, c.get(), &a, &runs, &err.e), err, "runs_on");
+    if (!s.ok()) return report(s, true);
+    return runs != 0;
+  }
 
   // kiln enforces the schema itself, whatever the plugin's validate says.
   Status validate(const Params& params) const override {
@@ -320,6 +337,7 @@ class PluginFamily final : public Family {
   int version_;
   int bucketed_;
   bool programmatic_;
+  decltype(kiln_family_vtable::runs_on) runs_on_;
   std::shared_ptr<const PluginInfo> info_;
   std::shared_ptr<const TemplateFiles> templates_;
   std::vector<ParamDef> schema_;
@@ -340,9 +358,9 @@ Status check_descriptor(const kiln_family& d) {
   if (d.version < 0) return bad("negative version");
   const kiln_family_vtable* vt = d.vtable;
   if (!vt) return bad("no vtable");
-  if (vt->struct_size < sizeof(kiln_family_vtable))
+  if (vt->struct_size < KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE)
     return bad("its vtable struct_size " + std::to_string(vt->struct_size) + " is below this ABI's " +
-               std::to_string(sizeof(kiln_family_vtable)));
+               std::to_string(KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE));
   std::string missing;
   const std::pair<const char*, bool> required[] = {
       {"validate", vt->validate != nullptr},     {"render", vt->render != nullptr},

@@ -116,6 +116,11 @@ class RmsNorm final : public Family {
     return {};
   }
 
+  // The bulk-copy kernel (cp.async.bulk, mbarrier transaction counts) needs sm_90 or later.
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    return params.get_int("bulk").value_or(0) == 0 || arch.capability >= 90;
+  }
+
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
     g.grid.x = std::uint32_t(std::clamp<std::int64_t>(rmsnorm_grid(params, p), 1, 0x7fffffff));

@@ -116,6 +116,13 @@ class RmsNormBwd final : public Family {
     return {};
   }
 
+  // Thread-block clusters (cluster > 1) and bulk copies (stages > 0: cp.async.bulk, mbarrier
+  // transaction counts) need sm_90 or later; on older archs those kernels only trap.
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    const auto c = rmsnorm_bwd_choice(params);
+    return (c.cluster == 1 && c.stages == 0) || arch.capability >= 90;
+  }
+
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
     const auto c = rmsnorm_bwd_choice(params);

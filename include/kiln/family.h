@@ -159,8 +159,13 @@ class Family {
   virtual Status validate(const Params& params) const;
   // Source, name expression and options for validated params.
   virtual Result<Rendered> render(const Params& params) const = 0;
-  // Every variant worth compiling ahead of time (kiln prewarm).
+  // Every variant worth compiling ahead of time (kiln prewarm), for every arch: catalog_for picks
+  // the ones that run on a given arch.
   virtual std::vector<Params> catalog() const = 0;
+  // Whether the variant can run on a device of `arch`. A variant that uses instructions an arch
+  // lacks (wgmma needs sm_90a; clusters and bulk copies need sm_90) may still compile for it, but
+  // never runs there, so prewarm and the conformance test leave it out. Default: every arch.
+  virtual bool runs_on(const Params& params, const GpuArch& arch) const { return true; }
   // Checks that the problem is well formed and that `params` can run it.
   virtual Status check_problem(const Params& params, const Problem& problem) const = 0;
   virtual LaunchGeometry geometry(const Params& params, const Problem& problem) const = 0;
@@ -218,6 +223,10 @@ class Family {
   // not replace; null for none.
   virtual const TemplateFiles* template_files() const { return nullptr; }
 };
+
+// The catalog variants that run on `arch` ("sm_90a"): catalog() filtered through runs_on, in
+// catalog order. invalid_argument for a bad arch name.
+Result<std::vector<Params>> catalog_for(const Family& family, std::string_view arch);
 
 // The bucket a size falls in for tuning: the smallest power of two >= n (0 for n <= 0).
 std::int64_t tuning_bucket(std::int64_t n);

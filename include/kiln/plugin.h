@@ -236,6 +236,12 @@ typedef struct kiln_text {
   void* owner;
 } kiln_text;
 
+/* A GPU architecture kiln compiles for, taken apart: "sm_90a" is {90, 'a'}, "sm_80" {80, 0}. */
+typedef struct kiln_arch {
+  uint32_t capability; /* compute capability as major * 10 + minor */
+  uint32_t suffix;     /* 'a' (arch-specific features, e.g. sm_90a's wgmma), 'f' (family-specific) or 0 */
+} kiln_arch;
+
 /* What a family does; `ctx` is kiln_family.context. Functions marked optional may be NULL: kiln
  * then uses the default documented for kiln::Family (include/kiln/family.h). The rest are
  * required; a family lacking one is skipped at load. */
@@ -280,7 +286,19 @@ typedef struct kiln_family_vtable {
 
   /* Frees the storage behind a result's `owner`. */
   void (*release)(void* ctx, void* owner);
+
+  /* Appended after API version 1's first release (read only when struct_size covers it). */
+  /* Optional: whether the validated params' variant can run on a device of `arch` (*runs = 1) or
+   * not (*runs = 0); kiln compiles a family's catalog for an arch only where it does (kiln
+   * prewarm). NULL, or a vtable whose struct_size stops before it: every variant runs on every
+   * arch. */
+  int (*runs_on)(void* ctx, const kiln_params* params, const kiln_arch* arch, int32_t* runs,
+                 kiln_plugin_error* err);
 } kiln_family_vtable;
+
+/* The size of kiln_family_vtable before `runs_on` was appended: the smallest struct_size kiln
+ * accepts. */
+#define KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE offsetof(kiln_family_vtable, runs_on)
 
 typedef struct kiln_family {
   uint32_t struct_size; /* sizeof(kiln_family) as the plugin was built */

@@ -292,13 +292,20 @@ class ExportedFamily {
     });
   }
   static void release(void*, void* owner) { delete static_cast<Owned*>(owner); }
+  static int runs_on(void* ctx, const kiln_params* params, const kiln_arch* arch, std::int32_t* runs,
+                     kiln_plugin_error* err) {
+    return guarded(err, [&] {
+      *runs = fam(ctx).runs_on(to_params(params), GpuArch{int(arch->capability), char(arch->suffix)}) ? 1 : 0;
+      return Status();
+    });
+  }
 
   static const kiln_family_vtable& vtable() {
     static const kiln_family_vtable vt = {
         sizeof(kiln_family_vtable), validate,     render,        bind,           unbind,
         check_problem,              geometry,     buffers,       pack_args,      cpu_reference,
         heuristic,                  tuning_space, signature,     tuning_problem, problem_from_shape,
-        benchmark_problems,         release};
+        benchmark_problems,         release,      runs_on};
     return vt;
   }
 

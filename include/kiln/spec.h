@@ -56,4 +56,14 @@ Status validate_arch(std::string_view arch);
 // The arch string kiln compiles for on a device of this compute capability (9.0 -> "sm_90a").
 std::string arch_for_capability(int major, int minor);
 
+// An architecture name taken apart: "sm_90a" -> {90, 'a'}, "sm_80" -> {80, 0}.
+struct GpuArch {
+  int capability = 0;  // compute capability as major * 10 + minor
+  // 'a': the arch-specific feature set (sm_90a's wgmma and setmaxnreg; code runs on that exact
+  // capability only), 'f': the family-specific one, 0: the baseline.
+  char suffix = 0;
+};
+// Parses a name that validate_arch accepts; invalid_argument for anything else.
+Result<GpuArch> parse_arch(std::string_view arch);
+
 }  // namespace kiln

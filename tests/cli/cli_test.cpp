@@ -140,12 +140,15 @@ class Sandbox {
   long daemon_pid_ = 0;
 };
 
-// The canonical params of every rmsnorm catalog variant: the oracle for what prewarm must produce.
+// The canonical params of every rmsnorm catalog variant that runs on k_arch: the oracle for what
+// prewarm must produce.
 std::set<std::string> rmsnorm_catalog() {
   const kiln::Family* f = kiln::Registry::global().find("rmsnorm");
   if (!f) return {};
+  const auto catalog = kiln::catalog_for(*f, k_arch);
+  if (!catalog.ok()) return {};
   std::set<std::string> out;
-  for (const auto& p : f->catalog()) out.insert(p.canonical());
+  for (const auto& p : *catalog) out.insert(p.canonical());
   return out;
 }
 

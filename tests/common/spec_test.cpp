@@ -46,6 +46,26 @@ TEST(Arch, ValidatesExactNames) {
   EXPECT_EQ(arch_for_capability(8, 9), "sm_89");
 }
 
+TEST(Arch, ParsesIntoCapabilityAndSuffix) {
+  auto parsed = [](const char* arch) {
+    auto a = parse_arch(arch);
+    EXPECT_TRUE(a.ok()) << arch;
+    return std::pair{a->capability, a->suffix};
+  };
+  EXPECT_EQ(parsed("sm_80"), (std::pair{80, '\0'}));
+  EXPECT_EQ(parsed("sm_90"), (std::pair{90, '\0'}));
+  EXPECT_EQ(parsed("sm_90a"), (std::pair{90, 'a'}));
+  EXPECT_EQ(parsed("sm_100a"), (std::pair{100, 'a'}));
+  EXPECT_EQ(parsed("sm_120f"), (std::pair{120, 'f'}));
+  EXPECT_EQ(parse_arch("sm_9x").status().code(), Code::invalid_argument);
+  // The inverse of arch_for_capability.
+  for (auto [major, minor] : {std::pair{8, 0}, {8, 6}, {8, 9}, {9, 0}, {10, 0}, {12, 0}}) {
+    auto a = parse_arch(arch_for_capability(major, minor));
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(a->capability, major * 10 + minor);
+  }
+}
+
 TEST(Sha256, KnownVectors) {
   EXPECT_EQ(sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");

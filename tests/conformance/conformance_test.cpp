@@ -1,10 +1,11 @@
 // The conformance test every family must pass, built-in or plugin (docs/plugins.md): every catalog
-// variant compiles for sm_80 and sm_90a through NVRTC (the one place the whole catalog is
-// compiled), and the family's descriptions agree with each other: catalog, schema, rendering,
+// variant compiles through NVRTC for each of sm_80 and sm_90a that it runs on (Family::runs_on;
+// the one place the whole catalog is compiled), and the family's descriptions agree with each other: catalog, schema, rendering,
 // heuristic, tuning space, geometry, buffers and arguments on its benchmark problems. The GPU half
 // (outputs against the CPU reference) is conformance_gpu_test.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 
 #include <set>
@@ -35,8 +36,10 @@ TEST_P(CatalogCompiles, EveryVariant) {
   const Family* f = Registry::global().find(family_name);
   ASSERT_NE(f, nullptr);
   jit::Builder b(nullptr, &Registry::global());
-  const auto catalog = f->catalog();
-  ASSERT_FALSE(catalog.empty());
+  auto for_arch = catalog_for(*f, arch);
+  ASSERT_TRUE(for_arch.ok()) << for_arch.status().to_string();
+  const std::vector<Params>& catalog = *for_arch;
+  ASSERT_FALSE(catalog.empty()) << family_name << " has no catalog variant for " << arch;
   for (const Params& p : catalog) {
     auto a = b.get(KernelSpec{family_name, p}, arch);
     ASSERT_TRUE(a.ok()) << family_name << "(" << p.canonical() << ") " << arch << ": " << a.status().to_string();
@@ -80,6 +83,38 @@ TEST_P(CatalogCompiles, EveryVariant) {
 INSTANTIATE_TEST_SUITE_P(AllFamilies, CatalogCompiles, ::testing::ValuesIn(every_family_and_arch()),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
+// Catalogs per arch: the GEMM families' wgmma variants (sm_90a only) are left out of sm_80's
+// catalog and kept in sm_90a's, through the plugin ABI that registered the built-in families.
+TEST(CatalogForArch, WgmmaVariantsAreForSm90aOnly) {
+  for (const char* name : {"fp8_gemm", "gated_mlp"}) {
+    const Family* f = Registry::global().find(name);
+    ASSERT_NE(f, nullptr) << name;
+    auto wgmma_count = [&](const char* arch) {
+      auto catalog = catalog_for(*f, arch);
+      EXPECT_TRUE(catalog.ok()) << catalog.status().to_string();
+      std::size_t n = 0;
+      for (const Params& p : *catalog) n += *p.get_str("path") == "wgmma";
+      return std::pair{n, catalog->size()};
+    };
+    const auto [sm80_wgmma, sm80_all] = wgmma_count("sm_80");
+    const auto [sm90a_wgmma, sm90a_all] = wgmma_count("sm_90a");
+    EXPECT_EQ(sm80_wgmma, 0u) << name;
+    EXPECT_GT(sm80_all, 0u) << name << ": the mma.sync variants run on sm_80";
+    EXPECT_GT(sm90a_wgmma, 0u) << name;
+    EXPECT_EQ(wgmma_count("sm_90").first, 0u) << name << ": wgmma needs the 'a' features";
+    EXPECT_LT(sm80_all, f->catalog().size()) << name;
+  }
+  // rmsnorm_bwd's clustered and bulk-copy kernels need sm_90.
+  const Family* bwd = Registry::global().find("rmsnorm_bwd");
+  ASSERT_NE(bwd, nullptr);
+  auto sm80 = catalog_for(*bwd, "sm_80");
+  ASSERT_TRUE(sm80.ok());
+  for (const Params& p : *sm80)
+    EXPECT_TRUE(*p.get_int("cluster") == 1 && *p.get_int("stages") == 0) << p.canonical();
+  EXPECT_EQ(catalog_for(*bwd, "sm_90a")->size(), bwd->catalog().size());
+  EXPECT_EQ(catalog_for(*bwd, "sm_8x").status().code(), Code::invalid_argument);
+}
+
 class Consistency : public ::testing::TestWithParam<std::string> {
  protected:
   const Family& family() const { return *Registry::global().find(GetParam()); }
@@ -97,6 +132,22 @@ TEST_P(Consistency, CatalogValidatesAndRendersDistinctKernels) {
     EXPECT_FALSE(r->source.empty());
     EXPECT_TRUE(names.insert(r->name_expression).second) << r->name_expression << " rendered twice";
   }
+  // Every variant runs somewhere, and catalog_for keeps catalog order.
+  auto sm80 = catalog_for(f, "sm_80");
+  auto sm90a = catalog_for(f, "sm_90a");
+  ASSERT_TRUE(sm80.ok() && sm90a.ok());
+  std::set<std::string> runs;
+  for (const auto* list : {&*sm80, &*sm90a}) {
+    auto next = f.catalog();
+    auto at = next.begin();
+    for (const Params& p : *list) {
+      runs.insert(p.canonical());
+      at = std::find(at, next.end(), p);
+      EXPECT_NE(at, next.end()) << p.canonical() << ": not in catalog order";
+    }
+  }
+  for (const Params& p : f.catalog())
+    EXPECT_TRUE(runs.count(p.canonical())) << p.canonical() << " runs on neither sm_80 nor sm_90a";
   EXPECT_LE(f.problem_dims().size(), std::size_t(Problem::k_max_dims));
   EXPECT_LE(f.problem_scalars().size(), std::size_t(Problem::k_max_scalars));
   EXPECT_LT(f.bucketed_dim(), int(f.problem_dims().size()));

@@ -179,6 +179,52 @@ TEST(PluginLoad, AppendedFamilyFlagsAreReadOnlyWhenStructSizeCoversThem) {
             std::string::npos);
 }
 
+// kiln_family_vtable.runs_on was appended to the vtable: a vtable built against the header before
+// it (struct_size up to the field) still registers, its variants on every arch; one that covers the
+// field has its catalog filtered per arch, with the arch taken apart ("sm_90a" -> {90, 'a'}). A
+// runs_on that fails counts as "runs".
+TEST(PluginLoad, AppendedRunsOnIsReadOnlyWhenVtableStructSizeCoversIt) {
+  TempDir dir;
+  void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(lib, nullptr) << ::dlerror();
+  const kiln_plugin& good = *reinterpret_cast<kiln_plugin_entry_fn>(::dlsym(lib, KILN_PLUGIN_ENTRY_SYMBOL))();
+  using RunsOn = decltype(kiln_family_vtable::runs_on);
+  // block=256 runs on sm_90a only.
+  const RunsOn block_256_on_sm90a = [](void*, const kiln_params* params, const kiln_arch* arch, std::int32_t* runs,
+                                       kiln_plugin_error*) -> int {
+    std::int64_t block = 0;
+    for (std::uint32_t i = 0; i < params->count; ++i)
+      if (std::strcmp(params->items[i].name, "block") == 0) block = params->items[i].int_value;
+    *runs = block != 256 || (arch->capability == 90 && arch->suffix == 'a');
+    return KILN_OK;
+  };
+  const RunsOn failing = [](void*, const kiln_params*, const kiln_arch*, std::int32_t*, kiln_plugin_error* err) {
+    return kiln_plugin_fail(err, KILN_INTERNAL, "c_scale: runs_on failed");
+  };
+  using Sizes = std::vector<std::size_t>;  // catalog sizes for sm_80, sm_90, sm_90a
+  auto sizes = [&](std::size_t vtable_size, RunsOn runs_on) -> std::optional<Sizes> {
+    kiln_family_vtable vt = *good.families[0].vtable;
+    vt.struct_size = std::uint32_t(vtable_size);
+    vt.runs_on = runs_on;
+    kiln_family f = good.families[0];
+    f.vtable = &vt;
+    kiln_plugin p = good;
+    p.families = &f;
+    p.family_count = 1;
+    Registry r;
+    plugin::Report rep;
+    if (!plugin::register_plugin(r, &p, "/x/lib.so", rep).ok()) return std::nullopt;
+    Sizes out;
+    for (const char* arch : {"sm_80", "sm_90", "sm_90a"}) out.push_back(catalog_for(*r.find("c_scale"), arch)->size());
+    return out;
+  };
+  EXPECT_EQ(sizes(sizeof(kiln_family_vtable), block_256_on_sm90a), (Sizes{1, 1, 2}));
+  EXPECT_EQ(sizes(sizeof(kiln_family_vtable), nullptr), (Sizes{2, 2, 2}));
+  EXPECT_EQ(sizes(sizeof(kiln_family_vtable), failing), (Sizes{2, 2, 2}));
+  EXPECT_EQ(sizes(KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE, block_256_on_sm90a), (Sizes{2, 2, 2})) << "not read";
+  EXPECT_EQ(sizes(KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE - 8, nullptr), std::nullopt) << "truncated";
+}
+
 // Descriptor checks on the C fixture's descriptor with one thing wrong at a time: template paths
 // and text, a catalog entry the schema rejects, bucketed_dim, two families with one name.
 TEST(PluginLoad, DescriptorsWithBadTemplatesOrCatalogsAreRefused) {

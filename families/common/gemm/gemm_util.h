@@ -353,6 +353,14 @@ class GemmFamily : public Family {
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     return gemm::geometry(kind(params), tile_of(params), p);
   }
+  // The rules check_shape applies to the device: wgmma on sm_90a only (the 'a' feature set of
+  // compute capability 9.0), mma.sync on 8.0 and later, and the tile's shared memory within what
+  // the capability grants.
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    const Tile t = tile_of(params);
+    if (t.wgmma ? !(arch.capability == 90 && arch.suffix == 'a') : arch.capability < 80) return false;
+    return shared_bytes(kind(params), t) <= max_shared_bytes(arch.capability);
+  }
   std::vector<Params> tuning_space(const Problem& p) const override {
     const Params h = heuristic(p);
     return tile_space(
