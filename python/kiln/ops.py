@@ -355,13 +355,13 @@ def fp8_gemm(a, b, a_scale=None, b_scale=None, output_dtype="float16", *, scalin
         if a_scale is None:
             raise InvalidArgumentError("fp8_gemm: a is pre-quantized (uint8) and needs a_scale")
     else:
-        a, a_scale = quantize_fp8(a, "1x128" if block else "tensor", stream=stream, runtime=runtime)
+        a, a_scale = OPS["quantize_fp8"](a, "1x128" if block else "tensor", stream=stream, runtime=runtime)
     if _dtype_name(b) == "uint8":
         if b_scale is None:
             raise InvalidArgumentError("fp8_gemm: b is pre-quantized (uint8) and needs b_scale")
     else:
-        bq, b_scale = quantize_fp8(b, "128x128" if block else "tensor", transpose=True, stream=stream,
-                                   runtime=runtime)
+        bq, b_scale = OPS["quantize_fp8"](b, "128x128" if block else "tensor", transpose=True, stream=stream,
+                                          runtime=runtime)
         keep.append(bq)
         b = bq.T
     if out is None:
