@@ -221,6 +221,35 @@ OPS = _load_declared()
 globals().update({name: _function(decl) for name, decl in OPS.items()})
 
 
+def _address(b):
+    """The device address of a launch buffer: an int, or an array kiln can read."""
+    if isinstance(b, int):
+        return b
+    if hasattr(b, "data_ptr"):
+        return b.data_ptr()
+    cai = getattr(b, "__cuda_array_interface__", None)
+    if cai is not None:
+        return cai["data"][0]
+    raise InvalidArgumentError(f"kiln.launch takes device addresses or CUDA arrays, not {type(b).__name__}")
+
+
+def launch(family, buffers, dims, scalars=(), dtype="f32", alignment=16, *, stream=None, runtime=None):
+    """Launches the kernel family `family` (built in or from a plugin) on CUDA buffers, with no typed
+    op in between (kiln_launch): `dims` and `scalars` fill the family's problem slots in order
+    (`kiln plugins --json` and the family's docs name them), `dtype` is its element type, and the
+    buffers (device addresses or CUDA arrays) go in the family's order. The variant is the tuned or
+    heuristic one; the family checks the problem before anything is compiled or launched."""
+    code = _DTYPE_BY_NAME.get(str(dtype).replace("torch.", ""))
+    if code is None:
+        raise UnsupportedDtypeError(f"kiln.launch: unknown dtype {dtype!r}")
+    dims_c = (ctypes.c_int64 * max(1, len(dims)))(*dims)
+    scalars_c = (ctypes.c_double * max(1, len(scalars)))(*scalars)
+    addrs = (ctypes.c_void_p * max(1, len(buffers)))(*[_address(b) for b in buffers])
+    handle = 0 if stream is None else A.as_stream(stream)
+    check(lib.kiln_launch(_rt(runtime), family.encode(), code, dims_c, len(dims), scalars_c, len(scalars), alignment,
+                          addrs, len(buffers), handle))
+
+
 def _choices(op, scalar):
     return {name: i for i, name in enumerate(next(s for s in OPS[op].scalars if s["name"] == scalar)["choices"])}
 

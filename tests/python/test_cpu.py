@@ -542,3 +542,16 @@ def test_declared_op_calls_bind_like_python(rng):
     with pytest.raises(kiln.InvalidArgumentError, match="activation must be one of silu, gelu, gelu_tanh"):
         kiln.act_and_mul(np.ones((2, 8), np.float32), "relu")
     np.testing.assert_array_equal(kiln.rms_norm(x, w, eps=1e-6), kiln.rms_norm(x, w, 1e-6))
+
+
+def test_launch_checks_family_problem_and_buffers_first():
+    with pytest.raises(kiln.NotFoundError):
+        kiln.launch("no_such_family", [0], [1])
+    with pytest.raises(kiln.InvalidArgumentError, match="takes 5 dims"):
+        kiln.launch("act_and_mul", [0, 0], [4, 32])
+    host = np.zeros(256, np.float32)
+    # Host memory is a DeviceError: nothing is launched.
+    with pytest.raises(kiln.DeviceError):
+        kiln.launch("act_and_mul", [host.ctypes.data, host.ctypes.data], [4, 32, 64, 32, 0])
+    with pytest.raises(kiln.UnsupportedDtypeError):
+        kiln.launch("act_and_mul", [host.ctypes.data], [4, 32, 64, 32, 0], dtype="f64")
