@@ -65,12 +65,9 @@ Status same_gpu(const char* op, std::initializer_list<const TensorView*> ts) {
   return {};
 }
 
-std::uint32_t alignment_of(std::initializer_list<const TensorView*> ts, std::int64_t row_bytes) {
-  std::uint64_t bits = 16 | std::uint64_t(row_bytes);
-  for (const TensorView* t : ts)
-    if (t) bits |= reinterpret_cast<std::uintptr_t>(t->data);
-  return std::uint32_t(bits & (~bits + 1));
-}
+// A tensor's address for client::common_alignment; an absent tensor adds nothing (0).
+std::uintptr_t address(const TensorView* t) { return t ? reinterpret_cast<std::uintptr_t>(t->data) : 0; }
+std::uintptr_t address(const TensorView& t) { return address(&t); }
 
 Result<const Family*> family(const char* name) {
   const Family* f = Registry::global().find(name);
@@ -103,7 +100,8 @@ Status layer_norm(const TensorView& x, const TensorView& weight, const TensorVie
   p.dims[k_ln_rows] = rows;
   p.dims[k_ln_cols] = cols;
   p.scalars[k_ln_eps] = eps;
-  p.alignment = alignment_of({&x, &weight, bias, &y}, cols * std::int64_t(dtype_size(x.dtype)));
+  p.alignment = client::common_alignment({address(x), address(weight), address(bias), address(y)},
+                                         {cols * std::int64_t(dtype_size(x.dtype))});
   void* buffers[6] = {x.data,           weight.data, bias ? bias->data : nullptr, y.data, mean ? mean->data : nullptr,
                       rstd ? rstd->data : nullptr};
   KILN_ASSIGN_OR_RETURN(const Family* fwd, family("layernorm"));
@@ -140,7 +138,8 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
   p.dtype = x.dtype;
   p.dims[k_ln_rows] = rows;
   p.dims[k_ln_cols] = cols;
-  p.alignment = alignment_of({&dy, &x, &weight, &dx}, cols * std::int64_t(dtype_size(x.dtype)));
+  p.alignment = client::common_alignment({address(dy), address(x), address(weight), address(dx)},
+                                         {cols * std::int64_t(dtype_size(x.dtype))});
   KILN_ASSIGN_OR_RETURN(const Family* bwd, family("layernorm_bwd"));
 
   if (x.device.kind == DeviceKind::cpu) {
