@@ -13,12 +13,18 @@ int run_plugins(const GlobalOptions&, bool json) {
   const auto path = plugin::search_path();
   if (json) {
     nlohmann::json loaded = nlohmann::json::array(), skipped = nlohmann::json::array();
-    for (const auto& p : report.loaded)
+    for (const auto& p : report.loaded) {
+      // Each family as kiln_family_describe gives it: its problem fields and parameter schema.
+      nlohmann::json described = nlohmann::json::array();
+      for (const auto& name : p->families)
+        if (const Family* f = Registry::global().find(name)) described.push_back(nlohmann::json::parse(describe_family(*f)));
       loaded.push_back({{"name", p->name},
                         {"version", p->version},
                         {"path", p->path},
                         {"families", p->families},
+                        {"described", described},
                         {"templates_hash", p->templates_hash}});
+    }
     for (const auto& s : report.skipped) skipped.push_back({{"path", s.path}, {"reason", s.reason}});
     std::cout << nlohmann::json{{"search_path", path}, {"loaded", loaded}, {"skipped", skipped}}.dump(2) << "\n";
     return k_exit_ok;

@@ -47,42 +47,25 @@ Result<std::vector<std::pair<std::string, std::int64_t>>> parse_shape(const std:
   return out;
 }
 
-// Facts about the GPU that some families keep as problem dims, by dim name: "sms" (multiprocessors)
-// and "cc" (compute capability, major * 10 + minor), as the typed ops fill them in. Read from the
-// device the tuning runs on; empty when no driver or device answers (the tuning itself then
-// fails with that error).
-using DeviceFacts = std::vector<std::pair<std::string, std::int64_t>>;
-
-DeviceFacts device_facts(int device) {
-  auto dev = jit::device_info(device);
-  if (!dev.ok()) return {};
-  return {{"sms", (*dev)->sm_count}, {"cc", (*dev)->compute_capability}};
-}
-
-// Index of the family's problem dim named `name`, or -1.
-int dim_index(const Family& f, const std::string& name) {
-  const auto dims = f.problem_dims();
-  for (std::size_t i = 0; i < dims.size(); ++i)
-    if (dims[i] == name) return int(i);
-  return -1;
+// The tuning device's facts as a problem carries them (kiln/problem.h); none when no driver or
+// device answers (the tuning itself then fails with that error).
+void set_device_facts(Problem& p, int device) {
+  if (auto dev = jit::device_info(device); dev.ok()) jit::set_device(p, **dev);
 }
 
 // A problem from the command line (or a problems file), checked against the family's heuristic so
-// that a bad shape fails before anything is compiled or launched. Device facts the shape does not
-// name come from the tuning device, so that the candidates and the timings are this GPU's.
+// that a bad shape fails before anything is compiled or launched. The device facts are the tuning
+// device's, so that the candidates and the timings are this GPU's.
 Result<TuneItem> make_item(const std::string& family_name, const std::string& dtype_text, const std::string& shape,
-                           const DeviceFacts& facts) {
+                           int device) {
   KILN_ASSIGN_OR_RETURN(auto fams, resolve_families({family_name}));
   TuneItem item;
   item.family = fams.front();
   auto dtype = parse_dtype(dtype_text);
   if (!dtype || !is_floating(*dtype)) return invalid_argument("bad dtype '" + dtype_text + "': expected f32, f16 or bf16");
   KILN_ASSIGN_OR_RETURN(auto named, parse_shape(shape));
-  for (const auto& [name, value] : facts) {
-    const bool given = std::any_of(named.begin(), named.end(), [&](const auto& n) { return n.first == name; });
-    if (!given && dim_index(*item.family, name) >= 0) named.emplace_back(name, value);
-  }
   KILN_ASSIGN_OR_RETURN(item.problem, item.family->problem_from_shape(*dtype, named));
+  set_device_facts(item.problem, device);
   KILN_TRY(item.family->check_problem(item.family->heuristic(item.problem), item.problem));
   return item;
 }
@@ -90,9 +73,8 @@ Result<TuneItem> make_item(const std::string& family_name, const std::string& dt
 Result<std::vector<TuneItem>> items_from_options(const TuneCliOptions& o) {
   if (o.all == !o.shape.empty())
     return invalid_argument(o.all ? "give either --shape or --all, not both" : "give --shape SIZES or --all");
-  const DeviceFacts facts = device_facts(o.device);
   if (!o.all) {
-    KILN_ASSIGN_OR_RETURN(TuneItem item, make_item(o.family, o.dtype, o.shape, facts));
+    KILN_ASSIGN_OR_RETURN(TuneItem item, make_item(o.family, o.dtype, o.shape, o.device));
     return std::vector<TuneItem>{item};
   }
   KILN_ASSIGN_OR_RETURN(auto fams, resolve_families({o.family}));
@@ -100,9 +82,7 @@ Result<std::vector<TuneItem>> items_from_options(const TuneCliOptions& o) {
   if (!dtype || !is_floating(*dtype)) return invalid_argument("bad dtype '" + o.dtype + "': expected f32, f16 or bf16");
   std::vector<TuneItem> items;
   for (Problem p : fams.front()->benchmark_problems(*dtype)) {
-    // The benchmark shapes name a device of their own (an H100, or none): tune them as this one.
-    for (const auto& [name, value] : facts)
-      if (int i = dim_index(*fams.front(), name); i >= 0) p.dims[std::size_t(i)] = value;
+    set_device_facts(p, o.device);
     KILN_TRY(fams.front()->check_problem(fams.front()->heuristic(p), p));
     items.push_back({fams.front(), p});
   }
@@ -173,7 +153,7 @@ int tune_items(const GlobalOptions& g, const std::vector<TuneItem>& items, int d
   int failures = 0;
   for (const auto& item : items) {
     Result<cache::TuningRecord> r = [&]() -> Result<cache::TuningRecord> {
-      if (daemon) return daemon->tune(std::string(item.family->name()), item.problem, device);
+      if (daemon) return daemon->tune(*item.family, item.problem, device);
       jit::Tuner tuner(builder.get(), table.get());
       jit::TuneOptions o;
       o.device = device;
@@ -231,7 +211,6 @@ int run_tune_problems(const GlobalOptions& g, const std::string& file, bool json
   auto lines = read_problem_lines(file);
   if (!lines.ok()) return report_error(lines.status(), k_exit_usage);
   std::vector<TuneItem> items;
-  const DeviceFacts facts = device_facts(0);  // problems files tune on device 0
   for (std::size_t n = 0; n < lines->size(); ++n) {
     std::string text = (*lines)[n];
     if (auto hash = text.find('#'); hash != std::string::npos) text.resize(hash);
@@ -241,7 +220,7 @@ int run_tune_problems(const GlobalOptions& g, const std::string& file, bool json
     const std::string where = file + ":" + std::to_string(n + 1);
     if (!(words >> dtype >> shape) || (words >> extra))
       return report_error(invalid_argument(where + ": expected 'FAMILY DTYPE name=size,...'"), k_exit_usage);
-    auto item = make_item(family, dtype, shape, facts);
+    auto item = make_item(family, dtype, shape, 0);  // problems files tune on device 0
     if (!item.ok())
       return report_error(Status(item.status().code(), where + ": " + item.status().message(), item.status().details()),
                           k_exit_usage);

@@ -349,12 +349,12 @@ Status DaemonClient::shutdown() {
 
 namespace kiln::client {
 
-Result<Resolved> DaemonClient::resolve(const std::string& family, const Problem& problem, const ResolveTarget& target,
+Result<Resolved> DaemonClient::resolve(const Family& family, const Problem& problem, const ResolveTarget& target,
                                        jit::AutotuneMode mode, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);
   json req{{"op", "resolve"},
-           {"family", family},
-           {"problem", daemon::problem_to_json(problem)},
+           {"family", std::string(family.name())},
+           {"problem", daemon::problem_to_json(family, problem)},
            {"arch", target.arch},
            {"device_name", target.device_name},
            {"driver_version", target.driver_version},
@@ -376,10 +376,13 @@ Result<Resolved> DaemonClient::resolve(const std::string& family, const Problem&
   return out;
 }
 
-Result<cache::TuningRecord> DaemonClient::tune(const std::string& family, const Problem& problem, int device,
+Result<cache::TuningRecord> DaemonClient::tune(const Family& family, const Problem& problem, int device,
                                                const std::string& pci_bus_id, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);
-  json req{{"op", "tune"}, {"family", family}, {"problem", daemon::problem_to_json(problem)}, {"device", device}};
+  json req{{"op", "tune"},
+           {"family", std::string(family.name())},
+           {"problem", daemon::problem_to_json(family, problem)},
+           {"device", device}};
   if (!pci_bus_id.empty()) req["pci_bus_id"] = pci_bus_id;
   auto r = call(req, timeout);
   if (!r.ok()) return r.status();

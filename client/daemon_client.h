@@ -67,10 +67,10 @@ class DaemonClient {
   // The variant to run for a problem (docs/autotune.md): the tuned winner for the problem's
   // signature on this setup, else the heuristic's choice (and, with mode background, tuning queued
   // in kilnd; with mode wait, kilnd tunes before answering).
-  Result<Resolved> resolve(const std::string& family, const Problem& problem, const ResolveTarget& target,
+  Result<Resolved> resolve(const Family& family, const Problem& problem, const ResolveTarget& target,
                            jit::AutotuneMode mode, std::chrono::milliseconds timeout = std::chrono::minutes(2));
   // Tunes a problem now on the daemon's device `device` (ordinal, or pci_bus_id when not empty).
-  Result<cache::TuningRecord> tune(const std::string& family, const Problem& problem, int device,
+  Result<cache::TuningRecord> tune(const Family& family, const Problem& problem, int device,
                                    const std::string& pci_bus_id = {},
                                    std::chrono::milliseconds timeout = std::chrono::minutes(10));
   // Daemon stats as JSON: {"daemon": {...}, "builder": {...}, "cache": {...}}.

@@ -119,7 +119,13 @@ class RuntimeImpl final : public Runtime {
     return out;
   }
 
-  Status launch(const Kernel& k, const Problem& problem, std::span<void* const> buffers, Stream stream) override {
+  Status launch(const Kernel& k, const Problem& given, std::span<void* const> buffers, Stream stream) override {
+    Problem problem = given;
+    {
+      std::lock_guard resolving(resolve_mu_);
+      KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, device_of(static_cast<CUcontext>(k.context)));
+      jit::set_device(problem, *dev);
+    }
     KILN_TRY(k.family->check_problem(k.params, problem));
     const LaunchGeometry g = k.family->geometry(k.params, problem);
     ArgPack args;
@@ -129,13 +135,15 @@ class RuntimeImpl final : public Runtime {
     return launch_kernel(jit::Driver::get().value(), k, g, static_cast<CUstream>(stream), args.pointers());
   }
 
-  Status run(const Family& family, const Problem& problem, std::span<void* const> buffers, Stream stream) override {
+  Status run(const Family& family, const Problem& given, std::span<void* const> buffers, Stream stream) override {
     const jit::Driver* d = jit::Driver::get().value();
     CUcontext ctx = nullptr;
     if (d->ctx_get_current(&ctx) != CUDA_SUCCESS || !ctx) {
       KILN_ASSIGN_OR_RETURN(ctx, jit::current_context());
     }
-    FastKey key{ctx, &family, problem.dtype, problem.alignment, problem.dims};
+    FastKey key{ctx, &family, given.dtype, given.alignment, {}};
+    for (const ProblemField& f : family.problem_fields())
+      if (f.key) key.fields[f.slot] = given.fields[f.slot].i;
     FastEntry entry;
     bool hit = false;
     {
@@ -145,11 +153,22 @@ class RuntimeImpl final : public Runtime {
         hit = true;
       }
     }
-    if (!hit) {
+    Problem problem = given;
+    if (hit) {
+      problem.cc = entry.cc;
+      problem.sm_count = entry.sm_count;
+    } else {
+      {
+        std::lock_guard resolving(resolve_mu_);
+        KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, device_of(ctx));
+        jit::set_device(problem, *dev);
+      }
       const Params params = choose(family, problem, ctx);
       KILN_TRY(family.check_problem(params, problem));
       KILN_ASSIGN_OR_RETURN(entry.kernel, kernel(KernelSpec{std::string(family.name()), params}));
       entry.geometry = family.geometry(params, problem);
+      entry.cc = problem.cc;
+      entry.sm_count = problem.sm_count;
       std::lock_guard lock(mu_);
       // Serving loops vary the token count every step; a bounded table keeps memory flat.
       if (fast_.size() >= k_fast_capacity) fast_.clear();
@@ -178,26 +197,29 @@ class RuntimeImpl final : public Runtime {
     CUmodule module = nullptr;
   };
 
-  // The fast path's key: everything a family's heuristic and geometry may depend on.
+  // The fast path's key: everything a family's heuristic and geometry may depend on (the context
+  // stands for the device; value fields stay zero).
   struct FastKey {
     CUcontext ctx;
     const Family* family;
     DType dtype;
     std::uint32_t alignment;
-    std::array<std::int64_t, Problem::k_max_dims> dims;
+    std::array<std::int64_t, Problem::k_max_fields> fields;
     bool operator==(const FastKey&) const = default;
   };
   struct FastHash {
     std::size_t operator()(const FastKey& k) const {
       std::uint64_t h = std::hash<const void*>()(k.ctx) ^ (std::hash<const void*>()(k.family) << 1);
       h = h * 0x9e3779b97f4a7c15ull + (std::uint64_t(k.dtype) << 32 | k.alignment);
-      for (auto v : k.dims) h = (h ^ std::uint64_t(v)) * 0x100000001b3ull;
+      for (auto v : k.fields) h = (h ^ std::uint64_t(v)) * 0x100000001b3ull;
       return std::size_t(h);
     }
   };
   struct FastEntry {
     const Kernel* kernel = nullptr;
     LaunchGeometry geometry;
+    std::uint8_t cc = 0;
+    std::uint16_t sm_count = 0;
   };
   static constexpr std::size_t k_fast_capacity = 4096;
   struct TunedMemo {
@@ -253,7 +275,7 @@ class RuntimeImpl final : public Runtime {
       KILN_TRY(connect_daemon());
       if (daemon_) {
         client::ResolveTarget target{dev->arch, dev->name, dev->driver_version, dev->pci_bus_id};
-        auto r = daemon_->resolve(std::string(family.name()), problem, target, autotune_);
+        auto r = daemon_->resolve(family, problem, target, autotune_);
         if (r.ok()) return r->tuned ? std::optional<Params>(r->params) : std::nullopt;
         const Code c = r.status().code();
         if (c != Code::unavailable && c != Code::timeout && c != Code::io_error && c != Code::shutting_down)

@@ -21,6 +21,8 @@ Status Registry::add(std::shared_ptr<const Family> family) {
   for (const auto& f : families_)
     if (f->name() == family->name())
       return invalid_argument("a family named '" + std::string(family->name()) + "' is already registered");
+  if (Status s = check_problem_fields(family->problem_fields()); !s.ok())
+    return invalid_argument(std::string(family->name()) + ": " + s.message());
   families_.push_back(std::move(family));
   return {};
 }

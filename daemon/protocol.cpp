@@ -227,14 +227,20 @@ nlohmann::json store_stats_to_json(const cache::Stats& s) {
 
 namespace kiln::daemon {
 
-nlohmann::json problem_to_json(const Problem& p) {
+nlohmann::json problem_to_json(const Family& family, const Problem& p) {
+  nlohmann::json fields = nlohmann::json::object();
+  for (const ProblemField& f : family.problem_fields()) {
+    if (f.type == FieldType::i64) fields[f.name] = p.fields[f.slot].i;
+    else fields[f.name] = p.fields[f.slot].f;
+  }
   return nlohmann::json{{"dtype", dtype_name(p.dtype)},
                         {"alignment", p.alignment},
-                        {"dims", p.dims},
-                        {"scalars", p.scalars}};
+                        {"cc", p.cc},
+                        {"sm_count", p.sm_count},
+                        {"fields", fields}};
 }
 
-Result<Problem> problem_from_json(const nlohmann::json& j) {
+Result<Problem> problem_from_json(const Family& family, const nlohmann::json& j) {
   if (!j.is_object()) return invalid_argument("problem is not a JSON object");
   Problem p;
   std::string dtype;
@@ -247,23 +253,30 @@ Result<Problem> problem_from_json(const nlohmann::json& j) {
   if (alignment < 1 || alignment > 256 || (alignment & (alignment - 1)))
     return invalid_argument("problem alignment must be a power of two from 1 to 256");
   p.alignment = std::uint32_t(alignment);
-  auto dims = j.find("dims");
-  if (dims == j.end() || !dims->is_array() || dims->size() > std::size_t(Problem::k_max_dims))
-    return invalid_argument("problem dims must be an array of at most " + std::to_string(Problem::k_max_dims) +
-                            " integers");
-  for (std::size_t i = 0; i < dims->size(); ++i) {
-    if (!(*dims)[i].is_number_integer()) return invalid_argument("problem dims must be integers");
-    p.dims[i] = (*dims)[i].get<std::int64_t>();
-  }
-  if (auto sc = j.find("scalars"); sc != j.end()) {
-    if (!sc->is_array() || sc->size() > std::size_t(Problem::k_max_scalars))
-      return invalid_argument("problem scalars must be an array of at most " +
-                              std::to_string(Problem::k_max_scalars) + " numbers");
-    for (std::size_t i = 0; i < sc->size(); ++i) {
-      if (!(*sc)[i].is_number()) return invalid_argument("problem scalars must be numbers");
-      p.scalars[i] = (*sc)[i].get<double>();
+  std::int64_t cc = 0, sms = 0;
+  if (j.contains("cc")) KILN_TRY(read_int(j, "cc", cc));
+  if (j.contains("sm_count")) KILN_TRY(read_int(j, "sm_count", sms));
+  if (cc < 0 || cc > 255 || sms < 0 || sms > 65535) return invalid_argument("problem cc or sm_count out of range");
+  p.cc = std::uint8_t(cc);
+  p.sm_count = std::uint16_t(sms);
+  auto fields = j.find("fields");
+  if (fields == j.end() || !fields->is_object()) return invalid_argument("problem fields must be a JSON object");
+  const auto& decl = family.problem_fields();
+  for (const auto& [name, value] : fields->items()) {
+    const std::string& wanted = name;
+    auto f = std::find_if(decl.begin(), decl.end(), [&](const ProblemField& d) { return d.name == wanted; });
+    if (f == decl.end())
+      return invalid_argument("family " + std::string(family.name()) + " has no problem field '" + name + "'");
+    if (f->type == FieldType::i64) {
+      if (!value.is_number_integer()) return invalid_argument("problem field '" + name + "' must be an integer");
+      p.fields[f->slot].i = value.get<std::int64_t>();
+    } else {
+      if (!value.is_number()) return invalid_argument("problem field '" + name + "' must be a number");
+      p.fields[f->slot].f = value.get<double>();
     }
   }
+  for (const ProblemField& f : decl)
+    if (!fields->contains(f.name)) return invalid_argument("problem field '" + f.name + "' is missing");
   return p;
 }
 

@@ -76,9 +76,10 @@ Result<jit::ArtifactSource> parse_source(std::string_view name);
 nlohmann::json builder_stats_to_json(const jit::BuilderStats& s);
 nlohmann::json store_stats_to_json(const cache::Stats& s);
 
-// A problem as {"dtype", "alignment", "dims": [...], "scalars": [...]} (resolve and tune).
-nlohmann::json problem_to_json(const Problem& p);
-Result<Problem> problem_from_json(const nlohmann::json& j);
+// A problem of `family` as {"dtype", "alignment", "cc", "sm_count", "fields": {name: value}}
+// (resolve and tune); reading needs every field named and refuses unknown ones.
+nlohmann::json problem_to_json(const Family& family, const Problem& p);
+Result<Problem> problem_from_json(const Family& family, const nlohmann::json& j);
 // A tuning record with every candidate (tune replies, `kiln tune --json`, `kiln ls --tuned --json`).
 nlohmann::json tuning_record_to_json(const cache::TuningRecord& r);
 Result<cache::TuningRecord> tuning_record_from_json(const nlohmann::json& j);

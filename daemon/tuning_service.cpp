@@ -59,7 +59,7 @@ Status read_tuning_request(const json& req, const Family*& family, Problem& prob
   if (!family) return not_found("no kernel family named '" + name + "'");
   auto it = req.find("problem");
   if (it == req.end()) return invalid_argument("missing field 'problem'");
-  KILN_ASSIGN_OR_RETURN(problem, problem_from_json(*it));
+  KILN_ASSIGN_OR_RETURN(problem, problem_from_json(*family, *it));
   return family->check_problem(family->heuristic(problem), problem);
 }
 

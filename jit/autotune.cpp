@@ -55,14 +55,19 @@ std::string rank_candidates(std::vector<cache::CandidateResult>& cands, const st
   return winner;
 }
 
-Result<cache::TuningRecord> Tuner::tune(const Family& family, const Problem& problem, const TuneOptions& o) {
+Result<cache::TuningRecord> Tuner::tune(const Family& family, const Problem& given, const TuneOptions& o) {
+  // The problem as it runs on the tuning device; without one, the checks below still run (and the
+  // device error comes after them).
+  auto device = device_info(o.device);
+  Problem problem = given;
+  if (device.ok()) set_device(problem, **device);
   const Problem tp = family.tuning_problem(problem);
   const Params heuristic = family.heuristic(tp);
   // Bad input fails here, before anything is compiled or launched.
   KILN_TRY(family.validate(heuristic));
   KILN_TRY(family.check_problem(heuristic, tp));
-  KILN_ASSIGN_OR_RETURN(const DeviceInfo* device, device_info(o.device));
-  const DeviceInfo& dev = *device;
+  if (!device.ok()) return device.status();
+  const DeviceInfo& dev = **device;
   KILN_ASSIGN_OR_RETURN(cache::Setup setup, tuning_setup(family, tp, dev.arch, dev.name, dev.driver_version));
 
   std::vector<Params> cands = o.candidates.empty() ? family.tuning_space(tp) : o.candidates;
@@ -194,10 +199,9 @@ Result<cache::TuningRecord> Tuner::tune(const Family& family, const Problem& pro
 }
 
 std::string describe_problem(const Family& family, const Problem& problem) {
-  const auto names = family.problem_dims();
   std::string s;
-  for (std::size_t i = 0; i < names.size() && i < std::size_t(Problem::k_max_dims); ++i)
-    s += (s.empty() ? "" : ",") + names[i] + "=" + std::to_string(problem.dims[i]);
+  for (const ProblemField& f : family.problem_fields())
+    s += (s.empty() ? "" : ",") + f.name + "=" + field_value_text(f, problem);
   return s;
 }
 

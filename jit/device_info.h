@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <string>
 
+#include "kiln/problem.h"
 #include "kiln/status.h"
 
 namespace kiln::jit {
@@ -27,6 +28,12 @@ struct DeviceInfo {
   int max_shared_optin = 0;    // dynamic shared memory one block may opt into, in bytes
   bool cluster_launch = false; // thread block clusters; false when the driver does not know the attribute
 };
+
+// Writes the device facts a problem carries (kiln/problem.h) from `d`.
+inline void set_device(Problem& p, const DeviceInfo& d) {
+  p.cc = std::uint8_t(d.compute_capability);
+  p.sm_count = std::uint16_t(d.sm_count);
+}
 
 // Device `ordinal`'s properties. Errors: a negative ordinal (device_error), no driver, a device
 // the driver does not know.

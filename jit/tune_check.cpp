@@ -91,14 +91,16 @@ cache::CandidateResult check_candidate(const Family& f, const Params& params, CU
 
 Problem check_problem_for(const Family& f, const Params& h, const Problem& tp, std::int64_t cap) {
   Problem cp = tp;
-  const int bd = f.bucketed_dim();
-  if (bd < 0 || bd >= Problem::k_max_dims) return cp;
+  const auto& fields = f.problem_fields();
+  const auto bucketed = std::find_if(fields.begin(), fields.end(), [](const ProblemField& pf) { return pf.bucketed; });
+  if (bucketed == fields.end()) return cp;
+  std::int64_t& n = cp.fields[bucketed->slot].i;
   auto largest = [&](const Problem& p) {
     std::int64_t m = 0;
     for (const auto& b : f.buffers(h, p)) m = std::max(m, b.elements);
     return m;
   };
-  while (cp.dims[bd] > 1 && largest(cp) > cap) cp.dims[bd] = (cp.dims[bd] + 1) / 2;
+  while (n > 1 && largest(cp) > cap) n = (n + 1) / 2;
   return f.check_problem(h, cp).ok() ? cp : tp;
 }
 

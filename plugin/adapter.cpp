@@ -42,17 +42,28 @@ bool valid_value(std::string_view s) {
   return true;
 }
 
+// The descriptor's problem fields; check_descriptor has checked that each has a name.
+std::vector<ProblemField> fields_of(const kiln_family& d) {
+  std::vector<ProblemField> out;
+  for (std::uint32_t i = 0; i < d.field_count; ++i) {
+    const kiln_problem_field& f = d.fields[i];
+    ProblemField pf;
+    pf.name = f.name ? f.name : "";
+    pf.type = static_cast<FieldType>(f.type);
+    pf.slot = f.slot;
+    pf.key = (f.flags & (KILN_FIELD_KEY | KILN_FIELD_BUCKETED)) != 0;
+    pf.bucketed = (f.flags & KILN_FIELD_BUCKETED) != 0;
+    pf.doc = f.doc ? f.doc : "";
+    out.push_back(std::move(pf));
+  }
+  return out;
+}
+
 class PluginFamily final : public Family {
  public:
   PluginFamily(const kiln_family& d, std::shared_ptr<const PluginInfo> info, std::shared_ptr<const TemplateFiles> templates)
-      : vt_(d.vtable), ctx_(d.context), name_(d.name), version_(d.version), bucketed_(d.bucketed_dim),
-        // A descriptor built before `flags` was appended has none set.
-        programmatic_(d.struct_size >= offsetof(kiln_family, flags) + sizeof(d.flags) &&
-                      (d.flags & KILN_FAMILY_PROGRAMMATIC_LAUNCH) != 0),
-        // A vtable built before `runs_on` was appended has none: every variant runs everywhere.
-        runs_on_(d.vtable->struct_size >= offsetof(kiln_family_vtable, runs_on) + sizeof(d.vtable->runs_on)
-                     ? d.vtable->runs_on
-                     : nullptr),
+      : vt_(d.vtable), ctx_(d.context), name_(d.name), version_(d.version),
+        programmatic_((d.flags & KILN_FAMILY_PROGRAMMATIC_LAUNCH) != 0), runs_on_(d.vtable->runs_on),
         info_(std::move(info)), templates_(std::move(templates)) {
     for (std::uint32_t i = 0; i < d.param_count; ++i) {
       const kiln_param_def& p = d.params[i];
@@ -61,8 +72,7 @@ class PluginFamily final : public Family {
       for (std::uint32_t j = 0; j < p.choice_count; ++j) def.choices.emplace_back(p.choices[j] ? p.choices[j] : "");
       schema_.push_back(std::move(def));
     }
-    for (std::uint32_t i = 0; i < d.dim_count; ++i) dims_.emplace_back(d.dims[i] ? d.dims[i] : "");
-    for (std::uint32_t i = 0; i < d.scalar_count; ++i) scalars_.emplace_back(d.scalars[i] ? d.scalars[i] : "");
+    fields_ = fields_of(d);
   }
   ~PluginFamily() override {
     for (const auto& [canonical, handle] : bound_) vt_->unbind(ctx_, handle);
@@ -91,10 +101,8 @@ class PluginFamily final : public Family {
   std::string_view name() const override { return name_; }
   int version() const override { return version_; }
   const std::vector<ParamDef>& schema() const override { return schema_; }
-  std::vector<std::string> problem_dims() const override { return dims_; }
-  std::vector<std::string> problem_scalars() const override { return scalars_; }
+  const std::vector<ProblemField>& problem_fields() const override { return fields_; }
   std::vector<Params> catalog() const override { return catalog_; }
-  int bucketed_dim() const override { return bucketed_; }
   bool programmatic_launch() const override { return programmatic_; }
   const PluginInfo* plugin() const override { return info_.get(); }
   const TemplateFiles* template_files() const override { return templates_.get(); }
@@ -335,13 +343,12 @@ class PluginFamily final : public Family {
   void* ctx_;
   std::string name_;
   int version_;
-  int bucketed_;
   bool programmatic_;
   decltype(kiln_family_vtable::runs_on) runs_on_;
   std::shared_ptr<const PluginInfo> info_;
   std::shared_ptr<const TemplateFiles> templates_;
   std::vector<ParamDef> schema_;
-  std::vector<std::string> dims_, scalars_;
+  std::vector<ProblemField> fields_;
   std::vector<Params> catalog_;
   mutable std::mutex mu_;
   mutable std::map<std::string, void*> bound_;
@@ -392,18 +399,17 @@ Status check_descriptor(const kiln_family& d) {
       if (!choices.insert(p.choices[j]).second) return bad("parameter '" + pn + "' lists a value twice");
     }
   }
-  auto check_slots = [&](const char* const* slots, std::uint32_t n, std::uint32_t max, const char* what) -> Status {
-    if (n > max) return bad(std::string("more than ") + std::to_string(max) + " " + what);
-    if (n && !slots) return bad(std::string("null ") + what + " list");
-    std::set<std::string> seen;
-    for (std::uint32_t i = 0; i < n; ++i)
-      if (!slots[i] || !valid_identifier(slots[i]) || !seen.insert(slots[i]).second)
-        return bad(std::string(what) + " names must be distinct [a-z][a-z0-9_]*");
-    return {};
-  };
-  KILN_TRY(check_slots(d.dims, d.dim_count, KILN_PLUGIN_MAX_DIMS, "dims"));
-  KILN_TRY(check_slots(d.scalars, d.scalar_count, KILN_PLUGIN_MAX_SCALARS, "scalars"));
-  if (d.bucketed_dim < -1 || d.bucketed_dim >= std::int32_t(d.dim_count)) return bad("bucketed_dim is not a dims slot");
+  if (d.field_count > KILN_PLUGIN_MAX_FIELDS) return bad("more than " + std::to_string(KILN_PLUGIN_MAX_FIELDS) + " problem fields");
+  if (d.field_count && !d.fields) return bad("null problem field list");
+  for (std::uint32_t i = 0; i < d.field_count; ++i) {
+    const kiln_problem_field& f = d.fields[i];
+    if (!f.name) return bad("problem field " + std::to_string(i) + " has no name");
+    if (f.type != KILN_FIELD_I64 && f.type != KILN_FIELD_F64)
+      return bad("problem field '" + std::string(f.name) + "' has an unknown type");
+    if (f.flags & ~(KILN_FIELD_KEY | KILN_FIELD_BUCKETED))
+      return bad("problem field '" + std::string(f.name) + "' has unknown flags");
+  }
+  if (Status s = check_problem_fields(fields_of(d)); !s.ok()) return bad(s.message());
   if (d.catalog_count == 0 || !d.catalog) return bad("an empty catalog (kiln prewarm and the conformance test need one)");
   return {};
 }

@@ -389,21 +389,32 @@ kiln_code kiln_op_infer(const kiln_op* op, const kiln_tensor* const* tensors, in
   });
 }
 
-kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const int64_t* dims, int32_t dim_count,
-                      const double* scalars, int32_t scalar_count, uint32_t alignment, void* const* buffers,
-                      int32_t buffer_count, void* stream) {
+const char* kiln_family_describe(const char* family) {
+  static std::mutex mu;
+  static std::map<const kiln::Family*, std::string> described;
+  const kiln::Family* f = family ? kiln::Registry::global().find(family) : nullptr;
+  if (!f) {
+    fail(kiln::not_found(std::string("no kernel family named '") + (family ? family : "(null)") + "'"));
+    return nullptr;
+  }
+  std::lock_guard lock(mu);
+  auto it = described.find(f);
+  if (it == described.end()) it = described.emplace(f, kiln::describe_family(*f)).first;
+  return it->second.c_str();
+}
+
+kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const kiln_value* fields,
+                      int32_t field_count, uint32_t alignment, void* const* buffers, int32_t buffer_count,
+                      void* stream) {
   return guarded([&] {
     if (!family) return fail(kiln::invalid_argument("family is NULL"));
     const kiln::Family* f = kiln::Registry::global().find(family);
     if (!f) return fail(kiln::not_found(std::string("no kernel family named '") + family + "'"));
     if (dtype < 0 || dtype > KILN_I64) return fail(kiln::unsupported_dtype("unknown dtype code"));
-    if (dim_count < 0 || dim_count > kiln::Problem::k_max_dims || (dim_count && !dims) || scalar_count < 0 ||
-        scalar_count > kiln::Problem::k_max_scalars || (scalar_count && !scalars))
-      return fail(kiln::invalid_argument("kiln_launch: at most 8 dims and 4 scalars, with their arrays"));
-    if (dim_count != int32_t(f->problem_dims().size()) || scalar_count != int32_t(f->problem_scalars().size()))
+    const auto& decl = f->problem_fields();
+    if (field_count != int32_t(decl.size()) || (field_count && !fields))
       return fail(kiln::invalid_argument(std::string("kiln_launch: ") + family + " takes " +
-                                         std::to_string(f->problem_dims().size()) + " dims and " +
-                                         std::to_string(f->problem_scalars().size()) + " scalars"));
+                                         std::to_string(decl.size()) + " problem fields"));
     if (buffer_count < 0 || buffer_count > int32_t(kiln::ArgPack::k_max_args) || (buffer_count && !buffers))
       return fail(kiln::invalid_argument("kiln_launch: bad buffer list"));
     kiln::Problem p;
@@ -414,8 +425,10 @@ kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const
       bits |= reinterpret_cast<std::uintptr_t>(buffers[i]);
     }
     p.alignment = std::uint32_t(bits & (~bits + 1));
-    for (int32_t i = 0; i < dim_count; ++i) p.dims[std::size_t(i)] = dims[i];
-    for (int32_t i = 0; i < scalar_count; ++i) p.scalars[std::size_t(i)] = scalars[i];
+    for (const kiln::ProblemField& pf : decl) {
+      if (pf.type == kiln::FieldType::i64) p.fields[pf.slot].i = fields[pf.slot].i64;
+      else p.fields[pf.slot].f = fields[pf.slot].f64;
+    }
     // The buffer count must match the family's own list for this problem.
     const auto specs = f->buffers(f->heuristic(p), p);
     if (std::size_t(buffer_count) != specs.size())

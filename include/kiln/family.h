@@ -23,6 +23,7 @@
 
 #include "kiln/op.h"
 #include "kiln/plugin.h"
+#include "kiln/problem.h"
 #include "kiln/spec.h"
 #include "kiln/status.h"
 #include "kiln/types.h"
@@ -55,26 +56,6 @@ struct LaunchGeometry {
   Dim3 block;
   std::uint32_t shared_bytes = 0;
 };
-
-// A problem instance: sizes and scalars whose meaning each family documents (problem_dims() and
-// problem_scalars() name the slots), the element type, and the smallest byte alignment among the
-// buffers' base addresses and row strides. Plain data so the launch path never allocates.
-struct Problem {
-  static constexpr int k_max_dims = 8;
-  static constexpr int k_max_scalars = 4;
-  DType dtype = DType::f32;
-  std::uint32_t alignment = 16;
-  std::array<std::int64_t, k_max_dims> dims{};
-  std::array<double, k_max_scalars> scalars{};
-};
-// The plugin ABI's kiln_problem has this layout: the launch path hands a Problem to a plugin by
-// address, without a copy (kiln/plugin_cpp.h, plugin/adapter.cpp).
-static_assert(std::is_standard_layout_v<Problem> && sizeof(Problem) == sizeof(kiln_problem) &&
-              offsetof(Problem, dtype) == offsetof(kiln_problem, dtype) &&
-              offsetof(Problem, alignment) == offsetof(kiln_problem, alignment) &&
-              offsetof(Problem, dims) == offsetof(kiln_problem, dims) &&
-              offsetof(Problem, scalars) == offsetof(kiln_problem, scalars) && sizeof(DType) == 1 &&
-              Problem::k_max_dims == KILN_PLUGIN_MAX_DIMS && Problem::k_max_scalars == KILN_PLUGIN_MAX_SCALARS);
 
 enum class BufferRole : std::uint8_t { input, output };
 
@@ -150,9 +131,9 @@ class Family {
   // Bump when the generated code changes meaning; it is part of every cache key.
   virtual int version() const = 0;
   virtual const std::vector<ParamDef>& schema() const = 0;
-  // Names of the Problem::dims and Problem::scalars slots, in order.
-  virtual std::vector<std::string> problem_dims() const = 0;
-  virtual std::vector<std::string> problem_scalars() const = 0;
+  // The problem's fields (kiln/problem.h): which slot holds what, which fields are keys, and the
+  // one the tuning signature buckets. Valid as long as the family lives.
+  virtual const std::vector<ProblemField>& problem_fields() const = 0;
 
   // Checks params against schema(): every parameter present, no unknown ones, each value in its
   // allowed set. Families add cross-parameter rules by overriding and calling this first.
@@ -190,19 +171,17 @@ class Family {
                                std::span<void* const> buffers) const = 0;
 
   // ---- tuning (docs/autotune.md) ----
-  // The Problem::dims slot that tuning signatures bucket to powers of two (the token or row count,
-  // which varies call to call); -1 for none. Default: slot 0.
-  virtual int bucketed_dim() const { return 0; }
   // The key tuning results are stored under: "dtype=bf16,align=16,rows<=4096,cols=4096,...".
-  // Default: the bucketed dim rounded up to a power of two (tuning_bucket), every other dim exact,
-  // dtype and alignment included, scalars left out. Problems with one signature share a winner.
+  // Default: dtype and alignment, then every key field in declaration order, the bucketed one
+  // rounded up to a power of two (tuning_bucket); value fields are left out. Problems with one
+  // signature share a winner.
   virtual std::string signature(const Problem& problem) const;
-  // The problem timed for problem's signature: problem with its bucketed dim set to the bucket's
+  // The problem timed for problem's signature: problem with its bucketed field set to the bucket's
   // upper bound, so every member of a bucket is tuned on the same instance.
   virtual Problem tuning_problem(const Problem& problem) const;
-  // A problem from named sizes (`kiln tune --shape rows=4096,cols=4096`), 16-byte aligned. The
-  // default needs every dim named; families fill in what follows from the rest (contiguous row
-  // strides, say) and default scalars.
+  // A problem from named fields (`kiln tune --shape rows=4096,cols=4096`), 16-byte aligned. The
+  // default needs every key field named and sets value fields that are not named to 0; families
+  // fill in what follows from the rest (contiguous row strides, say) and default values.
   virtual Result<Problem> problem_from_shape(DType dtype,
                                              const std::vector<std::pair<std::string, std::int64_t>>& shape) const;
   // The shapes `kiln tune --all` tunes (the family's benchmark shapes); empty when none declared.
@@ -227,6 +206,10 @@ class Family {
 // The catalog variants that run on `arch` ("sm_90a"): catalog() filtered through runs_on, in
 // catalog order. invalid_argument for a bad arch name.
 Result<std::vector<Params>> catalog_for(const Family& family, std::string_view arch);
+
+// The family as JSON: name, version, plugin, problem fields (name, slot, type, key, bucketed, doc)
+// and parameter schema (kiln_family_describe, `kiln plugins --json`).
+std::string describe_family(const Family& family);
 
 // The bucket a size falls in for tuning: the smallest power of two >= n (0 for n <= 0).
 std::int64_t tuning_bucket(std::int64_t n);

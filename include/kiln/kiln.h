@@ -8,8 +8,10 @@
  * kiln_abi_version() >= N at load time. Version 1: runtime and kiln_rms_norm. Version 2: every
  * typed op (RMSNorm with inv_rms and backward, add + RMSNorm, activation-and-mul, RoPE, RMSNorm +
  * RoPE), the runtime counters and kiln_pointer_device. Version 3: kiln_quantize_fp8, kiln_fp8_gemm,
- * kiln_fused_gated_mlp. Version 4: ops by their declarations (kiln_op_*) and kiln_launch, the
- * generic launch of any registered family, plugins' included.
+ * kiln_fused_gated_mlp. Version 4: ops by their declarations (kiln_op_*). Version 5: typed
+ * problems: kiln_family_describe, and kiln_launch (the generic launch of any registered family,
+ * plugins' included) takes the family's problem fields; version 4's kiln_launch, which took
+ * untyped dims and scalars, is gone.
  *
  * Each op is the C++ op of the same name in kiln/ops.h, with that contract: it validates every
  * tensor and returns KILN_DEVICE_ERROR, KILN_SHAPE_MISMATCH, KILN_UNSUPPORTED_DTYPE or
@@ -26,7 +28,7 @@
 extern "C" {
 #endif
 
-#define KILN_ABI_VERSION 4
+#define KILN_ABI_VERSION 5
 
 /* Same values as kiln::Code. */
 typedef enum kiln_code {
@@ -208,15 +210,23 @@ kiln_code kiln_op_call(kiln_runtime* rt, const kiln_op* op, const kiln_tensor* c
 kiln_code kiln_op_infer(const kiln_op* op, const kiln_tensor* const* tensors, int32_t tensor_count,
                         const kiln_value* scalars, int32_t scalar_count, kiln_shape* outputs, int32_t output_count);
 
+/* --- ABI version 5: any registered family by its typed problem --- */
+
+/* The family `family` as JSON: {"name", "version", "plugin", "fields": [{"name", "slot", "type"
+ * ("i64" or "f64"), "key", "bucketed", "doc"}], "params": [{"name", "doc", "ints" | "choices"}]};
+ * valid for the process's life. NULL (and kiln_last_error set) when no family has that name. */
+const char* kiln_family_describe(const char* family);
+
 /* Launches the registered kernel family `family` (built in or from a plugin) on CUDA buffers:
- * dims and scalars fill the family's problem slots in order (kiln family describes them), dtype
- * its element type; the problem's alignment is the smallest of the buffers' address alignments
- * (at most 16 bytes) and `alignment` (pass 16 when row strides are multiples of 16 bytes). The
- * variant is the tuned or heuristic one, as for a typed op. Checks the problem with the family
- * (check_problem) before anything is compiled or launched. */
-kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const int64_t* dims, int32_t dim_count,
-                      const double* scalars, int32_t scalar_count, uint32_t alignment, void* const* buffers,
-                      int32_t buffer_count, void* stream);
+ * fields[i] is the problem field in slot i (kiln_family_describe lists them; i64 fields read
+ * .i64, f64 fields read .f64), field_count the family's field count, dtype its element type; the
+ * problem's alignment is the smallest of the buffers' address alignments (at most 16 bytes) and
+ * `alignment` (pass 16 when row strides are multiples of 16 bytes). The variant is the tuned or
+ * heuristic one, as for a typed op. Checks the problem with the family (check_problem) before
+ * anything is compiled or launched. */
+kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const kiln_value* fields,
+                      int32_t field_count, uint32_t alignment, void* const* buffers, int32_t buffer_count,
+                      void* stream);
 
 #ifdef __cplusplus
 }

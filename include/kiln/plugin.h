@@ -3,7 +3,7 @@
  * A plugin is a shared library that exports one C function, KILN_PLUGIN_ENTRY_SYMBOL
  * ("kiln_plugin_entry"), returning a kiln_plugin descriptor: the ABI version it was built for, its
  * name and version, an init/shutdown pair, and its families. Each family is a kiln_family: static
- * data (name, version, parameter schema, problem slot names, catalog, template files) plus a vtable
+ * data (name, version, parameter schema, problem fields, catalog, template files) plus a vtable
  * of C functions that take the family's context pointer. kiln's built-in families are exported
  * through this same ABI (kiln/plugin_cpp.h) and registered by the same loader.
  *
@@ -51,10 +51,9 @@ extern "C" {
 #define KILN_PLUGIN_ALIGN64 _Alignas(64)
 #endif
 
-#define KILN_PLUGIN_API_VERSION 1
+#define KILN_PLUGIN_API_VERSION 2
 #define KILN_PLUGIN_ENTRY_SYMBOL "kiln_plugin_entry"
-#define KILN_PLUGIN_MAX_DIMS 8
-#define KILN_PLUGIN_MAX_SCALARS 4
+#define KILN_PLUGIN_MAX_FIELDS 16
 #define KILN_PLUGIN_ERROR_CAPACITY 1024
 
 /* An error message, written by the plugin into storage kiln supplies. */
@@ -106,17 +105,44 @@ typedef struct kiln_template_file {
   size_t size;
 } kiln_template_file;
 
-/* kiln::Problem: sizes and scalars named by the family's dims / scalars, the element type and the
- * smallest byte alignment of the buffers' addresses and row strides. The same layout as
- * kiln::Problem (checked in kiln/family.h), so a launch passes the problem without copying it;
- * `reserved` bytes are undefined on input and ignored on output. */
+/* One field of a problem: a 64-bit integer or a double, as the family's field list types it. */
+typedef union kiln_problem_value {
+  int64_t i;
+  double f;
+} kiln_problem_value;
+
+/* kiln::Problem: the family's problem fields (kiln_family.fields says which slot holds what), the
+ * element type, the smallest byte alignment of the buffers' addresses and row strides, and the
+ * device the problem runs on (filled by kiln from its device cache; 0 when unknown). The same
+ * layout as kiln::Problem (checked in kiln/problem.h), so a launch passes the problem without
+ * copying it; slots no field names are undefined on input and ignored on output. */
 typedef struct kiln_problem {
-  uint8_t dtype; /* kiln_dtype */
-  uint8_t reserved[3];
+  uint8_t dtype;     /* kiln_dtype */
+  uint8_t cc;        /* compute capability, major * 10 + minor */
+  uint16_t sm_count; /* multiprocessors */
   uint32_t alignment;
-  int64_t dims[KILN_PLUGIN_MAX_DIMS];
-  double scalars[KILN_PLUGIN_MAX_SCALARS];
+  kiln_problem_value fields[KILN_PLUGIN_MAX_FIELDS];
 } kiln_problem;
+
+typedef enum kiln_field_type { KILN_FIELD_I64 = 0, KILN_FIELD_F64 = 1 } kiln_field_type;
+
+/* kiln_problem_field.flags. A key field may pick a different variant (the heuristic, the launch
+ * geometry and the tuning signature read it); every other field is a per-call value that only
+ * check_problem, pack_args, buffers and cpu_reference read, so problems that differ only in such
+ * values share a variant and a tuning result. At most one field is bucketed: an i64 key that
+ * tuning signatures round up to a power of two (the token or row count). */
+#define KILN_FIELD_KEY 1u
+#define KILN_FIELD_BUCKETED 2u
+
+/* One named field of a family's problem. Slots are 0..field_count-1, each named once. */
+typedef struct kiln_problem_field {
+  const char* name; /* [a-z][a-z0-9_]* */
+  const char* doc;
+  uint32_t slot;    /* index into kiln_problem.fields */
+  uint8_t type;     /* kiln_field_type */
+  uint8_t flags;    /* KILN_FIELD_* bits; BUCKETED implies KEY */
+  uint16_t reserved;
+} kiln_problem_field;
 
 typedef enum kiln_buffer_role { KILN_BUFFER_INPUT = 0, KILN_BUFFER_OUTPUT = 1 } kiln_buffer_role;
 
@@ -287,18 +313,15 @@ typedef struct kiln_family_vtable {
   /* Frees the storage behind a result's `owner`. */
   void (*release)(void* ctx, void* owner);
 
-  /* Appended after API version 1's first release (read only when struct_size covers it). */
   /* Optional: whether the validated params' variant can run on a device of `arch` (*runs = 1) or
    * not (*runs = 0); kiln compiles a family's catalog for an arch only where it does (kiln
-   * prewarm). NULL, or a vtable whose struct_size stops before it: every variant runs on every
-   * arch. */
+   * prewarm). NULL: every variant runs on every arch. */
   int (*runs_on)(void* ctx, const kiln_params* params, const kiln_arch* arch, int32_t* runs,
                  kiln_plugin_error* err);
 } kiln_family_vtable;
 
-/* The size of kiln_family_vtable before `runs_on` was appended: the smallest struct_size kiln
- * accepts. */
-#define KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE offsetof(kiln_family_vtable, runs_on)
+/* The smallest struct_size kiln accepts: the vtable as this API version first shipped it. */
+#define KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE sizeof(kiln_family_vtable)
 
 typedef struct kiln_family {
   uint32_t struct_size; /* sizeof(kiln_family) as the plugin was built */
@@ -306,18 +329,14 @@ typedef struct kiln_family {
   int32_t version;      /* bump when generated code changes meaning; part of every cache key */
   const kiln_param_def* params;
   uint32_t param_count;
-  const char* const* dims; /* names of kiln_problem.dims slots, in order (at most 8) */
-  uint32_t dim_count;
-  const char* const* scalars; /* names of kiln_problem.scalars slots (at most 4) */
-  uint32_t scalar_count;
-  int32_t bucketed_dim; /* the dims slot tuning signatures bucket to powers of two; -1 for none */
+  const kiln_problem_field* fields; /* the problem's fields (at most KILN_PLUGIN_MAX_FIELDS) */
+  uint32_t field_count;
   const kiln_params* catalog; /* every variant worth compiling ahead of time (kiln prewarm) */
   uint32_t catalog_count;
   const kiln_template_file* templates; /* the headers the family's sources include */
   uint32_t template_count;
   const kiln_family_vtable* vtable;
   void* context;
-  /* Appended after API version 1's first release (read only when struct_size covers it). */
   uint32_t flags; /* KILN_FAMILY_* bits */
 } kiln_family;
 
@@ -325,8 +344,8 @@ typedef struct kiln_family {
  * memory that the kernel before it in the stream may write or read, so kiln may launch it as a
  * programmatic dependent of that kernel on sm_90 and later (Family::programmatic_launch). */
 #define KILN_FAMILY_PROGRAMMATIC_LAUNCH 1u
-/* The size of kiln_family before `flags` was appended: the smallest struct_size kiln accepts. */
-#define KILN_FAMILY_MIN_STRUCT_SIZE offsetof(kiln_family, flags)
+/* The smallest struct_size kiln accepts: kiln_family as this API version first shipped it. */
+#define KILN_FAMILY_MIN_STRUCT_SIZE sizeof(kiln_family)
 
 /* What kiln tells a plugin at init. */
 typedef struct kiln_host {

@@ -47,26 +47,28 @@ inline Params to_params(const kiln_params* p) {
   return out;
 }
 
-// A problem kiln passed in: a kiln::Problem by address (one layout; family.h checks it).
+// A problem kiln passed in: a kiln::Problem by address (one layout; problem.h checks it).
 inline const Problem& as_problem(const kiln_problem* p) { return *reinterpret_cast<const Problem*>(p); }
 inline const kiln_problem* as_c(const Problem& p) { return reinterpret_cast<const kiln_problem*>(&p); }
 
-// A problem a plugin wrote into a kiln_problem, copied field by field (its reserved bytes aside).
+// A problem a plugin wrote into a kiln_problem, copied field by field.
 inline Problem to_problem(const kiln_problem* p) {
   Problem out;
   out.dtype = static_cast<DType>(p->dtype);
+  out.cc = p->cc;
+  out.sm_count = p->sm_count;
   out.alignment = p->alignment;
-  std::memcpy(out.dims.data(), p->dims, sizeof(p->dims));
-  std::memcpy(out.scalars.data(), p->scalars, sizeof(p->scalars));
+  std::memcpy(out.fields.data(), p->fields, sizeof(p->fields));
   return out;
 }
 
 inline kiln_problem to_c(const Problem& p) {
   kiln_problem out{};
   out.dtype = std::uint8_t(p.dtype);
+  out.cc = p.cc;
+  out.sm_count = p.sm_count;
   out.alignment = p.alignment;
-  std::memcpy(out.dims, p.dims.data(), sizeof(out.dims));
-  std::memcpy(out.scalars, p.scalars.data(), sizeof(out.scalars));
+  std::memcpy(out.fields, p.fields.data(), sizeof(out.fields));
   return out;
 }
 
@@ -146,10 +148,11 @@ class ExportedFamily {
       defs_.push_back(kiln_param_def{d.name.c_str(), d.doc.c_str(), d.ints.data(), std::uint32_t(d.ints.size()),
                                      choice_ptrs_[i].data(), std::uint32_t(choice_ptrs_[i].size())});
     }
-    dims_ = f.problem_dims();
-    scalars_ = f.problem_scalars();
-    for (const auto& d : dims_) dim_ptrs_.push_back(d.c_str());
-    for (const auto& s : scalars_) scalar_ptrs_.push_back(s.c_str());
+    fields_ = f.problem_fields();
+    for (const ProblemField& pf : fields_)
+      field_descs_.push_back(kiln_problem_field{
+          pf.name.c_str(), pf.doc.c_str(), pf.slot, std::uint8_t(pf.type),
+          std::uint8_t((pf.key ? KILN_FIELD_KEY : 0u) | (pf.bucketed ? KILN_FIELD_BUCKETED : 0u)), 0});
     catalog_.params = f.catalog();
     catalog_.build();
     for (const auto& [path, source] : export_.templates)
@@ -160,11 +163,8 @@ class ExportedFamily {
     desc_.version = f.version();
     desc_.params = defs_.data();
     desc_.param_count = std::uint32_t(defs_.size());
-    desc_.dims = dim_ptrs_.data();
-    desc_.dim_count = std::uint32_t(dim_ptrs_.size());
-    desc_.scalars = scalar_ptrs_.data();
-    desc_.scalar_count = std::uint32_t(scalar_ptrs_.size());
-    desc_.bucketed_dim = f.bucketed_dim();
+    desc_.fields = field_descs_.data();
+    desc_.field_count = std::uint32_t(field_descs_.size());
     desc_.catalog = catalog_.lists.data();
     desc_.catalog_count = std::uint32_t(catalog_.lists.size());
     desc_.templates = templates_.data();
@@ -314,8 +314,8 @@ class ExportedFamily {
   std::vector<ParamDef> schema_;
   std::vector<std::vector<const char*>> choice_ptrs_;
   std::vector<kiln_param_def> defs_;
-  std::vector<std::string> dims_, scalars_;
-  std::vector<const char*> dim_ptrs_, scalar_ptrs_;
+  std::vector<ProblemField> fields_;
+  std::vector<kiln_problem_field> field_descs_;
   ParamsList catalog_;
   std::vector<kiln_template_file> templates_;
   kiln_family desc_{};

@@ -9,7 +9,7 @@ from ._errors import (CompileError, CorruptionError, DeviceError, DriverError, I
                       UnavailableError, UnsupportedDtypeError)
 from ._lib import ABI_VERSION, lib as _lib, library_path
 from . import ops
-from .ops import (ACTIVATIONS, OPS, FP8_GRANULARITIES, GATED_ACTIVATIONS, ROPE_LAYOUTS, Runtime, act_and_mul, launch,
+from .ops import (ACTIVATIONS, OPS, FP8_GRANULARITIES, GATED_ACTIVATIONS, ROPE_LAYOUTS, Runtime, act_and_mul, describe_family, launch,
                   add_rms_norm, apply_rope_qk, counters, fp8_gemm, fused_gated_mlp, quantize_fp8, resolver, rms_norm,
                   rms_norm_backward, rms_norm_backward_workspace_elements, rms_norm_rope, rms_norm_with_inv_rms)
 
@@ -31,6 +31,6 @@ __all__ = [
     "rms_norm_backward", "rms_norm_backward_workspace_elements", "add_rms_norm", "act_and_mul", "apply_rope_qk",
     "rms_norm_rope", "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "counters", "resolver", "abi_version",
     "library_path", "ABI_VERSION", "ACTIVATIONS", "ROPE_LAYOUTS", "FP8_GRANULARITIES", "GATED_ACTIVATIONS", "OPS",
-    "launch",
+    "launch", "describe_family",
 ] + sorted(set(OPS) - {"rms_norm", "rms_norm_backward", "add_rms_norm", "act_and_mul", "apply_rope_qk",
                        "rms_norm_rope", "quantize_fp8", "fp8_gemm", "fused_gated_mlp"})

@@ -1,10 +1,10 @@
-"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 4)."""
+"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 5)."""
 import ctypes
 import os
 
 from ._errors import error_for
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _P = ctypes.c_void_p
 
@@ -17,8 +17,7 @@ _OPS = {
     "kiln_op_count": (_P,),
     "kiln_op_at": (ctypes.c_int32, _P),
     "kiln_op_infer": (_P, _P, ctypes.c_int32, _P, ctypes.c_int32, _P, ctypes.c_int32),
-    "kiln_launch": (_P, ctypes.c_char_p, ctypes.c_int32, _P, ctypes.c_int32, _P, ctypes.c_int32, ctypes.c_uint32, _P,
-                    ctypes.c_int32, _P),
+    "kiln_launch": (_P, ctypes.c_char_p, ctypes.c_int32, _P, ctypes.c_int32, ctypes.c_uint32, _P, ctypes.c_int32, _P),
 }
 
 
@@ -53,6 +52,8 @@ def _load():
     lib.kiln_runtime_resolver_name.argtypes = (_P,)
     lib.kiln_op_describe.restype = ctypes.c_char_p
     lib.kiln_op_describe.argtypes = (_P,)
+    lib.kiln_family_describe.restype = ctypes.c_char_p
+    lib.kiln_family_describe.argtypes = (ctypes.c_char_p,)
     for name, argtypes in _OPS.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int

@@ -233,21 +233,45 @@ def _address(b):
     raise InvalidArgumentError(f"kiln.launch takes device addresses or CUDA arrays, not {type(b).__name__}")
 
 
-def launch(family, buffers, dims, scalars=(), dtype="f32", alignment=16, *, stream=None, runtime=None):
+def describe_family(family):
+    """The registered kernel family `family` (built in or from a plugin) as a dict: its name,
+    version, plugin, problem fields (name, slot, type "i64" or "f64", key, bucketed, doc) and
+    parameter schema (kiln_family_describe)."""
+    text = lib.kiln_family_describe(str(family).encode())
+    if text is None:
+        raise_for(5)  # KILN_NOT_FOUND, with kiln_last_error's message
+    return json.loads(text)
+
+
+def launch(family, buffers, fields, dtype="f32", alignment=16, *, stream=None, runtime=None):
     """Launches the kernel family `family` (built in or from a plugin) on CUDA buffers, with no typed
-    op in between (kiln_launch): `dims` and `scalars` fill the family's problem slots in order
-    (`kiln plugins --json` and the family's docs name them), `dtype` is its element type, and the
-    buffers (device addresses or CUDA arrays) go in the family's order. The variant is the tuned or
-    heuristic one; the family checks the problem before anything is compiled or launched."""
+    op in between (kiln_launch): `fields` maps every problem field of the family to its value
+    (describe_family lists them), `dtype` is its element type, and the buffers (device addresses or
+    CUDA arrays) go in the family's order. The variant is the tuned or heuristic one; the family
+    checks the problem before anything is compiled or launched."""
     code = _DTYPE_BY_NAME.get(str(dtype).replace("torch.", ""))
     if code is None:
         raise UnsupportedDtypeError(f"kiln.launch: unknown dtype {dtype!r}")
-    dims_c = (ctypes.c_int64 * max(1, len(dims)))(*dims)
-    scalars_c = (ctypes.c_double * max(1, len(scalars)))(*scalars)
+    decl = describe_family(family)["fields"]
+    names = {f["name"] for f in decl}
+    unknown = sorted(set(fields) - names)
+    missing = sorted(names - set(fields))
+    if unknown or missing:
+        raise InvalidArgumentError(f"kiln.launch: {family} has problem fields {sorted(names)}; "
+                                   f"unknown {unknown}, missing {missing}")
+    values = (_Value * max(1, len(decl)))()
+    for f in decl:
+        v = fields[f["name"]]
+        if f["type"] == "f64":
+            values[f["slot"]].f64 = float(v)
+        else:
+            if isinstance(v, float) and not v.is_integer():
+                raise InvalidArgumentError(f"kiln.launch: field {f['name']} is an integer, not {v!r}")
+            values[f["slot"]].i64 = int(v)
     addrs = (ctypes.c_void_p * max(1, len(buffers)))(*[_address(b) for b in buffers])
     handle = 0 if stream is None else A.as_stream(stream)
-    check(lib.kiln_launch(_rt(runtime), family.encode(), code, dims_c, len(dims), scalars_c, len(scalars), alignment,
-                          addrs, len(buffers), handle))
+    check(lib.kiln_launch(_rt(runtime), str(family).encode(), code, values, len(decl), alignment, addrs, len(buffers),
+                          handle))
 
 
 def _choices(op, scalar):
