@@ -202,6 +202,9 @@ std::string describe_problem(const Family& family, const Problem& problem) {
   std::string s;
   for (const ProblemField& f : family.problem_fields())
     s += (s.empty() ? "" : ",") + f.name + "=" + field_value_text(f, problem);
+  if (problem.sm_count || problem.cc)
+    s += (s.empty() ? "" : ",") + std::string("sm_count=") + std::to_string(problem.sm_count) +
+         ",cc=" + std::to_string(problem.cc);
   return s;
 }
 

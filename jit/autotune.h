@@ -62,7 +62,8 @@ class Tuner {
   cache::TuningTable* table_;
 };
 
-// "rows=4096,cols=4096,..." for people (the dims by name).
+// "rows=4096,cols=4096,...,sm_count=132,cc=90" for people: the fields by name, then the device
+// facts when known.
 std::string describe_problem(const Family& family, const Problem& problem);
 
 }  // namespace kiln::jit

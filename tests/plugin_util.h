@@ -16,6 +16,28 @@
 
 namespace kiln::testing {
 
+// A problem of `family` from named field values, the way a caller that only knows the family by
+// name (a plugin's user) builds one: i64 fields take the value as an integer, f64 fields as is.
+// Every field must be named.
+inline Problem named_problem(const Family& family, DType dtype, std::uint32_t alignment,
+                             const std::vector<std::pair<std::string, double>>& values) {
+  Problem p;
+  p.dtype = dtype;
+  p.alignment = alignment;
+  EXPECT_EQ(values.size(), family.problem_fields().size()) << family.name() << ": name every field";
+  for (const auto& [name, v] : values) {
+    bool found = false;
+    for (const ProblemField& f : family.problem_fields()) {
+      if (f.name != name) continue;
+      found = true;
+      if (f.type == FieldType::i64) p.fields[f.slot].i = std::int64_t(v);
+      else p.fields[f.slot].f = v;
+    }
+    EXPECT_TRUE(found) << family.name() << " has no field " << name;
+  }
+  return p;
+}
+
 // A built plugin: next to this test binary's build tree first (build/tests/<bin> ->
 // build/<relative>), so a build folder carried to another machine finds its own; else the path
 // CMake configured.

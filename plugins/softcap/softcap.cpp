@@ -5,7 +5,7 @@
 //
 // Params: dtype {f32, f16, bf16}, block {128, 256, 1024} threads, vec {1, 2, 4, 8} elements per
 // access (vec * sizeof(dtype) <= 16 bytes).
-// Problem: dims = {n}, scalars = {cap} (finite, > 0).
+// Problem: SoftcapProblem: n elements (the bucketed key), cap (a value: finite, > 0).
 // Buffers: x (input, n elements), y (output, n elements), not overlapping.
 // Heuristic: the widest access the alignment allows; 128 threads per block up to 64Ki packs, 256
 // beyond (one pack per thread, a grid of up to 2^20 blocks striding over the rest).
@@ -22,8 +22,10 @@ namespace {
 
 using namespace kiln;
 
-enum SoftcapDim { k_n = 0 };
-enum SoftcapScalar { k_cap = 0 };
+struct SoftcapProblem {
+  std::int64_t n = 0;
+  double cap = 0;
+};
 
 constexpr std::int64_t k_max_blocks = std::int64_t(1) << 20;
 
@@ -40,8 +42,13 @@ class Softcap final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return {"n"}; }
-  std::vector<std::string> problem_scalars() const override { return {"cap"}; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<SoftcapProblem>({
+        bucketed(&SoftcapProblem::n, "n", "elements of x and y"),
+        value(&SoftcapProblem::cap, "cap", "the soft cap: finite and positive"),
+    });
+    return fields;
+  }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -69,8 +76,9 @@ class Softcap final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    if (p.dims[k_n] < 0) return shape_mismatch("softcap: need n >= 0");
-    const double cap = p.scalars[k_cap];
+    const auto q = p.as<SoftcapProblem>();
+    if (q.n < 0) return shape_mismatch("softcap: need n >= 0");
+    const double cap = q.cap;
     if (!std::isfinite(cap) || !(cap > 0)) return invalid_argument("softcap: cap must be finite and positive");
     const auto dtype = *parse_dtype(*params.get_str("dtype"));
     if (dtype != p.dtype)
@@ -84,7 +92,7 @@ class Softcap final : public Family {
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const auto block = *params.get_int("block"), vec = *params.get_int("vec");
-    const std::int64_t packs = p.dims[k_n] / vec;
+    const std::int64_t packs = p.as<SoftcapProblem>().n / vec;
     LaunchGeometry g;
     g.grid.x = std::uint32_t(std::clamp<std::int64_t>((packs + block - 1) / block, 1, k_max_blocks));
     g.block.x = std::uint32_t(block);
@@ -95,7 +103,7 @@ class Softcap final : public Family {
     const auto esize = std::int64_t(dtype_size(p.dtype));
     std::int64_t vec = 16 / esize;
     while (vec > 1 && p.alignment < vec * esize) vec /= 2;
-    const std::int64_t block = p.dims[k_n] / vec <= 65536 ? 128 : 256;
+    const std::int64_t block = p.as<SoftcapProblem>().n / vec <= 65536 ? 128 : 256;
     return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", block}, {"vec", vec}};
   }
 
@@ -110,7 +118,9 @@ class Softcap final : public Family {
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, shape));
-    p.scalars[k_cap] = 30.0;
+    auto q = p.as<SoftcapProblem>();
+    q.cap = 30.0;
+    p.set(q);
     return p;
   }
 
@@ -123,20 +133,23 @@ class Softcap final : public Family {
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    return {{"x", BufferRole::input, p.dtype, p.dims[k_n]}, {"y", BufferRole::output, p.dtype, p.dims[k_n]}};
+    const auto n = p.as<SoftcapProblem>().n;
+    return {{"x", BufferRole::input, p.dtype, n}, {"y", BufferRole::output, p.dtype, n}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     for (std::size_t i = 0; i < 2; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
-    out.add(static_cast<long long>(p.dims[k_n]));
-    out.add(static_cast<float>(p.scalars[k_cap]));
+    const auto q = p.as<SoftcapProblem>();
+    out.add(static_cast<long long>(q.n));
+    out.add(static_cast<float>(q.cap));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 2) return invalid_argument("softcap: the reference takes buffers x and y");
     if (!b[0] || !b[1]) return invalid_argument("softcap: a buffer of the reference is null");
-    const double cap = p.scalars[k_cap];
-    for (std::int64_t i = 0; i < p.dims[k_n]; ++i)
+    const auto q = p.as<SoftcapProblem>();
+    const double cap = q.cap;
+    for (std::int64_t i = 0; i < q.n; ++i)
       store_from_double(b[1], p.dtype, i, cap * std::tanh(load_as_double(b[0], p.dtype, i) / cap));
     return {};
   }

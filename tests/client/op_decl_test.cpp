@@ -155,21 +155,40 @@ TEST(OpDecl, InferGivesTheOutputsKilnAllocates) {
 }
 
 TEST(OpDecl, LaunchChecksFamilyProblemAndBuffersFirst) {
-  const int64_t dims[2] = {4, 64};
-  const double eps = 1e-6;
+  kiln_value two[2] = {};
   float buf[256];
   void* buffers[3] = {buf, buf, buf};
-  EXPECT_EQ(kiln_launch(nullptr, "no_such_family", KILN_F32, dims, 2, &eps, 1, 16, buffers, 3, nullptr),
-            KILN_NOT_FOUND);
-  EXPECT_EQ(kiln_launch(nullptr, "act_and_mul", KILN_F32, dims, 2, nullptr, 0, 16, buffers, 2, nullptr),
-            KILN_INVALID_ARGUMENT);  // act_and_mul's problem has five dims
-  EXPECT_NE(std::string(kiln_last_error()).find("takes 5 dims"), std::string::npos) << kiln_last_error();
-  const int64_t am_dims[5] = {4, 32, 64, 32, 0};
-  EXPECT_EQ(kiln_launch(nullptr, "act_and_mul", KILN_F32, am_dims, 5, nullptr, 0, 16, buffers, 3, nullptr),
+  EXPECT_EQ(kiln_launch(nullptr, "no_such_family", KILN_F32, two, 2, 16, buffers, 3, nullptr), KILN_NOT_FOUND);
+  const kiln::Family* am = kiln::Registry::global().find("act_and_mul");
+  ASSERT_NE(am, nullptr);
+  const auto n = am->problem_fields().size();
+  EXPECT_EQ(kiln_launch(nullptr, "act_and_mul", KILN_F32, two, 2, 16, buffers, 2, nullptr), KILN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kiln_last_error()).find("takes " + std::to_string(n) + " problem fields"), std::string::npos)
+      << kiln_last_error();
+  std::vector<kiln_value> fields(n);
+  for (const auto& f : am->problem_fields()) {
+    const std::int64_t v = f.name == "rows" ? 4 : f.name == "d" || f.name == "out_row_stride" ? 32
+                           : f.name == "x_row_stride"                                    ? 64
+                                                                                          : 0;
+    fields[f.slot].i64 = v;
+  }
+  EXPECT_EQ(kiln_launch(nullptr, "act_and_mul", KILN_F32, fields.data(), int32_t(n), 16, buffers, 3, nullptr),
             KILN_INVALID_ARGUMENT);  // two buffers, not three
   // Host memory: a device_error, never a launch.
-  EXPECT_EQ(kiln_launch(nullptr, "act_and_mul", KILN_F32, am_dims, 5, nullptr, 0, 16, buffers, 2, nullptr),
+  EXPECT_EQ(kiln_launch(nullptr, "act_and_mul", KILN_F32, fields.data(), int32_t(n), 16, buffers, 2, nullptr),
             KILN_DEVICE_ERROR);
+}
+
+TEST(OpDecl, FamiliesDescribeTheirProblemFields) {
+  const char* d = kiln_family_describe("rope");
+  ASSERT_NE(d, nullptr);
+  const std::string text = d;
+  for (const char* s : {"\"name\":\"rope\"", "\"fields\"", "\"slot\"", "\"key\"", "\"params\""})
+    EXPECT_NE(text.find(s), std::string::npos) << s << " in " << text;
+  EXPECT_EQ(kiln_family_describe("rope"), d) << "one string per family for the process's life";
+  EXPECT_EQ(kiln_family_describe("no_such_family"), nullptr);
+  EXPECT_NE(std::string(kiln_last_error()).find("no_such_family"), std::string::npos);
+  EXPECT_EQ(kiln_family_describe(nullptr), nullptr);
 }
 
 }  // namespace

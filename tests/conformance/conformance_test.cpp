@@ -148,9 +148,8 @@ TEST_P(Consistency, CatalogValidatesAndRendersDistinctKernels) {
   }
   for (const Params& p : f.catalog())
     EXPECT_TRUE(runs.count(p.canonical())) << p.canonical() << " runs on neither sm_80 nor sm_90a";
-  EXPECT_LE(f.problem_dims().size(), std::size_t(Problem::k_max_dims));
-  EXPECT_LE(f.problem_scalars().size(), std::size_t(Problem::k_max_scalars));
-  EXPECT_LT(f.bucketed_dim(), int(f.problem_dims().size()));
+  const Status fields = check_problem_fields(f.problem_fields());
+  EXPECT_TRUE(fields.ok()) << fields.to_string();
 }
 
 // On every benchmark problem of every dtype: the heuristic and every tuning candidate are valid

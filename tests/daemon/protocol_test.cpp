@@ -103,6 +103,48 @@ TEST(ProtocolCodec, EntryJsonRoundTrips) {
   EXPECT_FALSE(daemon::entry_from_json(nlohmann::json::array()).ok());
 }
 
+TEST(ProtocolCodec, ProblemsTravelByFieldName) {
+  const Family& rope = *Registry::global().find("rope");
+  Problem p;
+  p.dtype = DType::bf16;
+  p.alignment = 8;
+  p.cc = 90;
+  p.sm_count = 132;
+  for (const auto& f : rope.problem_fields()) p.fields[f.slot].i = 10 + f.slot;
+  const nlohmann::json j = daemon::problem_to_json(rope, p);
+  EXPECT_EQ(j["fields"].size(), rope.problem_fields().size());
+  EXPECT_EQ(j["fields"]["tokens"], p.fields[rope.problem_fields()[0].slot].i);
+  auto back = daemon::problem_from_json(rope, daemon::parse_json(daemon::dump_json(j)).value());
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(back->dtype, DType::bf16);
+  EXPECT_EQ(back->alignment, 8u);
+  EXPECT_EQ(back->cc, 90);
+  EXPECT_EQ(back->sm_count, 132);
+  for (const auto& f : rope.problem_fields()) EXPECT_EQ(back->fields[f.slot].i, p.fields[f.slot].i) << f.name;
+
+  auto refused = [&](nlohmann::json bad, const char* why) {
+    auto r = daemon::problem_from_json(rope, bad);
+    ASSERT_FALSE(r.ok()) << why;
+    EXPECT_EQ(r.status().code(), Code::invalid_argument);
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().message();
+  };
+  nlohmann::json missing = j;
+  missing["fields"].erase("tokens");
+  refused(missing, "'tokens' is missing");
+  nlohmann::json unknown = j;
+  unknown["fields"]["sms"] = 132;
+  refused(unknown, "no problem field 'sms'");
+  nlohmann::json real = j;
+  real["fields"]["tokens"] = 1.5;
+  refused(real, "must be an integer");
+  nlohmann::json no_fields = j;
+  no_fields.erase("fields");
+  refused(no_fields, "fields must be a JSON object");
+  nlohmann::json big_cc = j;
+  big_cc["cc"] = 300;
+  refused(big_cc, "out of range");
+}
+
 TEST(ProtocolCodec, ErrorRepliesCarryCodes) {
   auto j = daemon::error_reply(Status(Code::compile_error, "boom", "log"));
   EXPECT_EQ(j["error"]["code"], "compile_error");

@@ -135,8 +135,10 @@ class BrokenFamily final : public Family {
     static const std::vector<ParamDef> d = {{"n", {1}, {}, ""}};
     return d;
   }
-  std::vector<std::string> problem_dims() const override { return {}; }
-  std::vector<std::string> problem_scalars() const override { return {}; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> none;
+    return none;
+  }
   Result<Rendered> render(const Params&) const override {
     return Rendered{"template <int N> __global__ void k(float* x) { x[0] = undefined_symbol_xyz; }\n", "k<1>", {}};
   }

@@ -64,8 +64,10 @@ TEST(PluginLoad, APluginWrittenInCLoads) {
   EXPECT_EQ(f->catalog().size(), 2u);
   // Its optional hooks are absent: kiln's defaults stand in.
   Problem p;
-  p.dims[0] = 1000;
+  p.fields[0].i = 1000;
   EXPECT_EQ(f->signature(p), "dtype=f32,align=16,n<=1024");
+  ASSERT_EQ(f->problem_fields().size(), 1u);
+  EXPECT_EQ(f->problem_fields()[0].doc, "elements");
   auto rendered = f->render(f->catalog()[1]);
   ASSERT_TRUE(rendered.ok()) << rendered.status().to_string();
   EXPECT_EQ(rendered->name_expression, "c_scale::scale<256>");
@@ -221,12 +223,11 @@ TEST(PluginLoad, AppendedRunsOnIsReadOnlyWhenVtableStructSizeCoversIt) {
   EXPECT_EQ(sizes(sizeof(kiln_family_vtable), block_256_on_sm90a), (Sizes{1, 1, 2}));
   EXPECT_EQ(sizes(sizeof(kiln_family_vtable), nullptr), (Sizes{2, 2, 2}));
   EXPECT_EQ(sizes(sizeof(kiln_family_vtable), failing), (Sizes{2, 2, 2}));
-  EXPECT_EQ(sizes(KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE, block_256_on_sm90a), (Sizes{2, 2, 2})) << "not read";
   EXPECT_EQ(sizes(KILN_FAMILY_VTABLE_MIN_STRUCT_SIZE - 8, nullptr), std::nullopt) << "truncated";
 }
 
 // Descriptor checks on the C fixture's descriptor with one thing wrong at a time: template paths
-// and text, a catalog entry the schema rejects, bucketed_dim, two families with one name.
+// and text, a catalog entry the schema rejects, bad problem fields, two families with one name.
 TEST(PluginLoad, DescriptorsWithBadTemplatesOrCatalogsAreRefused) {
   TempDir dir;
   void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -272,9 +273,25 @@ TEST(PluginLoad, DescriptorsWithBadTemplatesOrCatalogsAreRefused) {
   EXPECT_TRUE(contains(refusal(&f, 1), "catalog entry block=96,dtype=f32 does not validate: c_scale: parameter "
                                        "'block' must be one of {128, 256}"))
       << refusal(&f, 1);
+  auto with_fields = [&](std::vector<kiln_problem_field> fields) {
+    kiln_family g = base;
+    g.fields = fields.data();
+    g.field_count = std::uint32_t(fields.size());
+    return refusal(&g, 1);
+  };
+  const std::uint8_t key = KILN_FIELD_KEY, bucket = KILN_FIELD_KEY | KILN_FIELD_BUCKETED;
+  EXPECT_EQ(with_fields({{"n", "", 0, KILN_FIELD_I64, bucket, 0}, {"cap", nullptr, 1, KILN_FIELD_F64, 0, 0}}), "");
+  EXPECT_TRUE(contains(with_fields({{"n", "", 1, KILN_FIELD_I64, key, 0}}), "each named once"));
+  EXPECT_TRUE(contains(with_fields({{"n", "", 0, KILN_FIELD_I64, key, 0}, {"n", "", 1, KILN_FIELD_I64, key, 0}}),
+                       "declared twice"));
+  EXPECT_TRUE(contains(with_fields({{"n", "", 0, KILN_FIELD_F64, bucket, 0}}), "must be an i64 key"));
+  EXPECT_TRUE(contains(with_fields({{"n", "", 0, 7, key, 0}}), "unknown type"));
+  EXPECT_TRUE(contains(with_fields({{"n", "", 0, KILN_FIELD_I64, 8, 0}}), "unknown flags"));
+  EXPECT_TRUE(contains(with_fields({{nullptr, "", 0, KILN_FIELD_I64, key, 0}}), "has no name"));
+  EXPECT_TRUE(contains(with_fields({{"N", "", 0, KILN_FIELD_I64, key, 0}}), "is not [a-z]"));
   f = base;
-  f.bucketed_dim = 1;
-  EXPECT_TRUE(contains(refusal(&f, 1), "bucketed_dim is not a dims slot"));
+  f.field_count = KILN_PLUGIN_MAX_FIELDS + 1;
+  EXPECT_TRUE(contains(refusal(&f, 1), "more than 16 problem fields"));
   f = base;
   f.catalog_count = 0;
   EXPECT_TRUE(contains(refusal(&f, 1), "an empty catalog"));

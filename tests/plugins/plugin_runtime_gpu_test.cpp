@@ -20,11 +20,7 @@ namespace fs = std::filesystem;
 void run_and_check(Runtime& rt, std::int64_t n, unsigned seed) {
   const Family& sc = *Registry::global().find("softcap");
   std::mt19937 rng(seed);
-  Problem p;
-  p.dtype = DType::bf16;
-  p.dims[0] = n;
-  p.scalars[0] = 1.5;
-  p.alignment = 16;
+  const Problem p = named_problem(sc, DType::bf16, 16, {{"n", double(n)}, {"cap", 1.5}});
   for (int call = 0; call < 3; ++call) {
     // Inputs of scale 4 against a cap of 1.5: the near-linear part and the saturated one.
     auto x = random_bytes(DType::bf16, n, rng, 4.0f);

@@ -30,11 +30,7 @@ class SoftcapPlugin : public ::testing::Test {
   static const Family& sc() { return *registry_->find("softcap"); }
 
   static Problem problem(DType t, std::int64_t n, double cap = 30.0) {
-    Problem p;
-    p.dtype = t;
-    p.dims[0] = n;
-    p.scalars[0] = cap;
-    return p;
+    return named_problem(sc(), t, 16, {{"n", double(n)}, {"cap", cap}});
   }
   static Params params(const char* dtype, std::int64_t block, std::int64_t vec) {
     return Params{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
@@ -52,8 +48,17 @@ TEST_F(SoftcapPlugin, SchemaAndValidation) {
   EXPECT_EQ(sc().schema()[0].name, "block");
   EXPECT_EQ(sc().schema()[0].ints, (std::vector<std::int64_t>{128, 256, 1024}));
   EXPECT_EQ(sc().schema()[1].choices, (std::vector<std::string>{"f32", "f16", "bf16"}));
-  EXPECT_EQ(sc().problem_dims(), std::vector<std::string>{"n"});
-  EXPECT_EQ(sc().problem_scalars(), std::vector<std::string>{"cap"});
+  const auto& fields = sc().problem_fields();
+  ASSERT_EQ(fields.size(), 2u);
+  EXPECT_EQ(fields[0].name, "n");
+  EXPECT_EQ(fields[0].slot, 0u);
+  EXPECT_TRUE(fields[0].bucketed && fields[0].key);
+  EXPECT_EQ(fields[0].type, FieldType::i64);
+  EXPECT_EQ(fields[1].name, "cap");
+  EXPECT_EQ(fields[1].slot, 1u);
+  EXPECT_FALSE(fields[1].key);
+  EXPECT_EQ(fields[1].type, FieldType::f64);
+  EXPECT_EQ(fields[1].doc, "the soft cap: finite and positive");
   EXPECT_TRUE(sc().validate(params("bf16", 256, 8)).ok());
   // The plugin's own rule, through the C ABI with its message.
   Status wide = sc().validate(params("f32", 256, 8));
@@ -122,9 +127,9 @@ TEST_F(SoftcapPlugin, CpuReferenceMatchesHandComputedValues) {
 TEST_F(SoftcapPlugin, HeuristicPicksTheWidestAccessAndABlockPerSize) {
   Problem p = problem(DType::bf16, 65536 * 8);
   EXPECT_EQ(sc().heuristic(p), params("bf16", 128, 8));
-  p.dims[0] = 65536 * 8 + 8;  // one pack more
+  p.fields[0].i = 65536 * 8 + 8;  // one pack more
   EXPECT_EQ(sc().heuristic(p), params("bf16", 256, 8));
-  p.dims[0] = 1000003;  // an odd length keeps the widest access: the tail goes one element at a time
+  p.fields[0].i = 1000003;  // an odd length keeps the widest access: the tail goes one element at a time
   EXPECT_EQ(sc().heuristic(p), params("bf16", 256, 8));
   p = problem(DType::f32, 4096);
   p.alignment = 8;
@@ -183,13 +188,13 @@ TEST_F(SoftcapPlugin, ArgumentsAndGeometry) {
   const auto bs = sc().buffers(v, p);
   ASSERT_EQ(bs.size(), 2u);
   EXPECT_EQ(bs[0].name, "x");
-  EXPECT_EQ(bs[0].elements, p.dims[0]);
+  EXPECT_EQ(bs[0].elements, p.fields[0].i);
   EXPECT_EQ(bs[1].role, BufferRole::output);
-  EXPECT_EQ(bs[1].elements, p.dims[0]);
+  EXPECT_EQ(bs[1].elements, p.fields[0].i);
   auto shaped = sc().problem_from_shape(DType::f16, {{"n", 768}});
   ASSERT_TRUE(shaped.ok());
-  EXPECT_EQ(shaped->dims[0], 768);
-  EXPECT_DOUBLE_EQ(shaped->scalars[0], 30.0);
+  EXPECT_EQ(shaped->fields[0].i, 768);
+  EXPECT_DOUBLE_EQ(shaped->fields[1].f, 30.0);
   EXPECT_EQ(sc().problem_from_shape(DType::f16, {{"tokens", 3}}).status().code(), Code::invalid_argument);
 }
 

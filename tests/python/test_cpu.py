@@ -545,13 +545,32 @@ def test_declared_op_calls_bind_like_python(rng):
 
 
 def test_launch_checks_family_problem_and_buffers_first():
-    with pytest.raises(kiln.NotFoundError):
-        kiln.launch("no_such_family", [0], [1])
-    with pytest.raises(kiln.InvalidArgumentError, match="takes 5 dims"):
-        kiln.launch("act_and_mul", [0, 0], [4, 32])
+    with pytest.raises(kiln.NotFoundError, match="no_such_family"):
+        kiln.launch("no_such_family", [0], {"n": 1})
+    fields = {"rows": 4, "d": 32, "x_row_stride": 64, "out_row_stride": 32, "activation": 0}
+    with pytest.raises(kiln.InvalidArgumentError, match=r"missing \['activation', 'x_row_stride', 'out_row_stride'\]"):
+        kiln.launch("act_and_mul", [0, 0], {"rows": 4, "d": 32})
+    with pytest.raises(kiln.InvalidArgumentError, match=r"unknown \['cols'\]"):
+        kiln.launch("act_and_mul", [0, 0], dict(fields, cols=3))
+    with pytest.raises(kiln.InvalidArgumentError, match="is an integer"):
+        kiln.launch("act_and_mul", [0, 0], dict(fields, rows=2.5))
     host = np.zeros(256, np.float32)
     # Host memory is a DeviceError: nothing is launched.
     with pytest.raises(kiln.DeviceError):
-        kiln.launch("act_and_mul", [host.ctypes.data, host.ctypes.data], [4, 32, 64, 32, 0])
+        kiln.launch("act_and_mul", [host.ctypes.data, host.ctypes.data], fields)
     with pytest.raises(kiln.UnsupportedDtypeError):
-        kiln.launch("act_and_mul", [host.ctypes.data], [4, 32, 64, 32, 0], dtype="f64")
+        kiln.launch("act_and_mul", [host.ctypes.data], fields, dtype="f64")
+
+
+def test_describe_family_lists_problem_fields():
+    d = kiln.describe_family("rope")
+    assert d["name"] == "rope"
+    names = [f["name"] for f in d["fields"]]
+    assert names[0] == "tokens" and "q_stride" in names
+    by_name = {f["name"]: f for f in d["fields"]}
+    assert by_name["tokens"]["bucketed"] and by_name["tokens"]["key"]
+    assert not by_name["q_stride"]["key"] and by_name["q_stride"]["type"] == "i64"
+    assert sorted(f["slot"] for f in d["fields"]) == list(range(len(names)))
+    assert {p["name"] for p in d["params"]} >= {"dtype", "head_dim", "layout", "vec", "block"}
+    with pytest.raises(kiln.NotFoundError):
+        kiln.describe_family("no_such_family")

@@ -28,6 +28,10 @@ using testing::DeviceBuffer;
 // A tiny family whose variants fail in every way the tuner must survive: y = 2x, except mode
 // "wrong" (y = 3x), "partial" (writes half of y), "broken" (source that does not compile), and
 // block 2048 (more threads than a block may have: the launch fails).
+struct ProbeProblem {
+  std::int64_t rows = 0, cols = 0;
+};
+
 class ProbeFamily final : public Family {
  public:
   std::string_view name() const override { return "tune_probe"; }
@@ -39,8 +43,15 @@ class ProbeFamily final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return {"rows", "cols"}; }
-  std::vector<std::string> problem_scalars() const override { return {}; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<ProbeProblem>(
+        {bucketed(&ProbeProblem::rows, "rows", "rows"), key(&ProbeProblem::cols, "cols", "columns")});
+    return fields;
+  }
+  static std::int64_t elements(const Problem& p) {
+    const auto q = p.as<ProbeProblem>();
+    return q.rows * q.cols;
+  }
   Result<Rendered> render(const Params& p) const override {
     KILN_TRY(validate(p));
     const std::string mode = *p.get_str("mode");
@@ -59,13 +70,13 @@ class ProbeFamily final : public Family {
   std::vector<Params> catalog() const override { return {}; }
   Status check_problem(const Params& params, const Problem& p) const override {
     if (p.dtype != DType::f32) return unsupported_dtype("tune_probe: f32 only");
-    if (p.dims[0] < 1 || p.dims[1] < 1) return shape_mismatch("tune_probe: need rows, cols >= 1");
+    if (p.as<ProbeProblem>().rows < 1 || p.as<ProbeProblem>().cols < 1) return shape_mismatch("tune_probe: need rows, cols >= 1");
     return {};
   }
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const auto block = *params.get_int("block");
     LaunchGeometry g;
-    g.grid.x = std::uint32_t((p.dims[0] * p.dims[1] + block - 1) / block);
+    g.grid.x = std::uint32_t((elements(p) + block - 1) / block);
     g.block.x = std::uint32_t(block);
     return g;
   }
@@ -76,18 +87,18 @@ class ProbeFamily final : public Family {
             Params{{"block", 256}, {"mode", "broken"}}, Params{{"block", 2048}, {"mode", "good"}}};
   }
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto n = p.dims[0] * p.dims[1];
+    const auto n = elements(p);
     return {{"x", BufferRole::input, DType::f32, n}, {"y", BufferRole::output, DType::f32, n}};
   }
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     out.add(b[0]);
     out.add(b[1]);
-    out.add(static_cast<long long>(p.dims[0] * p.dims[1]));
+    out.add(static_cast<long long>(elements(p)));
   }
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     const auto* x = static_cast<const float*>(b[0]);
     auto* y = static_cast<float*>(b[1]);
-    for (std::int64_t i = 0; i < p.dims[0] * p.dims[1]; ++i) y[i] = 2.0f * x[i];
+    for (std::int64_t i = 0; i < elements(p); ++i) y[i] = 2.0f * x[i];
     return {};
   }
 };
@@ -219,10 +230,7 @@ TEST_F(AutotuneGpu, OneProblemTunesUnderTwoSecondsOnceCompiled) {
 
 TEST_F(AutotuneGpu, BrokenCandidatesAreRecordedNotFatal) {
   const Family& f = probe_family();
-  Problem p;
-  p.dtype = DType::f32;
-  p.dims[0] = 1000;
-  p.dims[1] = 333;
+  const Problem p = Problem::of(DType::f32, 16, ProbeProblem{.rows = 1000, .cols = 333});
   jit::TuneOptions o;
   o.candidates = f.tuning_space(p);
   o.candidates.push_back(Params{{"block", 999}, {"mode", "good"}});  // not in the schema

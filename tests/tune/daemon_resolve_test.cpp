@@ -21,6 +21,30 @@ Problem problem(std::int64_t rows, std::int64_t cols) {
   return rmsnorm().problem_from_shape(DType::bf16, {{"rows", rows}, {"cols", cols}}).value();
 }
 
+// A family kilnd does not have: requests for it are refused by name, before its problem is read.
+class Unregistered final : public Family {
+ public:
+  std::string_view name() const override { return "no_such_family"; }
+  int version() const override { return 1; }
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> none;
+    return none;
+  }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> none;
+    return none;
+  }
+  Result<Rendered> render(const Params&) const override { return Rendered{}; }
+  std::vector<Params> catalog() const override { return {}; }
+  Status check_problem(const Params&, const Problem&) const override { return {}; }
+  LaunchGeometry geometry(const Params&, const Problem&) const override { return {}; }
+  Params heuristic(const Problem&) const override { return {}; }
+  std::vector<Params> tuning_space(const Problem&) const override { return {}; }
+  std::vector<BufferSpec> buffers(const Params&, const Problem&) const override { return {}; }
+  void pack_args(const Params&, const Problem&, std::span<void* const>, ArgPack&) const override {}
+  Status cpu_reference(const Params&, const Problem&, std::span<void* const>) const override { return {}; }
+};
+
 client::ResolveTarget target() { return {"sm_90a", "Test GPU 80GB", "999.1.2 cuda 13000", "0000:01:00"}; }
 
 // Writes a tuning record for problem's signature on target()'s setup, as a tuner would.
@@ -52,7 +76,7 @@ TEST(KilndResolve, HeuristicUntilTunedThenTheWinnerForEveryClient) {
 
   auto a = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(a.ok());
-  auto before = (*a)->resolve("rmsnorm", p, target(), jit::AutotuneMode::off);
+  auto before = (*a)->resolve(rmsnorm(), p, target(), jit::AutotuneMode::off);
   ASSERT_TRUE(before.ok()) << before.status().to_string() << "\n" << k->log();
   EXPECT_EQ(before->params.canonical(), heuristic);
   EXPECT_FALSE(before->tuned);
@@ -66,24 +90,24 @@ TEST(KilndResolve, HeuristicUntilTunedThenTheWinnerForEveryClient) {
   ASSERT_TRUE(b.ok());
   for (auto* c : {b->get(), a->get()})
     for (std::int64_t rows : {4096, 3000, 2049}) {
-      auto r = c->resolve("rmsnorm", problem(rows, 4096), target(), jit::AutotuneMode::off);
+      auto r = c->resolve(rmsnorm(), problem(rows, 4096), target(), jit::AutotuneMode::off);
       ASSERT_TRUE(r.ok()) << r.status().to_string();
       EXPECT_TRUE(r->tuned) << rows;
       EXPECT_EQ(r->params.canonical(), winner) << rows;
     }
   // Outside the bucket, on another driver or another GPU: the heuristic.
-  auto other_bucket = (*b)->resolve("rmsnorm", problem(2048, 4096), target(), jit::AutotuneMode::off);
+  auto other_bucket = (*b)->resolve(rmsnorm(), problem(2048, 4096), target(), jit::AutotuneMode::off);
   ASSERT_TRUE(other_bucket.ok());
   EXPECT_FALSE(other_bucket->tuned);
   auto new_driver = target();
   new_driver.driver_version = "999.2.0 cuda 13000";
-  auto stale = (*b)->resolve("rmsnorm", p, new_driver, jit::AutotuneMode::off);
+  auto stale = (*b)->resolve(rmsnorm(), p, new_driver, jit::AutotuneMode::off);
   ASSERT_TRUE(stale.ok());
   EXPECT_FALSE(stale->tuned);
   EXPECT_EQ(stale->params.canonical(), heuristic);
   auto new_gpu = target();
   new_gpu.device_name = "Test GPU 141GB";
-  EXPECT_FALSE((*b)->resolve("rmsnorm", p, new_gpu, jit::AutotuneMode::off)->tuned);
+  EXPECT_FALSE((*b)->resolve(rmsnorm(), p, new_gpu, jit::AutotuneMode::off)->tuned);
 }
 
 TEST(KilndResolve, AWinnerThatNoLongerValidatesFallsBackToTheHeuristic) {
@@ -94,7 +118,7 @@ TEST(KilndResolve, AWinnerThatNoLongerValidatesFallsBackToTheHeuristic) {
   store_winner(env.cache_dir(), p, "block=3,bulk=0,dtype=bf16,vec=2");
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
-  auto r = (*c)->resolve("rmsnorm", p, target(), jit::AutotuneMode::off);
+  auto r = (*c)->resolve(rmsnorm(), p, target(), jit::AutotuneMode::off);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_FALSE(r->tuned);
   EXPECT_EQ(r->params.canonical(), rmsnorm().heuristic(p).canonical());
@@ -106,20 +130,21 @@ TEST(KilndResolve, BadRequestsAreErrorsBeforeAnythingIsQueued) {
   ASSERT_TRUE(k);
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
-  auto unknown = (*c)->resolve("no_such_family", problem(1, 8), target(), jit::AutotuneMode::background);
+  auto unknown = (*c)->resolve(Unregistered(), problem(1, 8), target(), jit::AutotuneMode::background);
   ASSERT_FALSE(unknown.ok());
   EXPECT_EQ(unknown.status().code(), Code::not_found);
   Problem bad = problem(4, 8);
-  bad.dims[1] = 0;  // cols
-  auto shape = (*c)->resolve("rmsnorm", bad, target(), jit::AutotuneMode::background);
+  for (const auto& f : rmsnorm().problem_fields())
+    if (f.name == "cols") bad.fields[f.slot].i = 0;
+  auto shape = (*c)->resolve(rmsnorm(), bad, target(), jit::AutotuneMode::background);
   ASSERT_FALSE(shape.ok());
   EXPECT_EQ(shape.status().code(), Code::shape_mismatch);
   auto arch = target();
   arch.arch = "sm_9";
-  auto bad_arch = (*c)->resolve("rmsnorm", problem(1, 8), arch, jit::AutotuneMode::off);
+  auto bad_arch = (*c)->resolve(rmsnorm(), problem(1, 8), arch, jit::AutotuneMode::off);
   ASSERT_FALSE(bad_arch.ok());
   EXPECT_EQ(bad_arch.status().code(), Code::invalid_argument);
-  auto tune = (*c)->tune("rmsnorm", bad, 0);
+  auto tune = (*c)->tune(rmsnorm(), bad, 0);
   ASSERT_FALSE(tune.ok());
   EXPECT_EQ(tune.status().code(), Code::shape_mismatch);
   EXPECT_TRUE((*c)->ping().ok());
@@ -135,16 +160,16 @@ TEST(KilndResolve, TuningWithoutAGpuFailsCleanly) {
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
   const Problem p = problem(512, 4096);
-  auto tune = (*c)->tune("rmsnorm", p, 0);
+  auto tune = (*c)->tune(rmsnorm(), p, 0);
   ASSERT_FALSE(tune.ok());
   EXPECT_EQ(tune.status().code(), Code::unavailable) << tune.status().to_string();
 
-  auto wait = (*c)->resolve("rmsnorm", p, target(), jit::AutotuneMode::wait);
+  auto wait = (*c)->resolve(rmsnorm(), p, target(), jit::AutotuneMode::wait);
   ASSERT_TRUE(wait.ok()) << wait.status().to_string();
   EXPECT_FALSE(wait->tuned);
   EXPECT_EQ(wait->params.canonical(), rmsnorm().heuristic(p).canonical());
 
-  auto queued = (*c)->resolve("rmsnorm", p, target(), jit::AutotuneMode::background);
+  auto queued = (*c)->resolve(rmsnorm(), p, target(), jit::AutotuneMode::background);
   ASSERT_TRUE(queued.ok());
   EXPECT_TRUE(queued->queued);
   EXPECT_EQ(queued->params.canonical(), rmsnorm().heuristic(p).canonical());
@@ -152,7 +177,7 @@ TEST(KilndResolve, TuningWithoutAGpuFailsCleanly) {
   bool settled = false;
   for (int i = 0; i < 200 && !settled; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
-    auto again = (*c)->resolve("rmsnorm", p, target(), jit::AutotuneMode::background);
+    auto again = (*c)->resolve(rmsnorm(), p, target(), jit::AutotuneMode::background);
     ASSERT_TRUE(again.ok());
     settled = !again->queued;
   }
@@ -168,7 +193,7 @@ TEST(KilndResolve, TheAutotuneFlagQueuesWithoutTheClientAsking) {
   ASSERT_TRUE(k);
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
-  auto r = (*c)->resolve("rmsnorm", problem(1, 4096), target(), jit::AutotuneMode::off);
+  auto r = (*c)->resolve(rmsnorm(), problem(1, 4096), target(), jit::AutotuneMode::off);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_TRUE(r->queued);
   EXPECT_FALSE(r->tuned);

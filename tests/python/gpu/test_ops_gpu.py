@@ -156,6 +156,25 @@ def test_act_and_mul(dtype, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_launch_runs_a_family_by_its_problem_fields(dtype):
+    """kiln.launch, with no typed op: the family by name, its fields by name, the buffers in the
+    family's order; rows strided (every other row of a larger tensor) so the strides matter."""
+    big = torch.randn(2 * 301, 2 * 1408, device="cuda", dtype=dtype)
+    x = big[::2]
+    y = torch.full((301, 1408), float("nan"), device="cuda", dtype=dtype)
+    fields = {"rows": 301, "d": 1408, "x_row_stride": x.stride(0), "out_row_stride": y.stride(0),
+              "activation": kiln.ACTIVATIONS["gelu_tanh"]}
+    kiln.launch("act_and_mul", [x, y], fields, dtype=dtype)
+    g, u = x.float().chunk(2, -1)
+    close(y, F.gelu(g, approximate="tanh") * u, dtype)
+    # The family checks the problem first: an x row stride below 2d launches nothing.
+    y.fill_(float("nan"))
+    with pytest.raises(kiln.ShapeMismatchError):
+        kiln.launch("act_and_mul", [x, y], dict(fields, x_row_stride=1408), dtype=dtype)
+    assert torch.isnan(y).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["neox", "gptj"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_apply_rope_qk(dtype, layout, head_dim):
