@@ -548,7 +548,7 @@ def test_launch_checks_family_problem_and_buffers_first():
     with pytest.raises(kiln.NotFoundError, match="no_such_family"):
         kiln.launch("no_such_family", [0], {"n": 1})
     fields = {"rows": 4, "d": 32, "x_row_stride": 64, "out_row_stride": 32, "activation": 0}
-    with pytest.raises(kiln.InvalidArgumentError, match=r"missing \['activation', 'x_row_stride', 'out_row_stride'\]"):
+    with pytest.raises(kiln.InvalidArgumentError, match=r"missing \['activation', 'out_row_stride', 'x_row_stride'\]"):
         kiln.launch("act_and_mul", [0, 0], {"rows": 4, "d": 32})
     with pytest.raises(kiln.InvalidArgumentError, match=r"unknown \['cols'\]"):
         kiln.launch("act_and_mul", [0, 0], dict(fields, cols=3))
