@@ -119,13 +119,7 @@ class RuntimeImpl final : public Runtime {
     return out;
   }
 
-  Status launch(const Kernel& k, const Problem& given, std::span<void* const> buffers, Stream stream) override {
-    Problem problem = given;
-    {
-      std::lock_guard resolving(resolve_mu_);
-      KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, device_of(static_cast<CUcontext>(k.context)));
-      jit::set_device(problem, *dev);
-    }
+  Status launch(const Kernel& k, const Problem& problem, std::span<void* const> buffers, Stream stream) override {
     KILN_TRY(k.family->check_problem(k.params, problem));
     const LaunchGeometry g = k.family->geometry(k.params, problem);
     ArgPack args;

@@ -75,16 +75,18 @@ class Runtime {
   // The kernel for `spec` in the calling thread's current CUDA context (the device's primary
   // context is made current when none is).
   virtual Result<const Kernel*> kernel(const KernelSpec& spec) = 0;
-  // Checks the problem against the kernel's family and launches on `stream`.
+  // Checks the problem against the kernel's family and launches on `stream`: exactly this variant
+  // on exactly this problem, its device facts (Problem::sm_count, Problem::cc) included as given.
   virtual Status launch(const Kernel& kernel, const Problem& problem, std::span<void* const> buffers,
                         Stream stream) = 0;
   // The path typed ops take: picks the family's variant for `problem` (the tuned winner for the
   // problem's signature when there is one, else its heuristic; see Autotune), resolves and
-  // loads it on first use, and launches on `stream`. After the first call for a given context,
-  // family and problem shape (dims, dtype, alignment; scalars excluded), the variant, its
-  // function and launch geometry come from a hash table: no spec strings, no parameter maps. The
-  // caller has validated the tensors; the family's check_problem runs on the first call only, and
-  // scalars must be checked by the caller.
+  // loads it on first use, and launches on `stream`. The problem's device facts are the current
+  // context's device (jit/device_info.h), whatever the caller set. After the first call for a given
+  // context, family and problem key (key fields, dtype, alignment; value fields excluded), the
+  // variant, its function and launch geometry come from a hash table: no spec strings, no
+  // parameter maps. The caller has validated the tensors; the family's check_problem runs on the
+  // first call only, and value fields must be checked by the caller.
   virtual Status run(const Family& family, const Problem& problem, std::span<void* const> buffers,
                      Stream stream) = 0;
   // "daemon" or "embedded": what resolved the last cubin.
