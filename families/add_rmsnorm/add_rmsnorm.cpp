@@ -2,6 +2,7 @@
 #include "families/common/family_util.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -9,6 +10,11 @@
 
 namespace kiln::families {
 namespace {
+
+// The four row strides: x, residual, y, residual_out.
+std::array<std::int64_t, 4> row_strides(const AddRmsNormProblem& q) {
+  return {q.x_row_stride, q.residual_row_stride, q.y_row_stride, q.residual_out_row_stride};
+}
 
 // v rounded to the nearest value of dtype t (round to nearest even), as the kernel's from_float.
 double round_to(DType t, double v) {
@@ -30,10 +36,18 @@ class AddRmsNorm final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override {
-    return {"rows", "cols", "x_row_stride", "residual_row_stride", "y_row_stride", "residual_out_row_stride"};
+  const std::vector<ProblemField>& problem_fields() const override {
+    using P = AddRmsNormProblem;
+    static const std::vector<ProblemField> fields = problem_fields_of<P>({
+        bucketed(&P::rows, "rows", "rows to normalize"),
+        key(&P::cols, "cols", "elements per row"),
+        key(&P::x_row_stride, "x_row_stride", "elements between two rows of x"),
+        key(&P::residual_row_stride, "residual_row_stride", "elements between two rows of residual"),
+        key(&P::y_row_stride, "y_row_stride", "elements between two rows of y"),
+        key(&P::residual_out_row_stride, "residual_out_row_stride", "elements between two rows of residual_out"),
+        value(&P::eps, "eps", "added to the mean square")});
+    return fields;
   }
-  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -62,12 +76,13 @@ class AddRmsNorm final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto rows = p.dims[k_add_rows], cols = p.dims[k_add_cols];
+    const auto q = p.as<AddRmsNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
     if (rows < 0 || cols <= 0) return shape_mismatch("add_rmsnorm: need rows >= 0 and cols > 0");
     if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("add_rmsnorm: rows longer than 2^31 elements");
-    for (int d : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride})
-      if (p.dims[d] < cols) return shape_mismatch("add_rmsnorm: row strides must be at least the row length");
-    if (!(p.scalars[k_add_eps] >= 0) || !std::isfinite(p.scalars[k_add_eps]))
+    for (std::int64_t stride : row_strides(q))
+      if (stride < cols) return shape_mismatch("add_rmsnorm: row strides must be at least the row length");
+    if (!(q.eps >= 0) || !std::isfinite(q.eps))
       return invalid_argument("add_rmsnorm: eps must be finite and non-negative");
     auto dtype = parse_dtype(*params.get_str("dtype"));
     if (*dtype != p.dtype)
@@ -75,7 +90,7 @@ class AddRmsNorm final : public Family {
                                dtype_name(p.dtype));
     const auto vec = *params.get_int("vec");
     bool strides_ok = true;
-    for (int d : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride}) strides_ok &= p.dims[d] % vec == 0;
+    for (std::int64_t stride : row_strides(q)) strides_ok &= stride % vec == 0;
     if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || !strides_ok)
       return invalid_argument("add_rmsnorm: vec=" + std::to_string(vec) +
                               " needs buffers and row strides aligned to vec elements");
@@ -84,7 +99,7 @@ class AddRmsNorm final : public Family {
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_add_rows], 1, 0x7fffffff));
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.as<AddRmsNormProblem>().rows, 1, 0x7fffffff));
     g.block.x = std::uint32_t(*params.get_int("block"));
     g.shared_bytes = std::uint32_t(add_rmsnorm_smem_packs(params, p) * *params.get_int("vec") * dtype_size(p.dtype));
     return g;
@@ -108,50 +123,50 @@ class AddRmsNorm final : public Family {
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;
     for (std::int64_t rows : {1, 16, 512, 4096, 32768})
-      for (std::int64_t cols : {2048, 4096, 5120, 8192, 16384, 65536}) {
-        Problem p;
-        p.dtype = dtype;
-        p.dims[k_add_rows] = rows;
-        p.dims[k_add_cols] = cols;
-        for (int s : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride}) p.dims[s] = cols;
-        p.scalars[k_add_eps] = 1e-6;
-        out.push_back(p);
-      }
+      for (std::int64_t cols : {2048, 4096, 5120, 8192, 16384, 65536})
+        out.push_back(Problem::of(dtype, 16,
+                                  AddRmsNormProblem{.rows = rows, .cols = cols, .x_row_stride = cols,
+                                                    .residual_row_stride = cols, .y_row_stride = cols,
+                                                    .residual_out_row_stride = cols, .eps = 1e-6}));
     return out;
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_add_rows], cols = p.dims[k_add_cols];
-    auto extent = [&](int stride_dim) { return rows == 0 ? 0 : (rows - 1) * p.dims[stride_dim] + cols; };
-    return {{"x", BufferRole::input, p.dtype, extent(k_add_x_stride)},
-            {"residual", BufferRole::input, p.dtype, extent(k_add_r_stride)},
+    const auto q = p.as<AddRmsNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
+    auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
+    return {{"x", BufferRole::input, p.dtype, extent(q.x_row_stride)},
+            {"residual", BufferRole::input, p.dtype, extent(q.residual_row_stride)},
             {"w", BufferRole::input, p.dtype, cols},
-            {"y", BufferRole::output, p.dtype, extent(k_add_y_stride)},
-            {"residual_out", BufferRole::output, p.dtype, extent(k_add_ro_stride)}};
+            {"y", BufferRole::output, p.dtype, extent(q.y_row_stride)},
+            {"residual_out", BufferRole::output, p.dtype, extent(q.residual_out_row_stride)}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<AddRmsNormProblem>();
     for (int i = 0; i < 5; ++i) out.add(b[i]);
-    for (int d : {k_add_rows, k_add_cols, k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride})
-      out.add(static_cast<long long>(p.dims[d]));
-    out.add(static_cast<float>(p.scalars[k_add_eps]));
+    for (std::int64_t v : {q.rows, q.cols, q.x_row_stride, q.residual_row_stride, q.y_row_stride,
+                           q.residual_out_row_stride})
+      out.add(static_cast<long long>(v));
+    out.add(static_cast<float>(q.eps));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 5) return invalid_argument("add_rmsnorm: reference takes 5 buffers (x, residual, w, y, residual_out)");
-    const auto rows = p.dims[k_add_rows], cols = p.dims[k_add_cols];
+    const auto q = p.as<AddRmsNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
     // A whole row of h is read before anything of that row is written, so exact aliasing
     // (residual_out = residual, y = x) computes the same as separate buffers.
     std::vector<double> h(std::size_t(std::max<std::int64_t>(cols, 0)));
     for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t xo = r * p.dims[k_add_x_stride], ro = r * p.dims[k_add_r_stride];
+      const std::int64_t xo = r * q.x_row_stride, ro = r * q.residual_row_stride;
       double ss = 0;
       for (std::int64_t c = 0; c < cols; ++c) {
         h[c] = round_to(p.dtype, load_as_double(b[0], p.dtype, xo + c) + load_as_double(b[1], p.dtype, ro + c));
         ss += h[c] * h[c];
       }
-      const double scale = 1.0 / std::sqrt(ss / double(cols) + p.scalars[k_add_eps]);
-      const std::int64_t yo = r * p.dims[k_add_y_stride], hoff = r * p.dims[k_add_ro_stride];
+      const double scale = 1.0 / std::sqrt(ss / double(cols) + q.eps);
+      const std::int64_t yo = r * q.y_row_stride, hoff = r * q.residual_out_row_stride;
       for (std::int64_t c = 0; c < cols; ++c) {
         store_from_double(b[4], p.dtype, hoff + c, h[c]);
         store_from_double(b[3], p.dtype, yo + c, h[c] * scale * load_as_double(b[2], p.dtype, c));
@@ -167,34 +182,35 @@ std::int64_t add_rmsnorm_smem_packs(const Params& params, const Problem& p) {
   // The kernel's register cache: 8 registers of h per thread (templates/add_rmsnorm).
   const auto vec = *params.get_int("vec");
   const std::int64_t pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
-  return smem_cache_packs(p.dims[k_add_cols] / vec, *params.get_int("block"), register_cache_packs(8, pack_bytes),
+  return smem_cache_packs(p.as<AddRmsNormProblem>().cols / vec, *params.get_int("block"), register_cache_packs(8, pack_bytes),
                           pack_bytes, k_add_rmsnorm_max_smem);
 }
 
 AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p) {
+  const auto q = p.as<AddRmsNormProblem>();
   const int esize = int(dtype_size(p.dtype));
   int vec = 16 / esize;
   auto strides_allow = [&](int v) {
-    for (int d : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride})
-      if (p.dims[d] % v) return false;
+    for (std::int64_t stride : row_strides(q))
+      if (stride % v) return false;
     return true;
   };
-  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || !strides_allow(vec) || p.dims[k_add_cols] < vec))
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || !strides_allow(vec) || q.cols < vec))
     vec /= 2;
   // Rows past the register cache (two packs per thread of 1024): 8-byte accesses, whose
   // shared-memory batches keep two loads per buffer in flight; 16-byte packs are far slower there
   // on Hopper. From 2048 rows those rows take 512 threads, which kiln tune ranks slightly ahead of
   // 1024 at 4096 x 65536 bf16. docs/benchmarks.md has the figures.
-  const bool past_cache = p.dims[k_add_cols] / vec > 2 * 1024;
+  const bool past_cache = q.cols / vec > 2 * 1024;
   if (past_cache && vec * esize > 8) vec = 8 / esize;
-  const std::int64_t packs = std::max<std::int64_t>(1, p.dims[k_add_cols] / vec);
-  const int max_block = past_cache && p.dims[k_add_rows] >= 2048 ? 512 : 1024;
+  const std::int64_t packs = std::max<std::int64_t>(1, q.cols / vec);
+  const int max_block = past_cache && q.rows >= 2048 ? 512 : 1024;
   // The smallest block that gives each thread at most its two cached packs; from 2048 rows, up to
   // half a pack more per thread through shared memory rather than a block twice the size with
   // some threads holding one: at 5120 bf16 columns (640 packs) the bench's variants sweep has 256
   // threads ahead of 512 at 32768 rows and level at 4096. Power-of-two rows choose the same block
   // either way.
-  const std::int64_t per_thread_x2 = p.dims[k_add_rows] >= 2048 ? 5 : 4;  // packs per thread, doubled
+  const std::int64_t per_thread_x2 = q.rows >= 2048 ? 5 : 4;  // packs per thread, doubled
   int block = 64;
   while (block < max_block && block * per_thread_x2 < packs * 2) block *= 2;
   return {block, vec};

@@ -8,8 +8,7 @@
 //
 // Params: dtype {f32, f16, bf16}, block {64 .. 1024} threads, vec {1, 2, 4, 8} elements per
 // access (vec * sizeof(dtype) <= 16 bytes).
-// Problem: dims = {rows, cols, x_row_stride, residual_row_stride, y_row_stride,
-// residual_out_row_stride} (strides in elements), scalars = {eps}.
+// Problem: AddRmsNormProblem below.
 // Buffers: x (input), residual (input), w (input, [cols]), y (output), residual_out (output).
 // residual_out may alias residual and y may alias x (same base, same row stride).
 //
@@ -29,15 +28,17 @@
 
 namespace kiln::families {
 
-enum AddRmsNormDim {
-  k_add_rows = 0,
-  k_add_cols = 1,
-  k_add_x_stride = 2,
-  k_add_r_stride = 3,
-  k_add_y_stride = 4,
-  k_add_ro_stride = 5,
+// The problem (kiln/problem.h). Keys: rows (bucketed), cols and the four row strides (in
+// elements); value: eps.
+struct AddRmsNormProblem {
+  std::int64_t rows = 0;                     // rows to normalize
+  std::int64_t cols = 0;                     // elements per row (the weight's length)
+  std::int64_t x_row_stride = 0;             // elements between the starts of two rows of x
+  std::int64_t residual_row_stride = 0;      // the same for residual
+  std::int64_t y_row_stride = 0;             // for y
+  std::int64_t residual_out_row_stride = 0;  // for residual_out
+  double eps = 0;                            // added to the mean square
 };
-enum AddRmsNormScalar { k_add_eps = 0 };
 
 struct AddRmsNormChoice {
   int block;

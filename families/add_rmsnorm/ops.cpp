@@ -81,21 +81,18 @@ Status add_rms_norm(const TensorView& x, const TensorView& residual, const Tenso
       return device_error("add_rms_norm: tensors are on different GPUs");
   }
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[families::k_add_rows] = xr.rows;
-  p.dims[families::k_add_cols] = hidden;
-  p.dims[families::k_add_x_stride] = xr.row_stride;
-  p.dims[families::k_add_r_stride] = rr.row_stride;
-  p.dims[families::k_add_y_stride] = yr.row_stride;
-  p.dims[families::k_add_ro_stride] = hr.row_stride;
-  p.scalars[families::k_add_eps] = eps;
   const auto esize = std::int64_t(dtype_size(x.dtype));
-  p.alignment = client::common_alignment(
+  const std::uint32_t alignment = client::common_alignment(
       {reinterpret_cast<std::uintptr_t>(x.data), reinterpret_cast<std::uintptr_t>(residual.data),
        reinterpret_cast<std::uintptr_t>(weight.data), reinterpret_cast<std::uintptr_t>(y.data),
        reinterpret_cast<std::uintptr_t>(residual_out.data)},
       {xr.row_stride * esize, rr.row_stride * esize, yr.row_stride * esize, hr.row_stride * esize});
+  const Problem p = Problem::of(x.dtype, alignment,
+                                families::AddRmsNormProblem{.rows = xr.rows, .cols = hidden,
+                                                            .x_row_stride = xr.row_stride,
+                                                            .residual_row_stride = rr.row_stride,
+                                                            .y_row_stride = yr.row_stride,
+                                                            .residual_out_row_stride = hr.row_stride, .eps = eps});
   if (xr.rows == 0) return {};
 
   static const Family* const family = Registry::global().find("add_rmsnorm");

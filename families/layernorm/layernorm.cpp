@@ -27,9 +27,10 @@ Status check_variant(std::string_view family, const Params& params, bool backwar
   return {};
 }
 
-// What both kernels check of a problem for a variant: sizes, dtype, alignment and row length.
-Status check_rows(std::string_view family, const Params& params, const Problem& p) {
-  const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols];
+// What both kernels check of a problem of `rows` rows of `cols` elements for a variant: sizes,
+// dtype, alignment and row length.
+Status check_rows(std::string_view family, const Params& params, const Problem& p, std::int64_t rows,
+                  std::int64_t cols) {
   const std::string f(family);
   if (rows < 0 || cols <= 0) return shape_mismatch(f + ": need rows >= 0 and cols > 0");
   const auto dtype = *parse_dtype(*params.get_str("dtype"));
@@ -108,8 +109,13 @@ class LayerNorm final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return {"rows", "cols"}; }
-  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<LayerNormProblem>({
+        bucketed(&LayerNormProblem::rows, "rows", "rows to normalize"),
+        key(&LayerNormProblem::cols, "cols", "elements per row"),
+        value(&LayerNormProblem::eps, "eps", "added to the variance")});
+    return fields;
+  }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -127,15 +133,16 @@ class LayerNorm final : public Family {
   std::vector<Params> catalog() const override { return variants(*this, {128, 256, 512, 1024}, {1, 2, 4, 8}); }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    KILN_TRY(check_rows(name(), params, p));
-    if (!std::isfinite(p.scalars[k_ln_eps]) || !(p.scalars[k_ln_eps] >= 0))
+    const auto q = p.as<LayerNormProblem>();
+    KILN_TRY(check_rows(name(), params, p, q.rows, q.cols));
+    if (!std::isfinite(q.eps) || !(q.eps >= 0))
       return invalid_argument("layernorm: eps must be finite and non-negative");
     return {};
   }
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_ln_rows], 1, 0x7fffffff));
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.as<LayerNormProblem>().rows, 1, 0x7fffffff));
     g.block.x = std::uint32_t(*params.get_int("block"));
     return g;
   }
@@ -150,30 +157,37 @@ class LayerNorm final : public Family {
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, shape));
-    p.scalars[k_ln_eps] = 1e-5;
+    if (std::none_of(shape.begin(), shape.end(), [](const auto& s) { return s.first == "eps"; })) {
+      auto q = p.as<LayerNormProblem>();
+      q.eps = 1e-5;
+      p.set(q);
+    }
     return p;
   }
   std::vector<Problem> benchmark_problems(DType dtype) const override { return shapes(*this, dtype, false); }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols];
+    const auto q = p.as<LayerNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
     return {{"x", BufferRole::input, p.dtype, rows * cols},     {"weight", BufferRole::input, p.dtype, cols},
             {"bias", BufferRole::input, p.dtype, cols},         {"y", BufferRole::output, p.dtype, rows * cols},
             {"mean", BufferRole::output, DType::f32, rows},     {"rstd", BufferRole::output, DType::f32, rows}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<LayerNormProblem>();
     for (std::size_t i = 0; i < 6; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
-    out.add(static_cast<long long>(p.dims[k_ln_rows]));
-    out.add(static_cast<long long>(p.dims[k_ln_cols]));
-    out.add(static_cast<float>(p.scalars[k_ln_eps]));
+    out.add(static_cast<long long>(q.rows));
+    out.add(static_cast<long long>(q.cols));
+    out.add(static_cast<float>(q.eps));
   }
 
   // Buffers as buffers() lists them; bias, mean and rstd may be null.
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 6 || !b[0] || !b[1] || !b[3])
       return invalid_argument("layernorm: the reference takes x, weight, bias, y, mean, rstd (x, weight, y non-null)");
-    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols];
+    const auto q = p.as<LayerNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
     for (std::int64_t r = 0; r < rows; ++r) {
       double sum = 0, sq = 0;
       for (std::int64_t c = 0; c < cols; ++c) sum += load_as_double(b[0], p.dtype, r * cols + c);
@@ -182,7 +196,7 @@ class LayerNorm final : public Family {
         const double d = load_as_double(b[0], p.dtype, r * cols + c) - mean;
         sq += d * d;
       }
-      const double rstd = 1.0 / std::sqrt(sq / double(cols) + p.scalars[k_ln_eps]);
+      const double rstd = 1.0 / std::sqrt(sq / double(cols) + q.eps);
       for (std::int64_t c = 0; c < cols; ++c) {
         const double bias = b[2] ? load_as_double(b[2], p.dtype, c) : 0.0;
         store_from_double(b[3], p.dtype, r * cols + c,
@@ -210,8 +224,13 @@ class LayerNormBwd final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return {"rows", "cols", "slabs"}; }
-  std::vector<std::string> problem_scalars() const override { return {}; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<LayerNormBwdProblem>({
+        bucketed(&LayerNormBwdProblem::rows, "rows", "rows of dy, x and dx"),
+        key(&LayerNormBwdProblem::cols, "cols", "elements per row"),
+        key(&LayerNormBwdProblem::slabs, "slabs", "blocks, each summing the gradients of consecutive rows")});
+    return fields;
+  }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -229,8 +248,9 @@ class LayerNormBwd final : public Family {
   std::vector<Params> catalog() const override { return variants(*this, {128, 256, 512}, {1, 2, 4}); }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    KILN_TRY(check_rows(name(), params, p));
-    const auto rows = p.dims[k_ln_rows], slabs = p.dims[k_ln_slabs];
+    const auto q = p.as<LayerNormBwdProblem>();
+    KILN_TRY(check_rows(name(), params, p, q.rows, q.cols));
+    const auto rows = q.rows, slabs = q.slabs;
     if (slabs < (rows > 0 ? 1 : 0) || slabs > std::max<std::int64_t>(rows, 1) || slabs > 0x7fffffff)
       return shape_mismatch("layernorm_bwd: need 1 <= slabs <= rows");
     return {};
@@ -238,7 +258,7 @@ class LayerNormBwd final : public Family {
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(std::max<std::int64_t>(p.dims[k_ln_slabs], 1));
+    g.grid.x = std::uint32_t(std::max<std::int64_t>(p.as<LayerNormBwdProblem>().slabs, 1));
     g.block.x = std::uint32_t(*params.get_int("block"));
     return g;
   }
@@ -265,7 +285,8 @@ class LayerNormBwd final : public Family {
   std::vector<Problem> benchmark_problems(DType dtype) const override { return shapes(*this, dtype, true); }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols], slabs = p.dims[k_ln_slabs];
+    const auto q = p.as<LayerNormBwdProblem>();
+    const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
     return {{"dy", BufferRole::input, p.dtype, rows * cols},   {"x", BufferRole::input, p.dtype, rows * cols},
             {"weight", BufferRole::input, p.dtype, cols},      {"mean", BufferRole::input, DType::f32, rows},
             {"rstd", BufferRole::input, DType::f32, rows},     {"dx", BufferRole::output, p.dtype, rows * cols},
@@ -274,9 +295,10 @@ class LayerNormBwd final : public Family {
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     for (std::size_t i = 0; i < 7; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
-    const auto rows = p.dims[k_ln_rows], slabs = std::max<std::int64_t>(p.dims[k_ln_slabs], 1);
+    const auto q = p.as<LayerNormBwdProblem>();
+    const auto rows = q.rows, slabs = std::max<std::int64_t>(q.slabs, 1);
     out.add(static_cast<long long>(rows));
-    out.add(static_cast<long long>(p.dims[k_ln_cols]));
+    out.add(static_cast<long long>(q.cols));
     out.add(static_cast<long long>((rows + slabs - 1) / slabs));
   }
 
@@ -285,7 +307,8 @@ class LayerNormBwd final : public Family {
       return invalid_argument("layernorm_bwd: the reference takes dy, x, weight, mean, rstd, dx and partial");
     for (void* ptr : b)
       if (!ptr) return invalid_argument("layernorm_bwd: a buffer of the reference is null");
-    const auto rows = p.dims[k_ln_rows], cols = p.dims[k_ln_cols], slabs = std::max<std::int64_t>(p.dims[k_ln_slabs], 1);
+    const auto q = p.as<LayerNormBwdProblem>();
+    const auto rows = q.rows, cols = q.cols, slabs = std::max<std::int64_t>(q.slabs, 1);
     const std::int64_t per_slab = (rows + slabs - 1) / slabs;
     auto* partial = static_cast<float*>(b[6]);
     std::vector<double> acc_w(static_cast<std::size_t>(cols)), acc_b(static_cast<std::size_t>(cols));
@@ -323,11 +346,16 @@ class LayerNormBwd final : public Family {
 
 namespace {
 
+// The row length of either kernel's problem.
+std::int64_t cols_of(const Problem& p, bool backward) {
+  return backward ? p.as<LayerNormBwdProblem>().cols : p.as<LayerNormProblem>().cols;
+}
+
 // The heuristic's variant for accesses of up to `widest` elements; none when its threads cannot
 // hold the row.
 std::optional<Params> choose(const Problem& p, bool backward, std::int64_t widest) {
   const auto esize = std::int64_t(dtype_size(p.dtype));
-  const auto cols = p.dims[k_ln_cols];
+  const auto cols = cols_of(p, backward);
   std::int64_t vec = widest;
   while (vec > 1 && (p.alignment < vec * esize || cols % vec)) vec /= 2;
   const std::int64_t packs_total = (cols + vec - 1) / vec;
@@ -364,7 +392,7 @@ Result<Params> layernorm_choice(const Problem& p, bool backward) {
     if (auto c = choose(p, backward, widest)) return *c;
   const std::int64_t vec_max = 16 / esize, limit = backward ? 512 * 16 : 1024 * 32;
   return invalid_argument(std::string(backward ? "layer_norm_backward" : "layer_norm") + ": rows of " +
-                          std::to_string(p.dims[k_ln_cols]) + " elements are longer than the kernels hold (" +
+                          std::to_string(cols_of(p, backward)) + " elements are longer than the kernels hold (" +
                           std::to_string(limit) + " with " + std::to_string(vec_max) +
                           "-element accesses, fewer when the row length or alignment needs narrower ones)");
 }

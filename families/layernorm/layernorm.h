@@ -5,11 +5,11 @@
 // row; vec {1, 2, 4, 8} elements per access (at most 16 bytes); packs {1, 2, 4, 8} packs per
 // thread held in registers (packs * vec <= 32). A variant runs rows of up to block * packs * vec
 // elements, cols a multiple of vec.
-// Problem: dims = {rows, cols}, scalars = {eps}. Buffers: x, weight, bias (may be null), y, mean
-// and rstd (f32 [rows], may be null).
+// Problem: LayerNormProblem below. Buffers: x, weight, bias (may be null), y, mean and rstd (f32
+// [rows], may be null).
 //
 // layernorm_bwd params: dtype, block {128, 256, 512}, vec, packs {1, 2, 4} (packs * vec <= 16 at
-// 512 threads, 32 below). Problem: dims = {rows, cols, slabs}. Buffers: dy, x, weight, mean, rstd,
+// 512 threads, 32 below). Problem: LayerNormBwdProblem below. Buffers: dy, x, weight, mean, rstd,
 // dx, partial (f32 [2 * slabs, cols]: dweight's slab sums, then dbias's).
 //
 // Heuristic: 8-byte accesses where the alignment and row length allow (the tuner found them ahead
@@ -24,8 +24,19 @@
 
 namespace kiln::families {
 
-enum LayerNormDim { k_ln_rows = 0, k_ln_cols = 1, k_ln_slabs = 2 };
-enum LayerNormScalar { k_ln_eps = 0 };
+// layernorm's problem (kiln/problem.h). Keys: rows (bucketed), cols; value: eps.
+struct LayerNormProblem {
+  std::int64_t rows = 0;  // rows to normalize
+  std::int64_t cols = 0;  // elements per row (the weight's and bias's length)
+  double eps = 0;         // added to the variance
+};
+
+// layernorm_bwd's problem. Keys: rows (bucketed), cols, slabs.
+struct LayerNormBwdProblem {
+  std::int64_t rows = 0;   // rows of dy, x and dx
+  std::int64_t cols = 0;   // elements per row
+  std::int64_t slabs = 0;  // blocks, each taking consecutive rows; rows of partial per gradient
+};
 
 // The heuristic's variant of either kernel for p; invalid_argument when no variant holds a row of
 // p's length (longer than the family's register budget).

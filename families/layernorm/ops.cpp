@@ -17,10 +17,8 @@
 namespace kiln {
 namespace {
 
-using families::k_ln_cols;
-using families::k_ln_eps;
-using families::k_ln_rows;
-using families::k_ln_slabs;
+using families::LayerNormBwdProblem;
+using families::LayerNormProblem;
 
 // Checks t: a floating tensor of x's dtype and device kind, contiguous, with shape [cols].
 Status check_vector(const char* op, const TensorView& t, const char* name, const TensorView& x, std::int64_t cols) {
@@ -75,6 +73,22 @@ Result<const Family*> family(const char* name) {
   return f;
 }
 
+// rmsnorm_bwd_reduce's problem: `slabs` rows of partial sums of `cols` columns, set through the
+// family's field names (slabs, cols).
+Result<Problem> reduce_problem(const Family& reduce, DType dtype, std::int64_t slabs, std::int64_t cols) {
+  Problem p;
+  p.dtype = dtype;
+  p.alignment = 16;
+  int named = 0;
+  for (const ProblemField& f : reduce.problem_fields()) {
+    if (f.name != "slabs" && f.name != "cols") continue;
+    p.fields[f.slot].i = f.name == "slabs" ? slabs : cols;
+    ++named;
+  }
+  if (named != 2) return internal_error("rmsnorm_bwd_reduce has no problem fields 'slabs' and 'cols'");
+  return p;
+}
+
 }  // namespace
 
 Status layer_norm(const TensorView& x, const TensorView& weight, const TensorView* bias, const TensorView& y,
@@ -95,13 +109,11 @@ Status layer_norm(const TensorView& x, const TensorView& weight, const TensorVie
   KILN_TRY(same_gpu(op, {&x, &weight, bias, &y, mean, rstd}));
   if (!std::isfinite(eps) || eps < 0) return invalid_argument("layer_norm: eps must be finite and non-negative");
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[k_ln_rows] = rows;
-  p.dims[k_ln_cols] = cols;
-  p.scalars[k_ln_eps] = eps;
-  p.alignment = client::common_alignment({address(x), address(weight), address(bias), address(y)},
-                                         {cols * std::int64_t(dtype_size(x.dtype))});
+  const Problem p =
+      Problem::of(x.dtype,
+                  client::common_alignment({address(x), address(weight), address(bias), address(y)},
+                                           {cols * std::int64_t(dtype_size(x.dtype))}),
+                  LayerNormProblem{.rows = rows, .cols = cols, .eps = eps});
   void* buffers[6] = {x.data,           weight.data, bias ? bias->data : nullptr, y.data, mean ? mean->data : nullptr,
                       rstd ? rstd->data : nullptr};
   KILN_ASSIGN_OR_RETURN(const Family* fwd, family("layernorm"));
@@ -134,17 +146,15 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
   KILN_TRY(check_stats(op, rstd, "rstd", x, rows));
   KILN_TRY(same_gpu(op, {&x, &dy, &weight, &mean, &rstd, &dx, &dweight, dbias}));
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[k_ln_rows] = rows;
-  p.dims[k_ln_cols] = cols;
-  p.alignment = client::common_alignment({address(dy), address(x), address(weight), address(dx)},
-                                         {cols * std::int64_t(dtype_size(x.dtype))});
+  const std::uint32_t alignment = client::common_alignment({address(dy), address(x), address(weight), address(dx)},
+                                                           {cols * std::int64_t(dtype_size(x.dtype))});
+  LayerNormBwdProblem q{.rows = rows, .cols = cols};
   KILN_ASSIGN_OR_RETURN(const Family* bwd, family("layernorm_bwd"));
 
   if (x.device.kind == DeviceKind::cpu) {
     // One slab: partial holds the column sums themselves.
-    p.dims[k_ln_slabs] = 1;
+    q.slabs = 1;
+    const Problem p = Problem::of(x.dtype, alignment, q);
     std::vector<float> partial(std::size_t(2 * cols));
     void* b[7] = {dy.data, x.data, weight.data, mean.data, rstd.data, dx.data, partial.data()};
     KILN_TRY(bwd->cpu_reference(bwd->heuristic(p), p, b));
@@ -155,26 +165,22 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
     return {};
   }
 
-  KILN_TRY(families::layernorm_choice(p, true).status());
+  KILN_TRY(families::layernorm_choice(Problem::of(x.dtype, alignment, q), true).status());
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* device, jit::device_info(x.device.index));
   const std::int64_t slabs = rows == 0 ? 0 : families::layernorm_bwd_slabs(rows, device->sm_count);
-  p.dims[k_ln_slabs] = slabs;
+  q.slabs = slabs;
   void* ws = nullptr;
   if (slabs > 0) {
     KILN_ASSIGN_OR_RETURN(ws, client::stream_workspace(x.device.index, stream, 2 * slabs * cols));
     void* b[7] = {dy.data, x.data, weight.data, mean.data, rstd.data, dx.data, ws};
-    KILN_TRY(runtime->run(*bwd, p, b, stream));
+    KILN_TRY(runtime->run(*bwd, Problem::of(x.dtype, alignment, q), b, stream));
   }
   // The slab sums, in a fixed order: dweight from the first slabs rows of partial, dbias from the rest.
   KILN_ASSIGN_OR_RETURN(const Family* reduce, family("rmsnorm_bwd_reduce"));
-  Problem pr;
-  pr.dtype = x.dtype;
-  pr.alignment = 16;
-  pr.dims[0] = slabs;
-  pr.dims[1] = cols;
+  KILN_ASSIGN_OR_RETURN(const Problem pr, reduce_problem(*reduce, x.dtype, slabs, cols));
   void* rw[2] = {ws, dweight.data};
   KILN_TRY(runtime->run(*reduce, pr, rw, stream));
   if (dbias) {

@@ -2,7 +2,6 @@
 
 #include "client/validate.h"
 #include "families/rmsnorm/rmsnorm.h"
-#include "jit/device_info.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
 #include "kiln/ops.h"
@@ -47,18 +46,14 @@ Status rms_norm_impl(const TensorView& x, const TensorView& weight, const Tensor
   if (where == DeviceKind::cuda && (weight.device.index != x.device.index || y.device.index != x.device.index))
     return device_error("rms_norm: tensors are on different GPUs");
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[families::k_rows] = xr.rows;
-  p.dims[families::k_cols] = hidden;
-  p.dims[families::k_x_stride] = xr.row_stride;
-  p.dims[families::k_y_stride] = yr.row_stride;
-  p.scalars[families::k_eps] = eps;
   const auto esize = std::int64_t(dtype_size(x.dtype));
-  p.alignment = client::common_alignment(
+  const std::uint32_t alignment = client::common_alignment(
       {reinterpret_cast<std::uintptr_t>(x.data), reinterpret_cast<std::uintptr_t>(weight.data),
        reinterpret_cast<std::uintptr_t>(y.data)},
       {xr.row_stride * esize, yr.row_stride * esize});
+  const Problem p = Problem::of(x.dtype, alignment,
+                                families::RmsNormProblem{.rows = xr.rows, .cols = hidden, .x_row_stride = xr.row_stride,
+                                                         .y_row_stride = yr.row_stride, .eps = eps});
   if (xr.rows == 0) return {};
 
   static const Family* family = Registry::global().find("rmsnorm");
@@ -72,9 +67,6 @@ Status rms_norm_impl(const TensorView& x, const TensorView& weight, const Tensor
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(x.device.index));
-  p.dims[families::k_sms] = dev->sm_count;
-  p.dims[families::k_cc] = dev->compute_capability;
   return runtime->run(*family, p, buffers, stream);
 }
 

@@ -17,9 +17,10 @@ Params params_of(DType t, const RmsNormChoice& c) {
 // Whether the bulk-copy kernel can run the problem: sm_90 or later, 16-byte aligned buffers and
 // row strides, whole 16-byte packs per row.
 bool bulk_fits(const Problem& p) {
+  const auto q = p.as<RmsNormProblem>();
   const std::int64_t esize = std::int64_t(dtype_size(p.dtype));
-  return p.dims[k_cc] >= 90 && p.alignment >= 16 && (p.dims[k_cols] * esize) % 16 == 0 &&
-         (p.dims[k_x_stride] * esize) % 16 == 0 && (p.dims[k_y_stride] * esize) % 16 == 0;
+  return p.cc >= 90 && p.alignment >= 16 && (q.cols * esize) % 16 == 0 && (q.x_row_stride * esize) % 16 == 0 &&
+         (q.y_row_stride * esize) % 16 == 0;
 }
 
 class RmsNorm final : public Family {
@@ -37,10 +38,15 @@ class RmsNorm final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override {
-    return {"rows", "cols", "x_row_stride", "y_row_stride", "sms", "cc"};
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<RmsNormProblem>({
+        bucketed(&RmsNormProblem::rows, "rows", "rows to normalize"),
+        key(&RmsNormProblem::cols, "cols", "elements per row"),
+        key(&RmsNormProblem::x_row_stride, "x_row_stride", "elements between two rows of x"),
+        key(&RmsNormProblem::y_row_stride, "y_row_stride", "elements between two rows of y"),
+        value(&RmsNormProblem::eps, "eps", "added to the mean square")});
+    return fields;
   }
-  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -80,30 +86,31 @@ class RmsNorm final : public Family {
         }
     for (DType t : {DType::f32, DType::f16, DType::bf16})
       for (std::int64_t row_bytes : {64 * 1024, 96 * 1024, 128 * 1024}) {
-        const auto c = rmsnorm_heuristic(
-            problem_from_shape(t, {{"rows", 4096}, {"cols", row_bytes / std::int64_t(dtype_size(t))}, {"cc", 90}})
-                .value());
+        const std::int64_t cols = row_bytes / std::int64_t(dtype_size(t));
+        Problem p = Problem::of(t, 16, RmsNormProblem{.rows = 4096, .cols = cols, .x_row_stride = cols,
+                                                      .y_row_stride = cols, .eps = 1e-6});
+        p.cc = 90;
+        const auto c = rmsnorm_heuristic(p);
         if (c.bulk > 0) out.push_back(params_of(t, c));
       }
     return out;
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
+    const auto q = p.as<RmsNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
     if (rows < 0 || cols <= 0) return shape_mismatch("rmsnorm: need rows >= 0 and cols > 0");
     if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm: rows longer than 2^31 elements");
-    if (p.dims[k_x_stride] < cols || p.dims[k_y_stride] < cols)
+    if (q.x_row_stride < cols || q.y_row_stride < cols)
       return shape_mismatch("rmsnorm: row strides must be at least the row length");
-    if (p.dims[k_sms] < 0 || p.dims[k_sms] > 4096) return invalid_argument("rmsnorm: sms must be in 0..4096");
-    if (p.dims[k_cc] < 0 || p.dims[k_cc] > 1000) return invalid_argument("rmsnorm: cc must be in 0..1000");
-    if (!(p.scalars[k_eps] >= 0) || !std::isfinite(p.scalars[k_eps]))
+    if (!(q.eps >= 0) || !std::isfinite(q.eps))
       return invalid_argument("rmsnorm: eps must be finite and non-negative");
     auto dtype = parse_dtype(*params.get_str("dtype"));
     if (*dtype != p.dtype)
       return unsupported_dtype(std::string("rmsnorm: kernel is for ") + dtype_name(*dtype) + ", tensors are " +
                                dtype_name(p.dtype));
     const auto vec = *params.get_int("vec");
-    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || p.dims[k_x_stride] % vec || p.dims[k_y_stride] % vec)
+    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || q.x_row_stride % vec || q.y_row_stride % vec)
       return invalid_argument("rmsnorm: vec=" + std::to_string(vec) +
                               " needs buffers and row strides aligned to vec elements");
     if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
@@ -147,38 +154,27 @@ class RmsNorm final : public Family {
     return out;
   }
 
-  // Row strides default to the row length (contiguous rows), sms to 0 (one block per row), cc to 0
-  // (no sm_90 kernels: give cc=90 to tune for an H100), eps to 1e-6.
+  // Row strides default to the row length (contiguous rows), eps to 1e-6.
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     auto full = shape;
     std::int64_t cols = -1;
-    bool x_stride = false, y_stride = false, sms = false, cc = false;
+    bool x_stride = false, y_stride = false, eps = false;
     for (const auto& [n, v] : shape) {
       if (n == "cols") cols = v;
       x_stride |= n == "x_row_stride";
       y_stride |= n == "y_row_stride";
-      sms |= n == "sms";
-      cc |= n == "cc";
+      eps |= n == "eps";
     }
     if (!x_stride && cols >= 0) full.emplace_back("x_row_stride", cols);
     if (!y_stride && cols >= 0) full.emplace_back("y_row_stride", cols);
-    if (!sms) full.emplace_back("sms", 0);
-    if (!cc) full.emplace_back("cc", 0);
     KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, full));
-    p.scalars[k_eps] = 1e-6;
+    if (!eps) {
+      auto q = p.as<RmsNormProblem>();
+      q.eps = 1e-6;
+      p.set(q);
+    }
     return p;
-  }
-
-  // The SM count and the compute capability are properties of the device, which the tuning key
-  // already holds (its arch): problems that differ in them alone share a signature, so a winner
-  // tuned by `kiln tune` (sms=0 unless given) serves the typed op (which passes the device's
-  // values). A winner tuned with cc=90 may be the sm_90 kernel: the key's arch keeps it to sm_90.
-  std::string signature(const Problem& problem) const override {
-    Problem p = problem;
-    p.dims[k_sms] = 0;
-    p.dims[k_cc] = 0;
-    return Family::signature(p);
   }
 
   // The benchmark shapes of docs/benchmarks.md: tokens x hidden, contiguous.
@@ -191,39 +187,42 @@ class RmsNorm final : public Family {
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
+    const auto q = p.as<RmsNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
     auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
-    return {{"x", BufferRole::input, p.dtype, extent(p.dims[k_x_stride])},
+    return {{"x", BufferRole::input, p.dtype, extent(q.x_row_stride)},
             {"w", BufferRole::input, p.dtype, cols},
-            {"y", BufferRole::output, p.dtype, extent(p.dims[k_y_stride])},
+            {"y", BufferRole::output, p.dtype, extent(q.y_row_stride)},
             {"inv_rms", BufferRole::output, DType::f32, rows}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<RmsNormProblem>();
     out.add(b[0]);
     out.add(b[1]);
     out.add(b[2]);
     out.add(b.size() > 3 ? b[3] : static_cast<void*>(nullptr));
-    out.add(static_cast<long long>(p.dims[k_rows]));
-    out.add(static_cast<long long>(p.dims[k_cols]));
-    out.add(static_cast<long long>(p.dims[k_x_stride]));
-    out.add(static_cast<long long>(p.dims[k_y_stride]));
-    out.add(static_cast<float>(p.scalars[k_eps]));
+    out.add(static_cast<long long>(q.rows));
+    out.add(static_cast<long long>(q.cols));
+    out.add(static_cast<long long>(q.x_row_stride));
+    out.add(static_cast<long long>(q.y_row_stride));
+    out.add(static_cast<float>(q.eps));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 3 && b.size() != 4)
       return invalid_argument("rmsnorm: reference takes buffers x, w, y and optionally inv_rms");
     float* inv_rms = b.size() > 3 ? static_cast<float*>(b[3]) : nullptr;
-    const auto rows = p.dims[k_rows], cols = p.dims[k_cols];
+    const auto q = p.as<RmsNormProblem>();
+    const auto rows = q.rows, cols = q.cols;
     for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t xo = r * p.dims[k_x_stride], yo = r * p.dims[k_y_stride];
+      const std::int64_t xo = r * q.x_row_stride, yo = r * q.y_row_stride;
       double ss = 0;
       for (std::int64_t c = 0; c < cols; ++c) {
         double v = load_as_double(b[0], p.dtype, xo + c);
         ss += v * v;
       }
-      const double scale = 1.0 / std::sqrt(ss / double(cols) + p.scalars[k_eps]);
+      const double scale = 1.0 / std::sqrt(ss / double(cols) + q.eps);
       if (inv_rms) inv_rms[r] = float(scale);
       for (std::int64_t c = 0; c < cols; ++c)
         store_from_double(b[2], p.dtype, yo + c,
@@ -245,27 +244,28 @@ std::int64_t cached_packs(const Params& params, const Problem& p) {
 }  // namespace
 
 std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
+  const auto q = p.as<RmsNormProblem>();
   const auto block = *params.get_int("block");
-  const std::int64_t rows = p.dims[k_rows], packs = p.dims[k_cols] / *params.get_int("vec");
+  const std::int64_t rows = q.rows, packs = q.cols / *params.get_int("vec"), sms = p.sm_count;
   // Bulk-copy kernels: persistent blocks, as many as the SMs hold at once (one per row when the SM
   // count is unknown).
   if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
-    if (p.dims[k_sms] <= 0) return rows;
+    if (sms == 0) return rows;
     const std::int64_t smem = block * bulk * 16 + 1024;  // an SM has 228 KiB, 1 KiB reserved per block
     const std::int64_t per_sm = std::max<std::int64_t>(1, std::min(1024 / block, 228 * 1024 / smem));
-    return std::min(rows, p.dims[k_sms] * per_sm);
+    return std::min(rows, sms * per_sm);
   }
   // Rows that fit half the register cache are pipelined when the grid is capped (the kernel's
   // k_half path): about 1024 threads per SM, every block looping over several rows.
-  if (p.dims[k_sms] > 0 && packs <= cached_packs(params, p) / 2 * block)
-    return std::min(rows, p.dims[k_sms] * std::max<std::int64_t>(1, 1024 / block));
+  if (sms > 0 && packs <= cached_packs(params, p) / 2 * block)
+    return std::min(rows, sms * std::max<std::int64_t>(1, 1024 / block));
   return rows;
 }
 
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
   const auto vec = *params.get_int("vec"), block = *params.get_int("block");
   if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) return block * bulk;
-  const std::int64_t packs = p.dims[k_cols] / vec, pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
+  const std::int64_t packs = p.as<RmsNormProblem>().cols / vec, pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
   const std::int64_t cached = cached_packs(params, p);
   // Rows that fit the register cache: blocks under 1024 threads with packs of 8 bytes and more
   // stage the weight there (families/rmsnorm/rmsnorm_fwd.cuh, k_w_smem).
@@ -286,8 +286,9 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   //   accesses, two packs per thread, with the weight loaded before the reduction: faster than
   //   1024 threads with 2-byte accesses at 1 and 16 rows of 4096 bf16. Longer rows: 1024 threads,
   //   accesses widened (up to 8 bytes) only while each thread keeps at least eight.
+  const auto q = p.as<RmsNormProblem>();
   const int esize = int(dtype_size(p.dtype));
-  const std::int64_t rows = p.dims[k_rows], cols = p.dims[k_cols];
+  const std::int64_t rows = q.rows, cols = q.cols;
   // From 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows: the bulk-copy kernel,
   // the smallest block of 256..1024 threads that covers the row with 8 packs each, an even number
   // of packs per thread (faster than the register kernel below at 4096 x 65536 and 4096 x 32768
@@ -317,8 +318,8 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   }
   int vec = std::max(1, pack_bytes / esize);
   // The widest access that every row start and the weight allow.
-  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.dims[k_x_stride] % vec ||
-                     p.dims[k_y_stride] % vec || cols < vec))
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || q.x_row_stride % vec || q.y_row_stride % vec ||
+                     cols < vec))
     vec /= 2;
   const std::int64_t packs = std::max<std::int64_t>(1, cols / vec);
   int block = 64;

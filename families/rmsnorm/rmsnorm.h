@@ -4,9 +4,9 @@
 // access (vec * sizeof(dtype) <= 16 bytes), bulk {0, 2, 4, 6, 8}: 0 for the register kernel, else
 // the bulk-copy kernel (sm_90 and later) with that many 16-byte packs per thread (vec must make 16
 // bytes, block at least 256).
-// Problem: dims = {rows, cols, x_row_stride, y_row_stride, sms, cc} (strides in elements; sms: the
-// device's SM count, or 0 for one block per row; cc: compute capability as major * 10 + minor, 0
-// when unknown, which rules out the sm_90 kernel), scalars = {eps}.
+// Problem: RmsNormProblem below. The device's SM count (Problem::sm_count; 0: one block per row)
+// sizes the grid, and its compute capability (Problem::cc; 0 when unknown, which rules out the
+// sm_90 kernel) picks the kernel.
 // Buffers: x (input), w (input, [cols]), y (output), inv_rms (output, f32 [rows]; may be null:
 // then it is not written). Register kernel: rows longer than the register cache keep the rest in
 // dynamic shared memory (rmsnorm_smem_packs), up to 96 KiB; rows that fit it may stage the weight
@@ -30,8 +30,15 @@
 
 namespace kiln::families {
 
-enum RmsNormDim { k_rows = 0, k_cols = 1, k_x_stride = 2, k_y_stride = 3, k_sms = 4, k_cc = 5 };
-enum RmsNormScalar { k_eps = 0 };
+// The problem (kiln/problem.h). Keys: rows (bucketed), cols, x_row_stride, y_row_stride; value:
+// eps.
+struct RmsNormProblem {
+  std::int64_t rows = 0;          // rows to normalize
+  std::int64_t cols = 0;          // elements per row (the weight's length)
+  std::int64_t x_row_stride = 0;  // elements between the starts of two rows of x
+  std::int64_t y_row_stride = 0;  // elements between the starts of two rows of y
+  double eps = 0;                 // added to the mean square
+};
 
 // The parameters the heuristic picks for a problem (also used by the typed op's fast path).
 struct RmsNormChoice {
@@ -51,7 +58,7 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p);
 constexpr std::int64_t k_rmsnorm_max_smem = 96 * 1024;
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p);
 
-// Blocks to launch: one per row, or (sms known, rows short enough to pipeline) about 1024 threads
+// Blocks to launch: one per row, or (SM count known, rows short enough to pipeline) about 1024 threads
 // per SM, each block taking several rows.
 std::int64_t rmsnorm_grid(const Params& params, const Problem& p);
 

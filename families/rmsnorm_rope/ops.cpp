@@ -100,20 +100,15 @@ Status rms_norm_rope(const TensorView& x, const TensorView& weight, const Tensor
     if (t->device.index != x.device.index) return device_error("rms_norm_rope: tensors are on different GPUs");
   }
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[families::k_nr_rows] = batch * seq;
-  p.dims[families::k_nr_hidden] = hidden;
-  p.dims[families::k_nr_head_dim] = head_dim;
-  p.dims[families::k_nr_seq] = seq;
-  p.dims[families::k_nr_num_heads] = num_heads;
-  p.dims[families::k_nr_cos_dtype] = std::int64_t(cos.dtype);
-  p.scalars[families::k_nr_eps] = eps;
-  p.alignment = client::common_alignment(
+  const std::uint32_t alignment = client::common_alignment(
       {reinterpret_cast<std::uintptr_t>(x.data), reinterpret_cast<std::uintptr_t>(weight.data),
        reinterpret_cast<std::uintptr_t>(cos.data), reinterpret_cast<std::uintptr_t>(sin.data),
        reinterpret_cast<std::uintptr_t>(out.data)},
       {});
+  const Problem p = Problem::of(x.dtype, alignment,
+                                families::RmsNormRopeProblem{.rows = batch * seq, .hidden = hidden,
+                                                             .head_dim = head_dim, .seq = seq, .num_heads = num_heads,
+                                                             .cos_dtype = std::int64_t(cos.dtype), .eps = eps});
   if (batch * seq == 0) return {};
   if (hidden >= (std::int64_t(1) << 31)) return shape_mismatch("rms_norm_rope: rows longer than 2^31 elements");
 

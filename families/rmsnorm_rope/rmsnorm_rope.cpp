@@ -21,7 +21,7 @@ std::uint32_t cos_access_bytes(std::int64_t vec, DType cos_dtype) {
 
 // The cos/sin dtype a problem carries, if it is one of the floating types.
 std::optional<DType> cos_dtype_of(const Problem& p) {
-  const auto code = p.dims[k_nr_cos_dtype];
+  const auto code = p.as<RmsNormRopeProblem>().cos_dtype;
   if (code != std::int64_t(DType::f32) && code != std::int64_t(DType::f16) && code != std::int64_t(DType::bf16))
     return std::nullopt;
   return DType(code);
@@ -42,10 +42,18 @@ class RmsNormRope final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override {
-    return {"rows", "hidden", "head_dim", "seq", "num_heads", "cos_dtype"};
+  const std::vector<ProblemField>& problem_fields() const override {
+    using P = RmsNormRopeProblem;
+    static const std::vector<ProblemField> fields = problem_fields_of<P>({
+        bucketed(&P::rows, "rows", "tokens (batch * seq rows)"),
+        key(&P::hidden, "hidden", "elements per row (num_heads * head_dim)"),
+        key(&P::head_dim, "head_dim", "elements per head"),
+        key(&P::seq, "seq", "positions per sequence (rows of cos and sin)"),
+        key(&P::num_heads, "num_heads", "heads per row"),
+        key(&P::cos_dtype, "cos_dtype", "element type of cos and sin (a DType code)"),
+        value(&P::eps, "eps", "added to the mean square")});
+    return fields;
   }
-  std::vector<std::string> problem_scalars() const override { return {"eps"}; }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -87,8 +95,9 @@ class RmsNormRope final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto rows = p.dims[k_nr_rows], hidden = p.dims[k_nr_hidden], head_dim = p.dims[k_nr_head_dim];
-    const auto seq = p.dims[k_nr_seq], heads = p.dims[k_nr_num_heads];
+    const auto q = p.as<RmsNormRopeProblem>();
+    const auto rows = q.rows, hidden = q.hidden, head_dim = q.head_dim;
+    const auto seq = q.seq, heads = q.num_heads;
     if (rows < 0 || hidden <= 0) return shape_mismatch("rmsnorm_rope: need rows >= 0 and hidden > 0");
     if (hidden >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm_rope: rows longer than 2^31 elements");
     if (seq <= 0 || rows % seq) return shape_mismatch("rmsnorm_rope: rows must be a whole number of sequences");
@@ -97,7 +106,7 @@ class RmsNormRope final : public Family {
                             ", tensors have " + std::to_string(head_dim));
     if (heads * head_dim != hidden)
       return shape_mismatch("rmsnorm_rope: num_heads * head_dim must equal hidden");
-    if (!(p.scalars[k_nr_eps] >= 0) || !std::isfinite(p.scalars[k_nr_eps]))
+    if (!(q.eps >= 0) || !std::isfinite(q.eps))
       return invalid_argument("rmsnorm_rope: eps must be finite and non-negative");
     const auto dtype = *parse_dtype(*params.get_str("dtype"));
     if (dtype != p.dtype)
@@ -117,7 +126,7 @@ class RmsNormRope final : public Family {
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.dims[k_nr_rows], 1, 0x7fffffff));
+    g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.as<RmsNormRopeProblem>().rows, 1, 0x7fffffff));
     g.block.x = std::uint32_t(*params.get_int("block"));
     g.shared_bytes = std::uint32_t(rmsnorm_rope_weight_smem(params, p));
     return g;
@@ -128,7 +137,7 @@ class RmsNormRope final : public Family {
     const DType cos_dtype = cos_dtype_of(p).value_or(DType::f32);
     return Params{{"dtype", std::string(dtype_name(p.dtype))},
                   {"cos_dtype", std::string(dtype_name(cos_dtype))},
-                  {"head_dim", p.dims[k_nr_head_dim]},
+                  {"head_dim", p.as<RmsNormRopeProblem>().head_dim},
                   {"block", std::int64_t(c.block)},
                   {"vec", std::int64_t(c.vec)}};
   }
@@ -152,24 +161,19 @@ class RmsNormRope final : public Family {
     for (std::int64_t head_dim : {64, 128})
       for (std::int64_t rows : {1, 512, 4096})
         for (DType cos : {DType::f32, dtype}) {
-          Problem p;
-          p.dtype = dtype;
-          p.dims[k_nr_rows] = rows;
-          p.dims[k_nr_head_dim] = head_dim;
-          p.dims[k_nr_num_heads] = 32;
-          p.dims[k_nr_hidden] = 32 * head_dim;
-          p.dims[k_nr_seq] = std::min<std::int64_t>(rows, 1024);
-          p.dims[k_nr_cos_dtype] = std::int64_t(cos);
-          p.scalars[k_nr_eps] = 1e-6;
-          out.push_back(p);
+          out.push_back(Problem::of(dtype, 16,
+                                    RmsNormRopeProblem{.rows = rows, .hidden = 32 * head_dim, .head_dim = head_dim,
+                                                       .seq = std::min<std::int64_t>(rows, 1024), .num_heads = 32,
+                                                       .cos_dtype = std::int64_t(cos), .eps = 1e-6}));
           if (cos == dtype) break;
         }
     return out;
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_nr_rows], hidden = p.dims[k_nr_hidden];
-    const auto table = p.dims[k_nr_seq] * p.dims[k_nr_head_dim];
+    const auto q = p.as<RmsNormRopeProblem>();
+    const auto rows = q.rows, hidden = q.hidden;
+    const auto table = q.seq * q.head_dim;
     const DType cos_dtype = cos_dtype_of(p).value_or(DType::f32);
     return {{"x", BufferRole::input, p.dtype, rows * hidden},
             {"weight", BufferRole::input, p.dtype, hidden},
@@ -179,19 +183,21 @@ class RmsNormRope final : public Family {
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<RmsNormRopeProblem>();
     for (int i = 0; i < 5; ++i) out.add(b[i]);
-    out.add(static_cast<long long>(p.dims[k_nr_rows]));
-    out.add(static_cast<int>(p.dims[k_nr_hidden]));
-    out.add(static_cast<long long>(p.dims[k_nr_seq]));
-    out.add(static_cast<float>(p.scalars[k_nr_eps]));
+    out.add(static_cast<long long>(q.rows));
+    out.add(static_cast<int>(q.hidden));
+    out.add(static_cast<long long>(q.seq));
+    out.add(static_cast<float>(q.eps));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 5) return invalid_argument("rmsnorm_rope: reference takes 5 buffers (x, weight, cos, sin, y)");
     const auto cos_dtype = cos_dtype_of(p);
     if (!cos_dtype) return unsupported_dtype("rmsnorm_rope: cos_dtype must be f32, f16 or bf16");
-    const auto rows = p.dims[k_nr_rows], hidden = p.dims[k_nr_hidden], d = p.dims[k_nr_head_dim];
-    const auto seq = p.dims[k_nr_seq], half = d / 2;
+    const auto q = p.as<RmsNormRopeProblem>();
+    const auto rows = q.rows, hidden = q.hidden, d = q.head_dim;
+    const auto seq = q.seq, half = d / 2;
     if (d <= 0 || d % 2 || hidden % d || seq <= 0)
       return shape_mismatch("rmsnorm_rope: hidden must be whole heads of an even head_dim");
     std::vector<double> n(static_cast<std::size_t>(hidden));
@@ -202,7 +208,7 @@ class RmsNormRope final : public Family {
         const double v = load_as_double(b[0], p.dtype, xo + c);
         ss += v * v;
       }
-      const double scale = 1.0 / std::sqrt(ss / double(hidden) + p.scalars[k_nr_eps]);
+      const double scale = 1.0 / std::sqrt(ss / double(hidden) + q.eps);
       // The whole row is read before any of it is written: y may be x.
       for (std::int64_t c = 0; c < hidden; ++c)
         n[std::size_t(c)] = load_as_double(b[0], p.dtype, xo + c) * scale * load_as_double(b[1], p.dtype, c);
@@ -225,8 +231,8 @@ std::int64_t rmsnorm_rope_weight_smem(const Params& params, const Problem& p) {
   const auto block = *params.get_int("block"), vec = *params.get_int("vec");
   const std::int64_t pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
   const std::int64_t cached = (block >= 1024 ? 8 : 16) / ((2 * pack_bytes + 3) / 4);
-  const std::int64_t items = p.dims[k_nr_hidden] / (2 * vec);
-  return pack_bytes >= 4 && items <= cached * block ? p.dims[k_nr_hidden] * std::int64_t(dtype_size(p.dtype)) : 0;
+  const std::int64_t hidden = p.as<RmsNormRopeProblem>().hidden, items = hidden / (2 * vec);
+  return pack_bytes >= 4 && items <= cached * block ? hidden * std::int64_t(dtype_size(p.dtype)) : 0;
 }
 
 RmsNormRopeChoice rmsnorm_rope_heuristic(const Problem& p) {
@@ -235,7 +241,7 @@ RmsNormRopeChoice rmsnorm_rope_heuristic(const Problem& p) {
   int vec = 16 / esize;
   while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || p.alignment < cos_access_bytes(vec, cos_dtype)))
     vec /= 2;
-  const std::int64_t items = std::max<std::int64_t>(1, p.dims[k_nr_hidden] / (2 * vec));
+  const std::int64_t items = std::max<std::int64_t>(1, p.as<RmsNormRopeProblem>().hidden / (2 * vec));
   int block = 64;
   while (block < 1024 && block * 4 <= items) block *= 2;
   return {block, vec};

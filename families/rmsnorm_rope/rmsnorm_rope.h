@@ -8,8 +8,7 @@
 // Params: dtype {f32, f16, bf16} (x, weight, y), cos_dtype {f32, f16, bf16} (f32 or dtype),
 // head_dim {64, 80, 96, 128, 256}, block {64 .. 1024} threads, vec {1, 2, 4, 8} rotation pairs per
 // work item (vec * sizeof(dtype) <= 16 bytes).
-// Problem: dims = {rows, hidden, head_dim, seq, num_heads, cos_dtype (a DType code)},
-// scalars = {eps}.
+// Problem: RmsNormRopeProblem below.
 // Buffers: x, weight, cos, sin (inputs), y (output; may be x).
 //
 // Heuristic: vec is the widest rotation-pair count whose x/y access (vec * sizeof(dtype)) and
@@ -25,9 +24,17 @@
 
 namespace kiln::families {
 
-enum RmsNormRopeDim { k_nr_rows = 0, k_nr_hidden = 1, k_nr_head_dim = 2, k_nr_seq = 3, k_nr_num_heads = 4,
-                      k_nr_cos_dtype = 5 };
-enum RmsNormRopeScalar { k_nr_eps = 0 };
+// The problem (kiln/problem.h). Keys: rows (bucketed), hidden, head_dim, seq, num_heads,
+// cos_dtype; value: eps.
+struct RmsNormRopeProblem {
+  std::int64_t rows = 0;       // tokens: batch * seq rows of x
+  std::int64_t hidden = 0;     // elements per row (num_heads * head_dim)
+  std::int64_t head_dim = 0;   // elements per head, and per row of cos and sin
+  std::int64_t seq = 0;        // positions per sequence (rows of cos and sin); row r uses r % seq
+  std::int64_t num_heads = 0;  // heads per row
+  std::int64_t cos_dtype = 0;  // element type of cos and sin, as a DType code
+  double eps = 0;              // added to the mean square
+};
 
 // Dynamic shared memory for the weight, which the kernel stages before its first reduction: the
 // row's bytes when the row fits the register cache and packs are 4 bytes or more (cp.async), else 0

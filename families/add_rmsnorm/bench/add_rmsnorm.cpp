@@ -70,10 +70,13 @@ int run(Context& ctx) {
         want_h(check_rows * hidden * 2);
     ys[0]->download(got_y.data());
     rs[0]->download(got_h.data());
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {check_rows, hidden, hidden, hidden, hidden, hidden};
-    p.scalars[0] = 1e-6;
+    auto contiguous = [&](std::int64_t rows) {
+      return Problem::of(DType::bf16, 16,
+                         families::AddRmsNormProblem{.rows = rows, .cols = hidden, .x_row_stride = hidden,
+                                                     .residual_row_stride = hidden, .y_row_stride = hidden,
+                                                     .residual_out_row_stride = hidden, .eps = 1e-6});
+    };
+    const Problem p = contiguous(check_rows);
     void* refb[5] = {hx.data(), hr.data(), hw.data(), want_y.data(), want_h.data()};
     check(f.cpu_reference(f.heuristic(p), p, refb), "reference");
     const double err = rel_l2(got_y.data(), want_y.data(), DType::bf16, check_rows * hidden);
@@ -89,9 +92,7 @@ int run(Context& ctx) {
     }
     const double ms = time_events(call, 10, ctx.quick ? 30 : 100);
     const double gbs = double(4 * bytes + hidden * 2) / (ms * 1e-3) / 1e9;
-    Problem hp = p;
-    hp.dims = {tokens, hidden, hidden, hidden, hidden, hidden};
-    const Params chosen = f.heuristic(hp);
+    const Params chosen = f.heuristic(contiguous(tokens));
     std::printf("%8lld %7lld %10.2f %10.1f %7.1f%% %9.2e %18s\n", (long long)tokens, (long long)hidden, ms * 1e3, gbs,
                 100 * gbs / ctx.copy_gbs, err, chosen.canonical().c_str());
     rows.push_back({{"tokens", tokens}, {"hidden", hidden}, {"median_us", ms * 1e3}, {"gbs", gbs},

@@ -35,6 +35,14 @@ struct Case {
 
 std::int64_t extent(const Case& c, std::int64_t stride) { return c.offset + (c.rows - 1) * stride + c.cols; }
 
+// The case's problem, 16-byte aligned, eps 1e-5.
+Problem problem_of(const Case& c) {
+  return Problem::of(c.dtype, 16,
+                     families::AddRmsNormProblem{.rows = c.rows, .cols = c.cols, .x_row_stride = c.x_stride(),
+                                                 .residual_row_stride = c.r_stride(), .y_row_stride = c.y_stride(),
+                                                 .residual_out_row_stride = c.h_stride(), .eps = 1e-5});
+}
+
 // Launches through `run(x, r, w, y, ro)` and compares both outputs with the reference.
 template <class Launch>
 void check_case(const Case& c, std::mt19937& rng, unsigned seed, Launch&& run) {
@@ -63,10 +71,7 @@ void check_case(const Case& c, std::mt19937& rng, unsigned seed, Launch&& run) {
   // The reference on host copies with the same strides and the same aliasing.
   std::vector<unsigned char> want_y = c.in_place ? hx : std::vector<unsigned char>(got_y.size(), 0xFF);
   std::vector<unsigned char> want_h = c.in_place ? hr : std::vector<unsigned char>(got_h.size(), 0xFF);
-  Problem p;
-  p.dtype = c.dtype;
-  p.dims = {c.rows, c.cols, c.x_stride(), c.r_stride(), c.y_stride(), c.h_stride()};
-  p.scalars[0] = 1e-5;
+  const Problem p = problem_of(c);
   auto off = [&](std::vector<unsigned char>& v) { return static_cast<void*>(v.data() + c.offset * es); };
   void* bufs[5] = {c.in_place ? off(want_y) : off(hx), c.in_place ? off(want_h) : off(hr), off(hw), off(want_y),
                    off(want_h)};
@@ -155,11 +160,7 @@ TEST_F(AddRmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
       auto k = rt_->kernel(KernelSpec{"add_rmsnorm", params});
       ASSERT_TRUE(k.ok()) << k.status().to_string();
       check_case(c, rng_, seed_, [&](void* x, void* r, void* w, void* y, void* h) {
-        Problem p;
-        p.dtype = t;
-        p.alignment = 16;
-        p.dims = {c.rows, c.cols, c.x_stride(), c.r_stride(), c.y_stride(), c.h_stride()};
-        p.scalars[0] = 1e-5;
+        const Problem p = problem_of(c);
         void* b[5] = {x, r, w, y, h};
         Status s = rt_->launch(**k, p, b, stream);
         if (s.ok()) {

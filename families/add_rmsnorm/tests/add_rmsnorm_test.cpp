@@ -19,13 +19,18 @@ namespace {
 const Family& fam() { return *Registry::global().find("add_rmsnorm"); }
 
 Problem problem(DType t, std::int64_t rows, std::int64_t cols, std::int64_t stride = 0, std::uint32_t align = 16) {
-  Problem p;
-  p.dtype = t;
-  p.alignment = align;
-  p.dims[k_add_rows] = rows;
-  p.dims[k_add_cols] = cols;
-  for (int d : {k_add_x_stride, k_add_r_stride, k_add_y_stride, k_add_ro_stride}) p.dims[d] = stride ? stride : cols;
-  p.scalars[k_add_eps] = 1e-6;
+  const std::int64_t s = stride ? stride : cols;
+  return Problem::of(t, align,
+                     AddRmsNormProblem{.rows = rows, .cols = cols, .x_row_stride = s, .residual_row_stride = s,
+                                       .y_row_stride = s, .residual_out_row_stride = s, .eps = 1e-6});
+}
+
+// p with its fields edited by `change`.
+template <class F>
+Problem changed(Problem p, F change) {
+  auto q = p.as<AddRmsNormProblem>();
+  change(q);
+  p.set(q);
   return p;
 }
 
@@ -37,8 +42,7 @@ TEST(AddRmsNorm, ReferenceMatchesHandComputedRows) {
   // Row 0: h = [1+2, 2+2] = [3, 4], mean(h^2) = 12.5; w = [1, 2].
   // Row 1: h = [1, 1], mean 1, eps 0 -> y = w.
   std::vector<float> x = {1, 2, 0.5f, 0.5f}, r = {2, 2, 0.5f, 0.5f}, w = {1, 2}, y(4, -1), ro(4, -1);
-  Problem p = problem(DType::f32, 2, 2);
-  p.scalars[k_add_eps] = 0;
+  Problem p = changed(problem(DType::f32, 2, 2), [](auto& q) { q.eps = 0; });
   void* b[5] = {x.data(), r.data(), w.data(), y.data(), ro.data()};
   ASSERT_TRUE(fam().cpu_reference(fam().heuristic(p), p, b).ok());
   EXPECT_NEAR(y[0], 3 / std::sqrt(12.5), 1e-6);
@@ -54,8 +58,7 @@ TEST(AddRmsNorm, ReferenceNormalizesTheRoundedSum) {
   // unrounded 1/sqrt(33025).
   std::vector<std::uint16_t> x = {float_to_bf16(256), 0}, r = {float_to_bf16(1), float_to_bf16(1)},
                              w = {float_to_bf16(1), float_to_bf16(1)}, y(2), ro(2);
-  Problem p = problem(DType::bf16, 1, 2);
-  p.scalars[k_add_eps] = 0;
+  Problem p = changed(problem(DType::bf16, 1, 2), [](auto& q) { q.eps = 0; });
   void* b[5] = {x.data(), r.data(), w.data(), y.data(), ro.data()};
   ASSERT_TRUE(fam().cpu_reference(fam().heuristic(p), p, b).ok());
   EXPECT_EQ(ro[0], float_to_bf16(256));
@@ -74,8 +77,7 @@ TEST(AddRmsNorm, ReferenceHonoursStridesAndAliasing) {
     r[i] = float_to_f16(rv[i]);
   }
   for (auto& v : w) v = float_to_f16(1.0f);
-  Problem p = problem(DType::f16, 2, 3, 4);
-  p.scalars[k_add_eps] = 0;
+  Problem p = changed(problem(DType::f16, 2, 3, 4), [](auto& q) { q.eps = 0; });
   void* b[5] = {x.data(), r.data(), w.data(), y.data(), ro.data()};
   ASSERT_TRUE(fam().cpu_reference(fam().heuristic(p), p, b).ok());
   EXPECT_NEAR(f16_to_float(y[0]), 1 / std::sqrt(3.0), 1e-3);  // rms of [1, 2, 2] is sqrt(3)
@@ -114,8 +116,8 @@ TEST(AddRmsNorm, HeuristicPicksWidestAlignedAccess) {
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 2048)).block, 128);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::f32, 1, 64)).block, 64);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 3)).vec, 1);
-  Problem odd_residual = problem(DType::f16, 8, 4096);
-  odd_residual.dims[k_add_r_stride] = 4100;  // one stride a multiple of 4 but not 8
+  // One stride a multiple of 4 but not 8.
+  Problem odd_residual = changed(problem(DType::f16, 8, 4096), [](auto& q) { q.residual_row_stride = 4100; });
   EXPECT_EQ(add_rmsnorm_heuristic(odd_residual).vec, 4);
   for (auto cols : {1, 3, 7, 64, 1000, 4095, 4096, 5120, 65536})
     for (auto t : {DType::f32, DType::f16, DType::bf16}) {
@@ -129,17 +131,13 @@ TEST(AddRmsNorm, CheckProblemRejectsMismatches) {
   EXPECT_EQ(fam().check_problem(v, problem(DType::f16, 2, 64)).code(), Code::unsupported_dtype);
   EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 60)).code(), Code::invalid_argument);
   EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 64, 64, 8)).code(), Code::invalid_argument);
-  Problem p = problem(DType::bf16, 2, 64);
-  p.dims[k_add_ro_stride] = 32;
-  EXPECT_EQ(fam().check_problem(v, p).code(), Code::shape_mismatch);
-  p = problem(DType::bf16, 2, 64);
-  p.dims[k_add_r_stride] = 68;
-  EXPECT_EQ(fam().check_problem(v, p).code(), Code::invalid_argument);
-  p = problem(DType::bf16, 2, 64);
-  p.scalars[k_add_eps] = -1;
-  EXPECT_EQ(fam().check_problem(v, p).code(), Code::invalid_argument);
-  p.scalars[k_add_eps] = INFINITY;
-  EXPECT_EQ(fam().check_problem(v, p).code(), Code::invalid_argument);
+  const Problem p = problem(DType::bf16, 2, 64);
+  EXPECT_EQ(fam().check_problem(v, changed(p, [](auto& q) { q.residual_out_row_stride = 32; })).code(),
+            Code::shape_mismatch);
+  EXPECT_EQ(fam().check_problem(v, changed(p, [](auto& q) { q.residual_row_stride = 68; })).code(),
+            Code::invalid_argument);
+  EXPECT_EQ(fam().check_problem(v, changed(p, [](auto& q) { q.eps = -1; })).code(), Code::invalid_argument);
+  EXPECT_EQ(fam().check_problem(v, changed(p, [](auto& q) { q.eps = INFINITY; })).code(), Code::invalid_argument);
   EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 0)).code(), Code::shape_mismatch);
   EXPECT_TRUE(fam().check_problem(v, problem(DType::bf16, 2, 64)).ok());
 }
@@ -152,8 +150,7 @@ TEST(AddRmsNorm, ValidateRejectsBadParams) {
 }
 
 TEST(AddRmsNorm, ArgsPackInKernelOrder) {
-  Problem p = problem(DType::bf16, 7, 64, 128);
-  p.dims[k_add_ro_stride] = 192;
+  Problem p = changed(problem(DType::bf16, 7, 64, 128), [](auto& q) { q.residual_out_row_stride = 192; });
   ArgPack args;
   int a, b, c, d, e;
   void* bufs[5] = {&a, &b, &c, &d, &e};

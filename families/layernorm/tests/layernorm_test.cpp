@@ -130,36 +130,36 @@ TEST(LayerNormCpu, BadInputIsATypedErrorAndWritesNothing) {
 }
 
 TEST(LayerNormCpu, HeuristicHoldsRowsInRegistersUpToTheLimit) {
-  Problem p;
-  p.dtype = DType::bf16;
-  p.alignment = 16;
-  p.dims[families::k_ln_rows] = 4096;
-  p.dims[families::k_ln_cols] = 4096;
-  auto fwd = families::layernorm_choice(p, false);
+  // 4096 rows of `cols` elements for either kernel, 16-byte aligned; the backward in the op's slabs
+  // for a 132-SM GPU.
+  auto fwd_problem = [](DType t, std::int64_t cols) {
+    return Problem::of(t, 16, families::LayerNormProblem{.rows = 4096, .cols = cols, .eps = 1e-5});
+  };
+  auto bwd_problem = [](DType t, std::int64_t cols) {
+    return Problem::of(t, 16,
+                       families::LayerNormBwdProblem{.rows = 4096, .cols = cols,
+                                                     .slabs = families::layernorm_bwd_slabs(4096, 132)});
+  };
+  auto fwd = families::layernorm_choice(fwd_problem(DType::bf16, 4096), false);
   ASSERT_TRUE(fwd.ok());
   EXPECT_EQ(fwd->get_int("vec"), 4);  // 8-byte accesses
   EXPECT_EQ(*fwd->get_int("block") * *fwd->get_int("packs") * 4, 4096);
-  auto bwd = families::layernorm_choice(p, true);
+  auto bwd = families::layernorm_choice(bwd_problem(DType::bf16, 4096), true);
   ASSERT_TRUE(bwd.ok());
   EXPECT_EQ(bwd->get_int("block"), 512);
-  p.dims[families::k_ln_cols] = 32768;
-  EXPECT_TRUE(families::layernorm_choice(p, false).ok());
-  EXPECT_EQ(families::layernorm_choice(p, true).status().code(), Code::invalid_argument);
-  p.dims[families::k_ln_cols] = 8192;
-  EXPECT_TRUE(families::layernorm_choice(p, true).ok());
-  p.dtype = DType::f32;  // 16-byte accesses where 8-byte ones cannot hold the row
-  auto f32 = families::layernorm_choice(p, true);
+  EXPECT_TRUE(families::layernorm_choice(fwd_problem(DType::bf16, 32768), false).ok());
+  EXPECT_EQ(families::layernorm_choice(bwd_problem(DType::bf16, 32768), true).status().code(), Code::invalid_argument);
+  EXPECT_TRUE(families::layernorm_choice(bwd_problem(DType::bf16, 8192), true).ok());
+  // 16-byte accesses where 8-byte ones cannot hold the row.
+  auto f32 = families::layernorm_choice(bwd_problem(DType::f32, 8192), true);
   ASSERT_TRUE(f32.ok());
   EXPECT_EQ(f32->get_int("vec"), 4);
-  p.dtype = DType::bf16;
-  p.dims[families::k_ln_cols] = 1023;  // odd: 1-element accesses
-  auto odd = families::layernorm_choice(p, true);
+  auto odd = families::layernorm_choice(bwd_problem(DType::bf16, 1023), true);  // odd: 1-element accesses
   ASSERT_TRUE(odd.ok());
   EXPECT_EQ(odd->get_int("vec"), 1);
   const Family* f = Registry::global().find("layernorm_bwd");
   ASSERT_NE(f, nullptr);
-  p.dims[families::k_ln_slabs] = families::layernorm_bwd_slabs(4096, 132);
-  EXPECT_TRUE(f->check_problem(*odd, p).ok());
+  EXPECT_TRUE(f->check_problem(*odd, bwd_problem(DType::bf16, 1023)).ok());
 }
 
 TEST(LayerNormCpu, DeclaresItsOpsAndTheirGradients) {

@@ -19,9 +19,8 @@ int run(Context& ctx) {
   shapes.emplace_back(4096, 65536);
   if (ctx.quick) shapes = {{1, 4096}, {4096, 4096}, {32768, 4096}, {4096, 65536}};
   const Family& f = *Registry::global().find("rmsnorm");
-  // The device facts the typed op puts in its problem (families/rmsnorm/ops.cpp), for the variant printed.
+  // The device facts the runtime puts in the typed op's problem, for the variant printed.
   const jit::DeviceInfo* dev = jit::device_info(0).value();
-  const std::int64_t sms = dev->sm_count, cc = dev->compute_capability;
   std::printf("%8s %7s %10s %10s %8s %9s %9s\n", "tokens", "hidden", "median_us", "GB/s", "%copy", "rel_err", "variant");
   nlohmann::json rows = nlohmann::json::array();
   for (auto [tokens, hidden] : shapes) {
@@ -53,10 +52,9 @@ int run(Context& ctx) {
     const std::int64_t check_rows = std::min<std::int64_t>(tokens, 64);
     std::vector<unsigned char> got(bytes), want(check_rows * hidden * 2);
     ys[0]->download(got.data());
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {check_rows, hidden, hidden, hidden};
-    p.scalars[0] = 1e-6;
+    const Problem p = Problem::of(DType::bf16, 16,
+                                  families::RmsNormProblem{.rows = check_rows, .cols = hidden, .x_row_stride = hidden,
+                                                           .y_row_stride = hidden, .eps = 1e-6});
     void* refb[3] = {hx.data(), hw.data(), want.data()};
     check(f.cpu_reference(f.heuristic(p), p, refb), "reference");
     const double err = rel_l2(got.data(), want.data(), DType::bf16, check_rows * hidden);
@@ -70,10 +68,11 @@ int run(Context& ctx) {
     const double ms = time_events(call, 10, ctx.quick ? 30 : 100);
     const double gbs = double(2 * bytes + hidden * 2) / (ms * 1e-3) / 1e9;
     // The variant the typed op picks: its problem carries the device's SM count and compute
-    // capability (families/rmsnorm/ops.cpp).
-    Problem hp = p;
-    hp.alignment = 16;
-    hp.dims = {tokens, hidden, hidden, hidden, sms, cc};
+    // capability.
+    Problem hp = Problem::of(DType::bf16, 16,
+                             families::RmsNormProblem{.rows = tokens, .cols = hidden, .x_row_stride = hidden,
+                                                      .y_row_stride = hidden, .eps = 1e-6});
+    jit::set_device(hp, *dev);
     const Params chosen = f.heuristic(hp);
     std::printf("%8lld %7lld %10.2f %10.1f %7.1f%% %9.2e %9s\n", (long long)tokens, (long long)hidden, ms * 1e3, gbs,
                 100 * gbs / ctx.copy_gbs, err, chosen.canonical().c_str());

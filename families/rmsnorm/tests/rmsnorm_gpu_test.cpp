@@ -53,10 +53,10 @@ double check_case(const Case& c, std::mt19937& rng, Launch&& run) {
   (c.in_place ? dx : dy).download(got.data());
   // Reference on the host copy, same strides (in place: y aliases x).
   std::vector<unsigned char> want = c.in_place ? hx : std::vector<unsigned char>(got.size(), 0xFF);
-  Problem p;
-  p.dtype = c.dtype;
-  p.dims = {c.rows, c.cols, c.x_stride, c.in_place ? c.x_stride : c.y_stride};
-  p.scalars[0] = 1e-5;
+  const Problem p = Problem::of(c.dtype, 16,
+                                families::RmsNormProblem{.rows = c.rows, .cols = c.cols, .x_row_stride = c.x_stride,
+                                                         .y_row_stride = c.in_place ? c.x_stride : c.y_stride,
+                                                         .eps = 1e-5});
   void* bufs[3] = {hx.data() + c.offset * es, hw.data() + c.offset * es,
                    (c.in_place ? want.data() : want.data()) + c.offset * es};
   if (c.in_place) bufs[0] = want.data() + c.offset * es;
@@ -83,6 +83,20 @@ Status run_op(const Case& c, void* x, void* w, void* y, Runtime* rt, Stream stre
   yv.strides[0] = c.in_place ? c.x_stride : c.y_stride;
   TensorView wv = TensorView::contiguous(w, c.dtype, {c.cols}, Device::cuda(0));
   return rms_norm(xv, wv, yv, 1e-5, stream, rt);
+}
+
+// Launches k on p as given, its SM count and compute capability included (Runtime::launch puts in
+// the device's own), so that a test can size the grid as for a GPU of a few SMs.
+Status launch_as_given(const Kernel& k, const Problem& p, std::span<void* const> buffers, CUstream stream) {
+  const Family& f = *k.family;
+  KILN_TRY(f.check_problem(k.params, p));
+  const LaunchGeometry g = f.geometry(k.params, p);
+  ArgPack args;
+  f.pack_args(k.params, p, buffers, args);
+  const jit::Driver* d = jit::Driver::get().value();
+  return d->check(d->launch_kernel(static_cast<CUfunction>(k.function), g.grid.x, g.grid.y, g.grid.z, g.block.x,
+                                   g.block.y, g.block.z, g.shared_bytes, stream, args.pointers(), nullptr),
+                  "cuLaunchKernel");
 }
 
 using RmsNormGpu = testing::GpuFixture;
@@ -121,10 +135,8 @@ TEST_F(RmsNormGpu, RowsOfTenToThirtyTwoKiBTakeSixteenByteAccesses) {
   for (DType t : {DType::f16, DType::bf16}) {
     for (std::int64_t cols : {5120, 12288, 16384, 5121}) {
       Case c{t, 2500, cols, cols, cols};
-      Problem p;
-      p.dtype = t;
-      p.dims = {c.rows, cols, cols, cols};
-      p.alignment = 256;
+      const Problem p = Problem::of(
+          t, 256, families::RmsNormProblem{.rows = c.rows, .cols = cols, .x_row_stride = cols, .y_row_stride = cols});
       EXPECT_EQ(*f.heuristic(p).get_int("vec"), cols % 8 ? 1 : 8) << cols;
       double err = check_case(c, rng_, [&](void* x, void* w, void* y) { return run_op(c, x, w, y, rt_.get()); });
       EXPECT_LT(err, testing::tolerance(t)) << dtype_name(t) << " 2500x" << cols << " seed " << seed_;
@@ -172,7 +184,7 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   ASSERT_EQ(d->device_get(&dev, 0), CUDA_SUCCESS);
   ASSERT_EQ(d->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), CUDA_SUCCESS);
   ASSERT_EQ(d->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), CUDA_SUCCESS);
-  const std::int64_t cc = major * 10 + minor;
+  const int cc = major * 10 + minor;
   int bulk_variants = 0;
   for (const Params& params : f.catalog()) {
     DType t = *parse_dtype(*params.get_str("dtype"));
@@ -203,13 +215,13 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
     }
     for (auto [c, sms] : cases) {
       double err = check_case(c, rng_, [&](void* x, void* w, void* y) {
-        Problem p;
-        p.dtype = t;
-        p.alignment = 16;
-        p.dims = {c.rows, c.cols, c.x_stride, c.y_stride, sms, cc};
-        p.scalars[0] = 1e-5;
+        Problem p = Problem::of(t, 16,
+                                families::RmsNormProblem{.rows = c.rows, .cols = c.cols, .x_row_stride = c.x_stride,
+                                                         .y_row_stride = c.y_stride, .eps = 1e-5});
+        p.sm_count = std::uint16_t(sms);
+        p.cc = std::uint8_t(cc);
         void* b[3] = {x, w, y};
-        Status s = rt_->launch(**k, p, b, stream);
+        Status s = launch_as_given(**k, p, b, stream);
         if (s.ok()) {
           EXPECT_EQ(d->stream_synchronize(stream), CUDA_SUCCESS);
         }

@@ -14,14 +14,30 @@ const Family& rmsnorm() { return *Registry::global().find("rmsnorm"); }
 
 Problem problem(DType t, std::int64_t rows, std::int64_t cols, std::int64_t xs = 0, std::int64_t ys = 0,
                 std::uint32_t align = 16) {
-  Problem p;
-  p.dtype = t;
-  p.alignment = align;
-  p.dims[k_rows] = rows;
-  p.dims[k_cols] = cols;
-  p.dims[k_x_stride] = xs ? xs : cols;
-  p.dims[k_y_stride] = ys ? ys : cols;
-  p.scalars[k_eps] = 1e-6;
+  return Problem::of(t, align,
+                     RmsNormProblem{.rows = rows, .cols = cols, .x_row_stride = xs ? xs : cols,
+                                    .y_row_stride = ys ? ys : cols, .eps = 1e-6});
+}
+
+// p with eps replaced.
+Problem with_eps(Problem p, double eps) {
+  auto q = p.as<RmsNormProblem>();
+  q.eps = eps;
+  p.set(q);
+  return p;
+}
+
+// p with rows replaced.
+Problem with_rows(Problem p, std::int64_t rows) {
+  auto q = p.as<RmsNormProblem>();
+  q.rows = rows;
+  p.set(q);
+  return p;
+}
+
+// p on a device of compute capability cc (0: unknown).
+Problem on_cc(Problem p, int cc) {
+  p.cc = std::uint8_t(cc);
   return p;
 }
 
@@ -29,8 +45,7 @@ TEST(RmsNorm, ReferenceMatchesHandComputedRows) {
   // Row [3, 4]: mean(x^2) = 12.5, rsqrt = 0.28284271; w = [1, 2].
   // Row [1, 1]: mean 1, eps 0 -> y = w.
   std::vector<float> x = {3, 4, 1, 1}, w = {1, 2}, y(4, -1);
-  Problem p = problem(DType::f32, 2, 2);
-  p.scalars[k_eps] = 0;
+  Problem p = with_eps(problem(DType::f32, 2, 2), 0);
   void* b[3] = {x.data(), w.data(), y.data()};
   ASSERT_TRUE(rmsnorm().cpu_reference(rmsnorm().heuristic(p), p, b).ok());
   EXPECT_NEAR(y[0], 3 / std::sqrt(12.5), 1e-6);
@@ -50,8 +65,7 @@ TEST(RmsNorm, ReferenceHonoursStridesAndHalfTypes) {
   const float xv[] = {1, 2, 2, 0, -2, 0, 0, 0};
   for (int i = 0; i < 8; ++i) x[i] = float_to_bf16(xv[i]);
   for (int i = 0; i < 3; ++i) w[i] = float_to_bf16(1.0f);
-  Problem p = problem(DType::bf16, 2, 3, 4, 4);
-  p.scalars[k_eps] = 0;
+  Problem p = with_eps(problem(DType::bf16, 2, 3, 4, 4), 0);
   void* b[3] = {x.data(), w.data(), y.data()};
   ASSERT_TRUE(rmsnorm().cpu_reference(rmsnorm().heuristic(p), p, b).ok());
   // Row 0: rms = sqrt(9/3) = sqrt(3). Row 1: [-2, 0, 0] -> rms = 2/sqrt(3).
@@ -148,17 +162,14 @@ TEST(RmsNorm, GridIsCappedOnlyForRowsThatPipeline) {
                {"bulk", std::int64_t(0)}};
   Problem p = problem(DType::bf16, 4096, 4096);
   EXPECT_EQ(rmsnorm_grid(small, p), 4096);  // no SM count: one block per row
-  p.dims[k_sms] = 132;
+  p.sm_count = 132;
   // 512 packs of 16 bytes: 2 per thread, half of the 4-pack cache: 4 blocks of 256 per SM.
   EXPECT_EQ(rmsnorm_grid(small, p), 132 * 4);
   EXPECT_EQ(rmsnorm().geometry(small, p).grid.x, 132u * 4);
-  p.dims[k_rows] = 100;
-  EXPECT_EQ(rmsnorm_grid(small, p), 100);  // never more blocks than rows
+  EXPECT_EQ(rmsnorm_grid(small, with_rows(p, 100)), 100);  // never more blocks than rows
   Problem wide = problem(DType::bf16, 4096, 16384);
-  wide.dims[k_sms] = 132;
+  wide.sm_count = 132;
   EXPECT_EQ(rmsnorm_grid(small, wide), 4096);  // 8 packs per thread: no room to prefetch a row
-  p.dims[k_sms] = -1;
-  EXPECT_EQ(rmsnorm().check_problem(small, p).code(), Code::invalid_argument);
 }
 
 TEST(RmsNorm, CheckProblemRejectsMismatches) {
@@ -168,11 +179,10 @@ TEST(RmsNorm, CheckProblemRejectsMismatches) {
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 60)).code(), Code::invalid_argument);
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 64, 64, 64, 8)).code(), Code::invalid_argument);
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 64, 32)).code(), Code::shape_mismatch);
-  Problem neg = problem(DType::bf16, 2, 64);
-  neg.scalars[k_eps] = -1;
-  EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, neg).code(), Code::invalid_argument);
-  neg.scalars[k_eps] = NAN;
-  EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, neg).code(), Code::invalid_argument);
+  EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, with_eps(problem(DType::bf16, 2, 64), -1)).code(),
+            Code::invalid_argument);
+  EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, with_eps(problem(DType::bf16, 2, 64), NAN)).code(),
+            Code::invalid_argument);
   EXPECT_TRUE(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 64)).ok());
 }
 
@@ -184,9 +194,8 @@ Params bulk_params(DType t, std::int64_t block, std::int64_t bulk) {
 }
 
 TEST(RmsNorm, BulkCopyKernelForWideRowsOnSm90) {
-  Problem p = problem(DType::bf16, 4096, 65536);
-  p.dims[k_cc] = 90;
-  p.dims[k_sms] = 132;
+  Problem p = on_cc(problem(DType::bf16, 4096, 65536), 90);
+  p.sm_count = 132;
   const auto c = rmsnorm_heuristic(p);
   EXPECT_EQ(c.block, 1024);
   EXPECT_EQ(c.vec, 8);
@@ -201,73 +210,57 @@ TEST(RmsNorm, BulkCopyKernelForWideRowsOnSm90) {
   EXPECT_EQ(g.shared_bytes, 128u * 1024);
   // 96 KiB rows: 1024 threads, 6 packs each; 64 KiB: 512 threads, 8 each; 80 KiB: 1024 x 6 (the
   // checked body); f32 rows of 128 KiB: 1024 x 8.
-  Problem p96 = problem(DType::f16, 4096, 49152);
-  p96.dims[k_cc] = 90;
+  Problem p96 = on_cc(problem(DType::f16, 4096, 49152), 90);
   EXPECT_EQ(rmsnorm_heuristic(p96).bulk, 6);
   EXPECT_EQ(rmsnorm_heuristic(p96).block, 1024);
-  Problem p64 = problem(DType::bf16, 4096, 32768);
-  p64.dims[k_cc] = 90;
+  Problem p64 = on_cc(problem(DType::bf16, 4096, 32768), 90);
   EXPECT_EQ(rmsnorm_heuristic(p64).bulk, 8);
   EXPECT_EQ(rmsnorm_heuristic(p64).block, 512);
-  Problem p80 = problem(DType::bf16, 4096, 40960);
-  p80.dims[k_cc] = 90;
+  Problem p80 = on_cc(problem(DType::bf16, 4096, 40960), 90);
   EXPECT_EQ(rmsnorm_heuristic(p80).bulk, 6);
   EXPECT_EQ(rmsnorm_heuristic(p80).block, 1024);
-  Problem f32 = problem(DType::f32, 4096, 32768);
-  f32.dims[k_cc] = 90;
+  Problem f32 = on_cc(problem(DType::f32, 4096, 32768), 90);
   EXPECT_EQ(rmsnorm_heuristic(f32).bulk, 8);
   // Not on sm_80 or an unknown device, nor under 2048 rows, nor for rows under 64 KiB or over
   // 128, nor misaligned: the register kernel.
-  for (std::int64_t cc : {0, 80}) {
-    Problem q = p;
-    q.dims[k_cc] = cc;
+  for (int cc : {0, 80}) {
+    Problem q = on_cc(p, cc);
     EXPECT_EQ(rmsnorm_heuristic(q).bulk, 0) << cc;
   }
-  Problem few = p;
-  few.dims[k_rows] = 512;
-  EXPECT_EQ(rmsnorm_heuristic(few).bulk, 0);
+  EXPECT_EQ(rmsnorm_heuristic(with_rows(p, 512)).bulk, 0);
   for (std::int64_t cols : {32760, 65544, 131072}) {
-    Problem q = problem(DType::bf16, 4096, cols);
-    q.dims[k_cc] = 90;
+    Problem q = on_cc(problem(DType::bf16, 4096, cols), 90);
     EXPECT_EQ(rmsnorm_heuristic(q).bulk, 0) << cols;
   }
-  Problem odd_stride = problem(DType::bf16, 4096, 65536, 65540, 65536);
-  odd_stride.dims[k_cc] = 90;
+  Problem odd_stride = on_cc(problem(DType::bf16, 4096, 65536, 65540, 65536), 90);
   EXPECT_EQ(rmsnorm_heuristic(odd_stride).bulk, 0);
-  Problem misaligned = problem(DType::bf16, 4096, 65536, 0, 0, 8);
-  misaligned.dims[k_cc] = 90;
+  Problem misaligned = on_cc(problem(DType::bf16, 4096, 65536, 0, 0, 8), 90);
   EXPECT_EQ(rmsnorm_heuristic(misaligned).bulk, 0);
   // Whatever it picks passes check_problem, on every device kind.
-  for (std::int64_t cc : {0, 80, 90})
+  for (int cc : {0, 80, 90})
     for (auto t : {DType::f32, DType::f16, DType::bf16})
       for (std::int64_t cols : {16384, 32768, 40000, 49152, 65536}) {
-        Problem q = problem(t, 4096, cols);
-        q.dims[k_cc] = cc;
+        Problem q = on_cc(problem(t, 4096, cols), cc);
         EXPECT_TRUE(rmsnorm().check_problem(rmsnorm().heuristic(q), q).ok()) << cc << " " << cols;
       }
 }
 
 TEST(RmsNorm, BulkCopyKernelRejectsWhatItCannotRun) {
-  Problem p = problem(DType::bf16, 4096, 65536);
-  p.dims[k_cc] = 90;
+  Problem p = on_cc(problem(DType::bf16, 4096, 65536), 90);
   EXPECT_TRUE(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), p).ok());
   // Too few packs for the row.
   EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 6), p).code(), Code::invalid_argument);
   // sm_80, or unknown.
-  for (std::int64_t cc : {0, 80}) {
-    Problem q = p;
-    q.dims[k_cc] = cc;
+  for (int cc : {0, 80}) {
+    Problem q = on_cc(p, cc);
     EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), q).code(), Code::invalid_argument);
   }
   // Rows or strides not whole 16-byte packs, buffers aligned to less.
-  Problem odd = problem(DType::bf16, 4096, 65532);
-  odd.dims[k_cc] = 90;
+  Problem odd = on_cc(problem(DType::bf16, 4096, 65532), 90);
   EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), odd).code(), Code::invalid_argument);
-  Problem stride = problem(DType::bf16, 4096, 65536, 65540, 65536);
-  stride.dims[k_cc] = 90;
+  Problem stride = on_cc(problem(DType::bf16, 4096, 65536, 65540, 65536), 90);
   EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), stride).code(), Code::invalid_argument);
-  Problem align = problem(DType::bf16, 4096, 65536, 0, 0, 8);
-  align.dims[k_cc] = 90;
+  Problem align = on_cc(problem(DType::bf16, 4096, 65536, 0, 0, 8), 90);
   EXPECT_EQ(rmsnorm().check_problem(bulk_params(DType::bf16, 1024, 8), align).code(), Code::invalid_argument);
   // validate: 16-byte packs and blocks of at least 256 threads.
   Params narrow = bulk_params(DType::bf16, 1024, 8);
@@ -280,9 +273,25 @@ TEST(RmsNorm, BulkCopyKernelRejectsWhatItCannotRun) {
     return std::count_if(v.begin(), v.end(), [](const Params& q) { return *q.get_int("bulk") > 0; });
   };
   EXPECT_EQ(count_bulk(rmsnorm().tuning_space(p)), 1);  // 1024 x 8: 512 threads hold at most 4096 packs
-  Problem sm80 = p;
-  sm80.dims[k_cc] = 80;
+  Problem sm80 = on_cc(p, 80);
   EXPECT_EQ(count_bulk(rmsnorm().tuning_space(sm80)), 0);
+}
+
+TEST(RmsNorm, ShapesDefaultToContiguousRowsAndSignaturesLeaveTheDeviceOut) {
+  auto p = rmsnorm().problem_from_shape(DType::bf16, {{"rows", 3000}, {"cols", 4096}});
+  ASSERT_TRUE(p.ok());
+  const auto q = p->as<RmsNormProblem>();
+  EXPECT_EQ(q.rows, 3000);
+  EXPECT_EQ(q.x_row_stride, 4096);
+  EXPECT_EQ(q.y_row_stride, 4096);
+  EXPECT_EQ(q.eps, 1e-6);
+  EXPECT_EQ(rmsnorm().signature(*p), "dtype=bf16,align=16,rows<=4096,cols=4096,x_row_stride=4096,y_row_stride=4096");
+  Problem h100 = *p;
+  h100.cc = 90;
+  h100.sm_count = 132;
+  EXPECT_EQ(rmsnorm().signature(h100), rmsnorm().signature(*p));
+  EXPECT_EQ(rmsnorm().problem_from_shape(DType::bf16, {{"rows", 1}, {"cols", 64}, {"sms", 132}}).status().code(),
+            Code::invalid_argument);
 }
 
 TEST(RmsNorm, CatalogIsValidAndRendersDistinctNames) {

@@ -77,10 +77,14 @@ int run(Context& ctx) {
     const std::int64_t check_rows = std::min<std::int64_t>(tokens, 64);
     std::vector<unsigned char> got(bytes), want(check_rows * k_hidden * 2);
     ys[0]->download(got.data());
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {check_rows, k_hidden, d, check_rows, k_hidden / d, std::int64_t(DType::bf16), 0, 0};
-    p.scalars[0] = 1e-6;
+    // Sequences of `tokens` positions, bf16 cos and sin.
+    auto problem = [&](std::int64_t rows) {
+      return Problem::of(DType::bf16, 16,
+                         families::RmsNormRopeProblem{.rows = rows, .hidden = k_hidden, .head_dim = d, .seq = rows,
+                                                      .num_heads = k_hidden / d,
+                                                      .cos_dtype = std::int64_t(DType::bf16), .eps = 1e-6});
+    };
+    const Problem p = problem(check_rows);
     void* refb[5] = {hx.data(), hw.data(), hcos.data(), hsin.data(), want.data()};
     check(f.cpu_reference(f.heuristic(p), p, refb), "reference");
     const double err = rel_l2(got.data(), want.data(), DType::bf16, check_rows * k_hidden);
@@ -94,10 +98,7 @@ int run(Context& ctx) {
     }
     const double ms = time_events(call, 10, ctx.quick ? 30 : 100);
     const double gbs = double(2 * bytes + 2 * table_bytes + k_hidden * 2) / (ms * 1e-3) / 1e9;
-    Problem hp = p;
-    hp.dims[families::k_nr_rows] = tokens;
-    hp.dims[families::k_nr_seq] = tokens;
-    const Params chosen = f.heuristic(hp);
+    const Params chosen = f.heuristic(problem(tokens));
     std::printf("%8lld %4lld %10.2f %10.1f %7.1f%% %9.2e %44s\n", (long long)tokens, (long long)d, ms * 1e3, gbs,
                 100 * gbs / ctx.copy_gbs, err, chosen.canonical().c_str());
     rows.push_back({{"tokens", tokens}, {"hidden", k_hidden}, {"head_dim", d}, {"median_us", ms * 1e3}, {"gbs", gbs},

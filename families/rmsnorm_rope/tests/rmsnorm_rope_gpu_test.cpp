@@ -29,6 +29,14 @@ std::string describe(const Case& c) {
          (c.in_place ? " in-place" : "") + (c.cos_4d ? " 4d-cos" : "") + " off " + std::to_string(c.offset);
 }
 
+// The case's problem, 16-byte aligned, eps 1e-5.
+Problem problem_of(const Case& c) {
+  return Problem::of(c.dtype, 16,
+                     families::RmsNormRopeProblem{.rows = c.batch * c.seq, .hidden = c.heads * c.d, .head_dim = c.d,
+                                                  .seq = c.seq, .num_heads = c.heads,
+                                                  .cos_dtype = std::int64_t(c.cos_dtype), .eps = 1e-5});
+}
+
 template <class Launch>
 double check_case(const Case& c, std::mt19937& rng, Launch&& launch) {
   const auto es = std::int64_t(dtype_size(c.dtype)), cs = std::int64_t(dtype_size(c.cos_dtype));
@@ -59,15 +67,7 @@ double check_case(const Case& c, std::mt19937& rng, Launch&& launch) {
   (c.in_place ? dx : dy).download(got.data());
 
   std::vector<unsigned char> want(got.size(), 0xFF);
-  Problem p;
-  p.dtype = c.dtype;
-  p.dims[families::k_nr_rows] = c.batch * c.seq;
-  p.dims[families::k_nr_hidden] = hidden;
-  p.dims[families::k_nr_head_dim] = c.d;
-  p.dims[families::k_nr_seq] = c.seq;
-  p.dims[families::k_nr_num_heads] = c.heads;
-  p.dims[families::k_nr_cos_dtype] = std::int64_t(c.cos_dtype);
-  p.scalars[families::k_nr_eps] = 1e-5;
+  const Problem p = problem_of(c);
   void* ref[5] = {hx.data() + c.offset * es, hw.data() + c.offset * es, hcos.data() + c.offset * cs,
                   hsin.data() + c.offset * cs, want.data() + c.offset * es};
   const Family& f = *Registry::global().find("rmsnorm_rope");
@@ -149,12 +149,7 @@ TEST_F(RmsNormRopeGpu, EveryCatalogVariantMatches) {
     const std::int64_t heads = (3 * block) / items_per_head + 1;
     Case c{t, cd, 2, 3, heads, d};
     const double err = check_case(c, rng_, [&](const Case& cc, void* const* b) {
-      Problem p;
-      p.dtype = t;
-      p.alignment = 16;
-      p.dims = {cc.batch * cc.seq, cc.heads * cc.d, cc.d, cc.seq, cc.heads, std::int64_t(cd), 0, 0};
-      p.scalars[0] = 1e-5;
-      return rt_->launch(**k, p, std::span<void* const>(b, 5), nullptr);
+      return rt_->launch(**k, problem_of(cc), std::span<void* const>(b, 5), nullptr);
     });
     EXPECT_LT(err, testing::tolerance(t)) << params.canonical() << " seed " << seed_;
   }

@@ -19,16 +19,18 @@ const Family& fused() { return *Registry::global().find("rmsnorm_rope"); }
 
 Problem problem(DType t, std::int64_t rows, std::int64_t hidden, std::int64_t d, std::int64_t seq,
                 DType cos_dtype = DType::f32, std::uint32_t align = 16) {
-  Problem p;
-  p.dtype = t;
-  p.alignment = align;
-  p.dims[k_nr_rows] = rows;
-  p.dims[k_nr_hidden] = hidden;
-  p.dims[k_nr_head_dim] = d;
-  p.dims[k_nr_seq] = seq;
-  p.dims[k_nr_num_heads] = d ? hidden / d : 0;
-  p.dims[k_nr_cos_dtype] = std::int64_t(cos_dtype);
-  p.scalars[k_nr_eps] = 1e-6;
+  return Problem::of(t, align,
+                     RmsNormRopeProblem{.rows = rows, .hidden = hidden, .head_dim = d, .seq = seq,
+                                        .num_heads = d ? hidden / d : 0, .cos_dtype = std::int64_t(cos_dtype),
+                                        .eps = 1e-6});
+}
+
+// p with its fields edited by `change`.
+template <class F>
+Problem changed(Problem p, F change) {
+  auto q = p.as<RmsNormRopeProblem>();
+  change(q);
+  p.set(q);
   return p;
 }
 
@@ -37,8 +39,7 @@ TEST(RmsNormRope, ReferenceIsRmsNormWhenCosIsOneAndSinZero) {
   const std::int64_t hidden = 128, d = 64;
   std::vector<float> x(hidden, 2.f), w(hidden, 0.5f), cos(d, 1.f), sin(d, 0.f), y(hidden, -1.f);
   x[0] = 4.f;
-  Problem p = problem(DType::f32, 1, hidden, d, 1);
-  p.scalars[k_nr_eps] = 0;
+  Problem p = changed(problem(DType::f32, 1, hidden, d, 1), [](auto& q) { q.eps = 0; });
   void* b[5] = {x.data(), w.data(), cos.data(), sin.data(), y.data()};
   ASSERT_TRUE(fused().cpu_reference(fused().heuristic(p), p, b).ok());
   const double rms = std::sqrt((127 * 4.0 + 16.0) / 128);
@@ -54,8 +55,7 @@ TEST(RmsNormRope, ReferenceRotatesHalvesPerHeadAtEachTokensPosition) {
   std::iota(x.begin(), x.end(), 1.f);
   std::fill(cos.begin(), cos.begin() + d, 1.f);
   std::fill(sin.begin() + d, sin.end(), 1.f);
-  Problem p = problem(DType::f32, rows, d, d, seq);
-  p.scalars[k_nr_eps] = 0;
+  Problem p = changed(problem(DType::f32, rows, d, d, seq), [](auto& q) { q.eps = 0; });
   void* b[5] = {x.data(), w.data(), cos.data(), sin.data(), y.data()};
   ASSERT_TRUE(fused().cpu_reference(fused().heuristic(p), p, b).ok());
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -90,8 +90,7 @@ TEST(RmsNormRope, ReferenceUsesFullHeadDimCosAndSinInPlaceInHalfTypes) {
     cos[j] = float_to_bf16(j < 32 ? 0.5f : 0.25f);
     sin[j] = float_to_bf16(j < 32 ? 0.75f : -1.f);
   }
-  Problem p = problem(DType::bf16, 1, hidden, d, 1, DType::bf16);
-  p.scalars[k_nr_eps] = 0;
+  Problem p = changed(problem(DType::bf16, 1, hidden, d, 1, DType::bf16), [](auto& q) { q.eps = 0; });
   void* b[5] = {x.data(), w.data(), cos.data(), sin.data(), x.data()};
   ASSERT_TRUE(fused().cpu_reference(fused().heuristic(p), p, b).ok());
   double ss = 0;
@@ -140,14 +139,11 @@ TEST(RmsNormRope, CheckProblemRejectsMismatches) {
   EXPECT_EQ(fused().check_problem(bf16, problem(DType::bf16, 8, 4096, 128, 3)).code(), Code::shape_mismatch);
   EXPECT_EQ(fused().check_problem(bf16, problem(DType::bf16, 8, 4096, 128, 4, DType::f32, 8)).code(),
             Code::invalid_argument);
-  Problem p = problem(DType::bf16, 8, 4096, 128, 4);
-  p.dims[k_nr_num_heads] = 31;
-  EXPECT_EQ(fused().check_problem(bf16, p).code(), Code::shape_mismatch);
-  p = problem(DType::bf16, 8, 4096, 128, 4);
-  p.scalars[k_nr_eps] = -1;
-  EXPECT_EQ(fused().check_problem(bf16, p).code(), Code::invalid_argument);
-  p.scalars[k_nr_eps] = INFINITY;
-  EXPECT_EQ(fused().check_problem(bf16, p).code(), Code::invalid_argument);
+  const Problem p = problem(DType::bf16, 8, 4096, 128, 4);
+  EXPECT_EQ(fused().check_problem(bf16, changed(p, [](auto& q) { q.num_heads = 31; })).code(), Code::shape_mismatch);
+  EXPECT_EQ(fused().check_problem(bf16, changed(p, [](auto& q) { q.eps = -1; })).code(), Code::invalid_argument);
+  EXPECT_EQ(fused().check_problem(bf16, changed(p, [](auto& q) { q.eps = INFINITY; })).code(),
+            Code::invalid_argument);
 }
 
 TEST(RmsNormRope, ValidateRejectsImpossibleParams) {
