@@ -185,10 +185,9 @@ int main(int argc, char** argv) {
     auto wv = TensorView::contiguous(w.get(), DType::bf16, {hidden}, Device::cuda(0));
     auto yv = TensorView::contiguous(y.get(), DType::bf16, {1, hidden}, Device::cuda(0));
     check(rms_norm(xv, wv, yv, 1e-6, nullptr, rt.get()), "op");
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {1, hidden, hidden, hidden};
-    p.scalars[0] = 1e-6;
+    const Problem p = Problem::of(DType::bf16, 16,
+                                  families::RmsNormProblem{
+                                      .rows = 1, .cols = hidden, .x_row_stride = hidden, .y_row_stride = hidden, .eps = 1e-6});
     const Family& f = *Registry::global().find("rmsnorm");
     const Params params = f.heuristic(p);
     const Kernel* k = rt->kernel(KernelSpec{"rmsnorm", params}).value();
