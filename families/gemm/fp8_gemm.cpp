@@ -31,6 +31,11 @@ class Fp8Gemm final : public g::GemmFamily {
     return defs;
   }
   g::Kind kind(const Params& params) const override { return kind_of(params); }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields =
+        g::problem_fields("scaling: 0 per tensor, 1 block-wise (1x128 for a, 128x128 for b)");
+    return fields;
+  }
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
@@ -56,7 +61,7 @@ class Fp8Gemm final : public g::GemmFamily {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto mode = p.dims[g::k_mode];
+    const auto mode = p.as<g::GemmProblem>().mode;
     if (mode != k_fp8_per_tensor && mode != k_fp8_blockwise)
       return invalid_argument("fp8_gemm: unknown scaling mode " + std::to_string(mode));
     if ((mode == k_fp8_blockwise) != (kind_of(params) == g::k_fp8_block))
@@ -70,7 +75,7 @@ class Fp8Gemm final : public g::GemmFamily {
   }
 
   Params heuristic(const Problem& p) const override {
-    const bool block = p.dims[g::k_mode] == k_fp8_blockwise;
+    const bool block = p.as<g::GemmProblem>().mode == k_fp8_blockwise;
     const g::Tile t = g::default_tile(block ? g::k_fp8_block : g::k_fp8_tensor, p);
     return make(t, p.dtype == DType::f16 ? "f16" : "bf16", block ? "block" : "tensor");
   }
@@ -89,8 +94,8 @@ class Fp8Gemm final : public g::GemmFamily {
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto m = p.dims[g::k_m], n = p.dims[g::k_n], k = p.dims[g::k_k];
-    const bool block = p.dims[g::k_mode] == k_fp8_blockwise;
+    const auto [m, n, k, mode] = p.as<g::GemmProblem>();
+    const bool block = mode == k_fp8_blockwise;
     const auto kb = ceil_div(k, 128);
     return {{"a", BufferRole::input, DType::u8, m * k},
             {"b", BufferRole::input, DType::u8, n * k},
@@ -105,8 +110,8 @@ class Fp8Gemm final : public g::GemmFamily {
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 5) return invalid_argument("fp8_gemm: reference takes 5 buffers (a, b, a_scale, b_scale, out)");
-    const auto m = p.dims[g::k_m], n = p.dims[g::k_n], k = p.dims[g::k_k];
-    const bool block = p.dims[g::k_mode] == k_fp8_blockwise;
+    const auto [m, n, k, mode] = p.as<g::GemmProblem>();
+    const bool block = mode == k_fp8_blockwise;
     const auto kb = ceil_div(k, 128);
     const auto* a = static_cast<const std::uint8_t*>(b[0]);
     const auto* w = static_cast<const std::uint8_t*>(b[1]);

@@ -29,6 +29,10 @@ class GatedMlp final : public g::GemmFamily {
     return defs;
   }
   g::Kind kind(const Params&) const override { return g::k_gated; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = g::problem_fields("activation of the gate: 0 silu, 1 gelu");
+    return fields;
+  }
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
@@ -54,7 +58,7 @@ class GatedMlp final : public g::GemmFamily {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto mode = p.dims[g::k_mode];
+    const auto mode = p.as<g::GemmProblem>().mode;
     if (mode != k_gated_silu && mode != k_gated_gelu)
       return invalid_argument("gated_mlp: unknown activation " + std::to_string(mode));
     if (mode != act_of(params))
@@ -69,7 +73,7 @@ class GatedMlp final : public g::GemmFamily {
 
   Params heuristic(const Problem& p) const override {
     return make(g::default_tile(g::k_gated, p), p.dtype == DType::f16 ? "f16" : "bf16",
-                p.dims[g::k_mode] == k_gated_gelu ? "gelu" : "silu");
+                p.as<g::GemmProblem>().mode == k_gated_gelu ? "gelu" : "silu");
   }
 
   // M = 4096 tokens, hidden 4096, intermediate 11008 and 14336.
@@ -84,7 +88,8 @@ class GatedMlp final : public g::GemmFamily {
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto m = p.dims[g::k_m], n = p.dims[g::k_n], k = p.dims[g::k_k];
+    const g::GemmProblem q = p.as<g::GemmProblem>();
+    const auto m = q.m, n = q.n, k = q.k;
     return {{"x", BufferRole::input, p.dtype, m * k},
             {"wg", BufferRole::input, p.dtype, n * k},
             {"wu", BufferRole::input, p.dtype, n * k},
@@ -97,8 +102,8 @@ class GatedMlp final : public g::GemmFamily {
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 4) return invalid_argument("gated_mlp: reference takes 4 buffers (x, wg, wu, out)");
-    const auto m = p.dims[g::k_m], n = p.dims[g::k_n], k = p.dims[g::k_k];
-    const bool gelu = p.dims[g::k_mode] == k_gated_gelu;
+    const auto [m, n, k, mode] = p.as<g::GemmProblem>();
+    const bool gelu = mode == k_gated_gelu;
     std::vector<double> x(std::size_t(m * k)), wg(std::size_t(n * k)), wu(std::size_t(n * k));
     for (std::int64_t i = 0; i < m * k; ++i) x[i] = load_as_double(b[0], p.dtype, i);
     for (std::int64_t i = 0; i < n * k; ++i) {

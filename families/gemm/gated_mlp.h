@@ -5,8 +5,9 @@
 //
 // Params: path {mma, wgmma}, dtype {f16, bf16}, act {silu, gelu}, bm, bn, stages, group, cluster (A
 // multicast; tuning space only), split (always 1: split-K is fp8 only)
-// (families/common/gemm/gemm_util.h). Problem: dims {m, n, k, mode (0 silu, 1 gelu), sms, cc}, dtype = the
-// tensors'. k must be a multiple of 8 (16-byte rows pieces); m and n are free.
+// (families/common/gemm/gemm_util.h). Problem: gemm::GemmProblem {m (bucketed), n, k, mode (0 silu,
+// 1 gelu)}, all keys; dtype = the tensors'; the device's SM count and compute capability from the
+// Problem. k must be a multiple of 8 (16-byte rows pieces); m and n are free.
 // Buffers: x [m, k], wg [n, k], wu [n, k], out [m, n].
 #pragma once
 

@@ -6,7 +6,6 @@
 #include "families/gemm/fp8_gemm.h"
 #include "families/gemm/gated_mlp.h"
 #include "families/gemm/quantize_fp8.h"
-#include "jit/device_info.h"
 #include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
@@ -55,27 +54,6 @@ Result<DeviceKind> common_device(const char* op, std::initializer_list<std::pair
       return device_error(std::string(op) + ": tensors are on different GPUs");
   }
   return where;
-}
-
-// A GEMM family's problem (families/common/gemm/gemm_util.h), with the device-dependent dims (persistent
-// grid bound, compute capability) of the tensors' device.
-Result<Problem> gemm_problem(DType dtype, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode,
-                             DeviceKind where, int ordinal) {
-  Problem p;
-  p.dtype = dtype;
-  p.alignment = 16;
-  p.dims[g::k_m] = m;
-  p.dims[g::k_n] = n;
-  p.dims[g::k_k] = k;
-  p.dims[g::k_mode] = mode;
-  p.dims[g::k_sms] = 1;
-  p.dims[g::k_cc] = 90;
-  if (where == DeviceKind::cuda) {
-    KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(ordinal));
-    p.dims[g::k_sms] = dev->sm_count;
-    p.dims[g::k_cc] = dev->compute_capability;
-  }
-  return p;
 }
 
 Result<Runtime*> runtime_or_shared(Runtime* runtime) {
@@ -154,12 +132,7 @@ Status quantize_fp8(const TensorView& x, const TensorView& q, const TensorView& 
   KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&x, "x"}, {&q, "q"}, {&scale, "scale"}}));
   if (rows == 0 || cols == 0) return {};
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.alignment = 16;
-  p.dims[families::k_q_rows] = rows;
-  p.dims[families::k_q_cols] = cols;
-  p.dims[families::k_q_transpose] = transpose ? 1 : 0;
+  const families::QuantizeFp8Problem problem{.rows = rows, .cols = cols, .mode = mode, .transpose = transpose ? 1 : 0};
   void* buffers[3] = {x.data, q.data, scale.data};
   if (mode == families::k_q_tensor) {
     // Pass 1 raises scale[0] from 0 to amax / 448; pass 2 quantizes with it.
@@ -170,13 +143,12 @@ Status quantize_fp8(const TensorView& x, const TensorView& q, const TensorView& 
       KILN_TRY(d->check(d->memset_d8_async(reinterpret_cast<CUdeviceptr>(scale.data), 0, 4, static_cast<CUstream>(stream)),
                         "cuMemsetD8Async"));
     }
-    Problem amax = p;
-    amax.dims[families::k_q_mode] = families::k_q_amax;
-    amax.dims[families::k_q_transpose] = 0;
-    KILN_TRY(dispatch("quantize_fp8", amax, buffers, where, stream, runtime));
+    auto amax = problem;
+    amax.mode = families::k_q_amax;
+    amax.transpose = 0;
+    KILN_TRY(dispatch("quantize_fp8", Problem::of(x.dtype, 16, amax), buffers, where, stream, runtime));
   }
-  p.dims[families::k_q_mode] = mode;
-  return dispatch("quantize_fp8", p, buffers, where, stream, runtime);
+  return dispatch("quantize_fp8", Problem::of(x.dtype, 16, problem), buffers, where, stream, runtime);
 }
 
 Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_scale, const TensorView& b_scale,
@@ -234,7 +206,7 @@ Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_sc
   if (m == 0 || n == 0) return {};
   if (k == 0) return write_zeros(out, where, stream);
 
-  KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(out.dtype, m, n, k, mode, where, a.device.index));
+  const Problem p = Problem::of(out.dtype, 16, g::GemmProblem{.m = m, .n = n, .k = k, .mode = mode});
   void* buffers[5] = {a.data, b.data, a_scale.data, b_scale.data, out.data};
   return dispatch("fp8_gemm", p, buffers, where, stream, runtime);
 }
@@ -285,7 +257,7 @@ Status fused_gated_mlp(const TensorView& x, const TensorView& gate_weight, const
   if (m == 0 || inter == 0) return {};
   if (hidden == 0) return write_zeros(out, where, stream);
 
-  KILN_ASSIGN_OR_RETURN(Problem p, gemm_problem(x.dtype, m, inter, hidden, mode, where, x.device.index));
+  const Problem p = Problem::of(x.dtype, 16, g::GemmProblem{.m = m, .n = inter, .k = hidden, .mode = mode});
   void* buffers[4] = {x.data, gate_weight.data, up_weight.data, out.data};
   return dispatch("gated_mlp", p, buffers, where, stream, runtime);
 }

@@ -34,8 +34,14 @@ class QuantizeFp8 final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return {"rows", "cols", "mode", "transpose"}; }
-  std::vector<std::string> problem_scalars() const override { return {}; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<QuantizeFp8Problem>({
+        bucketed(&QuantizeFp8Problem::rows, "rows", "rows of x (its leading dimensions flattened)"),
+        key(&QuantizeFp8Problem::cols, "cols", "elements per row of x"),
+        key(&QuantizeFp8Problem::mode, "mode", "0 amax, 1 tensor, 2 row blocks 1x128, 3 tile blocks 128x128"),
+        key(&QuantizeFp8Problem::transpose, "transpose", "1: q written as [cols, rows] (modes 1 and 3)")});
+    return fields;
+  }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -67,7 +73,7 @@ class QuantizeFp8 final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto rows = p.dims[k_q_rows], cols = p.dims[k_q_cols], mode = p.dims[k_q_mode], tr = p.dims[k_q_transpose];
+    const auto [rows, cols, mode, tr] = p.as<QuantizeFp8Problem>();
     if (rows < 1 || cols < 1) return shape_mismatch("quantize_fp8: rows and cols must be positive");
     if (ceil_div(rows, 128) > 65535 || ceil_div(cols, 128) >= (std::int64_t(1) << 31))
       return shape_mismatch("quantize_fp8: at most 65535 * 128 rows");
@@ -86,17 +92,19 @@ class QuantizeFp8 final : public Family {
 
   LaunchGeometry geometry(const Params&, const Problem& p) const override {
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(ceil_div(p.dims[k_q_cols], 128));
-    g.grid.y = std::uint32_t(ceil_div(p.dims[k_q_rows], 128));
+    const QuantizeFp8Problem q = p.as<QuantizeFp8Problem>();
+    g.grid.x = std::uint32_t(ceil_div(q.cols, 128));
+    g.grid.y = std::uint32_t(ceil_div(q.rows, 128));
     g.block.x = 256;
     return g;
   }
 
   Params heuristic(const Problem& p) const override {
-    const auto mode = std::clamp<std::int64_t>(p.dims[k_q_mode], 0, 3);
+    const QuantizeFp8Problem q = p.as<QuantizeFp8Problem>();
+    const auto mode = std::clamp<std::int64_t>(q.mode, 0, 3);
     return Params{{"dtype", std::string(dtype_name(p.dtype))},
                   {"mode", std::string(k_mode_names[mode])},
-                  {"transpose", std::int64_t(p.dims[k_q_transpose] ? 1 : 0)}};
+                  {"transpose", std::int64_t(q.transpose ? 1 : 0)}};
   }
 
   std::vector<Params> tuning_space(const Problem& p) const override { return {heuristic(p)}; }
@@ -120,7 +128,8 @@ class QuantizeFp8 final : public Family {
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_q_rows], cols = p.dims[k_q_cols], mode = p.dims[k_q_mode];
+    const QuantizeFp8Problem qp = p.as<QuantizeFp8Problem>();
+    const auto rows = qp.rows, cols = qp.cols, mode = qp.mode;
     const std::int64_t scales = mode == k_q_row    ? rows * ceil_div(cols, 128)
                                 : mode == k_q_tile ? ceil_div(rows, 128) * ceil_div(cols, 128)
                                                    : 1;
@@ -130,18 +139,20 @@ class QuantizeFp8 final : public Family {
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const QuantizeFp8Problem q = p.as<QuantizeFp8Problem>();
     out.add(b[0]);
     out.add(b[1]);
     out.add(b[2]);
-    out.add(static_cast<long long>(p.dims[k_q_rows]));
-    out.add(static_cast<long long>(p.dims[k_q_cols]));
+    out.add(static_cast<long long>(q.rows));
+    out.add(static_cast<long long>(q.cols));
   }
 
   // The amax pass reads scale[0] as the running maximum (the caller zeroes it), like the kernel.
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 3) return invalid_argument("quantize_fp8: reference takes 3 buffers (x, q, scale)");
-    const auto rows = p.dims[k_q_rows], cols = p.dims[k_q_cols], mode = p.dims[k_q_mode];
-    const bool tr = p.dims[k_q_transpose] != 0;
+    const QuantizeFp8Problem qp = p.as<QuantizeFp8Problem>();
+    const auto rows = qp.rows, cols = qp.cols, mode = qp.mode;
+    const bool tr = qp.transpose != 0;
     auto* q = static_cast<std::uint8_t*>(b[1]);
     auto* scale = static_cast<float*>(b[2]);
     auto x = [&](std::int64_t r, std::int64_t c) { return float(load_as_double(b[0], p.dtype, r * cols + c)); };

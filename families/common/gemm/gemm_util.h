@@ -1,8 +1,8 @@
 // Host side of the GEMM core (families/common/gemm/) that the GEMM families share: the tile parameters,
 // their rules, shared-memory size, launch geometry, argument order and the tuning space around a
-// choice. Problem dims of every GEMM family: {m, n, k, mode, sms, cc} (mode is the family's own:
-// scaling or activation; sms bounds the persistent grid; cc is the device's compute capability
-// as major * 10 + minor, which decides the arch path).
+// choice. Every GEMM family's problem is a GemmProblem. The device comes with the Problem: its SM
+// count bounds the persistent grid and its compute capability decides the arch path; an unknown
+// device (0) reads as an H100 (device_sms, device_cc).
 #pragma once
 
 #include <algorithm>
@@ -15,12 +15,32 @@
 
 namespace kiln::families::gemm {
 
-enum Dim { k_m = 0, k_n = 1, k_k = 2, k_mode = 3, k_sms = 4, k_cc = 5 };
+// The problem of every GEMM family: out [m, n] from A [m, k] and B [n, k] (both K-major). All
+// four are keys; m (the token count, which varies call to call) is the one tuning signatures
+// bucket.
+struct GemmProblem {
+  std::int64_t m = 0;     // rows of A and of out (bucketed key)
+  std::int64_t n = 0;     // rows of B, columns of out (key)
+  std::int64_t k = 0;     // the reduction: columns of A and of B (key)
+  std::int64_t mode = 0;  // the family's own code, its scaling or activation (key)
+};
+
+// The field list of a GEMM family's problem; mode_doc says what the family's mode codes mean.
+inline std::vector<ProblemField> problem_fields(const std::string& mode_doc) {
+  return problem_fields_of<GemmProblem>({bucketed(&GemmProblem::m, "m", "rows of A and of out (tokens)"),
+                                         key(&GemmProblem::n, "n", "rows of B (K-major), columns of out"),
+                                         key(&GemmProblem::k, "k", "the reduction: columns of A and of B"),
+                                         key(&GemmProblem::mode, "mode", mode_doc)});
+}
+
+// The device facts the heuristic and the checks read. An unknown device (0: a CPU test, `kiln tune`
+// with no device) reads as the reference device, an H100: 132 SMs, compute capability 9.0.
+inline constexpr std::int64_t k_reference_sms = 132, k_reference_cc = 90;
+inline std::int64_t device_sms(const Problem& p) { return p.sm_count ? std::int64_t(p.sm_count) : k_reference_sms; }
+inline std::int64_t device_cc(const Problem& p) { return p.cc ? std::int64_t(p.cc) : k_reference_cc; }
 
 // Kernel kinds (families/common/gemm/gemm_common.cuh).
 enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2 };
-
-inline std::vector<std::string> problem_dims() { return {"m", "n", "k", "mode", "sms", "cc"}; }
 
 // The parameters every GEMM variant has.
 inline std::vector<ParamDef> tile_params() {
@@ -91,7 +111,8 @@ inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
 // Shape rules common to the GEMM families; `operand` is the A/B element type.
 inline Status check_shape(std::string_view family, Kind kind, DType operand, const Tile& t, const Problem& p) {
   const std::string f(family);
-  const auto m = p.dims[k_m], n = p.dims[k_n], k = p.dims[k_k];
+  const GemmProblem q = p.as<GemmProblem>();
+  const auto m = q.m, n = q.n, k = q.k;
   if (m < 1 || n < 1 || k < 1) return shape_mismatch(f + ": m, n and k must be positive");
   if (m >= (std::int64_t(1) << 31) || n >= (std::int64_t(1) << 31) || k >= (std::int64_t(1) << 31))
     return shape_mismatch(f + ": m, n and k must be below 2^31");
@@ -102,8 +123,7 @@ inline Status check_shape(std::string_view family, Kind kind, DType operand, con
     return shape_mismatch(f + ": k must be a multiple of " + std::to_string(16 / es) +
                           " (rows of A and B are copied in 16-byte pieces)");
   if (p.alignment < 16) return invalid_argument(f + ": A, B and out need 16-byte aligned base addresses");
-  if (p.dims[k_sms] < 1) return invalid_argument(f + ": sms must be positive");
-  const auto cc = p.dims[k_cc];
+  const std::int64_t cc = device_cc(p);
   if (t.wgmma && cc != 90)
     return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
                             std::to_string(cc / 10) + "." + std::to_string(cc % 10));
@@ -115,21 +135,23 @@ inline Status check_shape(std::string_view family, Kind kind, DType operand, con
 }
 
 inline std::int64_t tiles(const Tile& t, const Problem& p) {
-  return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((p.dims[k_n] + t.bn - 1) / t.bn);
+  const GemmProblem q = p.as<GemmProblem>();
+  return ((q.m + t.bm - 1) / t.bm) * ((q.n + t.bn - 1) / t.bn);
 }
 
 // The wgmma path's work units: rows of tiles x column tiles in groups of `cluster` (the last group
 // padded when the column tiles do not divide).
 inline std::int64_t cluster_units(const Tile& t, const Problem& p) {
-  const std::int64_t tn = (p.dims[k_n] + t.bn - 1) / t.bn;
-  return ((p.dims[k_m] + t.bm - 1) / t.bm) * ((tn + t.cluster - 1) / t.cluster);
+  const GemmProblem q = p.as<GemmProblem>();
+  const std::int64_t tn = (q.n + t.bn - 1) / t.bn;
+  return ((q.m + t.bm - 1) / t.bm) * ((tn + t.cluster - 1) / t.cluster);
 }
 
 // The wgmma path's persistent grid: one CTA per SM at most, whole clusters (cluster x split CTAs
 // each).
 inline std::int64_t persistent_ctas(const Tile& t, const Problem& p) {
   const std::int64_t size = t.cluster * t.split;
-  const std::int64_t clusters = std::max<std::int64_t>(1, p.dims[k_sms] / size);
+  const std::int64_t clusters = std::max<std::int64_t>(1, device_sms(p) / size);
   return std::min(cluster_units(t, p), clusters) * size;
 }
 
@@ -160,22 +182,23 @@ inline std::string name_expression(Kind kind, const std::string& operand, const 
 // `es`: operand element bytes.
 inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void* b0, void* b1, void* a_scale,
                  void* b_scale, void* out, ArgPack& args) {
+  const GemmProblem q = p.as<GemmProblem>();
   args.add(a);
   args.add(b0);
   args.add(b1);
   args.add(a_scale);
   args.add(b_scale);
   args.add(out);
-  args.add(int(p.dims[k_m]));
-  args.add(int(p.dims[k_n]));
-  args.add(int(p.dims[k_k]));
-  args.add(int((p.dims[k_m] + t.bm - 1) / t.bm));
-  args.add(int((p.dims[k_n] + t.bn - 1) / t.bn));
+  args.add(int(q.m));
+  args.add(int(q.n));
+  args.add(int(q.k));
+  args.add(int((q.m + t.bm - 1) / t.bm));
+  args.add(int((q.n + t.bn - 1) / t.bn));
   if (!t.wgmma) return;
-  const std::uint64_t row_bytes = std::uint64_t(p.dims[k_k] * es);
-  args.add_tensor_map({a, row_bytes, std::uint64_t(p.dims[k_m]), std::uint32_t(t.bm / t.cluster), 0});
-  args.add_tensor_map({b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
-  args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(p.dims[k_n]), std::uint32_t(t.bn), 0});
+  const std::uint64_t row_bytes = std::uint64_t(q.k * es);
+  args.add_tensor_map({a, row_bytes, std::uint64_t(q.m), std::uint32_t(t.bm / t.cluster), 0});
+  args.add_tensor_map({b0, row_bytes, std::uint64_t(q.n), std::uint32_t(t.bn), 0});
+  args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(q.n), std::uint32_t(t.bn), 0});
 }
 
 // Stages for a tile: at least 96 KiB of loads in flight, 4 to 6; on the wgmma path, tiles whose
@@ -203,7 +226,7 @@ inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
 // Split-K candidates of the heuristic (wgmma, fp8, no cluster): 2 CTAs per tile for the 128-row
 // tiles that decode-sized problems (M = 128) can widen once K is split. Splits of 3 and 4 are in
 // the tuning space only: on Hopper they are clearly slower than 2 at the same problems, most
-// likely because fewer clusters of 3 or 4 CTAs fit at once than sms / size (a GPC's SMs, not the
+// likely because fewer clusters of 3 or 4 CTAs fit at once than SMs / size (a GPC's SMs, not the
 // device's, bound a cluster), which the wave model cannot see.
 inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
   if (kind == k_gated || bm != 128 || !(bn == 64 || bn == 128 || bn == 176)) return {1};
@@ -221,9 +244,9 @@ inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
 // unsplit with the deep pipelines of default_stages).
 inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t size = c.cluster * c.split;
-  const std::int64_t per_wave = std::max<std::int64_t>(1, p.dims[k_sms] / size);
+  const std::int64_t per_wave = std::max<std::int64_t>(1, device_sms(p) / size);
   const std::int64_t waves = (cluster_units(c, p) + per_wave - 1) / per_wave;
-  const std::int64_t ksteps = (p.dims[k_k] * element_bytes(kind, DType::bf16) + 127) / 128;
+  const std::int64_t ksteps = (p.as<GemmProblem>().k * element_bytes(kind, DType::bf16) + 127) / 128;
   const std::int64_t step = std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn);
   const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 20 * step : 0;
   return waves * ((ksteps + c.split - 1) / c.split * step + reduce);
@@ -237,7 +260,7 @@ inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
 // 8192^3, a tie at 4096 x 4096 x 7168). docs/benchmarks.md has the figures.
 inline bool wide_group_kind(Kind kind) { return kind == k_fp8_block || kind == k_fp8_tensor; }
 inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
-  return wide_group_kind(kind) && bm == 128 && bn == 256 && (p.dims[k_m] + bm - 1) / bm >= 64;
+  return wide_group_kind(kind) && bm == 128 && bn == 256 && (p.as<GemmProblem>().m + bm - 1) / bm >= 64;
 }
 
 // The default tile. wgmma: the candidate (tile, split) with the least wgmma_cost; ties go to the
@@ -245,7 +268,7 @@ inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
 // they are neutral to slower (docs/kernels.md). mma: 128 x 128 (gated 128 x 64), bm and then
 // bn halved while the tiles leave SMs idle. Stages: default_stages.
 inline Tile default_tile(Kind kind, const Problem& p) {
-  const std::int64_t sms = std::max<std::int64_t>(1, p.dims[k_sms]), cc = p.dims[k_cc];
+  const std::int64_t sms = device_sms(p), cc = device_cc(p);
   Tile t{cc == 90, 128, 128, 4, 8};
   if (t.wgmma) {
     std::int64_t best = -1;
@@ -338,14 +361,13 @@ inline Params with_tile(Params base, const Tile& t) {
   return base;
 }
 
-// What the GEMM families share: dims, tile validation, geometry, the tuning space around the
-// heuristic's choice, and problem_from_shape's defaults (mode 0, an H100: 132 SMs, sm_90a).
+// What the GEMM families share: tile validation, geometry, the tuning space around the
+// heuristic's choice, and problem_from_shape's default mode 0. Each family declares its
+// problem_fields() with gemm::problem_fields.
 class GemmFamily : public Family {
  public:
   virtual Kind kind(const Params& params) const = 0;
 
-  std::vector<std::string> problem_dims() const override { return gemm::problem_dims(); }
-  std::vector<std::string> problem_scalars() const override { return {}; }
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     return validate_tile(name(), kind(params), tile_of(params));
@@ -370,10 +392,8 @@ class GemmFamily : public Family {
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     auto full = shape;
-    for (const auto& dim : {std::pair<const char*, std::int64_t>{"mode", 0}, {"sms", 132}, {"cc", 90}})
-      // Not a structured binding: clang before 16 (the fuzz build) cannot capture one.
-      if (std::none_of(shape.begin(), shape.end(), [&](const auto& d) { return d.first == dim.first; }))
-        full.emplace_back(dim.first, dim.second);
+    if (std::none_of(shape.begin(), shape.end(), [](const auto& d) { return d.first == "mode"; }))
+      full.emplace_back("mode", 0);
     return Family::problem_from_shape(dtype, full);
   }
 };

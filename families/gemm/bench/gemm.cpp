@@ -125,11 +125,10 @@ int fp8(Context& ctx, nlohmann::json& rows) {
       }
       const double ms = time_events(call, 10, ctx.quick ? 20 : 50);
       const double tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12;
-      Problem p;
-      p.dtype = DType::bf16;
-      const jit::DeviceInfo* dev = jit::device_info(0).value();
-      p.dims = {m, n, k, block ? families::k_fp8_blockwise : families::k_fp8_per_tensor, dev->sm_count,
-                dev->compute_capability};
+      Problem p = Problem::of(DType::bf16, 16,
+                              g::GemmProblem{.m = m, .n = n, .k = k,
+                                             .mode = block ? families::k_fp8_blockwise : families::k_fp8_per_tensor});
+      jit::set_device(p, *jit::device_info(0).value());
       const std::string variant = f.heuristic(p).canonical();
       std::printf("%6lld %6lld %6lld %7s %10.1f %9.1f %9.2e %44s\n", (long long)m, (long long)n, (long long)k,
                   block ? "block" : "tensor", ms * 1e3, tflops, c.err, variant.c_str());
@@ -239,9 +238,9 @@ int variants(Context& ctx, nlohmann::json& rows) {
     ++case_index;
     if (only_case && std::atoi(only_case) != case_index) continue;
     const Family& f = *Registry::global().find(c.family);
-    Problem p;
-    p.dtype = c.dtype;
-    p.dims = {c.m, c.n, c.k, c.mode, sms, cc};
+    Problem p = Problem::of(c.dtype, 16, g::GemmProblem{.m = c.m, .n = c.n, .k = c.k, .mode = c.mode});
+    p.sm_count = std::uint16_t(sms);
+    p.cc = std::uint8_t(cc);
     const Params h = f.heuristic(p);
     const g::Kind kind = std::string(c.family) == "gated_mlp" ? g::k_gated : c.mode == B ? g::k_fp8_block : g::k_fp8_tensor;
     const auto specs = f.buffers(h, p);

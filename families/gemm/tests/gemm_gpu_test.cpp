@@ -15,6 +15,7 @@
 #include "families/gemm/gated_mlp.h"
 #include "families/gemm/quantize_fp8.h"
 #include "jit/device_info.h"
+#include "jit/tune_launch.h"
 #include "kiln/ops.h"
 #include "tests/gpu_util.h"
 
@@ -44,17 +45,14 @@ class GemmGpu : public testing::GpuFixture {
   // several tiles and its stage ring runs on across them (the large benchmark shapes do the same).
   Problem gemm_problem(DType t, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode,
                        std::int64_t sms = 0) const {
-    Problem p;
-    p.dtype = t;
-    p.dims[g::k_m] = m;
-    p.dims[g::k_n] = n;
-    p.dims[g::k_k] = k;
-    p.dims[g::k_mode] = mode;
-    p.dims[g::k_sms] = sms > 0 ? sms : sms_;
-    p.dims[g::k_cc] = cc_;
+    Problem p = Problem::of(t, 16, g::GemmProblem{.m = m, .n = n, .k = k, .mode = mode});
+    p.sm_count = std::uint16_t(sms > 0 ? sms : sms_);
+    p.cc = std::uint8_t(cc_);
     return p;
   }
-  // Launches `params` of `family` explicitly (not the heuristic) and returns the output bytes.
+  // Launches `params` of `family` explicitly (not the heuristic) and returns the output bytes. The
+  // runtime launches on the device's facts; a problem whose sm_count bounds the grid below the
+  // device's is launched as given, through the tuner's launch.
   std::vector<unsigned char> launch(const char* family, const Params& params, const Problem& p,
                                     const std::vector<std::vector<unsigned char>>& inputs) {
     const Family& f = *Registry::global().find(family);
@@ -77,7 +75,8 @@ class GemmGpu : public testing::GpuFixture {
     auto k = rt_->kernel(KernelSpec{family, params});
     EXPECT_TRUE(k.ok()) << k.status().to_string();
     if (!k.ok()) return {};
-    Status s = rt_->launch(**k, p, ptrs, nullptr);
+    Status s = p.sm_count == sms_ ? rt_->launch(**k, p, ptrs, nullptr)
+                                  : jit::launch_candidate(f, params, p, static_cast<CUfunction>((*k)->function), ptrs);
     EXPECT_TRUE(s.ok()) << s.to_string();
     EXPECT_EQ(drv()->ctx_synchronize(), CUDA_SUCCESS);
     std::vector<unsigned char> got(std::size_t(specs[out_index].elements) * dtype_size(specs[out_index].dtype));

@@ -148,16 +148,12 @@ TEST(QuantizeFp8, TransposedOutputIsTheTransposeAndAllZeroInputIsFinite) {
   EXPECT_TRUE(std::all_of(z.q.begin(), z.q.end(), [](std::uint8_t v) { return v == 0; }));
 }
 
-Problem gemm_problem(DType t, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode, std::int64_t sms = 132,
-                     std::int64_t cc = 90) {
-  Problem p;
-  p.dtype = t;
-  p.dims[g::k_m] = m;
-  p.dims[g::k_n] = n;
-  p.dims[g::k_k] = k;
-  p.dims[g::k_mode] = mode;
-  p.dims[g::k_sms] = sms;
-  p.dims[g::k_cc] = cc;
+// A GEMM problem on a device of `sms` SMs and compute capability `cc` (default: an H100).
+Problem gemm_problem(DType t, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t mode, int sms = 132,
+                     int cc = 90) {
+  Problem p = Problem::of(t, 16, g::GemmProblem{.m = m, .n = n, .k = k, .mode = mode});
+  p.sm_count = std::uint16_t(sms);
+  p.cc = std::uint8_t(cc);
   return p;
 }
 
@@ -224,12 +220,12 @@ TEST(GemmFamilies, HeuristicIsInTheCatalogAndTheTuningSpaceIsValid) {
       for (auto [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 77, 144}, {333, 4099, 528}, {16384, 128, 64}})
         problems.push_back(gemm_problem(DType::f16, m, n, k, mode));
     for (Problem p : problems)
-      for (auto [sms, cc] : {std::pair<std::int64_t, std::int64_t>{132, 90}, {108, 80}, {84, 89}}) {
-        p.dims[g::k_sms] = sms;
-        p.dims[g::k_cc] = cc;
+      for (auto [sms, cc] : {std::pair<int, int>{132, 90}, {108, 80}, {84, 89}}) {
+        p.sm_count = std::uint16_t(sms);
+        p.cc = std::uint8_t(cc);
         const Params h = f.heuristic(p);
         SCOPED_TRACE(std::string(name) + " " + h.canonical() + " cc " + std::to_string(cc) + " m " +
-                     std::to_string(p.dims[0]) + " n " + std::to_string(p.dims[1]));
+                     std::to_string(p.as<g::GemmProblem>().m) + " n " + std::to_string(p.as<g::GemmProblem>().n));
         EXPECT_TRUE(f.validate(h).ok());
         EXPECT_TRUE(f.check_problem(h, p).ok()) << f.check_problem(h, p).to_string();
         EXPECT_EQ(*h.get_str("path"), cc == 90 ? "wgmma" : "mma");
@@ -439,11 +435,55 @@ TEST(GemmFamilies, ArgumentsPackInKernelOrder) {
   }
   // The sm_80 path takes no maps.
   Problem a100 = p;
-  a100.dims[g::k_cc] = 80;
+  a100.cc = 80;
   ArgPack plain;
   f.pack_args(f.heuristic(a100), a100, bufs, plain);
   EXPECT_EQ(plain.count(), 11u);
   EXPECT_EQ(plain.tensor_maps(), 0u);
+}
+
+// The problems' fields: m (rows for quantize_fp8) bucketed, the rest exact keys; the device is the
+// Problem's, not a field, and problem_from_shape defaults the GEMMs' mode to 0. A problem with no
+// device (sm_count and cc 0: a CPU test, `kiln tune` without a GPU) picks, checks, sizes its grid
+// and spans its tuning space as on an H100.
+TEST(GemmFamilies, FieldsSignaturesAndTheUnknownDevice) {
+  auto field_names = [](const Family& f) {
+    std::vector<std::string> out;
+    for (const ProblemField& pf : f.problem_fields()) out.push_back(pf.name + (pf.bucketed ? "<=" : pf.key ? "" : "?"));
+    return out;
+  };
+  for (const char* name : {"fp8_gemm", "gated_mlp"}) {
+    const Family& f = fam(name);
+    SCOPED_TRACE(name);
+    EXPECT_EQ(field_names(f), (std::vector<std::string>{"m<=", "n", "k", "mode"}));
+    const Problem p = f.problem_from_shape(DType::bf16, {{"m", 100}, {"n", 4096}, {"k", 7168}}).value();
+    EXPECT_EQ(f.signature(p), "dtype=bf16,align=16,m<=128,n=4096,k=7168,mode=0");
+    EXPECT_EQ(p.sm_count, 0);
+    EXPECT_EQ(p.cc, 0);
+    EXPECT_FALSE(f.problem_from_shape(DType::bf16, {{"m", 1}, {"n", 1}, {"k", 16}, {"sms", 132}}).ok());
+    for (std::int64_t mode : {0, 1})
+      for (auto [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{128, 2112, 7168}, {4096, 7168, 16384},
+                             {333, 4099, 528}}) {
+        const Problem unknown = gemm_problem(DType::bf16, m, n, k, mode, 0, 0);
+        const Problem h100 = gemm_problem(DType::bf16, m, n, k, mode, 132, 90);
+        const Params h = f.heuristic(unknown);
+        EXPECT_EQ(h, f.heuristic(h100)) << h.canonical();
+        EXPECT_EQ(*h.get_str("path"), "wgmma");
+        EXPECT_TRUE(f.check_problem(h, unknown).ok()) << f.check_problem(h, unknown).to_string();
+        EXPECT_EQ(f.geometry(h, unknown).grid.x, f.geometry(h, h100).grid.x);
+        EXPECT_EQ(f.tuning_space(unknown), f.tuning_space(h100));
+      }
+  }
+  const Family& q = fam("quantize_fp8");
+  EXPECT_EQ(field_names(q), (std::vector<std::string>{"rows<=", "cols", "mode", "transpose"}));
+  const Problem qp =
+      q.problem_from_shape(DType::f32, {{"rows", 3000}, {"cols", 7168}, {"mode", families::k_q_tile}, {"transpose", 1}})
+          .value();
+  EXPECT_EQ(q.signature(qp), "dtype=f32,align=16,rows<=4096,cols=7168,mode=3,transpose=1");
+  const Params qh = q.heuristic(qp);
+  EXPECT_EQ(*qh.get_str("mode"), "tile");
+  EXPECT_EQ(*qh.get_int("transpose"), 1);
+  EXPECT_TRUE(q.check_problem(qh, qp).ok());
 }
 
 // The typed ops on host memory: CPU fallbacks, and every error before any resolve.
