@@ -44,10 +44,15 @@ class ActAndMul final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override {
-    return {"rows", "d", "x_row_stride", "out_row_stride", "activation"};
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<ActAndMulProblem>({
+        bucketed(&ActAndMulProblem::rows, "rows", "rows of x and out"),
+        key(&ActAndMulProblem::d, "d", "elements per row of out; x rows hold 2d"),
+        key(&ActAndMulProblem::x_row_stride, "x_row_stride", "elements between two rows of x"),
+        key(&ActAndMulProblem::out_row_stride, "out_row_stride", "elements between two rows of out"),
+        key(&ActAndMulProblem::activation, "activation", "0 silu, 1 gelu (erf), 2 gelu_tanh")});
+    return fields;
   }
-  std::vector<std::string> problem_scalars() const override { return {}; }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -78,12 +83,13 @@ class ActAndMul final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto rows = p.dims[k_am_rows], d = p.dims[k_am_d];
+    const auto q = p.as<ActAndMulProblem>();
+    const auto rows = q.rows, d = q.d;
     if (rows < 0 || d <= 0) return shape_mismatch("act_and_mul: need rows >= 0 and d > 0");
     if (d >= (std::int64_t(1) << 31)) return shape_mismatch("act_and_mul: d must be below 2^31");
-    if (p.dims[k_am_x_stride] < 2 * d || p.dims[k_am_out_stride] < d)
+    if (q.x_row_stride < 2 * d || q.out_row_stride < d)
       return shape_mismatch("act_and_mul: row strides must be at least 2d (x) and d (out)");
-    const auto act = p.dims[k_am_act];
+    const auto act = q.activation;
     if (act < 0 || act > 2) return invalid_argument("act_and_mul: unknown activation " + std::to_string(act));
     if (act_index(*params.get_str("act")) != act)
       return invalid_argument(std::string("act_and_mul: kernel is for ") + *params.get_str("act") + ", problem asks for " +
@@ -93,8 +99,8 @@ class ActAndMul final : public Family {
       return unsupported_dtype(std::string("act_and_mul: kernel is for ") + dtype_name(*dtype) + ", tensors are " +
                                dtype_name(p.dtype));
     const auto vec = *params.get_int("vec");
-    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || d % vec || p.dims[k_am_x_stride] % vec ||
-        p.dims[k_am_out_stride] % vec)
+    if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || d % vec || q.x_row_stride % vec ||
+        q.out_row_stride % vec)
       return invalid_argument("act_and_mul: vec=" + std::to_string(vec) +
                               " needs buffers, d and row strides aligned to vec elements");
     return {};
@@ -102,7 +108,8 @@ class ActAndMul final : public Family {
 
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const std::int64_t block = *params.get_int("block");
-    const std::int64_t packs = p.dims[k_am_rows] * (p.dims[k_am_d] / *params.get_int("vec"));
+    const auto q = p.as<ActAndMulProblem>();
+    const std::int64_t packs = q.rows * (q.d / *params.get_int("vec"));
     LaunchGeometry g;
     g.grid.x = std::uint32_t(std::clamp<std::int64_t>((packs + block - 1) / block, 1, 0x7fffffff));
     g.block.x = std::uint32_t(block);
@@ -111,7 +118,7 @@ class ActAndMul final : public Family {
 
   Params heuristic(const Problem& p) const override {
     auto c = act_and_mul_heuristic(p);
-    const auto act = std::clamp<std::int64_t>(p.dims[k_am_act], 0, 2);
+    const auto act = std::clamp<std::int64_t>(p.as<ActAndMulProblem>().activation, 0, 2);
     return Params{{"act", std::string(k_act_names[act])},
                   {"dtype", std::string(dtype_name(p.dtype))},
                   {"block", c.block},
@@ -153,35 +160,38 @@ class ActAndMul final : public Family {
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_am_rows], d = p.dims[k_am_d];
+    const auto q = p.as<ActAndMulProblem>();
+    const auto rows = q.rows, d = q.d;
     auto extent = [&](std::int64_t stride, std::int64_t cols) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
-    return {{"x", BufferRole::input, p.dtype, extent(p.dims[k_am_x_stride], 2 * d)},
-            {"out", BufferRole::output, p.dtype, extent(p.dims[k_am_out_stride], d)}};
+    return {{"x", BufferRole::input, p.dtype, extent(q.x_row_stride, 2 * d)},
+            {"out", BufferRole::output, p.dtype, extent(q.out_row_stride, d)}};
   }
 
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
-    const std::int64_t per_row = p.dims[k_am_d] / *params.get_int("vec");
+    const auto q = p.as<ActAndMulProblem>();
+    const std::int64_t per_row = q.d / *params.get_int("vec");
     const FastDiv div = fast_div(std::uint32_t(std::max<std::int64_t>(per_row, 1)));
     out.add(b[0]);
     out.add(b[1]);
-    out.add(static_cast<long long>(p.dims[k_am_rows] * per_row));
+    out.add(static_cast<long long>(q.rows * per_row));
     out.add(static_cast<long long>(per_row));
     out.add(static_cast<unsigned>(div.magic));
     out.add(static_cast<unsigned>(div.shift));
-    out.add(static_cast<long long>(p.dims[k_am_d]));
-    out.add(static_cast<long long>(p.dims[k_am_x_stride]));
-    out.add(static_cast<long long>(p.dims[k_am_out_stride]));
+    out.add(static_cast<long long>(q.d));
+    out.add(static_cast<long long>(q.x_row_stride));
+    out.add(static_cast<long long>(q.out_row_stride));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 2) return invalid_argument("act_and_mul: reference takes 2 buffers (x, out)");
-    const auto act = p.dims[k_am_act];
+    const auto q = p.as<ActAndMulProblem>();
+    const auto act = q.activation;
     if (act < 0 || act > 2) return invalid_argument("act_and_mul: unknown activation " + std::to_string(act));
-    const auto rows = p.dims[k_am_rows], d = p.dims[k_am_d];
+    const auto rows = q.rows, d = q.d;
     // Element c of a row reads x[c] and x[d + c] before writing out[c]; with out = x[..., :d] no
     // later element reads what an earlier one wrote.
     for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t xo = r * p.dims[k_am_x_stride], oo = r * p.dims[k_am_out_stride];
+      const std::int64_t xo = r * q.x_row_stride, oo = r * q.out_row_stride;
       for (std::int64_t c = 0; c < d; ++c) {
         const double a = load_as_double(b[0], p.dtype, xo + c), g = load_as_double(b[0], p.dtype, xo + d + c);
         store_from_double(b[1], p.dtype, oo + c, activate(int(act), a) * g);
@@ -202,14 +212,15 @@ FastDiv fast_div(std::uint32_t d) {
 
 ActAndMulChoice act_and_mul_heuristic(const Problem& p) {
   const int esize = int(dtype_size(p.dtype));
-  const auto d = p.dims[k_am_d];
+  const auto q = p.as<ActAndMulProblem>();
+  const auto d = q.d;
   // 8-byte accesses and 128-thread blocks are at or near the best for SiLU and GELU at large
   // shapes on Hopper (bench section `variants`); 16-byte accesses are slower with GELU (erf)
   // computed with erff, and tie with the fitted form of families/act_and_mul/activations.cuh.
   // docs/benchmarks.md has the figures.
   int vec = std::max(1, 8 / esize);
-  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || d % vec || p.dims[k_am_x_stride] % vec ||
-                     p.dims[k_am_out_stride] % vec))
+  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || d % vec || q.x_row_stride % vec ||
+                     q.out_row_stride % vec))
     vec /= 2;
   return {128, vec};
 }

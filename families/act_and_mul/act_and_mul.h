@@ -3,9 +3,9 @@
 //
 // Params: act {silu, gelu, gelu_tanh}, dtype {f32, f16, bf16}, block {64 .. 1024} threads,
 // vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes).
-// Problem: dims = {rows, d, x_row_stride, out_row_stride, activation} (strides in elements;
-// activation 0 silu, 1 gelu, 2 gelu_tanh: it is a dim so that the problem alone picks the
-// variant), no scalars.
+// Problem (ActAndMulProblem): keys rows (bucketed), d, x_row_stride, out_row_stride (strides in
+// elements), activation (ActAndMulKind: 0 silu, 1 gelu, 2 gelu_tanh; a key so that the problem
+// alone picks the variant); no value fields.
 // Buffers: x (input, rows of 2d), out (output, rows of d). out may alias x (out = x[..., :d]:
 // same base, same row stride).
 //
@@ -23,7 +23,14 @@
 
 namespace kiln::families {
 
-enum ActAndMulDim { k_am_rows = 0, k_am_d = 1, k_am_x_stride = 2, k_am_out_stride = 3, k_am_act = 4 };
+// The act_and_mul problem; every field is a key (part of the tuning signature).
+struct ActAndMulProblem {
+  std::int64_t rows = 0;            // key, bucketed: rows of x and out
+  std::int64_t d = 0;               // key: elements per row of out (x rows hold 2d)
+  std::int64_t x_row_stride = 0;    // key: elements between two rows of x
+  std::int64_t out_row_stride = 0;  // key: elements between two rows of out
+  std::int64_t activation = 0;      // key: ActAndMulKind
+};
 enum ActAndMulKind { k_am_silu = 0, k_am_gelu = 1, k_am_gelu_tanh = 2 };
 
 struct ActAndMulChoice {

@@ -50,15 +50,15 @@ Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, S
   if (where == DeviceKind::cuda && out.device.index != x.device.index)
     return device_error("act_and_mul: tensors are on different GPUs");
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[families::k_am_rows] = xr.rows;
-  p.dims[families::k_am_d] = d;
-  p.dims[families::k_am_x_stride] = xr.row_stride;
-  p.dims[families::k_am_out_stride] = orow.row_stride;
-  p.dims[families::k_am_act] = kind;
   // The second half starts d elements into each row: its offset counts like a stride.
-  p.alignment = client::common_alignment({xb, ob}, {xr.row_stride * esize, orow.row_stride * esize, d * esize});
+  const std::uint32_t alignment =
+      client::common_alignment({xb, ob}, {xr.row_stride * esize, orow.row_stride * esize, d * esize});
+  const Problem p = Problem::of(x.dtype, alignment,
+                                families::ActAndMulProblem{.rows = xr.rows,
+                                                           .d = d,
+                                                           .x_row_stride = xr.row_stride,
+                                                           .out_row_stride = orow.row_stride,
+                                                           .activation = kind});
   if (xr.rows == 0) return {};
 
   static const Family* const family = Registry::global().find("act_and_mul");

@@ -23,6 +23,8 @@
 namespace kiln {
 namespace {
 
+// What the op reads of the device itself: the slab count (hence the workspace size) and the
+// max_cluster key are settled here, before the runtime fills the problem's own device facts.
 struct DeviceInfo {
   int sms = 0;
   int max_cluster = 1;
@@ -39,7 +41,7 @@ Result<std::int64_t> slabs_for(const Family& bwd, const Problem& p, int ordinal,
   const auto choice = families::rmsnorm_bwd_heuristic(p);
   int resident = 0;
   // Only the clustered kernel needs the count (checked here too, so other calls build no Params).
-  if (choice.stages > 0 && choice.cluster > 1 && p.dims[families::k_bwd_rows] > 0) {
+  if (choice.stages > 0 && choice.cluster > 1 && p.as<families::RmsNormBwdProblem>().rows > 0) {
     const Params params = bwd.heuristic(p);
     const std::pair<int, std::string> key{ordinal, params.canonical()};
     bool known = false;
@@ -72,18 +74,18 @@ Result<std::int64_t> rms_norm_backward_workspace_elements(const TensorView& x) {
   KILN_ASSIGN_OR_RETURN(auto xr, client::as_rows(x, "x"));
   if (x.device.kind != DeviceKind::cuda || xr.rows == 0 || xr.cols == 0) return std::int64_t(0);
   KILN_ASSIGN_OR_RETURN(DeviceInfo info, device_info(x.device.index));
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[families::k_bwd_rows] = xr.rows;
-  p.dims[families::k_bwd_cols] = xr.cols;
-  p.dims[families::k_bwd_max_cluster] = info.max_cluster;
   // dy and dx may allow narrower accesses than x, which changes the heuristic's block shape: the
   // most slabs over every access width.
   std::int64_t slabs = 0;
   for (std::uint32_t align : {16u, 8u, 4u, 2u})
     for (std::int64_t stride : {xr.cols, xr.cols + 1}) {
-      p.alignment = align;
-      p.dims[families::k_bwd_dy_stride] = p.dims[families::k_bwd_x_stride] = p.dims[families::k_bwd_dx_stride] = stride;
+      const Problem p = Problem::of(x.dtype, align,
+                                    families::RmsNormBwdProblem{.rows = xr.rows,
+                                                                .cols = xr.cols,
+                                                                .dy_row_stride = stride,
+                                                                .x_row_stride = stride,
+                                                                .dx_row_stride = stride,
+                                                                .max_cluster = info.max_cluster});
       slabs = std::max(slabs, families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_heuristic(p), p, info.sms));
     }
   return slabs * xr.cols;
@@ -147,21 +149,18 @@ Status rms_norm_backward(const TensorView& dy, const TensorView& x, const Tensor
       return device_error("rms_norm_backward: the workspace is on another GPU");
   }
 
-  Problem p;
-  p.dtype = x.dtype;
-  p.dims[families::k_bwd_rows] = xr.rows;
-  p.dims[families::k_bwd_cols] = hidden;
-  p.dims[families::k_bwd_dy_stride] = dyr.row_stride;
-  p.dims[families::k_bwd_x_stride] = xr.row_stride;
-  p.dims[families::k_bwd_dx_stride] = dxr.row_stride;
   const auto esize = std::int64_t(dtype_size(x.dtype));
-  p.alignment = client::common_alignment(
+  const std::uint32_t alignment = client::common_alignment(
       {reinterpret_cast<std::uintptr_t>(dy.data), reinterpret_cast<std::uintptr_t>(x.data),
        reinterpret_cast<std::uintptr_t>(weight.data), reinterpret_cast<std::uintptr_t>(dx.data)},
       {dyr.row_stride * esize, xr.row_stride * esize, dxr.row_stride * esize});
-  Problem pr;
-  pr.dtype = x.dtype;
-  pr.dims[families::k_red_cols] = hidden;
+  // slabs and max_cluster follow below, for the host or the device.
+  families::RmsNormBwdProblem q{.rows = xr.rows,
+                                .cols = hidden,
+                                .dy_row_stride = dyr.row_stride,
+                                .x_row_stride = xr.row_stride,
+                                .dx_row_stride = dxr.row_stride};
+  families::RmsNormBwdReduceProblem qr{.cols = hidden};
 
   static const Family* const bwd = Registry::global().find("rmsnorm_bwd");
   static const Family* const reduce = Registry::global().find("rmsnorm_bwd_reduce");
@@ -169,9 +168,9 @@ Status rms_norm_backward(const TensorView& dy, const TensorView& x, const Tensor
 
   if (where == DeviceKind::cpu) {
     // One slab: the whole sum in fp64, rounded once.
-    p.dims[families::k_bwd_slabs] = xr.rows > 0 ? 1 : 0;
-    p.dims[families::k_bwd_max_cluster] = 1;
-    pr.dims[families::k_red_slabs] = p.dims[families::k_bwd_slabs];
+    q.slabs = qr.slabs = xr.rows > 0 ? 1 : 0;
+    q.max_cluster = 1;
+    const Problem p = Problem::of(x.dtype, alignment, q), pr = Problem::of(x.dtype, 16, qr);
     std::vector<float> partial(std::size_t(hidden), 0.f);
     void* b[6] = {dy.data, x.data, weight.data, inv_rms.data, dx.data, partial.data()};
     KILN_TRY(bwd->cpu_reference(bwd->heuristic(p), p, b));
@@ -180,13 +179,14 @@ Status rms_norm_backward(const TensorView& dy, const TensorView& x, const Tensor
   }
 
   KILN_ASSIGN_OR_RETURN(DeviceInfo info, device_info(x.device.index));
-  p.dims[families::k_bwd_max_cluster] = info.max_cluster;
+  q.max_cluster = info.max_cluster;
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  KILN_ASSIGN_OR_RETURN(const std::int64_t slabs, slabs_for(*bwd, p, x.device.index, info.sms, *runtime));
-  p.dims[families::k_bwd_slabs] = slabs;
-  pr.dims[families::k_red_slabs] = slabs;
+  KILN_ASSIGN_OR_RETURN(const std::int64_t slabs,
+                        slabs_for(*bwd, Problem::of(x.dtype, alignment, q), x.device.index, info.sms, *runtime));
+  q.slabs = qr.slabs = slabs;
+  const Problem p = Problem::of(x.dtype, alignment, q), pr = Problem::of(x.dtype, 16, qr);
   const std::int64_t needed = slabs * hidden;
 
   void* ws = nullptr;

@@ -28,13 +28,16 @@ constexpr std::int64_t k_sm_smem = 228 * 1024;
 // Whether bulk copies can bring the problem's rows: sm_90 or later (max_cluster > 1 only there),
 // 16-byte aligned buffers and row strides, whole 16-byte packs per row.
 bool bulk_able(const Problem& p) {
-  const std::int64_t esize = std::int64_t(dtype_size(p.dtype)), cols = p.dims[k_bwd_cols];
-  if (p.dims[k_bwd_max_cluster] <= 1 || p.alignment < 16 || (cols * esize) % 16) return false;
-  for (int d : {k_bwd_dy_stride, k_bwd_x_stride, k_bwd_dx_stride})
-    if ((p.dims[d] * esize) % 16) return false;
+  const auto q = p.as<RmsNormBwdProblem>();
+  const std::int64_t esize = std::int64_t(dtype_size(p.dtype));
+  if (q.max_cluster <= 1 || p.alignment < 16 || (q.cols * esize) % 16) return false;
+  for (std::int64_t stride : {q.dy_row_stride, q.x_row_stride, q.dx_row_stride})
+    if ((stride * esize) % 16) return false;
   return true;
 }
-std::int64_t packs16(const Problem& p) { return p.dims[k_bwd_cols] * std::int64_t(dtype_size(p.dtype)) / 16; }
+std::int64_t packs16(const Problem& p) {
+  return p.as<RmsNormBwdProblem>().cols * std::int64_t(dtype_size(p.dtype)) / 16;
+}
 // Whether the one-block bulk-copy kernel can run the problem: at most 2048 packs per row.
 bool bulk_fits(const Problem& p) { return bulk_able(p) && packs16(p) <= 2048; }
 // The cluster size the clustered bulk kernel takes by default, 0 where it is not the default: rows
@@ -45,7 +48,7 @@ int bulk_cluster_default(const Problem& p) {
   const std::int64_t packs = packs16(p);
   if (!bulk_able(p) || packs <= 2048 || packs > 4 * 512 * 4) return 0;
   const int cluster = packs > 2 * 512 * 4 ? 4 : 2;
-  return p.dims[k_bwd_max_cluster] >= cluster ? cluster : 0;
+  return p.as<RmsNormBwdProblem>().max_cluster >= cluster ? cluster : 0;
 }
 
 // Packs of the row that one block of the cluster owns.
@@ -72,10 +75,18 @@ class RmsNormBwd final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override {
-    return {"rows", "cols", "dy_row_stride", "x_row_stride", "dx_row_stride", "slabs", "max_cluster"};
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<RmsNormBwdProblem>({
+        bucketed(&RmsNormBwdProblem::rows, "rows", "rows of dy, x and dx"),
+        key(&RmsNormBwdProblem::cols, "cols", "elements per row (the hidden size)"),
+        key(&RmsNormBwdProblem::dy_row_stride, "dy_row_stride", "elements between two rows of dy"),
+        key(&RmsNormBwdProblem::x_row_stride, "x_row_stride", "elements between two rows of x"),
+        key(&RmsNormBwdProblem::dx_row_stride, "dx_row_stride", "elements between two rows of dx"),
+        key(&RmsNormBwdProblem::slabs, "slabs", "row slabs, hence partial dw rows (rmsnorm_bwd_slabs)"),
+        key(&RmsNormBwdProblem::max_cluster, "max_cluster",
+            "the largest cluster the device launches (8 from sm_90, else 1)")});
+    return fields;
   }
-  std::vector<std::string> problem_scalars() const override { return {}; }
 
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
@@ -157,13 +168,13 @@ class RmsNormBwd final : public Family {
         for (std::uint32_t align : {16u, 2u})
           for (std::int64_t max_cluster : {1, 8})
             for (std::int64_t rows : {1, 4096}) {
-              Problem p;
-              p.dtype = t;
-              p.alignment = std::max<std::uint32_t>(align, std::uint32_t(dtype_size(t)));
-              p.dims[k_bwd_rows] = rows;
-              p.dims[k_bwd_cols] = cols;
-              p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = cols;
-              p.dims[k_bwd_max_cluster] = max_cluster;
+              const Problem p = Problem::of(t, std::max<std::uint32_t>(align, std::uint32_t(dtype_size(t))),
+                                            RmsNormBwdProblem{.rows = rows,
+                                                              .cols = cols,
+                                                              .dy_row_stride = cols,
+                                                              .x_row_stride = cols,
+                                                              .dx_row_stride = cols,
+                                                              .max_cluster = max_cluster});
               // Each choice at both register caps: the tuner may pick either (bulk kernels: 512 only).
               auto c = rmsnorm_bwd_heuristic(p);
               for (int sm_threads : {512, 1024}) {
@@ -177,10 +188,11 @@ class RmsNormBwd final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto rows = p.dims[k_bwd_rows], cols = p.dims[k_bwd_cols], slabs = p.dims[k_bwd_slabs];
+    const auto q = p.as<RmsNormBwdProblem>();
+    const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
     if (rows < 0 || cols <= 0) return shape_mismatch("rmsnorm_bwd: need rows >= 0 and cols > 0");
     if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm_bwd: rows longer than 2^31 elements");
-    if (p.dims[k_bwd_dy_stride] < cols || p.dims[k_bwd_x_stride] < cols || p.dims[k_bwd_dx_stride] < cols)
+    if (q.dy_row_stride < cols || q.x_row_stride < cols || q.dx_row_stride < cols)
       return shape_mismatch("rmsnorm_bwd: row strides must be at least the row length");
     const auto c = rmsnorm_bwd_choice(params);
     if (slabs < (rows > 0 ? 1 : 0) || slabs > std::max<std::int64_t>(rows, 1) || slabs * c.cluster > 0x7fffffff)
@@ -189,13 +201,13 @@ class RmsNormBwd final : public Family {
     if (dtype != p.dtype)
       return unsupported_dtype(std::string("rmsnorm_bwd: kernel is for ") + dtype_name(dtype) + ", tensors are " +
                                dtype_name(p.dtype));
-    if (p.alignment < c.vec * std::int64_t(dtype_size(dtype)) || p.dims[k_bwd_dy_stride] % c.vec ||
-        p.dims[k_bwd_x_stride] % c.vec || p.dims[k_bwd_dx_stride] % c.vec)
+    if (p.alignment < c.vec * std::int64_t(dtype_size(dtype)) || q.dy_row_stride % c.vec ||
+        q.x_row_stride % c.vec || q.dx_row_stride % c.vec)
       return invalid_argument("rmsnorm_bwd: vec=" + std::to_string(c.vec) +
                               " needs buffers and row strides aligned to vec elements");
-    if (c.cluster > p.dims[k_bwd_max_cluster])
+    if (c.cluster > q.max_cluster)
       return invalid_argument("rmsnorm_bwd: cluster=" + std::to_string(c.cluster) + " exceeds the device's " +
-                              std::to_string(p.dims[k_bwd_max_cluster]));
+                              std::to_string(q.max_cluster));
     // Re-read packs keep their dw in the block's partial row, which only one group may update.
     if (c.rows > 1 && packs_per_block(c, cols) > std::int64_t(c.group) * c.packs)
       return invalid_argument("rmsnorm_bwd: rows > 1 needs the row to fit in group * packs packs");
@@ -219,7 +231,7 @@ class RmsNormBwd final : public Family {
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const auto c = rmsnorm_bwd_choice(params);
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(std::max<std::int64_t>(p.dims[k_bwd_slabs], 1) * c.cluster);
+    g.grid.x = std::uint32_t(std::max<std::int64_t>(p.as<RmsNormBwdProblem>().slabs, 1) * c.cluster);
     g.block.x = std::uint32_t(c.group * c.rows);
     if (c.stages > 0) g.shared_bytes = std::uint32_t(rmsnorm_bwd_bulk_smem(c, std::int64_t(dtype_size(p.dtype))));
     return g;
@@ -230,11 +242,12 @@ class RmsNormBwd final : public Family {
   // Around the heuristic's choice: its vector width, every shape whose register cache holds the
   // block's packs with at most half of it idle, at both register caps, and the heuristic itself.
   std::vector<Params> tuning_space(const Problem& p) const override {
+    const auto q = p.as<RmsNormBwdProblem>();
     const auto h = rmsnorm_bwd_heuristic(p);
     std::vector<Params> out{params_of(p.dtype, h)};
     // Bulk-copy kernels: 2 or 4 packs per thread, 2 or 4 row buffers.
     if (bulk_fits(p)) {
-      const std::int64_t packs = p.dims[k_bwd_cols] * std::int64_t(dtype_size(p.dtype)) / 16;
+      const std::int64_t packs = q.cols * std::int64_t(dtype_size(p.dtype)) / 16;
       for (int per_thread : {2, 4})
         for (int stages : {2, 4}) {
           const int threads = int(std::max<std::int64_t>(32, (ceil_div(packs, per_thread) + 31) / 32 * 32));
@@ -250,7 +263,7 @@ class RmsNormBwd final : public Family {
     if (bulk_able(p) && packs16(p) > 2048) {
       const std::int64_t esize = std::int64_t(dtype_size(p.dtype)), packs = packs16(p);
       for (int cluster : {2, 4, 8}) {
-        if (cluster > p.dims[k_bwd_max_cluster]) continue;
+        if (cluster > q.max_cluster) continue;
         for (int per_thread : {2, 4}) {
           const std::int64_t threads = (ceil_div(packs, std::int64_t(cluster) * per_thread) + 31) / 32 * 32;
           if (threads > 512) continue;
@@ -271,10 +284,10 @@ class RmsNormBwd final : public Family {
             for (int sm_threads : {512, 1024}) {
               const RmsNormBwdChoice c{group, rows, h.stages > 0 ? 16 / int(dtype_size(p.dtype)) : h.vec,
                                        packs, cluster, sm_threads, 0};
-              const std::int64_t per_block = packs_per_block(c, p.dims[k_bwd_cols]);
+              const std::int64_t per_block = packs_per_block(c, q.cols);
               const std::int64_t cache = std::int64_t(group) * packs;
               if (per_block > cache || 2 * per_block <= cache) continue;
-              if (rows > std::max<std::int64_t>(1, p.dims[k_bwd_rows])) continue;
+              if (rows > std::max<std::int64_t>(1, q.rows)) continue;
               Params params = params_of(p.dtype, c);
               if (params == out[0] || !validate(params).ok() || !check_problem(params, p).ok()) continue;
               out.push_back(std::move(params));
@@ -288,39 +301,44 @@ class RmsNormBwd final : public Family {
     std::vector<Problem> out;
     for (std::int64_t rows : {16, 512, 4096, 16384})
       for (std::int64_t cols : {2048, 4096, 8192}) {
-        Problem p;
-        p.dtype = dtype;
-        p.dims[k_bwd_rows] = rows;
-        p.dims[k_bwd_cols] = cols;
-        p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = cols;
-        p.dims[k_bwd_max_cluster] = 1;
-        p.dims[k_bwd_slabs] = rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(p), p, 132);
+        RmsNormBwdProblem q{.rows = rows,
+                            .cols = cols,
+                            .dy_row_stride = cols,
+                            .x_row_stride = cols,
+                            .dx_row_stride = cols,
+                            .max_cluster = 1};
+        Problem p = Problem::of(dtype, 16, q);
+        q.slabs = rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(p), p, 132);
+        p.set(q);
         out.push_back(p);
       }
     return out;
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto rows = p.dims[k_bwd_rows], cols = p.dims[k_bwd_cols];
+    const auto q = p.as<RmsNormBwdProblem>();
+    const auto rows = q.rows, cols = q.cols;
     auto extent = [&](std::int64_t stride) { return rows == 0 ? 0 : (rows - 1) * stride + cols; };
-    return {{"dy", BufferRole::input, p.dtype, extent(p.dims[k_bwd_dy_stride])},
-            {"x", BufferRole::input, p.dtype, extent(p.dims[k_bwd_x_stride])},
+    return {{"dy", BufferRole::input, p.dtype, extent(q.dy_row_stride)},
+            {"x", BufferRole::input, p.dtype, extent(q.x_row_stride)},
             {"w", BufferRole::input, p.dtype, cols},
             {"inv_rms", BufferRole::input, DType::f32, rows},
-            {"dx", BufferRole::output, p.dtype, extent(p.dims[k_bwd_dx_stride])},
-            {"partial", BufferRole::output, DType::f32, p.dims[k_bwd_slabs] * cols}};
+            {"dx", BufferRole::output, p.dtype, extent(q.dx_row_stride)},
+            {"partial", BufferRole::output, DType::f32, q.slabs * cols}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<RmsNormBwdProblem>();
     for (int i = 0; i < 6; ++i) out.add(b[i]);
-    for (int d : {k_bwd_rows, k_bwd_cols, k_bwd_dy_stride, k_bwd_x_stride, k_bwd_dx_stride, k_bwd_slabs})
-      out.add(static_cast<long long>(p.dims[d]));
+    for (std::int64_t v : {q.rows, q.cols, q.dy_row_stride, q.x_row_stride, q.dx_row_stride, q.slabs})
+      out.add(static_cast<long long>(v));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 6)
       return invalid_argument("rmsnorm_bwd: reference takes 6 buffers (dy, x, w, inv_rms, dx, partial)");
-    const auto rows = p.dims[k_bwd_rows], cols = p.dims[k_bwd_cols], slabs = p.dims[k_bwd_slabs];
+    const auto q = p.as<RmsNormBwdProblem>();
+    const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
     if (rows > 0 && slabs < 1) return invalid_argument("rmsnorm_bwd: slabs must be at least 1");
     const auto* inv_rms = static_cast<const float*>(b[3]);
     auto* partial = static_cast<float*>(b[5]);
@@ -328,8 +346,7 @@ class RmsNormBwd final : public Family {
     for (std::int64_t slab = 0; slab < slabs; ++slab) {
       std::fill(dw.begin(), dw.end(), 0.0);
       for (std::int64_t r = slab; r < rows; r += slabs) {
-        const std::int64_t dyo = r * p.dims[k_bwd_dy_stride], xo = r * p.dims[k_bwd_x_stride],
-                           dxo = r * p.dims[k_bwd_dx_stride];
+        const std::int64_t dyo = r * q.dy_row_stride, xo = r * q.x_row_stride, dxo = r * q.dx_row_stride;
         const double s = inv_rms[r];
         double dot = 0;
         for (std::int64_t c = 0; c < cols; ++c)
@@ -364,8 +381,9 @@ std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize
 }
 
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
+  const auto q = p.as<RmsNormBwdProblem>();
   const int esize = int(dtype_size(p.dtype));
-  const std::int64_t cols = p.dims[k_bwd_cols];
+  const std::int64_t cols = q.cols;
   // Rows of 2049 to 8192 16-byte packs on sm_90 (hidden 32768 and 65536 in bf16): the clustered
   // bulk kernel in the smallest cluster (2 or 4) whose blocks hold the row at 512 threads x 4
   // packs, threads rounded up to whole warps, 3 row buffers (192 KiB at 512 threads). In the
@@ -392,15 +410,15 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   }
   RmsNormBwdChoice c{32, 1, 16 / esize, 1, 1, 512};
   // The widest access that every row start and the weight allow.
-  while (c.vec > 1 && (p.alignment < std::uint32_t(c.vec * esize) || p.dims[k_bwd_dy_stride] % c.vec ||
-                       p.dims[k_bwd_x_stride] % c.vec || p.dims[k_bwd_dx_stride] % c.vec || cols < c.vec))
+  while (c.vec > 1 && (p.alignment < std::uint32_t(c.vec * esize) || q.dy_row_stride % c.vec ||
+                       q.x_row_stride % c.vec || q.dx_row_stride % c.vec || cols < c.vec))
     c.vec /= 2;
-  const std::int64_t max_cluster = std::min<std::int64_t>(8, p.dims[k_bwd_max_cluster]);
+  const std::int64_t max_cluster = std::min<std::int64_t>(8, q.max_cluster);
   while (c.cluster * 2 <= max_cluster && packs_per_block(c, cols) > 1024) c.cluster *= 2;
   const std::int64_t per_block = std::max<std::int64_t>(1, packs_per_block(c, cols));
   while (c.group < 512 && 2 * c.group < per_block) c.group *= 2;
   c.packs = per_block > c.group ? 2 : 1;
-  while (c.group * c.rows < 256 && c.rows * 2 <= std::min<std::int64_t>(8, p.dims[k_bwd_rows])) c.rows *= 2;
+  while (c.group * c.rows < 256 && c.rows * 2 <= std::min<std::int64_t>(8, q.rows)) c.rows *= 2;
   // The 64-register cap wherever validate allows it: on Hopper it is the fastest variant at every
   // benchmark shape, well ahead of the 128-register one (bench --only variants, docs/benchmarks.md).
   if (c.group * c.rows >= 256) c.sm_threads = 1024;
@@ -408,7 +426,7 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
 }
 
 std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms, int resident_clusters) {
-  const std::int64_t rows = p.dims[k_bwd_rows];
+  const std::int64_t rows = p.as<RmsNormBwdProblem>().rows;
   if (rows <= 0) return 0;
   // The clustered bulk kernel keeps a ring per block across its slab's rows: one slab per cluster
   // the GPU runs at once, or a late cluster would start its whole slab after the others ended.

@@ -21,10 +21,10 @@
 // strides, rows of whole packs, at most cluster * group * packs of them, on a device with clusters
 // (max_cluster > 1: sm_90 and later, where bulk copies exist); without a cluster at most 2048
 // packs, with one at least 3 stages.
-// Problem: dims = {rows, cols, dy_row_stride, x_row_stride, dx_row_stride, slabs, max_cluster}
-// (strides in elements; slabs: how many row slabs, hence partial dw rows, the caller chose, see
-// rmsnorm_bwd_slabs; max_cluster: the largest cluster the device launches, 1 before sm_90). No
-// scalars. Buffers: dy, x, w ([cols]), inv_rms (f32 [rows]) in; dx, partial (f32 [slabs, cols])
+// Problem (RmsNormBwdProblem), every field a key: rows (bucketed), cols, dy_row_stride,
+// x_row_stride, dx_row_stride (strides in elements), slabs (how many row slabs, hence partial dw
+// rows, the caller chose, see rmsnorm_bwd_slabs), max_cluster (the largest cluster the device
+// launches, 1 before sm_90). Buffers: dy, x, w ([cols]), inv_rms (f32 [rows]) in; dx, partial (f32 [slabs, cols])
 // out. Slab i holds rows i, i + slabs, i + 2 * slabs, ... (dealt in turn, so the rows in flight
 // across the GPU are neighbours in memory).
 //
@@ -60,14 +60,15 @@
 
 namespace kiln::families {
 
-enum RmsNormBwdDim {
-  k_bwd_rows = 0,
-  k_bwd_cols = 1,
-  k_bwd_dy_stride = 2,
-  k_bwd_x_stride = 3,
-  k_bwd_dx_stride = 4,
-  k_bwd_slabs = 5,
-  k_bwd_max_cluster = 6,
+// The first stage's problem; every field is a key (part of the tuning signature).
+struct RmsNormBwdProblem {
+  std::int64_t rows = 0;           // key, bucketed: rows of dy, x and dx
+  std::int64_t cols = 0;           // key: elements per row (the hidden size)
+  std::int64_t dy_row_stride = 0;  // key: elements between two rows of dy
+  std::int64_t x_row_stride = 0;   // key: elements between two rows of x
+  std::int64_t dx_row_stride = 0;  // key: elements between two rows of dx
+  std::int64_t slabs = 0;          // key: row slabs, hence partial dw rows (rmsnorm_bwd_slabs)
+  std::int64_t max_cluster = 0;    // key: the largest cluster the device launches, 1 before sm_90
 };
 
 struct RmsNormBwdChoice {
@@ -84,7 +85,7 @@ struct RmsNormBwdChoice {
 std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize);
 // The choice that validated params hold.
 RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params);
-// Ignores dims[k_bwd_slabs]: the slab count follows from the choice.
+// Ignores the problem's slabs: the slab count follows from the choice.
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p);
 // The slab count for a choice on a GPU with `sms` multiprocessors (>= 1 when rows > 0). The
 // clustered bulk kernel (stages > 0, cluster > 1) takes one slab per cluster the GPU holds at once:

@@ -21,8 +21,12 @@ class RmsNormBwdReduce final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override { return {"slabs", "cols"}; }
-  std::vector<std::string> problem_scalars() const override { return {}; }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<RmsNormBwdReduceProblem>({
+        bucketed(&RmsNormBwdReduceProblem::slabs, "slabs", "partial dw rows to sum"),
+        key(&RmsNormBwdReduceProblem::cols, "cols", "elements per row (the hidden size)")});
+    return fields;
+  }
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
@@ -44,7 +48,8 @@ class RmsNormBwdReduce final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto slabs = p.dims[k_red_slabs], cols = p.dims[k_red_cols];
+    const auto q = p.as<RmsNormBwdReduceProblem>();
+    const auto slabs = q.slabs, cols = q.cols;
     if (slabs < 0 || cols <= 0) return shape_mismatch("rmsnorm_bwd_reduce: need slabs >= 0 and cols > 0");
     if ((cols + 7) / 8 > 0x7fffffff) return shape_mismatch("rmsnorm_bwd_reduce: too many columns");
     const auto dtype = *parse_dtype(*params.get_str("dtype"));
@@ -57,7 +62,7 @@ class RmsNormBwdReduce final : public Family {
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     LaunchGeometry g;
     const auto columns = *params.get_int("columns");
-    g.grid.x = std::uint32_t((p.dims[k_red_cols] + columns - 1) / columns);
+    g.grid.x = std::uint32_t((p.as<RmsNormBwdReduceProblem>().cols + columns - 1) / columns);
     g.block.x = std::uint32_t(*params.get_int("block"));
     return g;
   }
@@ -82,31 +87,29 @@ class RmsNormBwdReduce final : public Family {
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;
     for (std::int64_t slabs : {1, 37, 264})
-      for (std::int64_t cols : {2048, 4096, 8192}) {
-        Problem p;
-        p.dtype = dtype;
-        p.dims[k_red_slabs] = slabs;
-        p.dims[k_red_cols] = cols;
-        out.push_back(p);
-      }
+      for (std::int64_t cols : {2048, 4096, 8192})
+        out.push_back(Problem::of(dtype, 16, RmsNormBwdReduceProblem{.slabs = slabs, .cols = cols}));
     return out;
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    return {{"partial", BufferRole::input, DType::f32, p.dims[k_red_slabs] * p.dims[k_red_cols]},
-            {"dw", BufferRole::output, p.dtype, p.dims[k_red_cols]}};
+    const auto q = p.as<RmsNormBwdReduceProblem>();
+    return {{"partial", BufferRole::input, DType::f32, q.slabs * q.cols},
+            {"dw", BufferRole::output, p.dtype, q.cols}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<RmsNormBwdReduceProblem>();
     out.add(b[0]);
     out.add(b[1]);
-    out.add(static_cast<long long>(p.dims[k_red_slabs]));
-    out.add(static_cast<long long>(p.dims[k_red_cols]));
+    out.add(static_cast<long long>(q.slabs));
+    out.add(static_cast<long long>(q.cols));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 2) return invalid_argument("rmsnorm_bwd_reduce: reference takes 2 buffers (partial, dw)");
-    const auto slabs = p.dims[k_red_slabs], cols = p.dims[k_red_cols];
+    const auto q = p.as<RmsNormBwdReduceProblem>();
+    const auto slabs = q.slabs, cols = q.cols;
     const auto* partial = static_cast<const float*>(b[0]);
     for (std::int64_t c = 0; c < cols; ++c) {
       double acc = 0;
@@ -120,13 +123,14 @@ class RmsNormBwdReduce final : public Family {
 }  // namespace
 
 int rmsnorm_bwd_reduce_heuristic(const Problem& p) {
-  const auto slabs = p.dims[k_red_slabs];
+  const auto slabs = p.as<RmsNormBwdReduceProblem>().slabs;
   return slabs <= 8 ? 128 : slabs <= 64 ? 256 : 512;
 }
 
 std::int64_t rmsnorm_bwd_reduce_columns(const Problem& p) {
   std::int64_t columns = 32;
-  while (columns > 8 && p.dims[k_red_cols] / columns < 256) columns /= 2;
+  const auto cols = p.as<RmsNormBwdReduceProblem>().cols;
+  while (columns > 8 && cols / columns < 256) columns /= 2;
   return columns;
 }
 

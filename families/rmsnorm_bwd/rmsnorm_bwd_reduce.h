@@ -3,7 +3,8 @@
 //
 // Params: dtype {f32, f16, bf16} (of dw); block {128, 256, 512, 1024} threads; columns {8, 16, 32}
 // adjacent columns per block, block / columns slab lanes striding over the slabs.
-// Problem: dims = {slabs, cols}; no scalars. Buffers: partial (f32 [slabs, cols]) in, dw ([cols]) out.
+// Problem (RmsNormBwdReduceProblem): keys slabs (bucketed) and cols. Buffers: partial
+// (f32 [slabs, cols]) in, dw ([cols]) out.
 // Heuristic: 128 threads up to 8 slabs, 256 up to 64, 512 beyond (enough loads in flight per
 // column); columns: the most of 32, 16, 8 that still gives 256 blocks or more (8 below 2048
 // columns), so the grid covers the GPU.
@@ -15,7 +16,11 @@
 
 namespace kiln::families {
 
-enum RmsNormBwdReduceDim { k_red_slabs = 0, k_red_cols = 1 };
+// The second stage's problem; both fields are keys (part of the tuning signature).
+struct RmsNormBwdReduceProblem {
+  std::int64_t slabs = 0;  // key, bucketed: partial dw rows to sum
+  std::int64_t cols = 0;   // key: elements per row (the hidden size)
+};
 
 // Threads per block.
 int rmsnorm_bwd_reduce_heuristic(const Problem& p);

@@ -145,25 +145,25 @@ Status apply_rope_qk(const TensorView& q, const TensorView& k, const TensorView&
       if (t->device.index != q.device.index) return device_error("apply_rope_qk: tensors are on different GPUs");
 
   const std::int64_t max_pos = cos.shape[0];
-  Problem p;
-  p.dtype = q.dtype;
-  p.dims[families::k_rope_tokens] = tokens;
-  p.dims[families::k_rope_q_heads] = qv.heads;
-  p.dims[families::k_rope_kv_heads] = kv.heads;
-  p.dims[families::k_rope_head_dim] = head_dim;
-  p.dims[families::k_rope_layout] = layout == RopeLayout::neox ? families::k_rope_neox : families::k_rope_gptj;
-  p.dims[families::k_rope_max_pos] = max_pos;
-  p.scalars[families::k_rope_q_stride] = double(qv.stride);
-  p.scalars[families::k_rope_k_stride] = double(kv.stride);
-  p.scalars[families::k_rope_q_out_stride] = double(qov.stride);
-  p.scalars[families::k_rope_k_out_stride] = double(kov.stride);
   const auto es = std::int64_t(dtype_size(q.dtype));
   // position_ids are read one at a time and do not limit the access width.
-  p.alignment = client::common_alignment(
+  const std::uint32_t alignment = client::common_alignment(
       {reinterpret_cast<std::uintptr_t>(q.data), reinterpret_cast<std::uintptr_t>(k.data),
        reinterpret_cast<std::uintptr_t>(cos.data), reinterpret_cast<std::uintptr_t>(sin.data),
        reinterpret_cast<std::uintptr_t>(q_out.data), reinterpret_cast<std::uintptr_t>(k_out.data)},
       {qv.stride * es, kv.stride * es, qov.stride * es, kov.stride * es});
+  const Problem p = Problem::of(
+      q.dtype, alignment,
+      families::RopeProblem{.tokens = tokens,
+                            .q_heads = qv.heads,
+                            .kv_heads = kv.heads,
+                            .head_dim = head_dim,
+                            .layout = layout == RopeLayout::neox ? families::k_rope_neox : families::k_rope_gptj,
+                            .max_pos = max_pos,
+                            .q_stride = qv.stride,
+                            .k_stride = kv.stride,
+                            .q_out_stride = qov.stride,
+                            .k_out_stride = kov.stride});
   if (tokens == 0 || qv.heads + kv.heads == 0) return {};
 
   static const Family* family = Registry::global().find("rope");

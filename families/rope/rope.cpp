@@ -2,7 +2,6 @@
 #include "families/common/family_util.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -22,15 +21,8 @@ std::uint32_t cos_access_bytes(std::int64_t vec) {
 }
 
 std::int64_t work_items(const Problem& p, std::int64_t vec) {
-  return p.dims[k_rope_tokens] * (p.dims[k_rope_q_heads] + p.dims[k_rope_kv_heads]) *
-         (p.dims[k_rope_head_dim] / 2 / vec);
-}
-
-// A token stride held in a scalar slot, or -1 when it is not a non-negative integer.
-std::int64_t stride_of(const Problem& p, int slot) {
-  const double v = p.scalars[slot];
-  if (!(v >= 0) || v > 9.0e15 || v != std::floor(v)) return -1;
-  return std::int64_t(v);
+  const auto q = p.as<RopeProblem>();
+  return q.tokens * (q.q_heads + q.kv_heads) * (q.head_dim / 2 / vec);
 }
 
 class Rope final : public Family {
@@ -48,11 +40,19 @@ class Rope final : public Family {
     };
     return defs;
   }
-  std::vector<std::string> problem_dims() const override {
-    return {"tokens", "q_heads", "kv_heads", "head_dim", "layout", "max_pos"};
-  }
-  std::vector<std::string> problem_scalars() const override {
-    return {"q_stride", "k_stride", "q_out_stride", "k_out_stride"};
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<RopeProblem>({
+        bucketed(&RopeProblem::tokens, "tokens", "tokens to rotate"),
+        key(&RopeProblem::q_heads, "q_heads", "query heads per token"),
+        key(&RopeProblem::kv_heads, "kv_heads", "key heads per token"),
+        key(&RopeProblem::head_dim, "head_dim", "elements per head"),
+        key(&RopeProblem::layout, "layout", "rotation pairs: 0 neox (i, i + head_dim/2), 1 gptj (2i, 2i + 1)"),
+        key(&RopeProblem::max_pos, "max_pos", "rows of cos and sin; position ids lie in [0, max_pos)"),
+        value(&RopeProblem::q_stride, "q_stride", "elements between two tokens of q"),
+        value(&RopeProblem::k_stride, "k_stride", "elements between two tokens of k"),
+        value(&RopeProblem::q_out_stride, "q_out_stride", "elements between two tokens of q_out"),
+        value(&RopeProblem::k_out_stride, "k_out_stride", "elements between two tokens of k_out")});
+    return fields;
   }
 
   Status validate(const Params& params) const override {
@@ -90,15 +90,15 @@ class Rope final : public Family {
   }
 
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto tokens = p.dims[k_rope_tokens], qh = p.dims[k_rope_q_heads], kvh = p.dims[k_rope_kv_heads];
-    const auto head_dim = p.dims[k_rope_head_dim];
-    if (tokens < 0 || qh < 0 || kvh < 0 || p.dims[k_rope_max_pos] < 0)
+    const auto q = p.as<RopeProblem>();
+    const auto tokens = q.tokens, qh = q.q_heads, kvh = q.kv_heads, head_dim = q.head_dim;
+    if (tokens < 0 || qh < 0 || kvh < 0 || q.max_pos < 0)
       return shape_mismatch("rope: tokens, head counts and max_pos must be non-negative");
     if (qh + kvh > k_max_heads) return shape_mismatch("rope: more than 65536 heads per token");
     if (head_dim != *params.get_int("head_dim"))
       return shape_mismatch("rope: kernel is for head_dim " + std::to_string(*params.get_int("head_dim")) +
                             ", tensors have " + std::to_string(head_dim));
-    const auto layout = p.dims[k_rope_layout];
+    const auto layout = q.layout;
     if (layout != k_rope_neox && layout != k_rope_gptj)
       return invalid_argument("rope: layout code must be 0 (neox) or 1 (gptj)");
     if ((layout == k_rope_neox) != (*params.get_str("layout") == "neox"))
@@ -108,11 +108,12 @@ class Rope final : public Family {
       return unsupported_dtype(std::string("rope: kernel is for ") + dtype_name(*dtype) + ", tensors are " +
                                dtype_name(p.dtype));
     const auto vec = *params.get_int("vec");
+    const std::int64_t strides[4] = {q.q_stride, q.k_stride, q.q_out_stride, q.k_out_stride};
     const std::int64_t min_stride[4] = {qh * head_dim, kvh * head_dim, qh * head_dim, kvh * head_dim};
-    for (int slot = 0; slot < 4; ++slot) {
-      const auto s = stride_of(p, slot);
-      if (s < 0) return invalid_argument("rope: token strides must be non-negative integers");
-      if (tokens > 1 && s < min_stride[slot]) return shape_mismatch("rope: a token stride is shorter than a token");
+    for (int i = 0; i < 4; ++i) {
+      const auto s = strides[i];
+      if (s < 0) return invalid_argument("rope: token strides must be non-negative");
+      if (tokens > 1 && s < min_stride[i]) return shape_mismatch("rope: a token stride is shorter than a token");
       if (s % vec)
         return invalid_argument("rope: vec=" + std::to_string(vec) + " needs token strides that are multiples of vec");
     }
@@ -134,10 +135,11 @@ class Rope final : public Family {
   }
 
   Params heuristic(const Problem& p) const override {
+    const auto q = p.as<RopeProblem>();
     const auto c = rope_heuristic(p);
     return Params{{"dtype", std::string(dtype_name(p.dtype))},
-                  {"head_dim", p.dims[k_rope_head_dim]},
-                  {"layout", std::string(p.dims[k_rope_layout] == k_rope_gptj ? "gptj" : "neox")},
+                  {"head_dim", q.head_dim},
+                  {"layout", std::string(q.layout == k_rope_gptj ? "gptj" : "neox")},
                   {"vec", std::int64_t(c.vec)},
                   {"block", std::int64_t(c.block)}};
   }
@@ -160,53 +162,54 @@ class Rope final : public Family {
     std::vector<Problem> out;
     for (std::int64_t layout : {k_rope_neox, k_rope_gptj})
       for (std::int64_t head_dim : {64, 128})
-        for (std::int64_t tokens : {1, 16, 512, 4096}) {
-          Problem p;
-          p.dtype = dtype;
-          p.dims[k_rope_tokens] = tokens;
-          p.dims[k_rope_q_heads] = 32;
-          p.dims[k_rope_kv_heads] = 8;
-          p.dims[k_rope_head_dim] = head_dim;
-          p.dims[k_rope_layout] = layout;
-          p.dims[k_rope_max_pos] = 4096;
-          p.scalars[k_rope_q_stride] = p.scalars[k_rope_q_out_stride] = double(32 * head_dim);
-          p.scalars[k_rope_k_stride] = p.scalars[k_rope_k_out_stride] = double(8 * head_dim);
-          out.push_back(p);
-        }
+        for (std::int64_t tokens : {1, 16, 512, 4096})
+          out.push_back(Problem::of(dtype, 16,
+                                    RopeProblem{.tokens = tokens,
+                                                .q_heads = 32,
+                                                .kv_heads = 8,
+                                                .head_dim = head_dim,
+                                                .layout = layout,
+                                                .max_pos = 4096,
+                                                .q_stride = 32 * head_dim,
+                                                .k_stride = 8 * head_dim,
+                                                .q_out_stride = 32 * head_dim,
+                                                .k_out_stride = 8 * head_dim}));
     return out;
   }
 
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto tokens = p.dims[k_rope_tokens], d = p.dims[k_rope_head_dim];
-    auto extent = [&](int stride_slot, std::int64_t heads) {
-      return tokens == 0 ? 0 : (tokens - 1) * stride_of(p, stride_slot) + heads * d;
+    const auto q = p.as<RopeProblem>();
+    const auto tokens = q.tokens, d = q.head_dim;
+    auto extent = [&](std::int64_t stride, std::int64_t heads) {
+      return tokens == 0 ? 0 : (tokens - 1) * stride + heads * d;
     };
-    const auto qh = p.dims[k_rope_q_heads], kvh = p.dims[k_rope_kv_heads];
-    const auto table = p.dims[k_rope_max_pos] * (d / 2);
-    return {{"q", BufferRole::input, p.dtype, extent(k_rope_q_stride, qh)},
-            {"k", BufferRole::input, p.dtype, extent(k_rope_k_stride, kvh)},
+    const auto table = q.max_pos * (d / 2);
+    return {{"q", BufferRole::input, p.dtype, extent(q.q_stride, q.q_heads)},
+            {"k", BufferRole::input, p.dtype, extent(q.k_stride, q.kv_heads)},
             {"cos", BufferRole::input, DType::f32, table},
             {"sin", BufferRole::input, DType::f32, table},
-            {"position_ids", BufferRole::input, DType::i64, tokens, p.dims[k_rope_max_pos]},
-            {"q_out", BufferRole::output, p.dtype, extent(k_rope_q_out_stride, qh)},
-            {"k_out", BufferRole::output, p.dtype, extent(k_rope_k_out_stride, kvh)}};
+            {"position_ids", BufferRole::input, DType::i64, tokens, q.max_pos},
+            {"q_out", BufferRole::output, p.dtype, extent(q.q_out_stride, q.q_heads)},
+            {"k_out", BufferRole::output, p.dtype, extent(q.k_out_stride, q.kv_heads)}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<RopeProblem>();
     for (int i = 0; i < 7; ++i) out.add(b[i]);
-    out.add(static_cast<long long>(p.dims[k_rope_tokens]));
-    out.add(static_cast<int>(p.dims[k_rope_q_heads]));
-    out.add(static_cast<int>(p.dims[k_rope_kv_heads]));
-    out.add(static_cast<long long>(p.dims[k_rope_max_pos]));
-    for (int slot = 0; slot < 4; ++slot) out.add(static_cast<long long>(stride_of(p, slot)));
+    out.add(static_cast<long long>(q.tokens));
+    out.add(static_cast<int>(q.q_heads));
+    out.add(static_cast<int>(q.kv_heads));
+    out.add(static_cast<long long>(q.max_pos));
+    for (std::int64_t s : {q.q_stride, q.k_stride, q.q_out_stride, q.k_out_stride}) out.add(static_cast<long long>(s));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 7)
       return invalid_argument("rope: reference takes 7 buffers (q, k, cos, sin, position_ids, q_out, k_out)");
-    const auto tokens = p.dims[k_rope_tokens], d = p.dims[k_rope_head_dim], max_pos = p.dims[k_rope_max_pos];
+    const auto q = p.as<RopeProblem>();
+    const auto tokens = q.tokens, d = q.head_dim, max_pos = q.max_pos;
     const auto half = d / 2;
-    const bool neox = p.dims[k_rope_layout] == k_rope_neox;
+    const bool neox = q.layout == k_rope_neox;
     const auto* pos_ids = static_cast<const std::int64_t*>(b[4]);
     struct Operand {
       const void* in;
@@ -214,8 +217,7 @@ class Rope final : public Family {
       std::int64_t heads, in_stride, out_stride;
     };
     const Operand ops[2] = {
-        {b[0], b[5], p.dims[k_rope_q_heads], stride_of(p, k_rope_q_stride), stride_of(p, k_rope_q_out_stride)},
-        {b[1], b[6], p.dims[k_rope_kv_heads], stride_of(p, k_rope_k_stride), stride_of(p, k_rope_k_out_stride)}};
+        {b[0], b[5], q.q_heads, q.q_stride, q.q_out_stride}, {b[1], b[6], q.kv_heads, q.k_stride, q.k_out_stride}};
     for (std::int64_t t = 0; t < tokens; ++t) {
       const std::int64_t pos = pos_ids[t];
       const bool valid = pos >= 0 && pos < max_pos;

@@ -8,11 +8,11 @@
 // Params: dtype {f32, f16, bf16} (q, k and the outputs), head_dim {64, 80, 96, 128, 256},
 // layout {neox, gptj}, vec {1, 2, 4, 8} rotation pairs per work item (vec * sizeof(dtype) <= 16
 // bytes), block {64, 128, 256, 512} threads.
-// Problem: dims = {tokens, q_heads, kv_heads, head_dim, layout (0 neox, 1 gptj), max_pos};
-// scalars = {q_stride, k_stride, q_out_stride, k_out_stride}: token strides in elements, integers
-// held as doubles. The strides are per-call values the kernel reads; what they imply for the
-// variant (their alignment) is in Problem::alignment, so they never pick a different kernel and
-// stay out of the fast path's shape key.
+// Problem (RopeProblem): keys tokens (bucketed), q_heads, kv_heads, head_dim, layout, max_pos;
+// values q_stride, k_stride, q_out_stride, k_out_stride, the token strides in elements. The
+// strides are per-call values the kernel reads; what they imply for the variant (their alignment)
+// is in Problem::alignment, so they never pick a different kernel and stay out of the fast path's
+// shape key.
 // Buffers: q, k, cos, sin, position_ids (inputs), q_out, k_out (outputs); q_out and k_out may be q
 // and k themselves (in place).
 //
@@ -32,9 +32,20 @@
 
 namespace kiln::families {
 
-enum RopeDim { k_rope_tokens = 0, k_rope_q_heads = 1, k_rope_kv_heads = 2, k_rope_head_dim = 3, k_rope_layout = 4,
-               k_rope_max_pos = 5 };
-enum RopeScalar { k_rope_q_stride = 0, k_rope_k_stride = 1, k_rope_q_out_stride = 2, k_rope_k_out_stride = 3 };
+// The rope problem. Keys: they pick the variant and make up the tuning signature.
+// Values: per-call token strides, which only the checks, the arguments and the buffer sizes read.
+struct RopeProblem {
+  std::int64_t tokens = 0;        // key, bucketed: tokens to rotate
+  std::int64_t q_heads = 0;       // key: query heads per token
+  std::int64_t kv_heads = 0;      // key: key heads per token
+  std::int64_t head_dim = 0;      // key: elements per head
+  std::int64_t layout = 0;        // key: RopeLayoutCode (0 neox, 1 gptj)
+  std::int64_t max_pos = 0;       // key: rows of cos and sin; position ids lie in [0, max_pos)
+  std::int64_t q_stride = 0;      // value: elements between two tokens of q
+  std::int64_t k_stride = 0;      // value: elements between two tokens of k
+  std::int64_t q_out_stride = 0;  // value: elements between two tokens of q_out
+  std::int64_t k_out_stride = 0;  // value: elements between two tokens of k_out
+};
 enum RopeLayoutCode : std::int64_t { k_rope_neox = 0, k_rope_gptj = 1 };
 
 struct RopeChoice {

@@ -72,12 +72,14 @@ int run(Context& ctx) {
     const std::int64_t check_rows = std::min<std::int64_t>(tokens, 64);
     std::vector<unsigned char> got(out_bytes), want(check_rows * d * 2);
     outs[0]->download(got.data());
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {check_rows, d, 2 * d, d,
-              act == Activation::silu ? families::k_am_silu
-              : act == Activation::gelu ? families::k_am_gelu
-                                        : families::k_am_gelu_tanh};
+    families::ActAndMulProblem ap{.rows = check_rows,
+                                  .d = d,
+                                  .x_row_stride = 2 * d,
+                                  .out_row_stride = d,
+                                  .activation = act == Activation::silu   ? families::k_am_silu
+                                                : act == Activation::gelu ? families::k_am_gelu
+                                                                          : families::k_am_gelu_tanh};
+    const Problem p = Problem::of(DType::bf16, 16, ap);
     void* refb[2] = {hx.data(), want.data()};
     check(f.cpu_reference(f.heuristic(p), p, refb), "reference");
     const double err = rel_l2(got.data(), want.data(), DType::bf16, check_rows * d);
@@ -91,8 +93,8 @@ int run(Context& ctx) {
     }
     const double ms = time_events(call, 10, ctx.quick ? 30 : 100);
     const double gbs = double(3 * out_bytes) / (ms * 1e-3) / 1e9;
-    Problem hp = p;
-    hp.dims[families::k_am_rows] = tokens;
+    ap.rows = tokens;
+    const Problem hp = Problem::of(DType::bf16, 16, ap);
     const Params chosen = f.heuristic(hp);
     std::printf("%8lld %6lld %10s %10.2f %10.1f %7.1f%% %9.2e %32s\n", (long long)tokens, (long long)d, act_name(act),
                 ms * 1e3, gbs, 100 * gbs / ctx.copy_gbs, err, chosen.canonical().c_str());

@@ -31,7 +31,7 @@ struct Case {
   }
 };
 
-std::int64_t act_dim(Activation a) {
+std::int64_t act_code(Activation a) {
   return a == Activation::silu ? families::k_am_silu : a == Activation::gelu ? families::k_am_gelu
                                                                              : families::k_am_gelu_tanh;
 }
@@ -75,9 +75,12 @@ void check_case(const Case& c, std::mt19937& rng, unsigned seed, Launch&& run,
   std::vector<unsigned char> got(c.in_place ? hx.size() : out_elems * es);
   (c.in_place ? dx : dout).download(got.data());
   std::vector<unsigned char> want = c.in_place ? hx : std::vector<unsigned char>(got.size(), 0xFF);
-  Problem p;
-  p.dtype = c.dtype;
-  p.dims = {c.rows, c.d, c.x_stride(), c.out_stride(), act_dim(c.act)};
+  const Problem p = Problem::of(c.dtype, 16,
+                                families::ActAndMulProblem{.rows = c.rows,
+                                                           .d = c.d,
+                                                           .x_row_stride = c.x_stride(),
+                                                           .out_row_stride = c.out_stride(),
+                                                           .activation = act_code(c.act)});
   void* bufs[2] = {(c.in_place ? want.data() : hx.data()) + c.offset * es, want.data() + c.offset * es};
   const Family& f = *Registry::global().find("act_and_mul");
   ASSERT_TRUE(f.cpu_reference(f.heuristic(p), p, bufs).ok());
@@ -182,10 +185,12 @@ TEST_F(ActAndMulGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
     for (bool in_place : {false, true}) {
       Case c{t, a, 13, 8 * 173, 2 * 8 * 173 + 8, 8 * 173 + 16, 0, in_place};
       check_case(c, rng_, seed_, [&](void* x, void* out) {
-        Problem p;
-        p.dtype = t;
-        p.alignment = 16;
-        p.dims = {c.rows, c.d, c.x_stride(), c.out_stride(), act_dim(a)};
+        const Problem p = Problem::of(t, 16,
+                                      families::ActAndMulProblem{.rows = c.rows,
+                                                                 .d = c.d,
+                                                                 .x_row_stride = c.x_stride(),
+                                                                 .out_row_stride = c.out_stride(),
+                                                                 .activation = act_code(a)});
         void* b[2] = {x, out};
         Status s = rt_->launch(**k, p, b, stream);
         if (s.ok()) {

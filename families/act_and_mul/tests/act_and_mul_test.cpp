@@ -21,15 +21,12 @@ const Family& fam() { return *Registry::global().find("act_and_mul"); }
 
 Problem problem(DType t, std::int64_t rows, std::int64_t d, int act = k_am_silu, std::int64_t xs = 0,
                 std::int64_t os = 0, std::uint32_t align = 16) {
-  Problem p;
-  p.dtype = t;
-  p.alignment = align;
-  p.dims[k_am_rows] = rows;
-  p.dims[k_am_d] = d;
-  p.dims[k_am_x_stride] = xs ? xs : 2 * d;
-  p.dims[k_am_out_stride] = os ? os : d;
-  p.dims[k_am_act] = act;
-  return p;
+  return Problem::of(t, align,
+                     ActAndMulProblem{.rows = rows,
+                                      .d = d,
+                                      .x_row_stride = xs ? xs : 2 * d,
+                                      .out_row_stride = os ? os : d,
+                                      .activation = act});
 }
 
 Params variant(const char* act, const char* dtype, std::int64_t block, std::int64_t vec) {

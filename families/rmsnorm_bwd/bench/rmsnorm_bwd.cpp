@@ -86,16 +86,18 @@ int run(Context& ctx) {
     std::vector<unsigned char> want_dx(got_dx.size()), want_dw(got_dw.size());
     check(ctx.driver->memcpy_dtoh(got_dx.data(), dxs[0]->ptr, got_dx.size()), "download dx");
     dw.download(got_dw.data());
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {check_rows, hidden, hidden, hidden, hidden, 1, 1};
+    const Problem p = Problem::of(DType::bf16, 16,
+                                  families::RmsNormBwdProblem{.rows = check_rows,
+                                                              .cols = hidden,
+                                                              .dy_row_stride = hidden,
+                                                              .x_row_stride = hidden,
+                                                              .dx_row_stride = hidden,
+                                                              .slabs = 1,
+                                                              .max_cluster = 1});
     std::vector<float> partial(static_cast<std::size_t>(hidden));
     void* refb[6] = {hdy.data(), hx.data(), hw.data(), const_cast<float*>(hinv.data()), want_dx.data(), partial.data()};
     check(bwd.cpu_reference(bwd.heuristic(p), p, refb), "reference");
-    Problem pr;
-    pr.dtype = DType::bf16;
-    pr.dims[families::k_red_slabs] = 1;
-    pr.dims[families::k_red_cols] = hidden;
+    const Problem pr = Problem::of(DType::bf16, 16, families::RmsNormBwdReduceProblem{.slabs = 1, .cols = hidden});
     void* refr[2] = {partial.data(), want_dw.data()};
     check(red.cpu_reference(red.heuristic(pr), pr, refr), "reference");
     const double dx_err = rel_l2(got_dx.data(), want_dx.data(), DType::bf16, check_rows * hidden);
@@ -115,14 +117,19 @@ int run(Context& ctx) {
 
     const double ms = time_events(call, 10, ctx.quick ? 30 : 100);
     const double gbs = double(3 * bytes + hidden * 2 + tokens * 4) / (ms * 1e-3) / 1e9;
-    Problem hp;
-    hp.dtype = DType::bf16;
-    hp.dims = {tokens, hidden, hidden, hidden, hidden, 0, major >= 9 ? 8 : 1};
+    const Problem hp = Problem::of(DType::bf16, 16,
+                                   families::RmsNormBwdProblem{.rows = tokens,
+                                                               .cols = hidden,
+                                                               .dy_row_stride = hidden,
+                                                               .x_row_stride = hidden,
+                                                               .dx_row_stride = hidden,
+                                                               .max_cluster = major >= 9 ? 8 : 1});
     // As the op counts them: clustered kernels take one slab per cluster resident at once.
     auto resident = client::rmsnorm_bwd_resident_clusters(*ctx.runtime, bwd, bwd.heuristic(hp), hp);
     check(resident.status(), "resident clusters");
-    hp.dims[families::k_bwd_slabs] = families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_heuristic(hp), hp, sms, *resident);
-    const std::string variant = bwd.heuristic(hp).canonical() + ",slabs=" + std::to_string(hp.dims[families::k_bwd_slabs]);
+    const std::int64_t slabs =
+        families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_heuristic(hp), hp, sms, *resident);
+    const std::string variant = bwd.heuristic(hp).canonical() + ",slabs=" + std::to_string(slabs);
     std::printf("%8lld %7lld %10.2f %10.1f %7.1f%% %9.2e %9.2e  %s\n", (long long)tokens, (long long)hidden, ms * 1e3,
                 gbs, 100 * gbs / ctx.copy_gbs, dx_err, dw_err, variant.c_str());
     rows.push_back({{"tokens", tokens}, {"hidden", hidden}, {"median_us", ms * 1e3}, {"gbs", gbs},

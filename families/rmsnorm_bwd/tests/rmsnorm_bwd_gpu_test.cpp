@@ -50,18 +50,20 @@ Data make_data(const Case& c, std::mt19937& rng) {
   const auto es = dtype_size(c.dtype);
   d.want_dx.assign(std::size_t(elems) * es, 0xFF);
   d.want_dw.assign(std::size_t(c.cols) * es, 0xFF);
-  Problem p;
-  p.dtype = c.dtype;
-  p.dims = {c.rows, c.cols, c.stride, c.stride, c.stride, 1, 1};
+  const Problem p = Problem::of(c.dtype, 16,
+                                families::RmsNormBwdProblem{.rows = c.rows,
+                                                            .cols = c.cols,
+                                                            .dy_row_stride = c.stride,
+                                                            .x_row_stride = c.stride,
+                                                            .dx_row_stride = c.stride,
+                                                            .slabs = 1,
+                                                            .max_cluster = 1});
   std::vector<float> partial(std::size_t(c.cols));
   void* b[6] = {d.dy.data() + c.offset * es, d.x.data() + c.offset * es, d.w.data() + c.offset * es,
                 d.inv_rms.data(), d.want_dx.data() + c.offset * es, partial.data()};
   const Family& bwd = *Registry::global().find("rmsnorm_bwd");
   EXPECT_TRUE(bwd.cpu_reference(bwd.heuristic(p), p, b).ok());
-  Problem pr;
-  pr.dtype = c.dtype;
-  pr.dims[families::k_red_slabs] = 1;
-  pr.dims[families::k_red_cols] = c.cols;
+  const Problem pr = Problem::of(c.dtype, 16, families::RmsNormBwdReduceProblem{.slabs = 1, .cols = c.cols});
   void* r[2] = {partial.data(), d.want_dw.data()};
   const Family& red = *Registry::global().find("rmsnorm_bwd_reduce");
   EXPECT_TRUE(red.cpu_reference(red.heuristic(pr), pr, r).ok());
@@ -320,16 +322,17 @@ TEST_F(RmsNormBwdGpu, EveryCatalogVariantMatches) {
       auto e = check_case(c, rng_, [&](void* dy, void* x, void* w, void* inv, void* dx, void* dw) {
         const std::int64_t slabs = 5;
         DeviceBuffer ws(std::size_t(slabs * cols) * 4);
-        Problem p;
-        p.dtype = t;
-        p.alignment = 16;
-        p.dims = {c.rows, cols, stride, stride, stride, slabs, clusters};
+        const Problem p = Problem::of(t, 16,
+                                      families::RmsNormBwdProblem{.rows = c.rows,
+                                                                  .cols = cols,
+                                                                  .dy_row_stride = stride,
+                                                                  .x_row_stride = stride,
+                                                                  .dx_row_stride = stride,
+                                                                  .slabs = slabs,
+                                                                  .max_cluster = clusters});
         void* b[6] = {dy, x, w, inv, dx, ws.get()};
         KILN_TRY(rt_->launch(**k, p, b, nullptr));
-        Problem pr;
-        pr.dtype = t;
-        pr.dims[families::k_red_slabs] = slabs;
-        pr.dims[families::k_red_cols] = cols;
+        const Problem pr = Problem::of(t, 16, families::RmsNormBwdReduceProblem{.slabs = slabs, .cols = cols});
         auto rk = rt_->kernel(KernelSpec{"rmsnorm_bwd_reduce", red.heuristic(pr)});
         KILN_TRY(rk.status());
         void* r[2] = {ws.get(), dw};
@@ -350,10 +353,7 @@ TEST_F(RmsNormBwdGpu, EveryCatalogVariantMatches) {
       DeviceBuffer dp(hp.size()), ddw(std::size_t(cols) * dtype_size(t));
       dp.upload(hp.data());
       ddw.poison();
-      Problem pr;
-      pr.dtype = t;
-      pr.dims[families::k_red_slabs] = slabs;
-      pr.dims[families::k_red_cols] = cols;
+      const Problem pr = Problem::of(t, 16, families::RmsNormBwdReduceProblem{.slabs = slabs, .cols = cols});
       void* r[2] = {dp.get(), ddw.get()};
       ASSERT_TRUE(rt_->launch(**k, pr, r, nullptr).ok());
       ASSERT_EQ(d->ctx_synchronize(), CUDA_SUCCESS);

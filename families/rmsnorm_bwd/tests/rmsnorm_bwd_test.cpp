@@ -23,15 +23,27 @@ const Family& reduce() { return *Registry::global().find("rmsnorm_bwd_reduce"); 
 
 Problem problem(DType t, std::int64_t rows, std::int64_t cols, std::int64_t slabs = 1, std::int64_t max_cluster = 1,
                 std::int64_t stride = 0, std::uint32_t align = 16) {
-  Problem p;
-  p.dtype = t;
-  p.alignment = align;
-  p.dims[k_bwd_rows] = rows;
-  p.dims[k_bwd_cols] = cols;
-  p.dims[k_bwd_dy_stride] = p.dims[k_bwd_x_stride] = p.dims[k_bwd_dx_stride] = stride ? stride : cols;
-  p.dims[k_bwd_slabs] = slabs;
-  p.dims[k_bwd_max_cluster] = max_cluster;
+  if (!stride) stride = cols;
+  return Problem::of(t, align,
+                     RmsNormBwdProblem{.rows = rows,
+                                       .cols = cols,
+                                       .dy_row_stride = stride,
+                                       .x_row_stride = stride,
+                                       .dx_row_stride = stride,
+                                       .slabs = slabs,
+                                       .max_cluster = max_cluster});
+}
+
+// `p` with its slab count set to `slabs`.
+Problem with_slabs(Problem p, std::int64_t slabs) {
+  auto q = p.as<RmsNormBwdProblem>();
+  q.slabs = slabs;
+  p.set(q);
   return p;
+}
+
+Problem reduce_problem(DType t, std::int64_t slabs, std::int64_t cols) {
+  return Problem::of(t, 16, RmsNormBwdReduceProblem{.slabs = slabs, .cols = cols});
 }
 
 Params bwd_params(const char* dtype, std::int64_t group, std::int64_t rows, std::int64_t vec, std::int64_t packs,
@@ -95,8 +107,9 @@ TEST(RmsNormBwd, SchemaRejectsBadCombinations) {
   EXPECT_FALSE(reduce().validate(reduce_params("bf16", 64)).ok());
   EXPECT_FALSE(reduce().validate(reduce_params("bf16", 256, 4)).ok());
   EXPECT_FALSE(reduce().validate(Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}}).ok());
-  EXPECT_EQ(bwd().problem_dims().size(), 7u);
-  EXPECT_TRUE(bwd().problem_scalars().empty());
+  EXPECT_EQ(bwd().problem_fields().size(), 7u);
+  for (const ProblemField& f : bwd().problem_fields()) EXPECT_TRUE(f.key) << f.name;
+  EXPECT_EQ(reduce().problem_fields().size(), 2u);
 }
 
 TEST(RmsNormBwd, ReferenceMatchesHandComputedRow) {
@@ -173,15 +186,12 @@ TEST(RmsNormBwd, ReferenceSlabsPartitionRowsAndTheReductionSumsThem) {
   EXPECT_FLOAT_EQ(bf16_to_float(dx[0]), 0.0f);
   EXPECT_FLOAT_EQ(bf16_to_float(dx[4]), -3.0f);
 
-  Problem pr;
-  pr.dtype = DType::bf16;
-  pr.dims[k_red_slabs] = 2;
-  pr.dims[k_red_cols] = cols;
+  Problem pr = reduce_problem(DType::bf16, 2, cols);
   std::vector<std::uint16_t> dw(cols, 0xBEEF);
   void* r[2] = {partial.data(), dw.data()};
   ASSERT_TRUE(reduce().cpu_reference(reduce().heuristic(pr), pr, r).ok());
   for (auto v : dw) EXPECT_FLOAT_EQ(bf16_to_float(v), 15.0f);
-  pr.dims[k_red_slabs] = 0;  // no rows: dw = 0
+  pr = reduce_problem(DType::bf16, 0, cols);  // no rows: dw = 0
   ASSERT_TRUE(reduce().cpu_reference(reduce().heuristic(pr), pr, r).ok());
   for (auto v : dw) EXPECT_EQ(v, 0);
 }
@@ -252,7 +262,7 @@ TEST(RmsNormBwd, HeuristicFollowsItsRules) {
         for (DType t : {DType::f32, DType::f16, DType::bf16}) {
           Problem p = problem(t, rows, cols, 1, max_cluster);
           const auto c = rmsnorm_bwd_heuristic(p);
-          p.dims[k_bwd_slabs] = rmsnorm_bwd_slabs(c, p, 132);
+          p = with_slabs(p, rmsnorm_bwd_slabs(c, p, 132));
           const Params params = bwd().heuristic(p);
           EXPECT_TRUE(bwd().validate(params).ok()) << params.canonical();
           EXPECT_TRUE(bwd().check_problem(params, p).ok()) << rows << "x" << cols << " " << params.canonical() << ": "
@@ -322,13 +332,10 @@ TEST(RmsNormBwd, CheckProblemRejectsMismatches) {
   EXPECT_EQ(bwd().check_problem(bwd_params("bf16", 128, 2, 8, 1, 1), problem(DType::bf16, 8, 4096, 4)).code(),
             Code::invalid_argument);
   EXPECT_TRUE(bwd().check_problem(bwd_params("bf16", 128, 2, 8, 1, 1), problem(DType::bf16, 8, 1024, 4)).ok());
-  Problem pr;
-  pr.dtype = DType::f16;
-  pr.dims[k_red_slabs] = 4;
-  pr.dims[k_red_cols] = 0;
+  Problem pr = reduce_problem(DType::f16, 4, 0);
   const Params r = reduce_params("f16", 256);
   EXPECT_EQ(reduce().check_problem(r, pr).code(), Code::shape_mismatch);
-  pr.dims[k_red_cols] = 100;
+  pr = reduce_problem(DType::f16, 4, 100);
   EXPECT_TRUE(reduce().check_problem(r, pr).ok());
   pr.dtype = DType::f32;
   EXPECT_EQ(reduce().check_problem(r, pr).code(), Code::unsupported_dtype);
@@ -357,10 +364,7 @@ TEST(RmsNormBwd, GeometryBuffersAndArgs) {
   EXPECT_EQ(*static_cast<long long*>(args.pointers()[8]), 128);
   EXPECT_EQ(*static_cast<long long*>(args.pointers()[11]), 3);
 
-  Problem pr;
-  pr.dtype = DType::bf16;
-  pr.dims[k_red_slabs] = 3;
-  pr.dims[k_red_cols] = 100;
+  Problem pr = reduce_problem(DType::bf16, 3, 100);
   const Params r = reduce().heuristic(pr);
   EXPECT_EQ(*r.get_int("block"), 128);
   EXPECT_EQ(*r.get_int("columns"), 8);  // 100 columns: as many blocks as there can be
@@ -373,11 +377,9 @@ TEST(RmsNormBwd, GeometryBuffersAndArgs) {
   // through); the first stage waits for nothing and must not.
   EXPECT_TRUE(reduce().programmatic_launch());
   EXPECT_FALSE(bwd().programmatic_launch());
-  pr.dims[k_red_cols] = 16384;  // 32 columns still give 512 blocks
-  EXPECT_EQ(*reduce().heuristic(pr).get_int("columns"), 32);
-  pr.dims[k_red_cols] = 4096;
-  EXPECT_EQ(*reduce().heuristic(pr).get_int("columns"), 16);
-  pr.dims[k_red_cols] = 100;
+  EXPECT_EQ(*reduce().heuristic(reduce_problem(DType::bf16, 3, 16384)).get_int("columns"),
+            32);  // 32 columns still give 512 blocks
+  EXPECT_EQ(*reduce().heuristic(reduce_problem(DType::bf16, 3, 4096)).get_int("columns"), 16);
   ArgPack ra;
   reduce().pack_args(r, pr, std::span<void* const>(bufs, 2), ra);
   ASSERT_EQ(ra.count(), 4u);

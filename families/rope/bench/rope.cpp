@@ -98,10 +98,18 @@ int run(Context& ctx) {
         want_k(check_tokens * k_kv_heads * d * 2);
     qos[0]->download(got_q.data());
     kos[0]->download(got_k.data());
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {check_tokens, k_q_heads, k_kv_heads, d, sh.layout == RopeLayout::neox ? 0 : 1, max_pos, 0, 0};
-    p.scalars = {double(k_q_heads * d), double(k_kv_heads * d), double(k_q_heads * d), double(k_kv_heads * d)};
+    const families::RopeProblem rp{.tokens = check_tokens,
+                                   .q_heads = k_q_heads,
+                                   .kv_heads = k_kv_heads,
+                                   .head_dim = d,
+                                   .layout = sh.layout == RopeLayout::neox ? families::k_rope_neox
+                                                                           : families::k_rope_gptj,
+                                   .max_pos = max_pos,
+                                   .q_stride = k_q_heads * d,
+                                   .k_stride = k_kv_heads * d,
+                                   .q_out_stride = k_q_heads * d,
+                                   .k_out_stride = k_kv_heads * d};
+    const Problem p = Problem::of(DType::bf16, 16, rp);
     void* refb[7] = {hq.data(), hk.data(), hcos.data(), hsin.data(), hpos.data(), want_q.data(), want_k.data()};
     check(f.cpu_reference(f.heuristic(p), p, refb), "reference");
     const double err = std::max(rel_l2(got_q.data(), want_q.data(), DType::bf16, check_tokens * k_q_heads * d),
@@ -120,9 +128,9 @@ int run(Context& ctx) {
     const double ms = time_events(call, 10, ctx.quick ? 30 : 100);
     const double bytes = 2.0 * double(qk_bytes) + double(tokens) * double(2 * half * 4 + 8);
     const double gbs = bytes / (ms * 1e-3) / 1e9;
-    Problem hp = p;
-    hp.dims[families::k_rope_tokens] = tokens;
-    hp.alignment = 16;
+    families::RopeProblem hrp = rp;
+    hrp.tokens = tokens;
+    const Problem hp = Problem::of(DType::bf16, 16, hrp);
     const Params chosen = f.heuristic(hp);
     std::printf("%8lld %4lld %6s %10.2f %10.1f %7.1f%% %9.2e %36s\n", (long long)tokens, (long long)d, layout, ms * 1e3,
                 gbs, 100 * gbs / ctx.copy_gbs, err, chosen.canonical().c_str());

@@ -34,6 +34,22 @@ std::string describe(const Case& c) {
          " off " + std::to_string(c.offset);
 }
 
+// The family's problem for a case whose strides are filled in (16-byte aligned).
+Problem rope_problem(const Case& c) {
+  return Problem::of(c.dtype, 16,
+                     families::RopeProblem{.tokens = c.tokens,
+                                           .q_heads = c.qh,
+                                           .kv_heads = c.kvh,
+                                           .head_dim = c.d,
+                                           .layout = c.layout == RopeLayout::neox ? families::k_rope_neox
+                                                                                  : families::k_rope_gptj,
+                                           .max_pos = c.max_pos,
+                                           .q_stride = c.q_stride,
+                                           .k_stride = c.k_stride,
+                                           .q_out_stride = c.q_out_stride,
+                                           .k_out_stride = c.k_out_stride});
+}
+
 std::int64_t extent(std::int64_t tokens, std::int64_t stride, std::int64_t row) {
   return tokens == 0 ? 0 : (tokens - 1) * stride + row;
 }
@@ -90,18 +106,7 @@ double check_case(Case c, std::mt19937& rng, Launch&& launch, std::vector<std::i
   // The reference on host copies with the same strides (in place: the outputs are the inputs).
   std::vector<unsigned char> wq = c.in_place ? hq : std::vector<unsigned char>(gq.size(), 0xFF);
   std::vector<unsigned char> wk = c.in_place ? hk : std::vector<unsigned char>(gk.size(), 0xFF);
-  Problem p;
-  p.dtype = c.dtype;
-  p.dims[families::k_rope_tokens] = c.tokens;
-  p.dims[families::k_rope_q_heads] = c.qh;
-  p.dims[families::k_rope_kv_heads] = c.kvh;
-  p.dims[families::k_rope_head_dim] = c.d;
-  p.dims[families::k_rope_layout] = c.layout == RopeLayout::neox ? families::k_rope_neox : families::k_rope_gptj;
-  p.dims[families::k_rope_max_pos] = c.max_pos;
-  p.scalars[families::k_rope_q_stride] = double(c.q_stride);
-  p.scalars[families::k_rope_k_stride] = double(c.k_stride);
-  p.scalars[families::k_rope_q_out_stride] = double(c.q_out_stride);
-  p.scalars[families::k_rope_k_out_stride] = double(c.k_out_stride);
+  const Problem p = rope_problem(c);
   void* ref[7] = {(c.in_place ? wq.data() : hq.data()) + c.offset * es,
                   (c.in_place ? wk.data() : hk.data()) + c.offset * es,
                   hcos.data(),
@@ -239,10 +244,17 @@ TEST_F(RopeGpu, FusedQkvInPlaceLeavesVAlone) {
   std::vector<unsigned char> got(host.size());
   qkv.download(got.data());
   std::vector<unsigned char> want = host;
-  Problem p;
-  p.dtype = DType::bf16;
-  p.dims = {tokens, qh, kvh, d, families::k_rope_neox, 32, 0, 0};
-  p.scalars = {double(row), double(row), double(row), double(row)};
+  const Problem p = Problem::of(DType::bf16, 16,
+                                families::RopeProblem{.tokens = tokens,
+                                                      .q_heads = qh,
+                                                      .kv_heads = kvh,
+                                                      .head_dim = d,
+                                                      .layout = families::k_rope_neox,
+                                                      .max_pos = 32,
+                                                      .q_stride = row,
+                                                      .k_stride = row,
+                                                      .q_out_stride = row,
+                                                      .k_out_stride = row});
   auto* w = reinterpret_cast<std::uint16_t*>(want.data());
   void* ref[7] = {w, w + qh * d, cos.data(), sin.data(), pos.data(), w, w + qh * d};
   const Family& f = *Registry::global().find("rope");
@@ -274,11 +286,7 @@ TEST_F(RopeGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
     ASSERT_TRUE(k.ok()) << k.status().to_string();
     Case c{t, 300, 5, 3, hd, layout};  // more items than one block of either size
     const double err = check_case(c, rng_, [&](const Case& cc, void* const* b) {
-      Problem p;
-      p.dtype = t;
-      p.alignment = 16;
-      p.dims = {cc.tokens, cc.qh, cc.kvh, cc.d, layout == RopeLayout::neox ? 0 : 1, cc.max_pos, 0, 0};
-      p.scalars = {double(cc.q_stride), double(cc.k_stride), double(cc.q_out_stride), double(cc.k_out_stride)};
+      const Problem p = rope_problem(cc);
       Status s = rt_->launch(**k, p, std::span<void* const>(b, 7), stream);
       if (s.ok()) {
         EXPECT_EQ(d->stream_synchronize(stream), CUDA_SUCCESS);

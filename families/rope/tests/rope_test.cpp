@@ -23,18 +23,17 @@ const Family& rope() { return *Registry::global().find("rope"); }
 
 Problem problem(DType t, std::int64_t tokens, std::int64_t qh, std::int64_t kvh, std::int64_t d, bool neox = true,
                 std::int64_t max_pos = 16, std::uint32_t align = 16) {
-  Problem p;
-  p.dtype = t;
-  p.alignment = align;
-  p.dims[k_rope_tokens] = tokens;
-  p.dims[k_rope_q_heads] = qh;
-  p.dims[k_rope_kv_heads] = kvh;
-  p.dims[k_rope_head_dim] = d;
-  p.dims[k_rope_layout] = neox ? k_rope_neox : k_rope_gptj;
-  p.dims[k_rope_max_pos] = max_pos;
-  p.scalars[k_rope_q_stride] = p.scalars[k_rope_q_out_stride] = double(qh * d);
-  p.scalars[k_rope_k_stride] = p.scalars[k_rope_k_out_stride] = double(kvh * d);
-  return p;
+  return Problem::of(t, align,
+                     RopeProblem{.tokens = tokens,
+                                 .q_heads = qh,
+                                 .kv_heads = kvh,
+                                 .head_dim = d,
+                                 .layout = neox ? k_rope_neox : k_rope_gptj,
+                                 .max_pos = max_pos,
+                                 .q_stride = qh * d,
+                                 .k_stride = kvh * d,
+                                 .q_out_stride = qh * d,
+                                 .k_out_stride = kvh * d});
 }
 
 // Host tensors for one f32 problem: q, k, cos, sin [max_pos, d/2], position ids, outputs.
@@ -133,8 +132,9 @@ TEST(Rope, ReferenceHonoursStridesInPlaceAndHalfTypes) {
   std::vector<float> cos(4 * 32, 0.f), sin(4 * 32, 1.f);
   std::vector<std::int64_t> pos = {3, 1, 0};
   Problem p = problem(DType::bf16, t, 2, 1, d, true, 4);
-  for (int s : {k_rope_q_stride, k_rope_k_stride, k_rope_q_out_stride, k_rope_k_out_stride})
-    p.scalars[s] = double(stride);
+  auto rq = p.as<RopeProblem>();
+  rq.q_stride = rq.k_stride = rq.q_out_stride = rq.k_out_stride = stride;
+  p.set(rq);
   std::uint16_t* q = qkv.data();
   std::uint16_t* k = qkv.data() + 2 * d;
   void* b[7] = {q, k, cos.data(), sin.data(), pos.data(), q, k};
@@ -192,17 +192,21 @@ TEST(Rope, CheckProblemRejectsMismatches) {
   EXPECT_EQ(rope().check_problem(bf16, problem(DType::bf16, 4, 8, 2, 64)).code(), Code::shape_mismatch);
   EXPECT_EQ(rope().check_problem(bf16, problem(DType::bf16, 4, 8, 2, 128, false)).code(), Code::invalid_argument);
   EXPECT_EQ(rope().check_problem(bf16, problem(DType::bf16, 4, 8, 2, 128, true, 16, 8)).code(), Code::invalid_argument);
-  Problem p = problem(DType::bf16, 4, 8, 2, 128);
-  p.scalars[k_rope_k_out_stride] = 128;  // shorter than two heads
-  EXPECT_EQ(rope().check_problem(bf16, p).code(), Code::shape_mismatch);
-  p = problem(DType::bf16, 4, 8, 2, 128);
-  p.scalars[k_rope_q_stride] = 8 * 128 + 4;  // not a multiple of vec
-  EXPECT_EQ(rope().check_problem(bf16, p).code(), Code::invalid_argument);
-  p.scalars[k_rope_q_stride] = 1.5;
-  EXPECT_EQ(rope().check_problem(bf16, p).code(), Code::invalid_argument);
-  p = problem(DType::bf16, 4, 8, 2, 128);
-  p.dims[k_rope_layout] = 7;
-  EXPECT_EQ(rope().check_problem(bf16, p).code(), Code::invalid_argument);
+  // Checks one field changed from a good bf16 problem.
+  auto with = [](auto change) {
+    Problem p = problem(DType::bf16, 4, 8, 2, 128);
+    auto q = p.as<RopeProblem>();
+    change(q);
+    p.set(q);
+    return p;
+  };
+  EXPECT_EQ(rope().check_problem(bf16, with([](RopeProblem& q) { q.k_out_stride = 128; })).code(),
+            Code::shape_mismatch);  // shorter than two heads
+  EXPECT_EQ(rope().check_problem(bf16, with([](RopeProblem& q) { q.q_stride = 8 * 128 + 4; })).code(),
+            Code::invalid_argument);  // not a multiple of vec
+  EXPECT_EQ(rope().check_problem(bf16, with([](RopeProblem& q) { q.q_stride = -8; })).code(),
+            Code::invalid_argument);
+  EXPECT_EQ(rope().check_problem(bf16, with([](RopeProblem& q) { q.layout = 7; })).code(), Code::invalid_argument);
   EXPECT_EQ(rope().check_problem(bf16, problem(DType::bf16, -1, 8, 2, 128)).code(), Code::shape_mismatch);
   EXPECT_EQ(rope().check_problem(bf16, problem(DType::bf16, 4, 70000, 2, 128)).code(), Code::shape_mismatch);
 }
@@ -246,7 +250,9 @@ TEST(Rope, CatalogIsValidAndRendersDistinctNames) {
 
 TEST(Rope, ArgsPackInKernelOrder) {
   Problem p = problem(DType::bf16, 7, 4, 2, 128, true, 99);
-  p.scalars[k_rope_q_stride] = 1024;
+  auto rq = p.as<RopeProblem>();
+  rq.q_stride = 1024;
+  p.set(rq);
   ArgPack args;
   int bufs[7];
   void* b[7];
