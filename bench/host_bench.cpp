@@ -7,6 +7,7 @@
 
 #include "cache/store.h"
 #include "jit/builder.h"
+#include "families/rmsnorm/rmsnorm.h"
 #include "jit/key.h"
 #include "kiln/family.h"
 
@@ -47,10 +48,10 @@ BENCHMARK(BM_CacheHit)->Unit(benchmark::kMicrosecond);
 // the handle bound when the kernel was loaded (one call through the plugin ABI).
 void BM_FastPathPackArgs(benchmark::State& state) {
   const Family& f = *Registry::global().find("rmsnorm");
-  Problem p;
-  p.dtype = DType::bf16;
-  p.dims = {1, 4096, 4096, 4096, 132};
-  p.scalars[0] = 1e-6;
+  Problem p = Problem::of(DType::bf16, 16,
+                          families::RmsNormProblem{
+                              .rows = 1, .cols = 4096, .x_row_stride = 4096, .y_row_stride = 4096, .eps = 1e-6});
+  p.sm_count = 132;
   const Params params = f.heuristic(p);
   const void* bound = f.bind(params);
   int x, w, y;

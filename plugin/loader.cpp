@@ -76,8 +76,8 @@ bool valid_utf8_text(std::string_view s) {
 }
 
 // Family i of the descriptor's array. The array's stride is the plugin's sizeof(kiln_family), its
-// first entry's struct_size (checked by register_initialized): smaller than kiln's for a plugin
-// built before a field was appended, larger for one built against a newer header.
+// first entry's struct_size (checked by register_initialized): larger than kiln's for a plugin
+// built against a newer header of the same API version.
 const kiln_family& family_at(const kiln_plugin& desc, std::uint32_t i) {
   const std::size_t stride = desc.families[0].struct_size;
   return *reinterpret_cast<const kiln_family*>(reinterpret_cast<const char*>(desc.families) + i * stride);

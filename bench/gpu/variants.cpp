@@ -31,15 +31,8 @@ struct Case {
   Problem problem;
 };
 
-Problem rows_problem(std::int64_t tokens, std::int64_t hidden) {
-  Problem p;
-  p.dtype = DType::bf16;
-  p.dims = {tokens, hidden, hidden, hidden, hidden, hidden};
-  p.scalars[0] = 1e-6;
-  return p;
-}
-
 std::vector<Case> cases(bool quick, int sms, int cc) {
+  using namespace families;
   std::vector<Case> out;
   auto shape = [](std::int64_t t, std::int64_t h) { return std::to_string(t) + "x" + std::to_string(h); };
   std::vector<std::pair<std::int64_t, std::int64_t>> norm = {
@@ -47,19 +40,20 @@ std::vector<Case> cases(bool quick, int sms, int cc) {
       {32768, 2048}, {32768, 4096}, {32768, 5120}, {32768, 8192}, {32768, 16384}, {16, 4096}};
   if (quick) norm = {{4096, 4096}, {4096, 16384}, {4096, 65536}, {32768, 4096}};
   for (auto [t, h] : norm) {
-    // rmsnorm's dims end with the SM count and the compute capability: 0 and 0 (one block per
-    // row, no sm_90 kernel), then the device's (as the typed op passes them: variants whose rows
-    // fit half their register cache pipeline several rows per block on a capped grid, and the
-    // bulk-copy kernel joins on sm_90).
-    Problem plain = rows_problem(t, h);
-    plain.dims[families::k_sms] = 0;
-    plain.dims[families::k_cc] = 0;
+    // rmsnorm without device facts (one block per row, no sm_90 kernel), then with the device's
+    // (as the runtime fills them in: variants whose rows fit half their register cache pipeline
+    // several rows per block on a capped grid, and the bulk-copy kernel joins on sm_90).
+    const RmsNormProblem rp{.rows = t, .cols = h, .x_row_stride = h, .y_row_stride = h, .eps = 1e-6};
+    const Problem plain = Problem::of(DType::bf16, 16, rp);
     out.push_back({"rmsnorm", shape(t, h), plain});
     Problem capped = plain;
-    capped.dims[families::k_sms] = sms;
-    capped.dims[families::k_cc] = cc;
+    capped.sm_count = std::uint16_t(sms);
+    capped.cc = std::uint8_t(cc);
     out.push_back({"rmsnorm", shape(t, h) + " sms", capped});
-    out.push_back({"add_rmsnorm", shape(t, h), rows_problem(t, h)});
+    out.push_back({"add_rmsnorm", shape(t, h),
+                   Problem::of(DType::bf16, 16,
+                               AddRmsNormProblem{.rows = t, .cols = h, .x_row_stride = h, .residual_row_stride = h,
+                                                 .y_row_stride = h, .residual_out_row_stride = h, .eps = 1e-6})});
   }
   // The backward's first stage (dx and the partial dw rows; the small reduction over slabs is
   // left out). Its slab count follows each variant's block shape (see run()).
@@ -67,39 +61,35 @@ std::vector<Case> cases(bool quick, int sms, int cc) {
                                                             {32768, 16384}, {4096, 32768}, {4096, 65536}};
   if (quick) bwd = {{4096, 4096}, {32768, 16384}};
   for (auto [t, h] : bwd) {
-    Problem p;
-    p.dtype = DType::bf16;
     // Slabs as many as any variant takes (rmsnorm_bwd_slabs: at most SMs x 16), so the partial
     // rows' buffer fits every variant; run() sets each variant's own count.
-    p.dims = {t, h, h, h, h, std::min<std::int64_t>(t, std::int64_t(sms) * 16), 8};
-    out.push_back({"rmsnorm_bwd", shape(t, h), p});
+    const RmsNormBwdProblem p{.rows = t, .cols = h, .dy_row_stride = h, .x_row_stride = h, .dx_row_stride = h,
+                              .slabs = std::min<std::int64_t>(t, std::int64_t(sms) * 16), .max_cluster = 8};
+    out.push_back({"rmsnorm_bwd", shape(t, h), Problem::of(DType::bf16, 16, p)});
   }
   for (auto [t, d] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 14336}, {32768, 11008}}) {
-    Problem p;
-    p.dtype = DType::bf16;
-    p.dims = {t, d, 2 * d, d, families::k_am_silu};
-    out.push_back({"act_and_mul", shape(t, d) + " silu", p});
-    p.dims[families::k_am_act] = families::k_am_gelu;
-    out.push_back({"act_and_mul", shape(t, d) + " gelu", p});
+    ActAndMulProblem q{.rows = t, .d = d, .x_row_stride = 2 * d, .out_row_stride = d, .activation = k_am_silu};
+    out.push_back({"act_and_mul", shape(t, d) + " silu", Problem::of(DType::bf16, 16, q)});
+    q.activation = k_am_gelu;
+    out.push_back({"act_and_mul", shape(t, d) + " gelu", Problem::of(DType::bf16, 16, q)});
   }
   for (std::int64_t t : {4096, 32768})
     for (std::int64_t d : {64, 128}) {
-      Problem p;
-      p.dtype = DType::bf16;
-      p.dims = {t, 32, 8, d, 0, std::max<std::int64_t>(t, 4096), 0, 0};
-      p.scalars = {double(32 * d), double(8 * d), double(32 * d), double(8 * d)};
-      out.push_back({"rope", std::to_string(t) + " neox d" + std::to_string(d), p});
-      Problem n;
-      n.dtype = DType::bf16;
-      n.dims = {t, 4096, d, t, 4096 / d, std::int64_t(DType::bf16), 0, 0};
-      n.scalars[0] = 1e-6;
-      out.push_back({"rmsnorm_rope", std::to_string(t) + "x4096 d" + std::to_string(d), n});
+      const RopeProblem r{.tokens = t, .q_heads = 32, .kv_heads = 8, .head_dim = d, .layout = k_rope_neox,
+                          .max_pos = std::max<std::int64_t>(t, 4096), .q_stride = 32 * d, .k_stride = 8 * d,
+                          .q_out_stride = 32 * d, .k_out_stride = 8 * d};
+      out.push_back({"rope", std::to_string(t) + " neox d" + std::to_string(d), Problem::of(DType::bf16, 16, r)});
+      const RmsNormRopeProblem n{.rows = t, .hidden = 4096, .head_dim = d, .seq = t, .num_heads = 4096 / d,
+                                 .cos_dtype = std::int64_t(DType::bf16), .eps = 1e-6};
+      out.push_back({"rmsnorm_rope", std::to_string(t) + "x4096 d" + std::to_string(d), Problem::of(DType::bf16, 16, n)});
     }
   return out;
 }
 
-// Random floats for floating buffers; integer buffers (position ids) count up modulo `modulo`.
-void fill(DeviceBuffer& b, const BufferSpec& spec, std::mt19937& rng, std::int64_t modulo) {
+// Random floats for floating buffers; integer buffers (position ids) count up modulo their index
+// bound (BufferSpec::index_bound; 1 when they have none).
+void fill(DeviceBuffer& b, const BufferSpec& spec, std::mt19937& rng) {
+  const std::int64_t modulo = spec.index_bound;
   if (spec.dtype == DType::i64 || spec.dtype == DType::i32) {
     std::vector<std::int64_t> v(spec.elements);
     for (std::int64_t i = 0; i < spec.elements; ++i) v[i] = i % std::max<std::int64_t>(1, modulo);
@@ -145,13 +135,11 @@ int run(Context& ctx) {
     for (const auto& s : specs)  // the backward's partial dw rows are workspace, not traffic the op must move
       if (s.name != "partial") bytes += std::size_t(s.elements) * dtype_size(s.dtype);
     const int sets = rotation_sets(bytes);
-    const std::int64_t modulo = c.family == "rope" ? c.problem.dims[families::k_rope_max_pos]
-                                                   : c.problem.dims[families::k_nr_seq];
     std::vector<std::vector<std::unique_ptr<DeviceBuffer>>> bufs(sets);
     for (int s = 0; s < sets; ++s)
       for (const auto& spec : specs) {
         bufs[s].push_back(std::make_unique<DeviceBuffer>(std::max<std::size_t>(1, spec.elements * dtype_size(spec.dtype))));
-        if (spec.role == BufferRole::input) fill(*bufs[s].back(), spec, ctx.rng, modulo);
+        if (spec.role == BufferRole::input) fill(*bufs[s].back(), spec, ctx.rng);
       }
     std::vector<std::pair<double, std::string>> results;
     for (const Params& params : f.tuning_space(c.problem)) {
@@ -162,8 +150,9 @@ int run(Context& ctx) {
         // Clustered kernels: one slab per cluster resident at once, as the op asks the driver.
         auto resident = client::rmsnorm_bwd_resident_clusters(**rt, f, params, problem);
         check(resident.status(), "resident clusters");
-        problem.dims[families::k_bwd_slabs] =
-            families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_choice(params), problem, sms, *resident);
+        auto q = problem.as<families::RmsNormBwdProblem>();
+        q.slabs = families::rmsnorm_bwd_slabs(families::rmsnorm_bwd_choice(params), problem, sms, *resident);
+        problem.set(q);
       }
       std::vector<void*> ptrs(specs.size());
       double ms = time_events([&](int i) {

@@ -96,7 +96,7 @@ TEST_P(BrokenPlugin, IsSkippedWithItsReason) {
 
 INSTANTIATE_TEST_SUITE_P(
     Kinds, BrokenPlugin,
-    ::testing::Values(Broken{"wrong_version", "built for plugin ABI version 99; this kiln loads version 1"},
+    ::testing::Values(Broken{"wrong_version", "built for plugin ABI version 100; this kiln loads version 2"},
                       Broken{"failing_init", "its init failed (code 10): c-scale: no license file at /etc/c-scale.lic"},
                       Broken{"empty_name", "family #0 is invalid: its name is missing"},
                       Broken{"bad_schema", "parameter 'block' must list either integers or string choices"},
@@ -130,10 +130,11 @@ TEST(PluginLoad, ANamesakeOfTheBuiltInPluginOrATruncatedDescriptorIsRefused) {
   EXPECT_EQ(rep.skipped[0].path, "/x/libnamesake.so");
 }
 
-// kiln_family.flags was appended to the struct: a descriptor built against the header before it
-// (struct_size up to the field) still registers, with no flags read, whatever lies past its end;
-// one that covers the field has its programmatic-launch flag honoured.
-TEST(PluginLoad, AppendedFamilyFlagsAreReadOnlyWhenStructSizeCoversThem) {
+// kiln_family.flags: the programmatic-launch flag is honoured; a descriptor shorter than this API
+// version's kiln_family is refused. A plugin built against a newer header of the same version
+// (fields appended, a larger struct_size) lays its array out with its own stride: both entries
+// register, and entries of different sizes cannot be strided over.
+TEST(PluginLoad, FamilyFlagsAndTheDescriptorArraysStride) {
   TempDir dir;
   void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(lib, nullptr) << ::dlerror();
@@ -152,30 +153,28 @@ TEST(PluginLoad, AppendedFamilyFlagsAreReadOnlyWhenStructSizeCoversThem) {
   };
   EXPECT_EQ(programmatic(sizeof(kiln_family), 0), false);
   EXPECT_EQ(programmatic(sizeof(kiln_family), KILN_FAMILY_PROGRAMMATIC_LAUNCH), true);
-  EXPECT_EQ(programmatic(std::uint32_t(KILN_FAMILY_MIN_STRUCT_SIZE), KILN_FAMILY_PROGRAMMATIC_LAUNCH), false);
   EXPECT_EQ(programmatic(std::uint32_t(KILN_FAMILY_MIN_STRUCT_SIZE) - 8, 0), std::nullopt) << "truncated";
 
-  // An array of two families laid out as a plugin built before `flags` would lay it out: entries
-  // KILN_FAMILY_MIN_STRUCT_SIZE bytes apart, not sizeof(kiln_family). Both register.
-  constexpr std::size_t old_size = KILN_FAMILY_MIN_STRUCT_SIZE;
-  alignas(kiln_family) unsigned char array[2 * sizeof(kiln_family)] = {};
+  constexpr std::size_t newer = sizeof(kiln_family) + 16;
+  alignas(kiln_family) unsigned char array[2 * newer] = {};
   kiln_family first = good.families[0], second = good.families[0];
-  first.struct_size = second.struct_size = std::uint32_t(old_size);
-  second.name = "c_scale_old_two";
-  std::memcpy(array, &first, old_size);
-  std::memcpy(array + old_size, &second, old_size);
+  first.struct_size = second.struct_size = std::uint32_t(newer);
+  second.name = "c_scale_newer_two";
+  second.flags = KILN_FAMILY_PROGRAMMATIC_LAUNCH;
+  std::memcpy(array, &first, sizeof(kiln_family));
+  std::memcpy(array + newer, &second, sizeof(kiln_family));
   kiln_plugin p = good;
   p.families = reinterpret_cast<const kiln_family*>(array);
   p.family_count = 2;
   Registry r;
   plugin::Report rep;
-  Status s = plugin::register_plugin(r, &p, "/x/old.so", rep);
+  Status s = plugin::register_plugin(r, &p, "/x/newer.so", rep);
   EXPECT_TRUE(s.ok()) << s.to_string();
-  ASSERT_NE(r.find("c_scale_old_two"), nullptr);
-  EXPECT_FALSE(r.find("c_scale_old_two")->programmatic_launch());
-  // Entries of different sizes cannot be strided over.
+  ASSERT_NE(r.find("c_scale_newer_two"), nullptr);
+  EXPECT_TRUE(r.find("c_scale_newer_two")->programmatic_launch());
+  EXPECT_FALSE(r.find("c_scale")->programmatic_launch());
   second.struct_size = sizeof(kiln_family);
-  std::memcpy(array + old_size, &second, old_size);
+  std::memcpy(array + newer, &second, sizeof(kiln_family));
   Registry r2;
   EXPECT_NE(plugin::register_plugin(r2, &p, "/x/mixed.so", rep).message().find("family #1 has struct_size"),
             std::string::npos);
@@ -183,9 +182,10 @@ TEST(PluginLoad, AppendedFamilyFlagsAreReadOnlyWhenStructSizeCoversThem) {
 
 // kiln_family_vtable.runs_on was appended to the vtable: a vtable built against the header before
 // it (struct_size up to the field) still registers, its variants on every arch; one that covers the
-// field has its catalog filtered per arch, with the arch taken apart ("sm_90a" -> {90, 'a'}). A
-// runs_on that fails counts as "runs".
-TEST(PluginLoad, AppendedRunsOnIsReadOnlyWhenVtableStructSizeCoversIt) {
+// kiln_family_vtable.runs_on: a family that has one gets its catalog filtered per arch, with the
+// arch taken apart ("sm_90a" -> {90, 'a'}); a runs_on that fails counts as "runs"; a vtable shorter
+// than this API version's is refused.
+TEST(PluginLoad, RunsOnFiltersTheCatalogPerArch) {
   TempDir dir;
   void* lib = ::dlopen(private_copy(c_plugin("ok"), dir.path()).c_str(), RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(lib, nullptr) << ::dlerror();
@@ -436,7 +436,7 @@ TEST(PluginLoad, KilndServesPluginKernelsAndSurvivesBrokenPlugins) {
   ASSERT_TRUE(art.ok()) << art.status().to_string() << "\n" << k->log();
   EXPECT_GT(art->entry.cubin.size(), 100u);
   EXPECT_TRUE(contains(art->entry.key_text, "plugin kiln-example-softcap 1.0.0")) << art->entry.key_text;
-  EXPECT_TRUE(contains(k->log(), "libc_wrong_version.so skipped: built for plugin ABI version 99")) << k->log();
+  EXPECT_TRUE(contains(k->log(), "libc_wrong_version.so skipped: built for plugin ABI version 100")) << k->log();
   EXPECT_TRUE(k->running());
 
   // The runtime launches a kilnd kernel only when kilnd has this process's build of the family.

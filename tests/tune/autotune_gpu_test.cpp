@@ -297,7 +297,7 @@ TEST_F(AutotuneGpu, KilndServesTheTunedWinnerToASecondClient) {
   // Client one tunes through the daemon.
   auto one = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(one.ok());
-  auto rec = (*one)->tune("rmsnorm", p, 0);
+  auto rec = (*one)->tune(f, p, 0);
   ASSERT_TRUE(rec.ok()) << rec.status().to_string() << "\n" << k->log();
   ASSERT_FALSE(rec->winner.empty()) << k->log();
 
@@ -307,7 +307,7 @@ TEST_F(AutotuneGpu, KilndServesTheTunedWinnerToASecondClient) {
   auto two = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(two.ok());
   const Problem member = f.problem_from_shape(DType::bf16, {{"rows", 3001}, {"cols", 5120}}).value();
-  auto r = (*two)->resolve("rmsnorm", member, {dev.arch, dev.name, dev.driver_version, dev.pci_bus_id},
+  auto r = (*two)->resolve(f, member, {dev.arch, dev.name, dev.driver_version, dev.pci_bus_id},
                            jit::AutotuneMode::off);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_TRUE(r->tuned);

@@ -23,7 +23,7 @@ TEST_F(TuneCli, ArgumentErrorsAreUsageErrors) {
   expect_usage_error({"tune", "--family", "nope", "--shape", "rows=1"}, "unknown family 'nope'");
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=4096,cols=x"}, "not a non-negative integer");
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows4096"}, "expected name=size pairs");
-  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1,cols=8,foo=2"}, "no dim named 'foo'");
+  expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1,cols=8,foo=2"}, "no field named 'foo'");
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1"}, "'cols' is missing");
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=4,cols=0"}, "cols > 0");
   expect_usage_error({"tune", "--family", "rmsnorm", "--dtype", "i32", "--shape", "rows=1,cols=8"}, "bad dtype 'i32'");
@@ -34,7 +34,7 @@ TEST_F(TuneCli, PrewarmProblemsFileErrorsNameTheLine) {
   expect_usage_error({"prewarm"}, "--arch");
   expect_usage_error({"prewarm", "--problems", (dir_.path() / "missing.txt").string()}, "cannot read problems file");
   const auto bad = write_file("bad.txt", "# tuned on boot\nrmsnorm bf16 rows=4096,cols=4096\n\nrmsnorm bf16 rows=1\n");
-  expect_usage_error({"prewarm", "--problems", bad.string()}, "bad.txt:4: rmsnorm: the shape must name every dim");
+  expect_usage_error({"prewarm", "--problems", bad.string()}, "bad.txt:4: rmsnorm: the shape must name every key field");
   const auto words = write_file("words.txt", "rmsnorm bf16\n");
   expect_usage_error({"prewarm", "--problems", words.string()}, "words.txt:1: expected 'FAMILY DTYPE name=size,...'");
   const auto empty = write_file("empty.txt", "# nothing\n\n");
