@@ -12,8 +12,8 @@
 // Requires: x, y and w aligned to VEC*sizeof(T) bytes, row strides multiples of VEC.
 #pragma once
 
-#include "common/bulk.cuh"
 #include "common/dtype.cuh"
+#include "common/ptx.cuh"
 #include "common/reduce.cuh"
 
 namespace kiln {
@@ -309,17 +309,19 @@ rmsnorm_fwd_bulk(const T* __restrict__ x, const T* __restrict__ w, T* __restrict
   const int first_packs = min(packs, k_first * BLOCK);
   const unsigned first_bytes = unsigned(first_packs) * 16u, second_bytes = unsigned(packs - first_packs) * 16u;
   if (t == 0) {
-    bulk::barrier_init(&full[0], 1);
-    bulk::barrier_init(&full[1], 1);
+    for (int part = 0; part < 2; ++part) {
+      ptx::mbar_init(ptx::smem_addr(&full[part]), 1);
+      ptx::mbar_init_fence();
+    }
   }
   __syncthreads();
   // Part 0 or 1 of `row` (a part without bytes completes its phase on the arrival alone).
   auto post = [&](int part, long long row) {
     const unsigned bytes = part == 0 ? first_bytes : second_bytes;
-    bulk::arrive_expect(&full[part], bytes);
+    ptx::mbar_arrive_expect_tx(ptx::smem_addr(&full[part]), bytes);
     if (bytes > 0)
-      bulk::copy(sx + (part == 0 ? 0 : first_packs * VEC), x + row * x_stride + (part == 0 ? 0 : first_packs * VEC),
-                 bytes, &full[part]);
+      ptx::bulk_copy(ptx::smem_addr(sx + (part == 0 ? 0 : first_packs * VEC)),
+                     x + row * x_stride + (part == 0 ? 0 : first_packs * VEC), bytes, ptx::smem_addr(&full[part]));
   };
   if (t == 0 && blockIdx.x < rows) {
     post(0, blockIdx.x);
@@ -333,7 +335,7 @@ rmsnorm_fwd_bulk(const T* __restrict__ x, const T* __restrict__ w, T* __restrict
   auto row_body = [&](auto checked, long long row, long long next, unsigned phase) {
     constexpr bool k_checked = decltype(checked)::value;
     auto in_row = [&](int j) { return !k_checked || j * BLOCK + t < packs; };
-    bulk::wait(&full[0], phase);
+    ptx::mbar_wait(ptx::smem_addr(&full[0]), phase);
     P a[k_first];
     float acc = 0.f;
 #pragma unroll
@@ -345,7 +347,7 @@ rmsnorm_fwd_bulk(const T* __restrict__ x, const T* __restrict__ w, T* __restrict
         acc = fmaf(f, f, acc);
       }
     }
-    bulk::wait(&full[1], phase);
+    ptx::mbar_wait(ptx::smem_addr(&full[1]), phase);
 #pragma unroll
     for (int j = k_first; j < PACKS; ++j)
       if (in_row(j)) {

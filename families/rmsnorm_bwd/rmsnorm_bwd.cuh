@@ -29,38 +29,12 @@
 // shorter than 2^31 elements.
 #pragma once
 
-#include "common/bulk.cuh"
 #include "common/dtype.cuh"
+#include "common/ptx.cuh"
 #include "common/reduce.cuh"
 
 namespace kiln {
 namespace bwd {
-
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r = 0;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-  return r;
-}
-
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// Reads a float at the same shared-memory address in block `rank` of the cluster.
-__device__ __forceinline__ float cluster_load(const float* local, unsigned rank) {
-  float v = 0.f;
-#if __CUDA_ARCH__ >= 900
-  unsigned addr, remote;
-  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(local));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-  return v;
-}
 
 // Sum over the GROUP threads of the calling thread's group, returned to all of them. `scratch`:
 // 32 floats of shared memory for this call's parity; every thread of the block must call.
@@ -111,7 +85,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
 
   const int g = int(threadIdx.x) / GROUP;  // row group within the block
   const int t = int(threadIdx.x) % GROUP;  // thread within the group
-  const unsigned rank = CLUSTER > 1 ? bwd::cluster_rank() : 0u;
+  const unsigned rank = CLUSTER > 1 ? ptx::cluster_ctarank() : 0u;
   const long long slab = blockIdx.x / CLUSTER;
 
   // This block's packs of the row: [pack_begin, pack_begin + block_packs).
@@ -197,10 +171,10 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
     float sum = bwd::group_sum<GROUP, ROWS>(acc, scratch[it & 1]);
     if constexpr (CLUSTER > 1) {
       if (t == 0) row_sums[it & 1][g] = sum;
-      bwd::cluster_sync();
+      ptx::cluster_sync_aligned();
       sum = 0.f;
 #pragma unroll
-      for (unsigned q = 0; q < CLUSTER; ++q) sum += bwd::cluster_load(&row_sums[it & 1][g], q);
+      for (unsigned q = 0; q < CLUSTER; ++q) sum += ptx::ld_remote_f32(ptx::smem_addr_opaque(&row_sums[it & 1][g]), q);
     }
     const float k2 = s * s * sum * inv_cols;
 
@@ -271,7 +245,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   }
   if (g == 0 && t < tail) part[tail_off] = dw_tail;
   // Blocks of a cluster may still read this block's row sums until every block gets here.
-  if constexpr (CLUSTER > 1) bwd::cluster_sync();
+  if constexpr (CLUSTER > 1) ptx::cluster_sync_aligned();
 }
 
 // The same first stage on sm_90 and later, with each row of dy and x brought into shared memory by
@@ -297,7 +271,10 @@ namespace bwd {
 template <typename P, int STAGES, int THREADS, int SLOTS>
 __device__ __forceinline__ void ring_init(unsigned long long* full, P* sdy, P* sx, int filled) {
   if (threadIdx.x == 0)
-    for (int s = 0; s < STAGES; ++s) bulk::barrier_init(&full[s], 1);
+    for (int s = 0; s < STAGES; ++s) {
+      ptx::mbar_init(ptx::smem_addr(&full[s]), 1);
+      ptx::mbar_init_fence();
+    }
   for (int q = filled + int(threadIdx.x); q < SLOTS; q += THREADS)
     for (int s = 0; s < STAGES; ++s) {
       sdy[s * SLOTS + q] = P{};
@@ -334,9 +311,11 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
   ring_init<P, STAGES, THREADS, THREADS * PACKS>(full, reinterpret_cast<P*>(sdy), reinterpret_cast<P*>(sx), packs);
   __syncthreads();
   auto post = [&](int s, long long row) {
-    bulk::arrive_expect(&full[s], 2u * row_bytes);
-    bulk::copy(sdy + s * k_buffer, dy + row * dy_stride, row_bytes, &full[s]);
-    bulk::copy(sx + s * k_buffer, x + row * x_stride, row_bytes, &full[s]);
+    const unsigned bar = ptx::smem_addr(&full[s]);
+    auto copy = [&](T* buffer, const T* src) { ptx::bulk_copy(ptx::smem_addr(buffer), src, row_bytes, bar); };
+    ptx::mbar_arrive_expect_tx(bar, 2u * row_bytes);
+    copy(sdy + s * k_buffer, dy + row * dy_stride);
+    copy(sx + s * k_buffer, x + row * x_stride);
   };
   if (t == 0)
     for (int s = 0; s < STAGES && s < n; ++s) post(s, slab + s * slabs);
@@ -381,7 +360,7 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
     const int s = int(i % STAGES);
     const long long row = slab + i * slabs;
     const float rs = inv_rms[row];
-    bulk::wait(&full[s], unsigned(i / STAGES) & 1u);
+    ptx::mbar_wait(ptx::smem_addr(&full[s]), unsigned(i / STAGES) & 1u);
     P a[PACKS], b[PACKS];
 #pragma unroll
     for (int j = 0; j < PACKS; ++j) {
@@ -473,7 +452,7 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
   __shared__ float sums[4];  // this block's sum of row i in slot i % 4, read by the whole cluster
 
   const int t = int(threadIdx.x), lane = t % 32, warp = t / 32;
-  const unsigned rank = cluster_rank();
+  const unsigned rank = ptx::cluster_ctarank();
   const long long slab = blockIdx.x / CLUSTER;
   const int packs = int(cols / VEC);
   const int first = int(rank) * THREADS * PACKS;  // the first pack this block owns
@@ -483,14 +462,16 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
   const long long n = rows > slab ? (rows - slab + slabs - 1) / slabs : 0;  // rows slab, slab + slabs, ...
 
   ring_init<P, STAGES, THREADS, THREADS * PACKS>(full, reinterpret_cast<P*>(sdy), reinterpret_cast<P*>(sx), own);
-  cluster_sync();
+  ptx::cluster_sync_aligned();
   auto post = [&](long long i) {
     const int s = int(i % STAGES);
     const long long row = slab + i * slabs;
-    bulk::arrive_expect(&full[s], 2u * own_bytes);
+    const unsigned bar = ptx::smem_addr(&full[s]);
+    auto copy = [&](T* buffer, const T* src) { ptx::bulk_copy(ptx::smem_addr(buffer), src, own_bytes, bar); };
+    ptx::mbar_arrive_expect_tx(bar, 2u * own_bytes);
     if (own_bytes > 0) {
-      bulk::copy(sdy + s * k_buffer, dy + row * dy_stride + col0, own_bytes, &full[s]);
-      bulk::copy(sx + s * k_buffer, x + row * x_stride + col0, own_bytes, &full[s]);
+      copy(sdy + s * k_buffer, dy + row * dy_stride + col0);
+      copy(sx + s * k_buffer, x + row * x_stride + col0);
     }
   };
   if (t == 0)
@@ -509,7 +490,7 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
     const int s = int(i % STAGES);
     const long long row = slab + i * slabs;
     const float rs = inv_rms[row];
-    float total = lane < CLUSTER ? cluster_load(&sums[i & 3], unsigned(lane)) : 0.f;
+    float total = lane < CLUSTER ? ptx::ld_remote_f32(ptx::smem_addr_opaque(&sums[i & 3]), unsigned(lane)) : 0.f;
     total = warp_sum(total);
     const float k2 = rs * rs * total * inv_cols;
 #pragma unroll
@@ -528,7 +509,8 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
   };
   for (long long i = 0; i < n; ++i) {
     const int s = int(i % STAGES);
-    bulk::wait(&full[s], unsigned(i / STAGES) & 1u);
+    const unsigned parity = unsigned(i / STAGES) & 1u;
+    ptx::mbar_wait(ptx::smem_addr(&full[s]), parity);
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < PACKS; ++j) {
@@ -546,12 +528,12 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
       for (int q = 0; q < THREADS / 32; ++q) sum += scratch[i & 1][q];
       sums[i & 3] = sum;
     }
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    ptx::cluster_arrive_aligned();
     if (i >= 1) finish(i - 1);
     // Every thread is done with row i - 1's buffer: refill it with the row STAGES after it.
     __syncthreads();
     if (t == 0 && i >= 1 && i - 1 + STAGES < n) post(i - 1 + STAGES);
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    ptx::cluster_wait_aligned();
   }
   if (n > 0) finish(n - 1);
   // The partial row of the block's columns goes out through shared memory (the buffers are free
@@ -568,7 +550,7 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
   const long long own_cols = (long long)own * VEC;
   for (long long c = t; c < own_cols; c += THREADS) partial[slab * cols + col0 + c] = row_out[c];
   // No block may leave while the others can still read its sums.
-  cluster_sync();
+  ptx::cluster_sync_aligned();
 #endif
 }
 

@@ -67,7 +67,7 @@ TEST(TemplateClosure, FollowsIncludesAndHashesBytes) {
   TemplateSet set = TemplateSet::embedded();
   auto c = set.closure("#include \"rmsnorm/rmsnorm_fwd.cuh\"\n");
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  std::vector<std::string> want = {"common/bulk.cuh", "common/dtype.cuh", "common/reduce.cuh", "rmsnorm/rmsnorm_fwd.cuh"};
+  std::vector<std::string> want = {"common/dtype.cuh", "common/ptx.cuh", "common/reduce.cuh", "rmsnorm/rmsnorm_fwd.cuh"};
   EXPECT_EQ(c->headers, want);
   EXPECT_FALSE(set.closure("#include \"nope/missing.cuh\"\n").ok());
 }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "common/dtype.cuh"
+#include "common/ptx.cuh"
 
 namespace kiln {
 namespace gemm {
@@ -36,13 +37,14 @@ struct Select<false, A, B> {
 constexpr int k_row_bytes = 128;  // bytes of K per tile row, per stage
 constexpr int k_scale_block = 128;
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 // 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros (rows or K past the end).
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+// 4 bytes global -> shared through L1 (block scales: a row's next k-blocks share its sector);
+// src_bytes 0 writes zero.
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

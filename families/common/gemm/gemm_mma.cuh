@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(2 * BN) gemm_mma(KILN_GEMM_PARAMS) {
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
   extern __shared__ unsigned char smem_raw[];
-  const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const unsigned base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp / WN, wn = warp % WN;
