@@ -5,6 +5,7 @@
 # graphs, daemon and embedded) and the side-by-side benchmark. Logs and JSON go to $OUT.
 #   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench]     (default: both, within the 600 s of one call)
 # --host-only: the benchmark times only the host cost per call (side_by_side.py --host-only).
+# Env: PYTEST_K, a pytest -k expression that narrows the tests (e.g. "launch or describe").
 set -uo pipefail
 quick="" host="" what=both
 for a in "$@"; do
@@ -35,7 +36,8 @@ if [ "$what" != bench ]; then
   # The package's tests and every family's Python tests (families/*/tests/test_*.py).
   tests="$root/tests/python/gpu $root/tests/python/test_torch_cpu.py $(ls "$root"/families/*/tests/test_*.py 2>/dev/null)"
   "$py" -c 'import numpy' 2>/dev/null && tests="$tests $root/tests/python/test_cpu.py"
-  PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" -m pytest -q -rs -p no:cacheprovider --durations=10 $tests 2>&1 \
+  PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" -m pytest -q -rs -p no:cacheprovider --durations=10 \
+    ${PYTEST_K:+-k "$PYTEST_K"} $tests 2>&1 \
     | tee "$out/python_tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   # A skipped GPU test is not a pass on a machine with a GPU (the bf16 NumPy test needs ml_dtypes).

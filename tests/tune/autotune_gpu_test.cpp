@@ -179,7 +179,10 @@ TEST_F(AutotuneGpu, PicksAVariantThatMatchesTheReferenceAndStoresIt) {
     auto rec = tuner.tune(f, p);
     ASSERT_TRUE(rec.ok()) << rec.status().to_string();
     ASSERT_FALSE(rec->winner.empty());
-    const Problem tp = f.tuning_problem(p);
+    // The tuner times the problem as it runs on its device (device 0 here).
+    Problem on_device = p;
+    jit::set_device(on_device, *jit::device_info(0).value());
+    const Problem tp = f.tuning_problem(on_device);
     // One vector: begin() and end() of two calls' temporaries would be two different ranges.
     const std::vector<Params> space = f.tuning_space(tp);
     EXPECT_EQ(rec->candidates.size(), space.size() + (std::count(space.begin(), space.end(), f.heuristic(tp)) ? 0 : 1));
