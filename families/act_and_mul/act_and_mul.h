@@ -33,11 +33,27 @@ struct ActAndMulProblem {
 };
 enum ActAndMulKind { k_am_silu = 0, k_am_gelu = 1, k_am_gelu_tanh = 2 };
 
+// The backward's problem (family act_and_mul_bwd): dx = d(act(g) * u)/d[g | u] times dy, from x
+// (rows of 2d) and dy (rows of d) into dx (rows of 2d). Every field is a key.
+struct ActAndMulBwdProblem {
+  std::int64_t rows = 0;           // key, bucketed: rows of x, dy and dx
+  std::int64_t d = 0;              // key: elements per row of dy; x and dx rows hold 2d
+  std::int64_t x_row_stride = 0;   // key: elements between two rows of x
+  std::int64_t dy_row_stride = 0;  // key: elements between two rows of dy
+  std::int64_t dx_row_stride = 0;  // key: elements between two rows of dx
+  std::int64_t activation = 0;     // key: ActAndMulKind
+};
+
 struct ActAndMulChoice {
   int block;
   int vec;
 };
 ActAndMulChoice act_and_mul_heuristic(const Problem& p);
+ActAndMulChoice act_and_mul_bwd_heuristic(const Problem& p);
+
+// The activation and its derivative in double (the CPU references, and tests).
+double act_and_mul_activate(int activation, double v);
+double act_and_mul_derivative(int activation, double v);
 
 // Division by a constant d in [1, 2^31) as (umulhi(n, magic) + n) >> shift, exact for every
 // n < 2^31 (Granlund-Montgomery, the round-up variant). The kernel divides its flat pack index by

@@ -331,7 +331,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6)
 
 
 def act_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
-    """act(x[..., :d]) * x[..., d:]; activation "silu", "gelu" or "gelu_tanh" (no autograd)."""
+    """act(x[..., :d]) * x[..., d:]; activation "silu", "gelu" or "gelu_tanh". Differentiable: the
+    backward (kiln::act_and_mul_backward) recomputes act from x, which is all it saves."""
     if _eager() and not _needs_grad(x):
         return _act_and_mul_impl(x, activation)
     return torch.ops.kiln.act_and_mul(x, activation)
@@ -583,7 +584,7 @@ def _declared_impl(decl):
     return impl, fake
 
 
-def _register_autograd(decl, op):
+def _register_autograd(decl):
     bwd = _ops.OPS[decl.backward]
     names_in = [t["name"] for t in decl.inputs]
     names_out = [t["name"] for t in decl.outputs]
@@ -623,7 +624,7 @@ def _register_autograd(decl, op):
                 result[i] = g if ctx.present[i] else None
         return tuple(result)
 
-    op.register_autograd(backward, setup_context=setup_context)
+    torch.library.register_autograd(f"kiln::{decl.name}", backward, setup_context=setup_context)
 
 
 def _python_function(decl):
@@ -651,6 +652,9 @@ def _python_function(decl):
     return fn
 
 
+_AUTOGRAD_FROM_DECLARATION = ("act_and_mul",)
+
+
 def _register_declared():
     ops = {}
     for name, decl in _ops.OPS.items():
@@ -662,7 +666,11 @@ def _register_declared():
         ops[name] = (decl, op)
     for name, (decl, op) in ops.items():
         if decl.backward and decl.backward in _ops.OPS and hasattr(torch.ops.kiln, decl.backward):
-            _register_autograd(decl, op)
+            _register_autograd(decl)
+    # Hand-written ops above whose torch signature is their declaration's (inputs, scalars and
+    # outputs in declaration order) take their autograd from it too.
+    for name in _AUTOGRAD_FROM_DECLARATION:
+        _register_autograd(_ops.OPS[name])
         if name not in globals():
             globals()[name] = _python_function(decl)
             __all__.append(name)

@@ -130,6 +130,27 @@ def test_act_and_mul_matches_numpy(rng, act, dtype):
                                **(F32_TOL if dtype == np.float32 else F16_TOL))
 
 
+@pytest.mark.parametrize("act", sorted(_ACTS))
+def test_act_and_mul_backward_matches_central_differences(rng, act):
+    """dx against (f(x + h e) - f(x - h e)) / 2h of sum(dy * act_and_mul(x)), per element, in f64."""
+    x = rng.standard_normal((2, 3, 2 * 16)).astype(np.float32)
+    dy = rng.standard_normal((2, 3, 16)).astype(np.float32)
+    dx = kiln.act_and_mul_backward(x, dy, act)
+    assert dx.shape == x.shape and dx.dtype == np.float32
+    g, u = x[..., :16].astype(np.float64), x[..., 16:].astype(np.float64)
+    h = 1e-6
+    f = _ACTS[act]
+    want_g = dy * u * (f(g + h) - f(g - h)) / (2 * h)
+    want_u = dy * f(g)
+    np.testing.assert_allclose(dx[..., :16], want_g, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dx[..., 16:], want_u, rtol=1e-5, atol=1e-6)
+    # In place: the gradient overwrites the saved input.
+    y = x.copy()
+    kiln.act_and_mul_backward(y, dy, act, dx=y)
+    np.testing.assert_array_equal(y, dx)
+    assert kiln.OPS["act_and_mul"].backward == "act_and_mul_backward"
+
+
 def ref_rope(x, cos, sin, pos, layout):
     x = x.astype(np.float64)
     half = x.shape[-1] // 2

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "common/half.h"
+#include "families/act_and_mul/ops.h"
 #include "kiln/ops.h"
 #include "tests/test_util.h"
 
@@ -273,6 +274,106 @@ TEST_F(ActAndMulOp, Errors) {
   shifted.data = x_.data() + d_;
   shifted.strides[0] = 2 * d_;
   expect(call(x, shifted), Code::invalid_argument, "out over the gate half");
+}
+
+// ---- the backward (family act_and_mul_bwd, op act_and_mul_backward) ----
+
+TEST(ActAndMulBwd, DerivativesMatchCentralDifferencesOfTheActivation) {
+  // Over [-12, 12], where every form's pieces stay finite: (f(v + h) - f(v - h)) / 2h is off by
+  // about h^2 |f'''| / 6 plus rounding of 1e-16 / h.
+  for (int act = 0; act < 3; ++act)
+    for (double v = -12.0; v <= 12.0; v += 0.0625) {
+      const double h = 1e-5;
+      const double numeric = (act_and_mul_activate(act, v + h) - act_and_mul_activate(act, v - h)) / (2 * h);
+      EXPECT_NEAR(act_and_mul_derivative(act, v), numeric, 1e-8 * (1 + std::fabs(numeric))) << act << " at " << v;
+    }
+  // Hand-computed values: silu'(0) = gelu'(0) = 1/2, gelu'(1) = Phi(1) + phi(1).
+  EXPECT_NEAR(act_and_mul_derivative(k_am_silu, 0.0), 0.5, 1e-15);
+  EXPECT_NEAR(act_and_mul_derivative(k_am_gelu, 0.0), 0.5, 1e-15);
+  EXPECT_NEAR(act_and_mul_derivative(k_am_gelu, 1.0), 0.8413447460685429 + 0.24197072451914337, 1e-14);
+  EXPECT_NEAR(act_and_mul_derivative(k_am_gelu_tanh, 0.0), 0.5, 1e-15);
+}
+
+TEST(ActAndMulBwd, FamilyChecksAndHeuristic) {
+  const Family& f = *Registry::global().find("act_and_mul_bwd");
+  auto problem = [](std::int64_t d, std::int64_t xs, std::int64_t ys, std::int64_t dxs, std::uint32_t align = 16,
+                    std::int64_t act = k_am_gelu) {
+    return Problem::of(DType::bf16, align,
+                       ActAndMulBwdProblem{.rows = 8, .d = d, .x_row_stride = xs, .dy_row_stride = ys,
+                                           .dx_row_stride = dxs, .activation = act});
+  };
+  const Problem p = problem(4096, 8192, 4096, 8192);
+  const Params h = f.heuristic(p);
+  EXPECT_EQ(h, (Params{{"act", std::string("gelu")}, {"block", std::int64_t(128)}, {"dtype", std::string("bf16")},
+                       {"vec", std::int64_t(4)}}));
+  EXPECT_TRUE(f.check_problem(h, p).ok());
+  EXPECT_EQ(*f.heuristic(problem(4096, 8192, 4098, 8192)).get_int("vec"), 2) << "dy's stride limits the access";
+  EXPECT_EQ(*f.heuristic(problem(4096, 8192, 4096, 8192, 2)).get_int("vec"), 1) << "alignment limits it";
+  EXPECT_EQ(f.check_problem(h, problem(4096, 8191, 4096, 8192)).code(), Code::shape_mismatch);
+  EXPECT_EQ(f.check_problem(h, problem(4096, 8192, 4096, 8190)).code(), Code::shape_mismatch);
+  EXPECT_EQ(f.check_problem(h, problem(4096, 8192, 4096, 8192, 16, k_am_silu)).code(), Code::invalid_argument);
+  EXPECT_EQ(f.check_problem(h, problem(4096, 8192, 4096, 8192, 4)).code(), Code::invalid_argument);
+  for (const Params& c : f.tuning_space(p)) EXPECT_TRUE(f.check_problem(c, p).ok()) << c.canonical();
+  const auto bufs = f.buffers(h, p);
+  ASSERT_EQ(bufs.size(), 3u);
+  EXPECT_EQ(bufs[0].elements, 7 * 8192 + 8192);
+  EXPECT_EQ(bufs[1].elements, 7 * 4096 + 4096);
+  EXPECT_EQ(bufs[2].role, BufferRole::output);
+  EXPECT_EQ(f.geometry(h, p).grid.x, 8u * 1024 / 128);
+  EXPECT_EQ(f.signature(p), "dtype=bf16,align=16,rows<=8,d=4096,x_row_stride=8192,dy_row_stride=4096,"
+                            "dx_row_stride=8192,activation=1");
+}
+
+TEST_F(ActAndMulOp, BackwardFallbackMatchesTheDerivativeOutOfPlaceAndInPlace) {
+  std::mt19937 rng(testing::fresh_seed());
+  std::normal_distribution<float> n;
+  std::vector<float> dy(rows_ * d_), dx(rows_ * 2 * d_, NAN);
+  for (auto& e : dy) e = n(rng);
+  for (int a = 0; a < 3; ++a) {
+    ASSERT_TRUE(act_and_mul_backward(view(x_, {2, 3, 2 * d_}), view(dy, {2, 3, d_}), view(dx, {2, 3, 2 * d_}),
+                                     static_cast<Activation>(a), nullptr, rt_.get())
+                    .ok());
+    for (std::int64_t r = 0; r < rows_; ++r)
+      for (std::int64_t c = 0; c < d_; ++c) {
+        const double g = x_[r * 2 * d_ + c], u = x_[r * 2 * d_ + d_ + c], gy = dy[r * d_ + c];
+        const double want_g = gy * u * act_and_mul_derivative(a, g), want_u = gy * act_and_mul_activate(a, g);
+        EXPECT_NEAR(dx[r * 2 * d_ + c], want_g, 1e-6 * (1 + std::fabs(want_g))) << a << " " << r << " " << c;
+        EXPECT_NEAR(dx[r * 2 * d_ + d_ + c], want_u, 1e-6 * (1 + std::fabs(want_u))) << a << " " << r << " " << c;
+      }
+  }
+  // In place: dx = x; the result equals the out-of-place one (gelu_tanh, the last above).
+  std::vector<float> copy = x_;
+  ASSERT_TRUE(act_and_mul_backward(view(copy, {rows_, 2 * d_}), view(dy, {rows_, d_}), view(copy, {rows_, 2 * d_}),
+                                   Activation::gelu_tanh, nullptr, rt_.get())
+                  .ok());
+  EXPECT_EQ(copy, dx);
+  EXPECT_EQ(rt_->counters().module_loads, 0);
+}
+
+TEST_F(ActAndMulOp, BackwardErrors) {
+  std::vector<float> dy(rows_ * d_), dx(rows_ * 2 * d_);
+  auto x = view(x_, {rows_, 2 * d_}), y = view(dy, {rows_, d_}), g = view(dx, {rows_, 2 * d_});
+  auto call = [&](const TensorView& xv, const TensorView& yv, const TensorView& gv, Activation a = Activation::silu) {
+    return act_and_mul_backward(xv, yv, gv, a, nullptr, rt_.get());
+  };
+  expect(call(view(x_, {rows_, 2 * d_ - 1}), y, g), Code::shape_mismatch, "odd last dim");
+  expect(call(x, view(dy, {rows_, d_ - 1}), g), Code::shape_mismatch, "dy too short");
+  expect(call(x, y, view(dx, {rows_, 2 * d_ - 2})), Code::shape_mismatch, "dx too short");
+  expect(call(x, view(dy, {rows_ / 2, 2 * d_}), g), Code::shape_mismatch, "leading shape");
+  expect(call(x, y, view(dx, {rows_ * 2 * d_})), Code::shape_mismatch, "rank");
+  auto yh = y;
+  yh.dtype = DType::f16;
+  expect(call(x, yh, g), Code::unsupported_dtype, "dtypes differ");
+  expect(call(x, y, g, static_cast<Activation>(5)), Code::invalid_argument, "unknown activation");
+  auto gg = g;
+  gg.device = Device::cuda(0);
+  expect(call(x, y, gg), Code::device_error, "mixed devices");
+  std::vector<float> shared(rows_ * 2 * d_);
+  expect(call(x, view(shared, {rows_, d_}), view(shared, {rows_, 2 * d_})), Code::invalid_argument, "dx over dy");
+  auto shifted = view(x_, {rows_ - 1, 2 * d_});
+  shifted.data = x_.data() + 2;
+  expect(call(view(x_, {rows_ - 1, 2 * d_}), view(dy, {rows_ - 1, d_}), shifted), Code::invalid_argument,
+         "dx shifted over x");
 }
 
 }  // namespace

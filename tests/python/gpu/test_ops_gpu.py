@@ -156,6 +156,27 @@ def test_act_and_mul(dtype, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_act_and_mul_gradients_match_fp64_autograd(dtype, act):
+    """kt.act_and_mul's autograd (kiln::act_and_mul_backward) against PyTorch's autograd of the same
+    function in fp64, on a strided input (every other row), eager and under torch.compile."""
+    fn = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    base = torch.randn(2 * 77, 2 * 1408, device="cuda", dtype=dtype)
+    x = base[::2].detach().requires_grad_(True)
+    dy = torch.randn(77, 1408, device="cuda", dtype=dtype)
+    xr = x.detach().double().requires_grad_(True)
+    g, u = xr.chunk(2, -1)
+    (fn(g) * u).backward(dy.double())
+    torch._dynamo.reset()  # each parameter set compiles anew, not against the recompile limit
+    for run in (kt.act_and_mul, torch.compile(kt.act_and_mul, fullgraph=True)):
+        x.grad = None
+        y = run(x, act)
+        close(y, (fn(g) * u).detach(), dtype)
+        y.backward(dy)
+        grad_close(x.grad, xr.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_launch_runs_a_family_by_its_problem_fields(dtype):
     """kiln.launch, with no typed op: the family by name, its fields by name, the buffers in the
     family's order; rows strided (every other row of a larger tensor) so the strides matter."""
