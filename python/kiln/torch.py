@@ -22,7 +22,8 @@ from . import ops as _ops
 from ._errors import InvalidArgumentError, ShapeMismatchError
 
 __all__ = ["rms_norm", "add_rms_norm", "act_and_mul", "silu_and_mul", "apply_rope_qk", "fused_rmsnorm_rope",
-           "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "RMSNorm", "FusedRMSNormRoPE", "FusedGatedMLP", "FP8Linear"]
+           "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "RMSNorm", "RotaryEmbedding", "FusedRMSNormRoPE",
+           "FusedGatedMLP", "FP8Linear"]
 
 _KILN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -151,6 +152,27 @@ _apply_rope_qk = torch.library.custom_op("kiln::apply_rope_qk", _apply_rope_qk_i
 @_apply_rope_qk.register_fake
 def _(q, k, cos, sin, position_ids, layout):
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _rope_qk_setup(ctx, inputs, output):
+    q, k, cos, sin, position_ids, layout = inputs
+    if cos.requires_grad or sin.requires_grad:
+        raise InvalidArgumentError("kiln.torch.apply_rope_qk computes no gradient for cos and sin: pass them detached")
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.layout = layout
+    ctx.meta = ((q.shape, q.dtype), (k.shape, k.dtype))
+
+
+def _rope_qk_grad(ctx, dq_out, dk_out):
+    # The rotation's transpose is the rotation by the opposite angle: the same kernel with -sin.
+    cos, sin, position_ids = ctx.saved_tensors
+    grads = [g.contiguous() if g is not None else torch.zeros(s, dtype=t, device=cos.device)
+             for g, (s, t) in zip((dq_out, dk_out), ctx.meta)]
+    dq, dk = torch.ops.kiln.apply_rope_qk(grads[0], grads[1], cos, -sin, position_ids, ctx.layout)
+    return dq, dk, None, None, None, None
+
+
+_apply_rope_qk.register_autograd(_rope_qk_grad, setup_context=_rope_qk_setup)
 
 
 def _rms_norm_rope_impl(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, num_heads: int) -> Tensor:
@@ -345,7 +367,9 @@ def silu_and_mul(x: Tensor) -> Tensor:
 def apply_rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor,
                   layout: str = "neox") -> Tuple[Tensor, Tensor]:
     """Rotary embedding of q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] at
-    position_ids (int64 [tokens]), cos/sin float32 [max_pos, head_dim / 2] (no autograd)."""
+    position_ids (int64 [tokens]), cos/sin float32 [max_pos, head_dim / 2]. Differentiable in q and
+    k: the backward rotates the gradients by the opposite angle (the same kernel with -sin); cos and
+    sin get no gradient (an error if they require one)."""
     if _eager() and not _needs_grad(q, k):
         return _apply_rope_qk_impl(q, k, cos, sin, position_ids, layout)
     return torch.ops.kiln.apply_rope_qk(q, k, cos, sin, position_ids, layout)
@@ -429,6 +453,61 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotary position embedding of q and k with its cos/sin cache (kiln's apply_rope_qk).
+
+    The cache holds cos and sin of position * base^(-2i / head_dim) for i < head_dim / 2 as float32
+    [max_positions, head_dim / 2], computed in float64. It is built once per device on first use
+    and grows (to the next power of two) only through extend(): forward never reads CUDA positions
+    on the host, so on CUDA a position at or beyond max_positions gives NaN outputs for its token
+    (the kernel cannot report it) instead of a device-to-host sync every step; host tensors get an
+    InvalidArgumentError.
+
+    forward(q, k, position_ids, inplace=False) -> (q_out, k_out): q [tokens, q_heads, head_dim],
+    k [tokens, kv_heads, head_dim], position_ids int64 [tokens]. Differentiable in q and k.
+    inplace=True rotates q and k themselves and returns them; it saves the outputs' memory and is
+    for inference (it refuses tensors that require grad).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int = 4096, base: float = 10000.0, layout: str = "neox"):
+        super().__init__()
+        if head_dim % 2 or head_dim <= 0:
+            raise InvalidArgumentError(f"RotaryEmbedding: head_dim must be even and positive, not {head_dim}")
+        if layout not in ("neox", "gptj"):
+            raise InvalidArgumentError(f"RotaryEmbedding: layout must be neox or gptj, not {layout!r}")
+        self.head_dim, self.base, self.layout = head_dim, float(base), layout
+        self.max_positions = int(max_positions)
+        self._tables = {}
+
+    def extend(self, max_positions: int):
+        """Makes the cache cover positions below max_positions (rounded up to a power of two)."""
+        if max_positions > self.max_positions:
+            self.max_positions = 1 << (int(max_positions) - 1).bit_length()
+            self._tables.clear()
+
+    def cos_sin(self, device):
+        """The cache on `device`: (cos, sin), float32 [max_positions, head_dim / 2]."""
+        device = torch.device(device)
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] != self.max_positions:
+            inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+            angles = torch.arange(self.max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+            table = (angles.cos().float().to(device), angles.sin().float().to(device))
+            self._tables[device] = table
+        return table
+
+    def forward(self, q: Tensor, k: Tensor, position_ids: Tensor, inplace: bool = False) -> Tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(q.device)
+        if not inplace:
+            return apply_rope_qk(q, k, cos, sin, position_ids, self.layout)
+        if _needs_grad(q, k):
+            raise InvalidArgumentError("RotaryEmbedding: inplace=True is for tensors that do not require grad")
+        return _ops.apply_rope_qk(q, k, cos, sin, position_ids, self.layout, q_out=q, k_out=k)
+
+    def extra_repr(self):
+        return f"head_dim={self.head_dim}, max_positions={self.max_positions}, base={self.base}, layout={self.layout}"
 
 
 class FusedRMSNormRoPE(torch.nn.Module):
@@ -551,8 +630,11 @@ def _schema(decl):
 
 
 def _output_shapes(decl, inputs, scalars):
+    """The outputs' (shape, dtype) from the declaration's shape inference, which takes concrete
+    sizes: a symbolic size (torch.compile with dynamic shapes) is specialized to its current value
+    (int() installs the guard), so the graph is correct and recompiles for another size."""
     values = decl.scalar_values(scalars)
-    shapes = [None if t is None else tuple(t.shape) for t in inputs] + [None] * len(decl.outputs)
+    shapes = [None if t is None else tuple(int(d) for d in t.shape) for t in inputs] + [None] * len(decl.outputs)
     dtypes = [None if t is None else _KIND_CODE.get(t.dtype, -1) for t in inputs] + [None] * len(decl.outputs)
     if -1 in dtypes:
         bad = next(t.dtype for t in inputs if t is not None and t.dtype not in _KIND_CODE)
@@ -667,13 +749,13 @@ def _register_declared():
     for name, (decl, op) in ops.items():
         if decl.backward and decl.backward in _ops.OPS and hasattr(torch.ops.kiln, decl.backward):
             _register_autograd(decl)
+        if name not in globals():
+            globals()[name] = _python_function(decl)
+            __all__.append(name)
     # Hand-written ops above whose torch signature is their declaration's (inputs, scalars and
     # outputs in declaration order) take their autograd from it too.
     for name in _AUTOGRAD_FROM_DECLARATION:
         _register_autograd(_ops.OPS[name])
-        if name not in globals():
-            globals()[name] = _python_function(decl)
-            __all__.append(name)
     return sorted(ops)
 
 

@@ -25,7 +25,11 @@ def test_opcheck_every_op():
                                                     torch.rand(4) + 0.5)),
         (torch.ops.kiln.add_rms_norm.default, (torch.randn(4, 64), torch.randn(4, 64), torch.randn(64), 1e-6)),
         (torch.ops.kiln.act_and_mul.default, (torch.randn(4, 64), "gelu_tanh")),
+        (torch.ops.kiln.act_and_mul.default, (torch.randn(4, 64, requires_grad=True), "gelu")),
+        (torch.ops.kiln.act_and_mul_backward.default, (torch.randn(4, 64), torch.randn(4, 32), "silu")),
         (torch.ops.kiln.apply_rope_qk.default, (q, k, cos, sin, pos, "gptj")),
+        (torch.ops.kiln.apply_rope_qk.default, (q.clone().requires_grad_(), k.clone().requires_grad_(), cos, sin, pos,
+                                                "neox")),
     ]
     for op, args in cases:
         result = torch.library.opcheck(op, args)
@@ -161,3 +165,95 @@ def test_fused_gated_mlp_gradients(act):
     # The backward's g is x Wg^T rounded to bf16 (-9.0 against -8.984 in fp64), which alone moves
     # Phi(g) by 13% this far out; 1 + erf gives 0 here.
     torch.testing.assert_close(wu_got[:8].double(), wu_want[:8], rtol=0.25, atol=0.0, msg="wu rows where g ~ -9")
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_act_and_mul_gradients(act):
+    """kt.act_and_mul's autograd (from the declared backward) against fp64 PyTorch autograd, on a
+    strided input, eager and traced whole (fullgraph, aot_eager)."""
+    fn = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+          "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act]
+    x = torch.randn(2 * 5, 2 * 24)[::2].detach().requires_grad_(True)
+    dy = torch.randn(5, 24)
+    x64 = x.detach().double().requires_grad_(True)
+    g, u = x64.chunk(2, -1)
+    (fn(g) * u).backward(dy.double())
+    torch._dynamo.reset()
+    for run in (kt.act_and_mul, torch.compile(kt.act_and_mul, fullgraph=True, backend="aot_eager")):
+        x.grad = None
+        y = run(x, act)
+        torch.testing.assert_close(y.double(), (fn(g) * u).detach(), rtol=1e-5, atol=1e-5)
+        y.backward(dy)
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
+def _rope_ref(x, cos, sin, pos, layout):
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    if layout == "neox":
+        a, b = x.chunk(2, -1)
+        return torch.cat([a * c - b * s, b * c + a * s], -1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+def test_apply_rope_qk_gradients(layout):
+    """kt.apply_rope_qk's autograd (the inverse rotation) against fp64 PyTorch autograd of the same
+    rotation, with a gradient for q only (k's is None), eager and traced whole."""
+    q = torch.randn(7, 4, 64, requires_grad=True)
+    k = torch.randn(7, 2, 64, requires_grad=True)
+    angles = torch.rand(32, 32) * 6.28
+    cos, sin, pos = angles.cos(), angles.sin(), torch.randint(0, 32, (7,))
+    dq, dk = torch.randn(7, 4, 64), torch.randn(7, 2, 64)
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    ((_rope_ref(q64, cos.double(), sin.double(), pos, layout) * dq.double()).sum() +
+     (_rope_ref(k64, cos.double(), sin.double(), pos, layout) * dk.double()).sum()).backward()
+    torch._dynamo.reset()
+    for run in (kt.apply_rope_qk, torch.compile(kt.apply_rope_qk, fullgraph=True, backend="aot_eager")):
+        q.grad = k.grad = None
+        qo, ko = run(q, k, cos, sin, pos, layout)
+        ((qo * dq).sum() + (ko * dk).sum()).backward()
+        torch.testing.assert_close(q.grad.double(), q64.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k.grad.double(), k64.grad, rtol=1e-5, atol=1e-5)
+    # Only q's output used: k's gradient is the rotation of zeros.
+    q.grad = k.grad = None
+    qo, ko = kt.apply_rope_qk(q, k, cos, sin, pos, layout)
+    (qo * dq).sum().backward()
+    torch.testing.assert_close(q.grad.double(), q64.grad, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(k.grad) == 0
+    with pytest.raises(kiln.InvalidArgumentError, match="no gradient for cos and sin"):
+        kt.apply_rope_qk(q, k, cos.requires_grad_(True), sin, pos, layout)
+
+
+def test_rotary_embedding_module():
+    """kt.RotaryEmbedding against the textbook rotate-half formula in float64: its cache, out of
+    place with gradients, in place, and extend() for a position past the cache (an error on host
+    tensors, which kiln can read; NaN on CUDA, where the kernel cannot report it)."""
+    rope = kt.RotaryEmbedding(64, max_positions=16, base=500000.0)
+    q, k = torch.randn(5, 4, 64, requires_grad=True), torch.randn(5, 2, 64, requires_grad=True)
+    pos = torch.tensor([0, 3, 15, 7, 1])
+    inv = 500000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    ang = pos.double()[:, None] * inv[None, :]
+    c, s = torch.cat([ang.cos()] * 2, -1)[:, None, :], torch.cat([ang.sin()] * 2, -1)[:, None, :]
+
+    def ref(x):
+        a, b = x.double().chunk(2, -1)
+        return x.double() * c + torch.cat([-b, a], -1) * s
+
+    qo, ko = rope(q, k, pos)
+    torch.testing.assert_close(qo.double(), ref(q.detach()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ko.double(), ref(k.detach()), rtol=1e-5, atol=1e-5)
+    (qo.sum() + ko.sum()).backward()
+    assert q.grad is not None and k.grad is not None
+    qi, ki = q.detach().clone(), k.detach().clone()
+    out = rope(qi, ki, pos, inplace=True)
+    assert out[0] is qi and out[1] is ki
+    torch.testing.assert_close(qi, qo.detach())
+    with pytest.raises(kiln.InvalidArgumentError, match="inplace"):
+        rope(q, k, pos, inplace=True)
+    far = torch.tensor([0, 3, 16, 7, 1])
+    with pytest.raises(kiln.InvalidArgumentError, match="outside"):
+        rope(q.detach(), k.detach(), far)
+    rope.extend(17)
+    assert rope.max_positions == 32 and rope.cos_sin("cpu")[0].shape == (32, 32)
+    assert not torch.isnan(rope(q.detach(), k.detach(), far)[0]).any()
