@@ -125,6 +125,30 @@ def _(x, residual, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, eps = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.eps = eps
+
+
+def _add_rms_norm_grad(ctx, dy, dh):
+    # y = rms_norm(h) * weight with h = x + residual, and h is an output too: dh flows to x and
+    # residual beside the norm's own gradient. inv_rms is recomputed from the saved h (one read).
+    h, weight = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(h)
+    rows = h.reshape(-1, h.shape[-1])
+    inv_rms = torch.rsqrt(rows.float().square().mean(-1) + ctx.eps)
+    dx, dw = torch.ops.kiln.rms_norm_backward(dy.reshape(rows.shape), rows, weight, inv_rms)
+    dx = dx.reshape(h.shape)
+    if dh is not None:
+        dx = dx + dh
+    return dx, dx, dw, None
+
+
+_add_rms_norm.register_autograd(_add_rms_norm_grad, setup_context=_add_rms_norm_setup)
+
+
 def _act_and_mul_impl(x: Tensor, activation: str) -> Tensor:
     x = _rows_contiguous(x)
     out = _new(x, (*x.shape[:-1], x.shape[-1] // 2))
@@ -346,7 +370,9 @@ def rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor] = 
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual) * weight, x + residual), vLLM's fused residual add (no autograd)."""
+    """(rms_norm(x + residual) * weight, x + residual), vLLM's fused residual add. Differentiable in
+    x, residual and weight: the backward recomputes inv_rms from x + residual, runs kiln's RMSNorm
+    backward and adds the residual stream's gradient (three passes; a fused kernel is to come)."""
     if _eager() and not _needs_grad(x, residual, weight):
         return _add_rms_norm_impl(x, residual, weight, eps)
     return torch.ops.kiln.add_rms_norm(x, residual, weight, eps)

@@ -24,6 +24,8 @@ def test_opcheck_every_op():
         (torch.ops.kiln.rms_norm_backward.default, (torch.randn(4, 64), torch.randn(4, 64), torch.randn(64),
                                                     torch.rand(4) + 0.5)),
         (torch.ops.kiln.add_rms_norm.default, (torch.randn(4, 64), torch.randn(4, 64), torch.randn(64), 1e-6)),
+        (torch.ops.kiln.add_rms_norm.default, (torch.randn(4, 64, requires_grad=True), torch.randn(4, 64),
+                                               torch.randn(64, requires_grad=True), 1e-6)),
         (torch.ops.kiln.act_and_mul.default, (torch.randn(4, 64), "gelu_tanh")),
         (torch.ops.kiln.act_and_mul.default, (torch.randn(4, 64, requires_grad=True), "gelu")),
         (torch.ops.kiln.act_and_mul_backward.default, (torch.randn(4, 64), torch.randn(4, 32), "silu")),
@@ -257,3 +259,32 @@ def test_rotary_embedding_module():
     rope.extend(17)
     assert rope.max_positions == 32 and rope.cos_sin("cpu")[0].shape == (32, 32)
     assert not torch.isnan(rope(q.detach(), k.detach(), far)[0]).any()
+
+
+def test_add_rms_norm_gradients():
+    """kt.add_rms_norm's autograd against fp64 PyTorch autograd: both outputs used (y and the new
+    residual h = x + residual), gradients for x, residual and weight, eager and traced whole."""
+    x = torch.randn(3, 5, 96, requires_grad=True)
+    r = torch.randn(3, 5, 96, requires_grad=True)
+    w = torch.randn(96, requires_grad=True)
+    dy, dh = torch.randn(3, 5, 96), torch.randn(3, 5, 96)
+    x64, r64, w64 = (t.detach().double().requires_grad_(True) for t in (x, r, w))
+    h64 = x64 + r64
+    y64 = h64 * torch.rsqrt(h64.square().mean(-1, keepdim=True) + 1e-6) * w64
+    ((y64 * dy.double()).sum() + (h64 * dh.double()).sum()).backward()
+    torch._dynamo.reset()
+    for run in (kt.add_rms_norm, torch.compile(kt.add_rms_norm, fullgraph=True, backend="aot_eager")):
+        x.grad = r.grad = w.grad = None
+        y, h = run(x, r, w, 1e-6)
+        torch.testing.assert_close(y.double(), y64.detach(), rtol=1e-5, atol=1e-5)
+        ((y * dy).sum() + (h * dh).sum()).backward()
+        for got, want in ((x.grad, x64.grad), (r.grad, r64.grad), (w.grad, w64.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    # Only y used: h's gradient is None and the norm's gradient alone reaches x and residual.
+    x.grad = r.grad = None
+    y, _ = kt.add_rms_norm(x, r, w, 1e-6)
+    (y * dy).sum().backward()
+    x64.grad = None
+    h64 = x64 + r64
+    ((h64 * torch.rsqrt(h64.square().mean(-1, keepdim=True) + 1e-6) * w64) * dy.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
