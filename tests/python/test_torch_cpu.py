@@ -288,3 +288,33 @@ def test_add_rms_norm_gradients():
     h64 = x64 + r64
     ((h64 * torch.rsqrt(h64.square().mean(-1, keepdim=True) + 1e-6) * w64) * dy.double()).sum().backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_a_training_block_compiles_whole_with_gradients():
+    """The block a user tried (add_rms_norm, the gated MLP, the down projection), compiled with
+    fullgraph=True while its parameters require grad, trains: every parameter and input gets the
+    same gradient as in eager mode."""
+    torch._dynamo.reset()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm_weight = torch.nn.Parameter(torch.randn(32))
+            self.mlp = kt.FusedGatedMLP(32, 48, dtype=torch.bfloat16)
+            self.down = torch.nn.Linear(48, 32, bias=False, dtype=torch.bfloat16)
+
+        def forward(self, x, residual):
+            y, h = kt.add_rms_norm(x, residual, self.norm_weight.to(x.dtype), 1e-6)
+            return self.down(self.mlp(y)) + h
+
+    block = Block()
+    x = torch.randn(2, 6, 32, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(2, 6, 32, dtype=torch.bfloat16, requires_grad=True)
+    grads = []
+    for run in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        block.zero_grad()
+        x.grad = r.grad = None
+        run(x, r).float().square().sum().backward()
+        grads.append([t.grad.clone() for t in (x, r, block.norm_weight, block.mlp.gate_weight, block.down.weight)])
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager)
