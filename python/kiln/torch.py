@@ -448,6 +448,37 @@ def fp8_gemm(a: Tensor, b: Tensor, a_scale: Optional[Tensor] = None, b_scale: Op
     return torch.ops.kiln.fp8_gemm(a, b, a_scale, b_scale, output_dtype)
 
 
+@torch.library.custom_op("kiln::fp8_linear", mutates_args=())
+def _fp8_linear(x: Tensor, weight: Tensor, q: Tensor, scale: Tensor, scaling: str,
+                output_dtype: torch.dtype) -> Tensor:
+    """x [M, K] (floating) times the weight [N, K] through its e4m3 codes q [N, K] and scale:
+    FP8Linear's differentiable forward."""
+    return fp8_gemm(x, q.t(), None, scale, output_dtype, scaling)
+
+
+@_fp8_linear.register_fake
+def _(x, weight, q, scale, scaling, output_dtype):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=output_dtype)
+
+
+def _fp8_linear_setup(ctx, inputs, output):
+    x, weight = inputs[0], inputs[1]
+    ctx.save_for_backward(x, weight)
+
+
+def _fp8_linear_grad(ctx, dy):
+    # The quantization is passed straight through: dgrad and wgrad are the unquantized product's,
+    # computed in the weight's floating dtype (bf16 for a bf16 model), not in FP8.
+    x, weight = ctx.saved_tensors
+    g = dy.to(weight.dtype)
+    dx = (g @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+    dw = (g.t() @ x.to(weight.dtype)) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None, None, None
+
+
+_fp8_linear.register_autograd(_fp8_linear_grad, setup_context=_fp8_linear_setup)
+
+
 # --- modules ---
 
 
@@ -583,11 +614,15 @@ class FusedGatedMLP(torch.nn.Module):
 
 
 class FP8Linear(torch.nn.Module):
-    """nn.Linear (y = x W^T + b) through kiln's FP8 GEMM, for inference: the weight stays a
-    floating-point parameter and is quantized (e4m3 with its scale, "tensor" or "block" scaling)
-    on first use and again whenever it changes (its version counter moves, or its device or
-    dtype). Activations are quantized on every call. f16/bf16 inputs give outputs of their dtype,
-    f32 inputs bf16 results cast back to f32. No autograd through the FP8 path."""
+    """nn.Linear (y = x W^T + b) through kiln's FP8 GEMM: the weight stays a floating-point
+    parameter and is quantized (e4m3 with its scale, "tensor" or "block" scaling) on first use and
+    again whenever it changes (its version counter moves, or its device or dtype). Activations are
+    quantized on every call. f16/bf16 inputs give outputs of their dtype, f32 inputs bf16 results
+    cast back to f32.
+
+    Training: the forward runs in FP8 and the backward passes the quantization straight through,
+    computing dgrad (dy W) and wgrad (dy^T x) in the weight's floating dtype with PyTorch's
+    matmul, so x, weight and bias all get gradients; none is silently dropped."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, scaling: str = "tensor",
                  device=None, dtype=None):
@@ -621,14 +656,22 @@ class FP8Linear(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ShapeMismatchError(f"FP8Linear: input ends in {x.shape[-1]}, expected {self.in_features}")
-        q, scale = self.quantized_weight()
+        if _eager():
+            q, scale = self.quantized_weight()
+        else:
+            # A traced graph cannot key a cache on the weight's address: it quantizes every call.
+            q, scale = quantize_fp8(self.weight.detach(), "128x128" if self.scaling == "block" else "tensor")
         out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
         x2 = x.reshape(-1, self.in_features)
-        y = fp8_gemm(x2, q.t(), None, scale, out_dtype, self.scaling)
+        if _needs_grad(x, self.weight):
+            y = torch.ops.kiln.fp8_linear(x2, self.weight, q, scale, self.scaling, out_dtype)
+        else:
+            y = fp8_gemm(x2, q.t(), None, scale, out_dtype, self.scaling)
         y = y.reshape(*x.shape[:-1], self.out_features)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        # The bias in the input's dtype: f32 inputs add (and sum its gradient) in f32.
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \

@@ -318,3 +318,26 @@ def test_a_training_block_compiles_whole_with_gradients():
         grads.append([t.grad.clone() for t in (x, r, block.norm_weight, block.mlp.gate_weight, block.down.weight)])
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+def test_fp8_linear_trains_with_straight_through_gradients(scaling):
+    """FP8Linear in training: the forward is the FP8 product (close to x W^T + b), and x, weight and
+    bias get the unquantized product's gradients (dy W, dy^T x, sum dy), eager and traced whole.
+    f32 inputs get a bf16 product cast back, so the GEMM's gradient is dy rounded to bf16."""
+    lin = kt.FP8Linear(256, 128, bias=True, scaling=scaling)
+    x = torch.randn(3, 5, 256, requires_grad=True)
+    dy = torch.randn(3, 5, 128)
+    torch._dynamo.reset()
+    for run in (lin, torch.compile(lin, fullgraph=True, backend="aot_eager")):
+        lin.zero_grad()
+        x.grad = None
+        y = run(x)
+        want = x.detach() @ lin.weight.detach().t() + lin.bias.detach()
+        assert ((y.detach() - want).norm() / want.norm()) < 0.1
+        y.backward(dy)
+        g = dy.bfloat16().float()
+        torch.testing.assert_close(x.grad, g @ lin.weight.detach(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lin.weight.grad, g.reshape(-1, 128).t() @ x.detach().reshape(-1, 256),
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lin.bias.grad, dy.reshape(-1, 128).sum(0), rtol=1e-4, atol=1e-4)
