@@ -63,8 +63,7 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("kiln::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+def _rms_norm_fwd_impl(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     x = _rows_contiguous(x)
     inv = _new(x, _rows_shape(x), torch.float32)
     if x.numel() == 0:
@@ -72,13 +71,15 @@ def _rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor
     return _ops.rms_norm(x, weight.contiguous(), eps, out=_new(x, x.shape), inv_rms=inv), inv
 
 
+_rms_norm_fwd = torch.library.custom_op("kiln::rms_norm_fwd", _rms_norm_fwd_impl, mutates_args=())
+
+
 @_rms_norm_fwd.register_fake
 def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(_rows_shape(x), dtype=torch.float32)
 
 
-@torch.library.custom_op("kiln::rms_norm_backward", mutates_args=())
-def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, inv_rms: Tensor) -> Tuple[Tensor, Tensor]:
+def _rms_norm_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, inv_rms: Tensor) -> Tuple[Tensor, Tensor]:
     dy, x = dy.contiguous(), _rows_contiguous(x)  # dy of a sum() is an expanded (stride 0) tensor
     if x.numel() == 0:
         return torch.empty_like(x), torch.zeros_like(weight)
@@ -88,6 +89,9 @@ def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, inv_rms: Tensor) -
         workspace = _new(x, (max(_ops.rms_norm_backward_workspace_elements(x), 1),), torch.float32)
     return _ops.rms_norm_backward(dy, x, weight.contiguous(), inv_rms, dx=_new(x, x.shape),
                                   dw=_new(weight, weight.shape), workspace=workspace)
+
+
+_rms_norm_backward = torch.library.custom_op("kiln::rms_norm_backward", _rms_norm_backward_impl, mutates_args=())
 
 
 @_rms_norm_backward.register_fake
@@ -107,6 +111,25 @@ def _rms_norm_grad(ctx, dy, _d_inv_rms):
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+class _RmsNormFunction(torch.autograd.Function):
+    """The eager training path of rms_norm: the same implementations as kiln::rms_norm_fwd and
+    kiln::rms_norm_backward, called without the dispatcher and torch.library's autograd wrapper,
+    which cost more host time per step than the kernels at small and medium sizes. torch.compile
+    traces the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, inv_rms = _rms_norm_fwd_impl(x, weight, eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, inv_rms = ctx.saved_tensors
+        dx, dw = _rms_norm_backward_impl(dy, x, weight, inv_rms)
+        return dx, dw, None
 
 
 def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
@@ -361,7 +384,7 @@ def rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor] = 
     else:
         w = weight if k == 1 else weight.reshape(n)
     if _needs_grad(x, weight):
-        y = torch.ops.kiln.rms_norm_fwd(rows, w, eps)[0]
+        y = _RmsNormFunction.apply(rows, w, eps) if _eager() else torch.ops.kiln.rms_norm_fwd(rows, w, eps)[0]
     elif _eager():
         y = _rms_norm_impl(rows, w, eps)
     else:
