@@ -22,7 +22,7 @@ from . import ops as _ops
 from ._errors import InvalidArgumentError, ShapeMismatchError
 
 __all__ = ["rms_norm", "add_rms_norm", "act_and_mul", "silu_and_mul", "apply_rope_qk", "fused_rmsnorm_rope",
-           "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "RMSNorm", "RotaryEmbedding", "FusedRMSNormRoPE",
+           "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "RMSNorm", "SwiGLU", "RotaryEmbedding", "FusedRMSNormRoPE",
            "FusedGatedMLP", "FP8Linear"]
 
 _KILN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -533,6 +533,32 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+
+
+class SwiGLU(torch.nn.Module):
+    """A gated transformer MLP: down_proj(act(x Wg^T) * (x Wu^T)), with the gate and up
+    projections stacked in one Linear, gate_up_proj ([2 * intermediate, hidden]: the gate's rows
+    first, as Phi-3 stores them), so one GEMM feeds kiln's act_and_mul (differentiable) and no
+    concatenation is needed. activation "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        if activation not in ("silu", "gelu", "gelu_tanh"):
+            raise InvalidArgumentError(f"SwiGLU: activation must be silu, gelu or gelu_tanh (got {activation!r})")
+        self.activation = activation
+        self.gate_up_proj = torch.nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def load_gate_up(self, gate_weight: Tensor, up_weight: Tensor):
+        """Copies separate gate and up weights ([intermediate, hidden] each, as Llama stores them)."""
+        n = self.gate_up_proj.out_features // 2
+        self.gate_up_proj.weight[:n].copy_(gate_weight)
+        self.gate_up_proj.weight[n:].copy_(up_weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.activation))
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -341,3 +341,26 @@ def test_fp8_linear_trains_with_straight_through_gradients(scaling):
         torch.testing.assert_close(lin.weight.grad, g.reshape(-1, 128).t() @ x.detach().reshape(-1, 256),
                                    rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(lin.bias.grad, dy.reshape(-1, 128).sum(0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_swiglu_module_matches_the_llama_mlp(act):
+    """kt.SwiGLU with gate and up weights loaded from separate projections equals
+    down(act(gate(x)) * up(x)), forward and every parameter's gradient."""
+    fn = {"silu": torch.nn.functional.silu, "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act]
+    gate, up, down = torch.nn.Linear(32, 80, bias=False), torch.nn.Linear(32, 80, bias=False), torch.nn.Linear(80, 32, bias=False)
+    mlp = kt.SwiGLU(32, 80, act)
+    mlp.load_gate_up(gate.weight, up.weight)
+    with torch.no_grad():
+        mlp.down_proj.weight.copy_(down.weight)
+    x = torch.randn(3, 7, 32)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = mlp(xa), down(fn(gate(xb)) * up(xb))
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mlp.gate_up_proj.weight.grad, torch.cat([gate.weight.grad, up.weight.grad]),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mlp.down_proj.weight.grad, down.weight.grad, rtol=1e-4, atol=1e-5)
