@@ -401,11 +401,30 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6)
     return torch.ops.kiln.add_rms_norm(x, residual, weight, eps)
 
 
+class _ActAndMulFunction(torch.autograd.Function):
+    """The eager training path of act_and_mul (as _RmsNormFunction is rms_norm's): the kernels
+    without the dispatcher; torch.compile traces kiln::act_and_mul and its declared backward."""
+
+    @staticmethod
+    def forward(ctx, x, activation):
+        ctx.save_for_backward(x)
+        ctx.activation = activation
+        return _act_and_mul_impl(x, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        x = _rows_contiguous(x)
+        if x.numel() == 0:
+            return torch.zeros_like(x), None
+        return _ops.act_and_mul_backward(x, dy.contiguous(), ctx.activation, dx=_new(x, x.shape)), None
+
+
 def act_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
     """act(x[..., :d]) * x[..., d:]; activation "silu", "gelu" or "gelu_tanh". Differentiable: the
     backward (kiln::act_and_mul_backward) recomputes act from x, which is all it saves."""
-    if _eager() and not _needs_grad(x):
-        return _act_and_mul_impl(x, activation)
+    if _eager():
+        return _ActAndMulFunction.apply(x, activation) if _needs_grad(x) else _act_and_mul_impl(x, activation)
     return torch.ops.kiln.act_and_mul(x, activation)
 
 
