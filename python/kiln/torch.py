@@ -132,6 +132,21 @@ class _RmsNormFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+def _eager_function(name, impl, setup_context, backward):
+    """An autograd.Function running a custom op's implementation with the same setup_context and
+    backward its register_autograd got: the eager training path, without the dispatcher and
+    torch.library's autograd wrapper (host time that exceeds small kernels'); torch.compile traces
+    the custom op itself."""
+
+    def forward(ctx, *inputs):
+        output = impl(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
 def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     x, residual = _rows_contiguous(x), _rows_contiguous(residual)
     if x.numel() == 0:
@@ -170,6 +185,8 @@ def _add_rms_norm_grad(ctx, dy, dh):
 
 
 _add_rms_norm.register_autograd(_add_rms_norm_grad, setup_context=_add_rms_norm_setup)
+_AddRmsNormFunction = _eager_function("_AddRmsNormFunction", _add_rms_norm_impl, _add_rms_norm_setup,
+                                      _add_rms_norm_grad)
 
 
 def _act_and_mul_impl(x: Tensor, activation: str) -> Tensor:
@@ -220,6 +237,7 @@ def _rope_qk_grad(ctx, dq_out, dk_out):
 
 
 _apply_rope_qk.register_autograd(_rope_qk_grad, setup_context=_rope_qk_setup)
+_RopeQkFunction = _eager_function("_RopeQkFunction", _apply_rope_qk_impl, _rope_qk_setup, _rope_qk_grad)
 
 
 def _rms_norm_rope_impl(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, num_heads: int) -> Tensor:
@@ -396,7 +414,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6)
     """(rms_norm(x + residual) * weight, x + residual), vLLM's fused residual add. Differentiable in
     x, residual and weight: the backward recomputes inv_rms from x + residual, runs kiln's RMSNorm
     backward and adds the residual stream's gradient (three passes; a fused kernel is to come)."""
-    if _eager() and not _needs_grad(x, residual, weight):
+    if _eager():
+        if _needs_grad(x, residual, weight):
+            return _AddRmsNormFunction.apply(x, residual, weight, eps)
         return _add_rms_norm_impl(x, residual, weight, eps)
     return torch.ops.kiln.add_rms_norm(x, residual, weight, eps)
 
@@ -438,7 +458,9 @@ def apply_rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: 
     position_ids (int64 [tokens]), cos/sin float32 [max_pos, head_dim / 2]. Differentiable in q and
     k: the backward rotates the gradients by the opposite angle (the same kernel with -sin); cos and
     sin get no gradient (an error if they require one)."""
-    if _eager() and not _needs_grad(q, k):
+    if _eager():
+        if _needs_grad(q, k, cos, sin):
+            return _RopeQkFunction.apply(q, k, cos, sin, position_ids, layout)
         return _apply_rope_qk_impl(q, k, cos, sin, position_ids, layout)
     return torch.ops.kiln.apply_rope_qk(q, k, cos, sin, position_ids, layout)
 
