@@ -38,6 +38,70 @@ LaunchGeometry flat_grid(const Params& params, std::int64_t rows, std::int64_t d
   return g;
 }
 
+// The name expression of kernel `kernel` (act_and_mul.cuh or act_and_mul_bwd.cuh) for params.
+Rendered render_act(const Params& params, const char* header, const char* kernel) {
+  Rendered r;
+  r.source = std::string("#include \"act_and_mul/") + header + "\"\n";
+  r.name_expression = std::string("kiln::") + kernel + "<" + device_type(*params.get_str("dtype")) + ", " +
+                      std::to_string(act_index(*params.get_str("act"))) + ", " +
+                      std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
+  return r;
+}
+
+// Every activation, dtype, block and access width that validates.
+std::vector<Params> act_catalog(const Family& f, std::initializer_list<std::int64_t> blocks) {
+  std::vector<Params> out;
+  for (const char* act : k_act_names)
+    for (const char* dtype : {"f32", "f16", "bf16"})
+      for (std::int64_t block : blocks)
+        for (std::int64_t vec : {1, 2, 4, 8}) {
+          Params p{{"act", std::string(act)}, {"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
+          if (f.validate(p).ok()) out.push_back(p);
+        }
+  return out;
+}
+
+// The heuristic's variant: 128-thread blocks and the widest access up to 8 bytes that the
+// alignment and every size in `multiples` (d and the row strides, in elements) allow. For the
+// forward, 8-byte accesses and 128-thread blocks are at or near the best for SiLU and GELU at large
+// shapes on Hopper (bench section `variants`); 16-byte accesses are slower with GELU (erf)
+// computed with erff, and tie with the fitted form of families/act_and_mul/activations.cuh.
+// docs/benchmarks.md has the figures.
+Params act_heuristic(const Problem& p, std::int64_t activation, std::initializer_list<std::int64_t> multiples) {
+  const int esize = int(dtype_size(p.dtype));
+  int vec = std::max(1, 8 / esize);
+  auto fits = [&](int v) {
+    if (p.alignment < std::uint32_t(v * esize)) return false;
+    for (std::int64_t m : multiples)
+      if (m % v) return false;
+    return true;
+  };
+  while (vec > 1 && !fits(vec)) vec /= 2;
+  return Params{{"act", std::string(k_act_names[std::clamp<std::int64_t>(activation, 0, 2)])},
+                {"dtype", std::string(dtype_name(p.dtype))},
+                {"block", std::int64_t(128)},
+                {"vec", std::int64_t(vec)}};
+}
+
+// `shape` with `defaults` added for the names it does not give.
+std::vector<std::pair<std::string, std::int64_t>> with_defaults(
+    std::vector<std::pair<std::string, std::int64_t>> shape,
+    const std::vector<std::pair<std::string, std::int64_t>>& defaults) {
+  for (const auto& [name, value] : defaults) {
+    const std::string& wanted = name;
+    if (std::none_of(shape.begin(), shape.end(), [&](const auto& g) { return g.first == wanted; }))
+      shape.emplace_back(name, value);
+  }
+  return shape;
+}
+
+// The d a shape names, or -1.
+std::int64_t shape_d(const std::vector<std::pair<std::string, std::int64_t>>& shape) {
+  for (const auto& [name, value] : shape)
+    if (name == "d") return value;
+  return -1;
+}
+
 // The checks both directions share: the variant's activation and dtype against the problem's.
 Status check_act_and_dtype(std::string_view family, const Params& params, const Problem& p, std::int64_t act) {
   if (act < 0 || act > 2) return invalid_argument(std::string(family) + ": unknown activation " + std::to_string(act));
@@ -83,25 +147,10 @@ class ActAndMul final : public Family {
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
-    Rendered r;
-    r.source = "#include \"act_and_mul/act_and_mul.cuh\"\n";
-    r.name_expression = std::string("kiln::act_and_mul<") + device_type(*params.get_str("dtype")) + ", " +
-                        std::to_string(act_index(*params.get_str("act"))) + ", " +
-                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
-    return r;
+    return render_act(params, "act_and_mul.cuh", "act_and_mul");
   }
 
-  std::vector<Params> catalog() const override {
-    std::vector<Params> out;
-    for (const char* act : k_act_names)
-      for (const char* dtype : {"f32", "f16", "bf16"})
-        for (std::int64_t block : {64, 128, 256, 512, 1024})
-          for (std::int64_t vec : {1, 2, 4, 8}) {
-            Params p{{"act", std::string(act)}, {"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
-            if (validate(p).ok()) out.push_back(p);
-          }
-    return out;
-  }
+  std::vector<Params> catalog() const override { return act_catalog(*this, {64, 128, 256, 512, 1024}); }
 
   Status check_problem(const Params& params, const Problem& p) const override {
     const auto q = p.as<ActAndMulProblem>();
@@ -125,12 +174,8 @@ class ActAndMul final : public Family {
   }
 
   Params heuristic(const Problem& p) const override {
-    auto c = act_and_mul_heuristic(p);
-    const auto act = std::clamp<std::int64_t>(p.as<ActAndMulProblem>().activation, 0, 2);
-    return Params{{"act", std::string(k_act_names[act])},
-                  {"dtype", std::string(dtype_name(p.dtype))},
-                  {"block", c.block},
-                  {"vec", c.vec}};
+    const auto q = p.as<ActAndMulProblem>();
+    return act_heuristic(p, q.activation, {q.d, q.x_row_stride, q.out_row_stride});
   }
 
   std::vector<Params> tuning_space(const Problem& p) const override {
@@ -143,19 +188,10 @@ class ActAndMul final : public Family {
   // Row strides default to contiguous rows (2d for x, d for out), the activation to silu.
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    auto full = shape;
-    std::int64_t d = -1;
-    bool x_stride = false, out_stride = false, act = false;
-    for (const auto& [n, v] : shape) {
-      if (n == "d") d = v;
-      x_stride |= n == "x_row_stride";
-      out_stride |= n == "out_row_stride";
-      act |= n == "activation";
-    }
-    if (!x_stride && d >= 0) full.emplace_back("x_row_stride", 2 * d);
-    if (!out_stride && d >= 0) full.emplace_back("out_row_stride", d);
-    if (!act) full.emplace_back("activation", std::int64_t(k_am_silu));
-    return Family::problem_from_shape(dtype, full);
+    const std::int64_t d = shape_d(shape);
+    std::vector<std::pair<std::string, std::int64_t>> defaults = {{"activation", k_am_silu}};
+    if (d >= 0) defaults.insert(defaults.end(), {{"x_row_stride", 2 * d}, {"out_row_stride", d}});
+    return Family::problem_from_shape(dtype, with_defaults(shape, defaults));
   }
 
   // Tokens x d (the output width), contiguous, silu.
@@ -237,25 +273,10 @@ class ActAndMulBwd final : public Family {
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
-    Rendered r;
-    r.source = "#include \"act_and_mul/act_and_mul_bwd.cuh\"\n";
-    r.name_expression = std::string("kiln::act_and_mul_bwd<") + device_type(*params.get_str("dtype")) + ", " +
-                        std::to_string(act_index(*params.get_str("act"))) + ", " +
-                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
-    return r;
+    return render_act(params, "act_and_mul_bwd.cuh", "act_and_mul_bwd");
   }
 
-  std::vector<Params> catalog() const override {
-    std::vector<Params> out;
-    for (const char* act : k_act_names)
-      for (const char* dtype : {"f32", "f16", "bf16"})
-        for (std::int64_t block : {128, 256, 512})
-          for (std::int64_t vec : {1, 2, 4, 8}) {
-            Params p{{"act", std::string(act)}, {"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
-            if (validate(p).ok()) out.push_back(p);
-          }
-    return out;
-  }
+  std::vector<Params> catalog() const override { return act_catalog(*this, {128, 256, 512}); }
 
   Status check_problem(const Params& params, const Problem& p) const override {
     const auto q = p.as<ActAndMulBwdProblem>();
@@ -278,13 +299,11 @@ class ActAndMulBwd final : public Family {
     return flat_grid(params, q.rows, q.d);
   }
 
+  // Three streams (x and dy read, dx written) against the forward's two: the forward's choice,
+  // until the variants section times the backward on a GPU.
   Params heuristic(const Problem& p) const override {
-    auto c = act_and_mul_bwd_heuristic(p);
-    const auto act = std::clamp<std::int64_t>(p.as<ActAndMulBwdProblem>().activation, 0, 2);
-    return Params{{"act", std::string(k_act_names[act])},
-                  {"dtype", std::string(dtype_name(p.dtype))},
-                  {"block", c.block},
-                  {"vec", c.vec}};
+    const auto q = p.as<ActAndMulBwdProblem>();
+    return act_heuristic(p, q.activation, {q.d, q.x_row_stride, q.dy_row_stride, q.dx_row_stride});
   }
 
   std::vector<Params> tuning_space(const Problem& p) const override {
@@ -297,21 +316,10 @@ class ActAndMulBwd final : public Family {
   // Row strides default to contiguous rows (2d for x and dx, d for dy), the activation to silu.
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    auto full = shape;
-    std::int64_t d = -1;
-    bool x_stride = false, dy_stride = false, dx_stride = false, act = false;
-    for (const auto& [n, v] : shape) {
-      if (n == "d") d = v;
-      x_stride |= n == "x_row_stride";
-      dy_stride |= n == "dy_row_stride";
-      dx_stride |= n == "dx_row_stride";
-      act |= n == "activation";
-    }
-    if (!x_stride && d >= 0) full.emplace_back("x_row_stride", 2 * d);
-    if (!dy_stride && d >= 0) full.emplace_back("dy_row_stride", d);
-    if (!dx_stride && d >= 0) full.emplace_back("dx_row_stride", 2 * d);
-    if (!act) full.emplace_back("activation", std::int64_t(k_am_silu));
-    return Family::problem_from_shape(dtype, full);
+    const std::int64_t d = shape_d(shape);
+    std::vector<std::pair<std::string, std::int64_t>> defaults = {{"activation", k_am_silu}};
+    if (d >= 0) defaults.insert(defaults.end(), {{"x_row_stride", 2 * d}, {"dy_row_stride", d}, {"dx_row_stride", 2 * d}});
+    return Family::problem_from_shape(dtype, with_defaults(shape, defaults));
   }
 
   // Tokens x d (dy's width), contiguous, every activation at the MLP widths of common models.
@@ -403,30 +411,9 @@ double act_and_mul_derivative(int act, double v) {
 }
 
 ActAndMulChoice act_and_mul_heuristic(const Problem& p) {
-  const int esize = int(dtype_size(p.dtype));
   const auto q = p.as<ActAndMulProblem>();
-  const auto d = q.d;
-  // 8-byte accesses and 128-thread blocks are at or near the best for SiLU and GELU at large
-  // shapes on Hopper (bench section `variants`); 16-byte accesses are slower with GELU (erf)
-  // computed with erff, and tie with the fitted form of families/act_and_mul/activations.cuh.
-  // docs/benchmarks.md has the figures.
-  int vec = std::max(1, 8 / esize);
-  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || d % vec || q.x_row_stride % vec ||
-                     q.out_row_stride % vec))
-    vec /= 2;
-  return {128, vec};
-}
-
-// Three streams (x and dy read, dx written) against the forward's two: the same 8-byte accesses
-// and 128-thread blocks as the forward until the variants section times it on a GPU.
-ActAndMulChoice act_and_mul_bwd_heuristic(const Problem& p) {
-  const int esize = int(dtype_size(p.dtype));
-  const auto q = p.as<ActAndMulBwdProblem>();
-  int vec = std::max(1, 8 / esize);
-  while (vec > 1 && (p.alignment < std::uint32_t(vec * esize) || q.d % vec || q.x_row_stride % vec ||
-                     q.dy_row_stride % vec || q.dx_row_stride % vec))
-    vec /= 2;
-  return {128, vec};
+  const Params h = act_heuristic(p, q.activation, {q.d, q.x_row_stride, q.out_row_stride});
+  return {int(*h.get_int("block")), int(*h.get_int("vec"))};
 }
 
 }  // namespace kiln::families

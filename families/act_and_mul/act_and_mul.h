@@ -49,7 +49,6 @@ struct ActAndMulChoice {
   int vec;
 };
 ActAndMulChoice act_and_mul_heuristic(const Problem& p);
-ActAndMulChoice act_and_mul_bwd_heuristic(const Problem& p);
 
 // The activation and its derivative in double (the CPU references, and tests).
 double act_and_mul_activate(int activation, double v);
