@@ -15,6 +15,7 @@
 #include "jit/builder.h"
 #include "jit/nvrtc.h"
 #include "kiln/family.h"
+#include "tests/stub_family.h"
 #include "tests/test_util.h"
 
 namespace kiln::jit {
@@ -127,29 +128,19 @@ TEST(Builder, ConcurrentRequestsForOneKeyCompileOnce) {
 }
 
 // A family whose template does not compile: the error carries NVRTC's log and the options.
-class BrokenFamily final : public Family {
+class BrokenFamily final : public testing::StubFamily {
  public:
-  std::string_view name() const override { return "broken"; }
-  int version() const override { return 1; }
+  BrokenFamily() : StubFamily("broken") {}
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> d = {{"n", {1}, {}, ""}};
     return d;
-  }
-  const std::vector<ProblemField>& problem_fields() const override {
-    static const std::vector<ProblemField> none;
-    return none;
   }
   Result<Rendered> render(const Params&) const override {
     return Rendered{"template <int N> __global__ void k(float* x) { x[0] = undefined_symbol_xyz; }\n", "k<1>", {}};
   }
   std::vector<Params> catalog() const override { return {Params{{"n", std::int64_t(1)}}}; }
-  Status check_problem(const Params&, const Problem&) const override { return {}; }
-  LaunchGeometry geometry(const Params&, const Problem&) const override { return {}; }
   Params heuristic(const Problem&) const override { return catalog()[0]; }
   std::vector<Params> tuning_space(const Problem&) const override { return catalog(); }
-  std::vector<BufferSpec> buffers(const Params&, const Problem&) const override { return {}; }
-  void pack_args(const Params&, const Problem&, std::span<void* const>, ArgPack&) const override {}
-  Status cpu_reference(const Params&, const Problem&, std::span<void* const>) const override { return {}; }
 };
 
 TEST(Builder, CompileErrorCarriesLogAndOptions) {

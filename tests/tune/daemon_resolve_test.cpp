@@ -11,6 +11,7 @@
 #include "jit/driver.h"
 #include "jit/tuning_setup.h"
 #include "tests/daemon/kilnd_harness.h"
+#include "tests/stub_family.h"
 
 namespace kiln::testing {
 namespace {
@@ -22,28 +23,10 @@ Problem problem(std::int64_t rows, std::int64_t cols) {
 }
 
 // A family kilnd does not have: requests for it are refused by name, before its problem is read.
-class Unregistered final : public Family {
- public:
-  std::string_view name() const override { return "no_such_family"; }
-  int version() const override { return 1; }
-  const std::vector<ParamDef>& schema() const override {
-    static const std::vector<ParamDef> none;
-    return none;
-  }
-  const std::vector<ProblemField>& problem_fields() const override {
-    static const std::vector<ProblemField> none;
-    return none;
-  }
-  Result<Rendered> render(const Params&) const override { return Rendered{}; }
-  std::vector<Params> catalog() const override { return {}; }
-  Status check_problem(const Params&, const Problem&) const override { return {}; }
-  LaunchGeometry geometry(const Params&, const Problem&) const override { return {}; }
-  Params heuristic(const Problem&) const override { return {}; }
-  std::vector<Params> tuning_space(const Problem&) const override { return {}; }
-  std::vector<BufferSpec> buffers(const Params&, const Problem&) const override { return {}; }
-  void pack_args(const Params&, const Problem&, std::span<void* const>, ArgPack&) const override {}
-  Status cpu_reference(const Params&, const Problem&, std::span<void* const>) const override { return {}; }
-};
+const StubFamily& unregistered() {
+  static const StubFamily f("no_such_family");
+  return f;
+}
 
 client::ResolveTarget target() { return {"sm_90a", "Test GPU 80GB", "999.1.2 cuda 13000", "0000:01:00"}; }
 
@@ -130,7 +113,7 @@ TEST(KilndResolve, BadRequestsAreErrorsBeforeAnythingIsQueued) {
   ASSERT_TRUE(k);
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
-  auto unknown = (*c)->resolve(Unregistered(), problem(1, 8), target(), jit::AutotuneMode::background);
+  auto unknown = (*c)->resolve(unregistered(), problem(1, 8), target(), jit::AutotuneMode::background);
   ASSERT_FALSE(unknown.ok());
   EXPECT_EQ(unknown.status().code(), Code::not_found);
   Problem bad = problem(4, 8);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "kiln/family.h"
+#include "tests/stub_family.h"
 
 namespace kiln {
 namespace {
@@ -40,14 +41,9 @@ struct TestProblem {
   double eps = 0;
 };
 
-class TestFamily final : public Family {
+class TestFamily final : public testing::StubFamily {
  public:
-  std::string_view name() const override { return "typed_test"; }
-  int version() const override { return 1; }
-  const std::vector<ParamDef>& schema() const override {
-    static const std::vector<ParamDef> defs;
-    return defs;
-  }
+  TestFamily() : StubFamily("typed_test") {}
   const std::vector<ProblemField>& problem_fields() const override {
     static const std::vector<ProblemField> fields = problem_fields_of<TestProblem>({
         bucketed(&TestProblem::rows, "rows", "rows"),
@@ -58,15 +54,6 @@ class TestFamily final : public Family {
     });
     return fields;
   }
-  Result<Rendered> render(const Params&) const override { return Rendered{}; }
-  std::vector<Params> catalog() const override { return {}; }
-  Status check_problem(const Params&, const Problem&) const override { return {}; }
-  LaunchGeometry geometry(const Params&, const Problem&) const override { return {}; }
-  Params heuristic(const Problem&) const override { return {}; }
-  std::vector<Params> tuning_space(const Problem&) const override { return {}; }
-  std::vector<BufferSpec> buffers(const Params&, const Problem&) const override { return {}; }
-  void pack_args(const Params&, const Problem&, std::span<void* const>, ArgPack&) const override {}
-  Status cpu_reference(const Params&, const Problem&, std::span<void* const>) const override { return {}; }
 };
 
 Problem test_problem(std::int64_t rows, std::int64_t cols, double scale = 0.5) {
@@ -146,27 +133,13 @@ TEST(TypedProblem, AListThatMissesAMemberThrows) {
 }
 
 TEST(TypedProblem, RegistryRefusesABadFieldList) {
-  class Bad final : public Family {
+  class Bad final : public testing::StubFamily {
    public:
-    std::string_view name() const override { return "bad_fields"; }
-    int version() const override { return 1; }
-    const std::vector<ParamDef>& schema() const override {
-      static const std::vector<ParamDef> defs;
-      return defs;
-    }
+    Bad() : StubFamily("bad_fields") {}
     const std::vector<ProblemField>& problem_fields() const override {
       static const std::vector<ProblemField> fields = {ProblemField{"x", FieldType::i64, 3, true, false, ""}};
       return fields;
     }
-    Result<Rendered> render(const Params&) const override { return Rendered{}; }
-    std::vector<Params> catalog() const override { return {}; }
-    Status check_problem(const Params&, const Problem&) const override { return {}; }
-    LaunchGeometry geometry(const Params&, const Problem&) const override { return {}; }
-    Params heuristic(const Problem&) const override { return {}; }
-    std::vector<Params> tuning_space(const Problem&) const override { return {}; }
-    std::vector<BufferSpec> buffers(const Params&, const Problem&) const override { return {}; }
-    void pack_args(const Params&, const Problem&, std::span<void* const>, ArgPack&) const override {}
-    Status cpu_reference(const Params&, const Problem&, std::span<void* const>) const override { return {}; }
   };
   Registry r;
   EXPECT_EQ(r.add(std::make_shared<Bad>()).code(), Code::invalid_argument);
