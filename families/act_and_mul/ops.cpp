@@ -24,6 +24,10 @@ std::pair<std::uintptr_t, std::uintptr_t> span_of(const TensorView& t, const cli
   return {b, b + std::uintptr_t(((r.rows - 1) * r.row_stride + cols) * std::int64_t(dtype_size(t.dtype)))};
 }
 
+bool overlap(std::pair<std::uintptr_t, std::uintptr_t> a, std::pair<std::uintptr_t, std::uintptr_t> b) {
+  return a.first < b.second && b.first < a.second;
+}
+
 }  // namespace
 
 Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, Stream stream, Runtime* runtime) {
@@ -49,14 +53,11 @@ Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, S
   // One thread reads both halves of a pack and then writes it: out may be x[..., :d] itself, but
   // any other overlap would race with other threads' reads.
   const auto esize = std::int64_t(dtype_size(x.dtype));
-  const auto xb = reinterpret_cast<std::uintptr_t>(x.data), ob = reinterpret_cast<std::uintptr_t>(out.data);
-  if (xr.rows > 0) {
-    const auto xe = xb + std::uintptr_t(((xr.rows - 1) * xr.row_stride + two_d) * esize);
-    const auto oe = ob + std::uintptr_t(((orow.rows - 1) * orow.row_stride + d) * esize);
-    const bool in_place = xb == ob && (xr.rows <= 1 || xr.row_stride == orow.row_stride);
-    if (xb < oe && ob < xe && !in_place)
-      return invalid_argument("act_and_mul: out overlaps x without being x[..., :d] (same pointer and row stride)");
-  }
+  const auto xs = span_of(x, xr, two_d), os = span_of(out, orow, d);
+  const bool in_place = x.data == out.data && (xr.rows <= 1 || xr.row_stride == orow.row_stride);
+  if (overlap(xs, os) && !in_place)
+    return invalid_argument("act_and_mul: out overlaps x without being x[..., :d] (same pointer and row stride)");
+  const auto xb = xs.first, ob = os.first;
 
   const DeviceKind where = x.device.kind;
   KILN_TRY(client::check_device(x, "x", where));
@@ -118,7 +119,6 @@ Status act_and_mul_backward(const TensorView& x, const TensorView& dy, const Ten
   // One thread reads x's two halves and dy before writing dx's: dx may be x itself, but any other
   // overlap would race with other threads' reads.
   const auto xs = span_of(x, xr, two_d), ys = span_of(dy, yr, d), ds = span_of(dx, dr, two_d);
-  auto overlap = [](auto a, auto b) { return a.first < b.second && b.first < a.second; };
   const bool in_place = x.data == dx.data && (xr.rows <= 1 || xr.row_stride == dr.row_stride);
   if (overlap(ds, xs) && !in_place)
     return invalid_argument(std::string(op) + ": dx overlaps x without being x itself (same pointer and row stride)");

@@ -104,37 +104,26 @@ def _rms_norm_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, output[1])
 
 
-def _rms_norm_grad(ctx, dy, _d_inv_rms):
-    x, weight, inv_rms = ctx.saved_tensors
-    dx, dw = torch.ops.kiln.rms_norm_backward(dy, x, weight, inv_rms)
-    return dx, dw, None
+def _rms_norm_grad_with(backward):
+    """rms_norm's gradient through `backward`: the custom op where it may be traced, its
+    implementation for the eager path (no dispatcher)."""
 
-
-_rms_norm_fwd.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
-
-
-class _RmsNormFunction(torch.autograd.Function):
-    """The eager training path of rms_norm: the same implementations as kiln::rms_norm_fwd and
-    kiln::rms_norm_backward, called without the dispatcher and torch.library's autograd wrapper,
-    which cost more host time per step than the kernels at small and medium sizes. torch.compile
-    traces the custom ops instead."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, inv_rms = _rms_norm_fwd_impl(x, weight, eps)
-        ctx.save_for_backward(x, weight, inv_rms)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
+    def grad(ctx, dy, _d_inv_rms):
         x, weight, inv_rms = ctx.saved_tensors
-        dx, dw = _rms_norm_backward_impl(dy, x, weight, inv_rms)
+        dx, dw = backward(dy, x, weight, inv_rms)
         return dx, dw, None
+
+    return grad
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_grad_with(lambda *a: torch.ops.kiln.rms_norm_backward(*a)),
+                                setup_context=_rms_norm_setup)
 
 
 def _eager_function(name, impl, setup_context, backward):
-    """An autograd.Function running a custom op's implementation with the same setup_context and
-    backward its register_autograd got: the eager training path, without the dispatcher and
+    """An autograd.Function running a custom op's implementation with its setup_context and a
+    backward of the same formula (the one its register_autograd got, or one that calls the backward
+    op's implementation directly): the eager training path, without the dispatcher and
     torch.library's autograd wrapper (host time that exceeds small kernels'); torch.compile traces
     the custom op itself."""
 
@@ -145,6 +134,10 @@ def _eager_function(name, impl, setup_context, backward):
 
     return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_RmsNormFunction = _eager_function("_RmsNormFunction", _rms_norm_fwd_impl, _rms_norm_setup,
+                                   _rms_norm_grad_with(_rms_norm_backward_impl))
 
 
 def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
@@ -402,7 +395,8 @@ def rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor] = 
     else:
         w = weight if k == 1 else weight.reshape(n)
     if _needs_grad(x, weight):
-        y = _RmsNormFunction.apply(rows, w, eps) if _eager() else torch.ops.kiln.rms_norm_fwd(rows, w, eps)[0]
+        fwd = _RmsNormFunction.apply if _eager() else torch.ops.kiln.rms_norm_fwd
+        y = fwd(rows, w, eps)[0]
     elif _eager():
         y = _rms_norm_impl(rows, w, eps)
     else:
@@ -421,30 +415,13 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6)
     return torch.ops.kiln.add_rms_norm(x, residual, weight, eps)
 
 
-class _ActAndMulFunction(torch.autograd.Function):
-    """The eager training path of act_and_mul (as _RmsNormFunction is rms_norm's): the kernels
-    without the dispatcher; torch.compile traces kiln::act_and_mul and its declared backward."""
-
-    @staticmethod
-    def forward(ctx, x, activation):
-        ctx.save_for_backward(x)
-        ctx.activation = activation
-        return _act_and_mul_impl(x, activation)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        x = _rows_contiguous(x)
-        if x.numel() == 0:
-            return torch.zeros_like(x), None
-        return _ops.act_and_mul_backward(x, dy.contiguous(), ctx.activation, dx=_new(x, x.shape)), None
-
-
 def act_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
     """act(x[..., :d]) * x[..., d:]; activation "silu", "gelu" or "gelu_tanh". Differentiable: the
     backward (kiln::act_and_mul_backward) recomputes act from x, which is all it saves."""
     if _eager():
-        return _ActAndMulFunction.apply(x, activation) if _needs_grad(x) else _act_and_mul_impl(x, activation)
+        if _needs_grad(x):
+            return _EAGER_FROM_DECLARATION["act_and_mul"].apply(x, activation)
+        return _act_and_mul_impl(x, activation)
     return torch.ops.kiln.act_and_mul(x, activation)
 
 
@@ -866,6 +843,7 @@ def _register_autograd(decl):
         return tuple(result)
 
     torch.library.register_autograd(f"kiln::{decl.name}", backward, setup_context=setup_context)
+    return setup_context, backward
 
 
 def _python_function(decl):
@@ -893,7 +871,11 @@ def _python_function(decl):
     return fn
 
 
-_AUTOGRAD_FROM_DECLARATION = ("act_and_mul",)
+# Hand-written ops whose torch signature is their declaration's (inputs, scalars and outputs in
+# declaration order), by name, with their implementations: they take their autograd from the
+# declaration, and their eager training path is an autograd.Function with the same formulas.
+_AUTOGRAD_FROM_DECLARATION = {"act_and_mul": _act_and_mul_impl}
+_EAGER_FROM_DECLARATION = {}
 
 
 def _register_declared():
@@ -911,10 +893,9 @@ def _register_declared():
         if name not in globals():
             globals()[name] = _python_function(decl)
             __all__.append(name)
-    # Hand-written ops above whose torch signature is their declaration's (inputs, scalars and
-    # outputs in declaration order) take their autograd from it too.
-    for name in _AUTOGRAD_FROM_DECLARATION:
-        _register_autograd(_ops.OPS[name])
+    for name, impl in _AUTOGRAD_FROM_DECLARATION.items():
+        setup_context, backward = _register_autograd(_ops.OPS[name])
+        _EAGER_FROM_DECLARATION[name] = _eager_function(f"_{name}_function", impl, setup_context, backward)
     return sorted(ops)
 
 
