@@ -2,15 +2,18 @@
 # Runs on the GPU machine from the repository root with gpu-dist/ carried (scripts/stage_gpu.sh,
 # then scripts/stage_python.sh): installs the staged kiln wheel from the file into a private
 # folder, runs the Python GPU tests (every op and module against PyTorch, torch.compile, CUDA
-# graphs, daemon and embedded) and the side-by-side benchmark. Logs and JSON go to $OUT.
-#   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench]     (default: both, within the 600 s of one call)
+# graphs, training, daemon and embedded), the side-by-side benchmark and the training-step
+# benchmark (bench/python/train_step.py, against eager, torch.compile and Liger). Logs and JSON go
+# to $OUT.
+#   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench|train]...  (default: tests bench)
 # --host-only: the benchmark times only the host cost per call (side_by_side.py --host-only).
 # Env: PYTEST_K, a pytest -k expression that narrows the tests (e.g. "launch or describe").
 set -uo pipefail
-quick="" host="" what=both
+quick="" host="" what=""
 for a in "$@"; do
-  case "$a" in --quick) quick=--quick ;; --host-only) host=--host-only ;; tests|bench) what=$a ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
+  case "$a" in --quick) quick=--quick ;; --host-only) host=--host-only ;; tests|bench|train) what="$what $a " ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
 done
+what=${what:- tests bench }
 root=$PWD
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -22,6 +25,10 @@ if ! "$py" -m pip install --no-index --no-deps --target "$site" gpu-dist/python/
     "$site" gpu-dist/python/*.whl || { echo "cannot install the wheels"; exit 1; }
   chmod +x "$site"/kiln/libkiln.so
 fi
+# The peers (liger-kernel), where staged: into a folder the tests do not see.
+peers=$(mktemp -d)/peers
+ls gpu-dist/python/peers/*.whl >/dev/null 2>&1 &&
+  "$py" -m pip install --no-index --no-deps --target "$peers" gpu-dist/python/peers/*.whl >>"$out/python_install.log" 2>&1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 # One cache for the calls of a warm machine: a second call does not compile the kernels again.
 export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-python-gpu-cache}
@@ -32,7 +39,7 @@ cd "$(mktemp -d)"  # import the installed package, not anything from the checkou
 "$py" -c 'import sys, torch, kiln; print("python", sys.version.split()[0], "torch", torch.__version__, "kiln", kiln.__version__, "abi", kiln.abi_version(), kiln.library_path)' \
   2>&1 | tee "$out/python_env.txt"
 rc=0
-if [ "$what" != bench ]; then
+if [[ "$what" == *" tests "* ]]; then
   # The package's tests and every family's Python tests (families/*/tests/test_*.py).
   tests="$root/tests/python/gpu $root/tests/python/test_torch_cpu.py $(ls "$root"/families/*/tests/test_*.py 2>/dev/null)"
   "$py" -c 'import numpy' 2>/dev/null && tests="$tests $root/tests/python/test_cpu.py"
@@ -43,9 +50,14 @@ if [ "$what" != bench ]; then
   # A skipped GPU test is not a pass on a machine with a GPU (the bf16 NumPy test needs ml_dtypes).
   if grep -E "^SKIPPED" "$out/python_tests.log" | grep -v ml_dtypes; then echo "PYTHON GPU TESTS WERE SKIPPED"; rc=1; fi
 fi
-if [ "$what" != tests ]; then
+if [[ "$what" == *" bench "* ]]; then
   PYTHONUNBUFFERED=1 timeout -k 5 170 "$py" "$root/bench/python/side_by_side.py" $quick $host \
     --json "$out/python_bench.json" 2>&1 | tee "$out/python_bench.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+if [[ "$what" == *" train "* ]]; then
+  PYTHONPATH="$PYTHONPATH:$peers" PYTHONUNBUFFERED=1 timeout -k 5 300 "$py" "$root/bench/python/train_step.py" $quick \
+    --json "$out/train_step.json" 2>&1 | tee "$out/train_step.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 echo "python_gpu_run exit $rc"

@@ -4,7 +4,7 @@
 # dependencies, for a GPU machine that has Python and torch but no compiler or network. Run it
 # after scripts/stage_gpu.sh, which empties gpu-dist/ (and provides the kilnd the daemon test
 # starts). Then, on the GPU machine:
-#   scripts/python_gpu_run.sh      # the GPU tests and the side-by-side benchmark, logs in $OUT
+#   scripts/python_gpu_run.sh      # the GPU tests and the benchmarks, logs in $OUT
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 src=${KILN_SRC:-$root}
@@ -22,5 +22,8 @@ mkdir -p "$dist"
 # pytest for the GPU machine's Python (pure-Python wheels: any version).
 "$venv/bin/python" -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
   --platform any -d "$dist" pytest
+# The peers the benchmarks compare with that the GPU machine lacks: Liger's Triton kernels (pure
+# Python), in a folder of their own so the tests' install does not pick them up.
+"$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps -d "$dist/peers" "liger-kernel==0.8.5"
 ls -la "$dist"
 du -sh "$dist"
