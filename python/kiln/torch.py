@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops
-from ._errors import InvalidArgumentError, ShapeMismatchError
+from ._errors import InvalidArgumentError, ShapeMismatchError, UnsupportedDtypeError
 
 __all__ = ["rms_norm", "add_rms_norm", "act_and_mul", "silu_and_mul", "apply_rope_qk", "fused_rmsnorm_rope",
            "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "RMSNorm", "SwiGLU", "RotaryEmbedding", "FusedRMSNormRoPE",
@@ -29,8 +29,16 @@ _KILN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _rows_contiguous(t):
-    # kiln takes strided rows, but not a strided last dimension or uncollapsible leading ones.
-    return t if t.is_contiguous() else t.contiguous()
+    """t itself where kiln can read it as rows (a contiguous last dimension, leading dimensions
+    that collapse into one row index: a slice of a wider tensor, say), else a contiguous copy."""
+    if t.is_contiguous():
+        return t
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return t.contiguous()
+    for i in range(t.dim() - 2):
+        if t.size(i) > 1 and t.stride(i) != t.stride(i + 1) * t.size(i + 1):
+            return t.contiguous()
+    return t
 
 
 def _new(like, shape, dtype=None):
@@ -63,12 +71,21 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
+# The training path calls the declared ops straight through kiln._fast (inputs, outputs, then
+# scalars, in declaration order): the autograd step runs it twice per call of a norm, and the
+# Python binding of kiln.ops (keywords, defaults, allocation) would be most of its host time.
+_RMS_NORM = _ops.OPS["rms_norm"].id
+_RMS_NORM_BACKWARD = _ops.OPS["rms_norm_backward"].id
+
+
 def _rms_norm_fwd_impl(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     x = _rows_contiguous(x)
     inv = _new(x, _rows_shape(x), torch.float32)
+    out = torch.empty_like(x)
     if x.numel() == 0:
-        return torch.empty_like(x), inv
-    return _ops.rms_norm(x, weight.contiguous(), eps, out=_new(x, x.shape), inv_rms=inv), inv
+        return out, inv
+    _ops._call(_RMS_NORM, None, None, x, weight.contiguous(), out, inv, eps)
+    return out, inv
 
 
 _rms_norm_fwd = torch.library.custom_op("kiln::rms_norm_fwd", _rms_norm_fwd_impl, mutates_args=())
@@ -87,8 +104,9 @@ def _rms_norm_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, inv_rms: Tens
     if x.is_cuda:
         # Allocated by PyTorch rather than kiln's per-stream cache: no cuMemAlloc during capture.
         workspace = _new(x, (max(_ops.rms_norm_backward_workspace_elements(x), 1),), torch.float32)
-    return _ops.rms_norm_backward(dy, x, weight.contiguous(), inv_rms, dx=_new(x, x.shape),
-                                  dw=_new(weight, weight.shape), workspace=workspace)
+    dx, dw = torch.empty_like(x), torch.empty_like(weight)
+    _ops._call(_RMS_NORM_BACKWARD, None, None, dy, x, weight.contiguous(), inv_rms, workspace, dx, dw)
+    return dx, dw
 
 
 _rms_norm_backward = torch.library.custom_op("kiln::rms_norm_backward", _rms_norm_backward_impl, mutates_args=())
@@ -110,6 +128,8 @@ def _rms_norm_grad_with(backward):
 
     def grad(ctx, dy, _d_inv_rms):
         x, weight, inv_rms = ctx.saved_tensors
+        if dy is None:  # the eager Function does not materialize the gradients of unused outputs
+            dy = torch.zeros_like(x)
         dx, dw = backward(dy, x, weight, inv_rms)
         return dx, dw, None
 
@@ -120,16 +140,19 @@ _rms_norm_fwd.register_autograd(_rms_norm_grad_with(lambda *a: torch.ops.kiln.rm
                                 setup_context=_rms_norm_setup)
 
 
-def _eager_function(name, impl, setup_context, backward):
+def _eager_function(name, impl, setup_context, backward, materialize_grads=True):
     """An autograd.Function running a custom op's implementation with its setup_context and a
     backward of the same formula (the one its register_autograd got, or one that calls the backward
     op's implementation directly): the eager training path, without the dispatcher and
     torch.library's autograd wrapper (host time that exceeds small kernels'); torch.compile traces
-    the custom op itself."""
+    the custom op itself. materialize_grads=False passes None, not a tensor of zeros made on every
+    step, for outputs nothing used (an output only the backward reads, as rms_norm's inv_rms)."""
 
     def forward(ctx, *inputs):
         output = impl(*inputs)
         setup_context(ctx, inputs, output)
+        if not materialize_grads:
+            ctx.set_materialize_grads(False)
         return output
 
     return type(name, (torch.autograd.Function,),
@@ -137,7 +160,7 @@ def _eager_function(name, impl, setup_context, backward):
 
 
 _RmsNormFunction = _eager_function("_RmsNormFunction", _rms_norm_fwd_impl, _rms_norm_setup,
-                                   _rms_norm_grad_with(_rms_norm_backward_impl))
+                                   _rms_norm_grad_with(_rms_norm_backward_impl), materialize_grads=False)
 
 
 def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
@@ -162,6 +185,13 @@ def _add_rms_norm_setup(ctx, inputs, output):
     ctx.eps = eps
 
 
+def _inv_rms(rows, eps):
+    """1 / sqrt(mean(x^2) + eps) per row in f32, from one read of the rows (vector_norm accumulates
+    in f32 without an f32 copy of them)."""
+    norm = torch.linalg.vector_norm(rows, 2, dim=-1, dtype=torch.float32)
+    return torch.rsqrt(norm.square() / rows.shape[-1] + eps)
+
+
 def _add_rms_norm_grad(ctx, dy, dh):
     # y = rms_norm(h) * weight with h = x + residual, and h is an output too: dh flows to x and
     # residual beside the norm's own gradient. inv_rms is recomputed from the saved h (one read).
@@ -169,7 +199,7 @@ def _add_rms_norm_grad(ctx, dy, dh):
     if dy is None:
         dy = torch.zeros_like(h)
     rows = h.reshape(-1, h.shape[-1])
-    inv_rms = torch.rsqrt(rows.float().square().mean(-1) + ctx.eps)
+    inv_rms = _inv_rms(rows, ctx.eps)
     dx, dw = torch.ops.kiln.rms_norm_backward(dy.reshape(rows.shape), rows, weight, inv_rms)
     dx = dx.reshape(h.shape)
     if dh is not None:
@@ -263,7 +293,7 @@ def _rope_grad(ctx, dout):
     d1, d2 = d[..., :half], d[..., half:]
     dn = torch.cat([d1 * c[..., :half] + d2 * s[..., half:], d2 * c[..., half:] - d1 * s[..., :half]], -1)
     dn = dn.reshape(x.shape).to(x.dtype)
-    inv_rms = torch.rsqrt(x.float().pow(2).mean(-1) + ctx.eps)
+    inv_rms = _inv_rms(x.reshape(-1, x.shape[-1]), ctx.eps).reshape(x.shape[:-1])
     dx, dw = torch.ops.kiln.rms_norm_backward(dn, x, weight, inv_rms)
     return dx, dw, None, None, None, None
 
@@ -316,6 +346,70 @@ def _gated_grad(ctx, dout):
 
 
 _fused_gated_mlp.register_autograd(_gated_grad, setup_context=_gated_setup)
+
+
+def _check_gated(x, gate_weight, up_weight, activation):
+    """fused_gated_mlp's argument checks, for the training path that never reaches the fused op."""
+    if activation not in _ops.GATED_ACTIVATIONS:
+        raise InvalidArgumentError(f"fused_gated_mlp: activation must be one of {', '.join(_ops.GATED_ACTIVATIONS)} "
+                                   f"(got {activation!r})")
+    if x.dtype not in (torch.float16, torch.bfloat16) or gate_weight.dtype != x.dtype or up_weight.dtype != x.dtype:
+        raise UnsupportedDtypeError(f"fused_gated_mlp takes f16 or bf16 x and weights of its dtype (got {x.dtype}, "
+                                    f"{gate_weight.dtype}, {up_weight.dtype})")
+    if (gate_weight.dim() != 2 or up_weight.shape != gate_weight.shape or x.dim() < 1
+            or gate_weight.shape[1] != x.shape[-1]):
+        raise ShapeMismatchError(f"fused_gated_mlp: x {tuple(x.shape)}, gate_weight {tuple(gate_weight.shape)} and "
+                                 f"up_weight {tuple(up_weight.shape)} do not match ([..., hidden], [inter, hidden] twice)")
+    if x.device != gate_weight.device or x.device != up_weight.device:
+        raise InvalidArgumentError("fused_gated_mlp: x and the weights are on different devices")
+
+
+def _gated_mlp_train_impl(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str) -> Tuple[Tensor, Tensor]:
+    """The gated MLP's training forward: (act(g) * u, [g | u]) with g = x Wg^T and u = x Wu^T written
+    side by side by two cuBLAS GEMMs into one [rows, 2 * inter] tensor, then kiln's act_and_mul. The
+    backward needs g and u: keeping them costs what recomputing them would save, two GEMMs."""
+    _check_gated(x, gate_weight, up_weight, activation)
+    inter, hidden = gate_weight.shape
+    x2 = x.reshape(-1, hidden)
+    gate_up = torch.empty((x2.shape[0], 2 * inter), dtype=x.dtype, device=x.device)
+    torch.mm(x2, gate_weight.t(), out=gate_up[:, :inter])
+    torch.mm(x2, up_weight.t(), out=gate_up[:, inter:])
+    return _act_and_mul_impl(gate_up, activation).reshape(*x.shape[:-1], inter), gate_up
+
+
+_gated_mlp_train = torch.library.custom_op("kiln::gated_mlp_train", _gated_mlp_train_impl, mutates_args=())
+
+
+@_gated_mlp_train.register_fake
+def _(x, gate_weight, up_weight, activation):
+    inter = gate_weight.shape[0]
+    rows = math.prod(x.shape[:-1])
+    return x.new_empty((*x.shape[:-1], inter)), x.new_empty((rows, 2 * inter))
+
+
+def _gated_train_setup(ctx, inputs, output):
+    x, gate_weight, up_weight, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, gate_weight, up_weight, output[1])
+
+
+def _gated_train_grad(ctx, dout, _d_gate_up):
+    # d[g | u] = act_and_mul_backward([g | u], dout) in one kiln kernel; then dx = dg Wg + du Wu and
+    # dWg = dg^T x, dWu = du^T x, reading dg and du in place as the column halves of d[g | u].
+    x, wg, wu, gate_up = ctx.saved_tensors
+    inter, hidden = wg.shape
+    if dout is None:
+        return None, None, None, None
+    d_gate_up = torch.ops.kiln.act_and_mul_backward(gate_up, dout.reshape(-1, inter), ctx.activation)
+    dg, du = d_gate_up[:, :inter], d_gate_up[:, inter:]
+    x2 = x.reshape(-1, hidden)
+    dx = torch.addmm(torch.mm(dg, wg), du, wu).reshape(x.shape)
+    return dx, dg.t() @ x2, du.t() @ x2, None
+
+
+_gated_mlp_train.register_autograd(_gated_train_grad, setup_context=_gated_train_setup)
+_GatedMlpTrainFunction = _eager_function("_GatedMlpTrainFunction", _gated_mlp_train_impl, _gated_train_setup,
+                                         _gated_train_grad, materialize_grads=False)
 
 
 def _quantize_fp8_impl(x: Tensor, granularity: str, transpose: bool) -> Tuple[Tensor, Tensor]:
@@ -455,9 +549,15 @@ def fused_rmsnorm_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps:
 
 def fused_gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str = "silu") -> Tensor:
     """act(x gate_weight^T) * (x up_weight^T), x [..., hidden] f16/bf16, weights [intermediate,
-    hidden], activation "silu" or "gelu"; both projections in one kernel. Differentiable (the
-    backward recomputes the projections with cuBLAS)."""
-    if _eager() and not _needs_grad(x, gate_weight, up_weight):
+    hidden], activation "silu" or "gelu". Without gradients both projections run in one kernel.
+    When an input requires grad, the forward keeps g = x Wg^T and u = x Wu^T for the backward (two
+    cuBLAS GEMMs into one buffer, then kiln's act_and_mul), and the backward is kiln's
+    act_and_mul_backward and four GEMMs: fewer GEMMs than recomputing g and u."""
+    if _needs_grad(x, gate_weight, up_weight):
+        if _eager():
+            return _GatedMlpTrainFunction.apply(x, gate_weight, up_weight, activation)[0]
+        return torch.ops.kiln.gated_mlp_train(x, gate_weight, up_weight, activation)[0]
+    if _eager():
         return _fused_gated_mlp_impl(x, gate_weight, up_weight, activation)
     return torch.ops.kiln.fused_gated_mlp(x, gate_weight, up_weight, activation)
 
