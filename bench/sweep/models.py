@@ -2,7 +2,8 @@
 (per expert for MoE models), attention heads, KV heads and head size, as each model's published
 configuration gives them, and the token counts and batch layouts every op is swept over.
 
-points(op) lists the sweep's points for one op; `python3 bench/sweep/models.py [OP]` prints them.
+points(op) lists the sweep's points for one op, dedupe(points) merges the points of models that
+share every size; `python3 bench/sweep/models.py [OP]` counts them.
 """
 import sys
 from dataclasses import dataclass
@@ -49,13 +50,15 @@ TOKENS = (1, 3, 16, 77, 1000, 4095, 8191, 16384)
 # Batches of odd sequence lengths, as (batch, seq): the rows are batch * seq.
 BATCHES = ((4, 2047), (3, 1337), (8, 511))
 
-# Memory-bound ops, by the width their rows have in a model.
+# Memory-bound ops, by the width their rows have in a model (act_and_mul: the width of its output,
+# half of its input's).
 ROW_OPS = {
     "rms_norm": lambda m: m.hidden,
     "rms_norm_backward": lambda m: m.hidden,
     "add_rms_norm": lambda m: m.hidden,
     "add_rms_norm_backward": lambda m: m.hidden,
     "layer_norm": lambda m: m.hidden,
+    "layer_norm_backward": lambda m: m.hidden,
     "act_and_mul": lambda m: m.intermediate,
     "act_and_mul_backward": lambda m: m.intermediate,
 }
@@ -66,41 +69,56 @@ GEMM_OPS = ("fp8_gemm", "fused_gated_mlp")
 ODD_K = ((4096, 4160), (14336, 4032), (7168, 2112))
 
 
-def row_counts():
-    """(label, rows) for every token count and batch layout."""
-    out = [(f"t{t}", t) for t in TOKENS]
-    out += [(f"b{b}x{s}", b * s) for b, s in BATCHES]
-    return out
+def row_layouts():
+    """(label, batch, seq) for every token count (one sequence) and batch layout."""
+    return [(f"t{t}", 1, t) for t in TOKENS] + [(f"b{b}x{s}", b, s) for b, s in BATCHES]
 
 
 def points(op):
     """Every point of the sweep for `op`: dicts with the model, a label for the row layout and
-    the sizes the op takes. Rows also come with a padded row stride (`strided`: a view into a
-    wider tensor) for the memory-bound ops."""
+    the sizes the op takes, `batch` and `seq` among them (rows = batch * seq). Rows also come with
+    a padded row stride (a view into a wider tensor) for the memory-bound ops."""
     out = []
     for m in MODELS:
-        for label, rows in row_counts():
+        for label, batch, seq in row_layouts():
+            rows = batch * seq
             if op in ROW_OPS:
                 cols = ROW_OPS[op](m)
                 for strided in (False, True):
-                    out.append({"model": m.name, "rows_label": label, "rows": rows, "cols": cols,
-                                "row_stride": cols + 64 if strided else cols})
+                    out.append({"model": m.name, "rows_label": label, "batch": batch, "seq": seq, "rows": rows,
+                                "cols": cols, "row_stride": cols + 64 if strided else cols})
             elif op in ROPE_OPS:
-                out.append({"model": m.name, "rows_label": label, "tokens": rows, "q_heads": m.heads,
-                            "kv_heads": m.kv_heads, "head_dim": m.rotary_dim})
+                out.append({"model": m.name, "rows_label": label, "batch": batch, "seq": seq, "tokens": rows,
+                            "q_heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.rotary_dim})
             elif op in GEMM_OPS:
                 # The MLP's gate/up projection (N = intermediate, K = hidden) and its down
                 # projection (N = hidden, K = intermediate), whose K need not be a multiple of 128.
-                out.append({"model": m.name, "rows_label": label, "m": rows, "n": m.intermediate, "k": m.hidden})
+                gemm = {"model": m.name, "rows_label": label, "batch": batch, "seq": seq, "m": rows}
+                out.append({**gemm, "n": m.intermediate, "k": m.hidden})
                 if op == "fp8_gemm":
-                    out.append({"model": m.name, "rows_label": label, "m": rows, "n": m.hidden, "k": m.intermediate})
+                    out.append({**gemm, "n": m.hidden, "k": m.intermediate})
             else:
                 raise KeyError(f"no sweep for op {op!r}")
     if op in GEMM_OPS:
-        for label, rows in row_counts():
+        for label, batch, seq in row_layouts():
             for n, k in ODD_K:
-                out.append({"model": "odd-k", "rows_label": label, "m": rows, "n": n, "k": k})
+                out.append({"model": "odd-k", "rows_label": label, "batch": batch, "seq": seq, "m": batch * seq,
+                            "n": n, "k": k})
     return out
+
+
+def dedupe(pts):
+    """The points with equal sizes merged into one, in first-seen order: each keeps its sizes and
+    lists the models it stands for under `models` (no `model`)."""
+    merged = {}
+    for p in pts:
+        sizes = {k: v for k, v in p.items() if k != "model"}
+        key = tuple(sorted(sizes.items()))
+        if key not in merged:
+            merged[key] = {**sizes, "models": []}
+        if p["model"] not in merged[key]["models"]:
+            merged[key]["models"].append(p["model"])
+    return list(merged.values())
 
 
 def all_ops():
@@ -110,4 +128,4 @@ def all_ops():
 if __name__ == "__main__":
     for op in sys.argv[1:] or all_ops():
         pts = points(op)
-        print(f"{op}: {len(pts)} points over {len(MODELS)} models")
+        print(f"{op}: {len(pts)} points over {len(MODELS)} models, {len(dedupe(pts))} distinct")

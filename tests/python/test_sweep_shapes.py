@@ -28,3 +28,16 @@ def test_every_op_has_points_with_the_asked_layouts():
             assert any(p["row_stride"] > p["cols"] for p in pts), op
         if op in models.GEMM_OPS:
             assert any(p["k"] % 128 for p in pts), op
+
+
+def test_dedupe_measures_each_size_once_and_keeps_its_models():
+    pts = models.points("rms_norm")
+    merged = models.dedupe(pts)
+    assert len(merged) == len({tuple(sorted((k, v) for k, v in p.items() if k != "model")) for p in pts})
+    by_key = {(p["rows_label"], p["cols"], p["row_stride"]): p["models"] for p in merged}
+    # hidden 4096 without padding at 1000 tokens stands for every model of that width
+    assert sorted(by_key[("t1000", 4096, 4096)]) == ["llama3-8b", "mistral-7b", "mixtral-8x7b", "qwen3-8b"]
+    assert all("model" not in p for p in merged)
+    assert sum(len(p["models"]) for p in merged) == len(pts)
+    for p in merged:
+        assert p["rows"] == p["batch"] * p["seq"]
