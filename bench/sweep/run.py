@@ -77,6 +77,10 @@ CHECK_ROWS = 512  # GEMM rows checked against the fp32 product
 WRITE_EVERY_S = 30.0
 CPU_MIN_LOOP_US = 2000.0
 
+# --compile dynamic: one torch.compile graph per op with every size symbolic (what dynamo
+# settles on by default once it has seen a second width), instead of one per width and stride.
+COMPILE_MODE = {"dynamic": False}
+
 QUICK_MODELS = ("llama3-8b", "qwen2.5-0.5b", "odd-k")
 QUICK_ROWS = ("t3", "b3x1337")
 
@@ -139,7 +143,8 @@ class Op:
         args = self.eager_args or self.args
         out = {"eager": Contender(self.eager, args, self.grads)}
         if compiled is not None:
-            out["compile"] = Contender(compiled(self), args, self.grads, dynamic=self.dynamic)
+            out["compile"] = Contender(compiled(self), args, self.grads,
+                                       dynamic=None if COMPILE_MODE["dynamic"] else self.dynamic)
         return out
 
     def peers(self, liger):
@@ -764,6 +769,8 @@ def group_key(op, p):
     tokens = p.get("rows", p.get("tokens", p.get("m")))
     widths = tuple((k, v) for k, v in sorted(p.items()) if k in ("cols", "row_stride", "q_heads", "kv_heads",
                                                                  "head_dim", "n", "k"))
+    if COMPILE_MODE["dynamic"]:
+        widths = p.get("row_stride", 0) != p.get("cols", 0)  # contiguous and strided rows
     return op.label, widths, tokens == 1, p["batch"] == 1 if op.name in ("apply_rope_qk", "rms_norm_rope") else None
 
 
@@ -798,6 +805,8 @@ def plan(op_names, args):
         pts = models.points(name)
         if args.quick or args.device == "cpu":
             pts = [p for p in pts if quick_point(p)]
+        if args.rows:
+            pts = [p for p in pts if p["rows_label"] in args.rows.split(",")]
         if args.device == "cpu":
             pts = [shrink(p) for p in pts]
         pts = models.dedupe(pts)
@@ -843,7 +852,8 @@ def header(args, dev, liger_version, l2):
          "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or 'host'})",
          "torch": torch.__version__, "liger": liger_version, "kiln": getattr(kiln, "__version__", "?"),
          "python": platform.python_version(), "argv": sys.argv[1:], "shard": args.shard, "quick": args.quick,
-         "budget_s": args.budget_s, "l2_bytes": l2, "dtype": "bfloat16"}
+         "budget_s": args.budget_s, "l2_bytes": l2, "dtype": "bfloat16", "compile": args.compile,
+         "rows": args.rows}
     try:
         import triton
 
@@ -993,6 +1003,12 @@ def parse_args(argv):
     ap.add_argument("--done", help="comma-separated JSON files of earlier runs: the points they measured are "
                                    "left out (the rest of a shard that ran out of time)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--compile", default="static", choices=("static", "dynamic"),
+                    help="static: one torch.compile graph per width, token dims dynamic; dynamic: every size "
+                         "symbolic, one graph per op and row layout")
+    ap.add_argument("--rows", help="comma-separated row layouts to keep (t1, t16, b4x2047, ...; default: all)")
+    ap.add_argument("--rows-first", action="store_true",
+                    help="run every op at each layout of --rows in turn, in the order given (with --compile dynamic)")
     ap.add_argument("--json", help="the output file")
     args = ap.parse_args(argv)
     try:
@@ -1006,6 +1022,9 @@ def parse_args(argv):
     if unknown:
         ap.error(f"unknown ops {unknown}; the sweep has {models.all_ops()}")
     args.op_names = names
+    if args.rows_first and not (args.rows and args.compile == "dynamic"):
+        ap.error("--rows-first needs --rows and --compile dynamic (static graphs are grouped by width)")
+    COMPILE_MODE["dynamic"] = args.compile == "dynamic"
     if not args.plan and not args.json:
         ap.error("--json is required")
     return args
@@ -1031,6 +1050,11 @@ def main(argv=None):
         _, earlier = report.load(args.done.split(","))
         done = {report.point_key(p) for p in earlier if p["status"] != "not_run"}
         mine = [(op, p, c) for op, p, c in mine if report.point_key(record(op, p)) not in done]
+    if args.rows_first:
+        # Every op at the first row layout, then every op at the next: a budget that runs out
+        # loses layouts, not whole ops.
+        order = args.rows.split(",")
+        mine.sort(key=lambda item: order.index(item[1]["rows_label"]) if item[1]["rows_label"] in order else len(order))
     if args.plan:
         print_plan(mine)
         return 0
@@ -1053,7 +1077,7 @@ def main(argv=None):
 
     def compiled(op):
         if op.label not in compiled_fns:
-            compiled_fns[op.label] = torch.compile(op.eager)
+            compiled_fns[op.label] = torch.compile(op.eager, dynamic=True if args.compile == "dynamic" else None)
         return compiled_fns[op.label]
 
     points, ops_meta = [], {}
@@ -1064,8 +1088,9 @@ def main(argv=None):
             if current is not None:
                 write_json(args.json, head, points, ops_meta)
             current = op.label
-            ops_meta[op.label] = {"compile_s": 0.0, "kiln_warm_s": 0.0, "seconds": 0.0}
-            print(f"== {op.label}: {sum(1 for o, _, _ in mine if o is op)} points", flush=True)
+            if op.label not in ops_meta:
+                ops_meta[op.label] = {"compile_s": 0.0, "kiln_warm_s": 0.0, "seconds": 0.0}
+                print(f"== {op.label}: {sum(1 for o, _, _ in mine if o is op)} points", flush=True)
         meta = ops_meta[op.label]
         if time.monotonic() - start >= args.budget_s:
             points.append(record(op, p))
