@@ -461,6 +461,10 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# torch.nn.RMSNorm's default eps (the dtype's machine epsilon) for kiln's dtypes, looked up once.
+_DEFAULT_EPS = {t: torch.finfo(t).eps for t in _KILN_DTYPES}
+
+
 def _kiln_can_take(x, weight):
     return x.dtype in _KILN_DTYPES and (weight is None or weight.dtype == x.dtype) and (x.is_cuda or x.is_cpu)
 
@@ -474,12 +478,15 @@ def rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor] = 
     """
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    normalized_shape = tuple(normalized_shape)
+    elif not isinstance(normalized_shape, tuple):
+        normalized_shape = tuple(normalized_shape)
     k = len(normalized_shape)
     if k == 0 or x.dim() < k or tuple(x.shape[x.dim() - k:]) != normalized_shape:
         raise ShapeMismatchError(f"rms_norm: input of shape {tuple(x.shape)} does not end in {normalized_shape}")
     if eps is None:
-        eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 1e-6
+        eps = _DEFAULT_EPS.get(x.dtype)
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 1e-6
     if not _kiln_can_take(x, weight):
         return torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)
     n = normalized_shape[0] if k == 1 else math.prod(normalized_shape)
@@ -850,8 +857,10 @@ class FP8Linear(torch.nn.Module):
 # Each op of kiln.ops.OPS that the hand-written ops above do not cover becomes the custom op
 # kiln::<name>, returning every output (optional ones included, so a backward can use them), with
 # a fake implementation from the declaration's shape inference and, when the declaration names a
-# backward op, an autograd formula built from the backward's grad_of marks. kiln.torch.<name> calls
-# it and returns the required outputs.
+# backward op, an autograd formula built from the backward's grad_of marks. kiln.torch.<name> runs
+# the custom op where torch.compile traces; in eager mode it calls the op's implementation, through
+# an autograd.Function with the same formulas when an input requires grad; it returns the required
+# outputs.
 
 _TORCH_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16, 3: torch.uint8, 4: torch.int32, 5: torch.int64}
 _KIND_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3, torch.int32: 4, torch.int64: 5}
@@ -920,7 +929,10 @@ def _register_autograd(decl):
         ctx.present = [t is not None for t in inputs[:len(names_in)]]
         ctx.out_meta = [(o.shape, o.dtype) for o in outs]
 
-    def backward(ctx, *grads):
+    def backward_with(run_backward):
+        return lambda ctx, *grads: backward(ctx, grads, run_backward)
+
+    def backward(ctx, grads, run_backward):
         by_name = dict(zip(saved, ctx.saved_tensors))
         args = []
         for t in bwd.inputs:
@@ -933,7 +945,7 @@ def _register_autograd(decl):
             else:
                 args.append(by_name.get(t["name"]))
         args += [ctx.scalars[s["name"]] for s in bwd.scalars]
-        outs = bwd_op(*args)
+        outs = run_backward(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         result = [None] * (len(names_in) + len(scalar_names))
         for t, g in zip(bwd.outputs, outs):
@@ -942,8 +954,9 @@ def _register_autograd(decl):
                 result[i] = g if ctx.present[i] else None
         return tuple(result)
 
-    torch.library.register_autograd(f"kiln::{decl.name}", backward, setup_context=setup_context)
-    return setup_context, backward
+    torch.library.register_autograd(f"kiln::{decl.name}", backward_with(bwd_op), setup_context=setup_context)
+    # The eager Function's backward runs the backward op's implementation without the dispatcher.
+    return setup_context, backward_with(_DECLARED_IMPLS.get(bwd.name, bwd_op))
 
 
 def _python_function(decl):
@@ -960,7 +973,7 @@ def _python_function(decl):
             if v is None:
                 v = s.get("default")
             scalars.append(v)
-        outs = getattr(torch.ops.kiln, decl.name)(*inputs, *scalars)
+        outs = _run_declared(decl.name, inputs, scalars)
         outs = outs if isinstance(outs, tuple) else (outs,)
         ret = [o for o, t in zip(outs, decl.outputs) if not t["optional"]]
         return ret[0] if len(ret) == 1 else tuple(ret)
@@ -971,11 +984,26 @@ def _python_function(decl):
     return fn
 
 
+def _run_declared(name, inputs, scalars):
+    """A declared op's outputs: in eager mode its implementation directly, or with gradients its
+    autograd.Function (the same formulas as the custom op's autograd, without the dispatcher and
+    torch.library's wrapper); the custom op where torch.compile traces."""
+    if _eager():
+        if _needs_grad(*inputs):
+            function = _EAGER_FROM_DECLARATION.get(name)
+            if function is not None:
+                return function.apply(*inputs, *scalars)
+        else:
+            return _DECLARED_IMPLS[name](*inputs, *scalars)
+    return getattr(torch.ops.kiln, name)(*inputs, *scalars)
+
+
 # Hand-written ops whose torch signature is their declaration's (inputs, scalars and outputs in
 # declaration order), by name, with their implementations: they take their autograd from the
 # declaration, and their eager training path is an autograd.Function with the same formulas.
 _AUTOGRAD_FROM_DECLARATION = {"act_and_mul": _act_and_mul_impl}
 _EAGER_FROM_DECLARATION = {}
+_DECLARED_IMPLS = {}
 
 
 def _register_declared():
@@ -987,9 +1015,12 @@ def _register_declared():
         op = torch.library.custom_op(f"kiln::{name}", impl, mutates_args=(), schema=_schema(decl))
         op.register_fake(fake)
         ops[name] = (decl, op)
+        _DECLARED_IMPLS[name] = impl
     for name, (decl, op) in ops.items():
         if decl.backward and decl.backward in _ops.OPS and hasattr(torch.ops.kiln, decl.backward):
-            _register_autograd(decl)
+            setup_context, backward = _register_autograd(decl)
+            _EAGER_FROM_DECLARATION[name] = _eager_function(f"_{name}_function", _DECLARED_IMPLS[name],
+                                                            setup_context, backward)
         if name not in globals():
             globals()[name] = _python_function(decl)
             __all__.append(name)
