@@ -97,7 +97,7 @@ def _(x, weight, eps):
 
 
 def _rms_norm_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, inv_rms: Tensor) -> Tuple[Tensor, Tensor]:
-    dy, x = dy.contiguous(), _rows_contiguous(x)  # dy of a sum() is an expanded (stride 0) tensor
+    dy, x = _rows_contiguous(dy), _rows_contiguous(x)  # dy of a sum() is an expanded (stride 0) tensor
     if x.numel() == 0:
         return torch.empty_like(x), torch.zeros_like(weight)
     workspace = None
@@ -250,17 +250,38 @@ def _rope_qk_setup(ctx, inputs, output):
     ctx.meta = ((q.shape, q.dtype), (k.shape, k.dtype))
 
 
-def _rope_qk_grad(ctx, dq_out, dk_out):
-    # The rotation's transpose is the rotation by the opposite angle: the same kernel with -sin.
-    cos, sin, position_ids = ctx.saved_tensors
-    grads = [g.contiguous() if g is not None else torch.zeros(s, dtype=t, device=cos.device)
-             for g, (s, t) in zip((dq_out, dk_out), ctx.meta)]
-    dq, dk = torch.ops.kiln.apply_rope_qk(grads[0], grads[1], cos, -sin, position_ids, ctx.layout)
-    return dq, dk, None, None, None, None
+# -sin of each sin table the eager RoPE backward has seen, while the table lives and is unchanged:
+# negating it on every step was a launch and an allocation as long as a small step's rotation.
+_NEGATED_SIN = torch.utils.weak.WeakIdKeyDictionary()
 
 
-_apply_rope_qk.register_autograd(_rope_qk_grad, setup_context=_rope_qk_setup)
-_RopeQkFunction = _eager_function("_RopeQkFunction", _apply_rope_qk_impl, _rope_qk_setup, _rope_qk_grad)
+def _negated_sin(sin):
+    hit = _NEGATED_SIN.get(sin)
+    if hit is None or hit[0] != sin._version:
+        hit = (sin._version, -sin)
+        _NEGATED_SIN[sin] = hit
+    return hit[1]
+
+
+def _rope_qk_grad_with(rotate, negate):
+    """apply_rope_qk's gradient: the rotation's transpose is the rotation by the opposite angle,
+    the same kernel with -sin. The custom op's formula (traced by torch.compile) rotates with the
+    op and negates sin in the graph; the eager one calls the implementation and caches -sin."""
+
+    def grad(ctx, dq_out, dk_out):
+        cos, sin, position_ids = ctx.saved_tensors
+        grads = [_rows_contiguous(g) if g is not None else torch.zeros(s, dtype=t, device=cos.device)
+                 for g, (s, t) in zip((dq_out, dk_out), ctx.meta)]
+        dq, dk = rotate(grads[0], grads[1], cos, negate(sin), position_ids, ctx.layout)
+        return dq, dk, None, None, None, None
+
+    return grad
+
+
+_apply_rope_qk.register_autograd(_rope_qk_grad_with(lambda *a: torch.ops.kiln.apply_rope_qk(*a), torch.neg),
+                                 setup_context=_rope_qk_setup)
+_RopeQkFunction = _eager_function("_RopeQkFunction", _apply_rope_qk_impl, _rope_qk_setup,
+                                  _rope_qk_grad_with(_apply_rope_qk_impl, _negated_sin))
 
 
 def _rms_norm_rope_impl(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, num_heads: int) -> Tensor:
