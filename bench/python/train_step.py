@@ -13,6 +13,7 @@ training loop pays per op, the autograd engine and every allocation included. Fo
 Then kiln's speedup per step over each peer (peer wall / kiln wall).
 
   python3 bench/python/train_step.py [--quick] [--json FILE]
+  python3 bench/python/train_step.py --markdown FILE.json    # the table of docs/benchmarks.md
 """
 import argparse
 import json
@@ -231,11 +232,31 @@ def check(name, contenders, inputs, grads):
     return worst, ok
 
 
+def markdown(path):
+    """The Markdown table of a run's JSON: per case, wall and kernel time per step for each
+    contender, kiln's wall / kernels, and kiln's speedup over each peer."""
+    with open(path) as fh:
+        data = json.load(fh)
+    peers = ("eager", "compile", "liger")
+    print(f"{data['device']}, torch {data['torch']}; µs per forward + backward step (wall / GPU time of its kernels).\n")
+    print("| case | kiln | eager | torch.compile | Liger | kiln wall / kernels | kiln speedup: eager / compile / Liger |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in data["rows"]:
+        w, k = r["wall_us"], r["kernel_us"]
+        cells = [f"{w[c]:.0f} / {k[c]:.0f}" if c in w else "-" for c in ("kiln",) + peers]
+        speed = " / ".join(f"{w[p] / w['kiln']:.2f}x" if p in w else "-" for p in peers)
+        print(f"| {r['case']} | " + " | ".join(cells) + f" | {w['kiln'] / k['kiln']:.2f} | {speed} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--markdown", metavar="FILE", help="print the table of a run's JSON and exit (no GPU)")
     args = ap.parse_args()
+    if args.markdown:
+        markdown(args.markdown)
+        return 0
     torch.manual_seed(0)
     steps, trials = (30, 5) if args.quick else (50, 7)
     rows, failed = [], False
