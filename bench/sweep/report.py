@@ -1,6 +1,6 @@
 """The shape sweep's distribution table, as Markdown, from bench/sweep/run.py's JSON (one file per
-shard, or several runs: a point measured in a later file replaces an earlier one, one not run
-never replaces one that ran).
+shard, or several runs, plain or gzipped (.json.gz, as docs/results keeps them): a point measured
+in a later file replaces an earlier one, one not run never replaces one that ran).
 
   python3 bench/sweep/report.py SWEEP.json [MORE.json ...] [--markdown docs/benchmarks.md]
 
@@ -13,6 +13,7 @@ and is counted apart. --markdown rewrites the block between
 BEGIN and END in FILE (appending one where FILE has none). Plain Python: no torch needed.
 """
 import argparse
+import gzip
 import json
 import math
 from collections import Counter
@@ -31,7 +32,7 @@ def load(paths):
     """(headers, points) of the files, each point once (see the module's note on merging)."""
     headers, merged = [], {}
     for path in paths:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             data = json.load(f)
         headers.append(data["header"])
         for p in data["points"]:
