@@ -62,7 +62,7 @@ ROW_OPS = {
     "act_and_mul": lambda m: m.intermediate,
     "act_and_mul_backward": lambda m: m.intermediate,
 }
-ROPE_OPS = ("apply_rope_qk", "apply_rope_qk_backward", "rms_norm_rope")
+ROPE_OPS = ("apply_rope_qk", "apply_rope_qk_backward", "rms_norm_rope", "rms_norm_rope_backward")
 GEMM_OPS = ("fp8_gemm", "fused_gated_mlp")
 # GEMM shapes (N, K) whose K is not a multiple of 128, beside the models' own (of which only
 # gpt-oss has one).

@@ -408,6 +408,7 @@ class RmsNormRope(Op):
 
     name = "rms_norm_rope"
     args = ("x", "w", "cos_f", "sin_f")
+    grads = ("x", "w")
     dynamic = {"x": (0, 1), "cos_f": (0,), "sin_f": (0,)}
 
     def make_set(self, p, dev):
@@ -440,7 +441,10 @@ class RmsNormRope(Op):
 
     def moved_bytes(self, p):
         hidden = p["q_heads"] * p["head_dim"]
-        return 2 * p["tokens"] * hidden * 2 + hidden * 2 + 2 * p["seq"] * p["head_dim"] * 2
+        tables = 2 * p["seq"] * p["head_dim"] * 2
+        if self.backward:  # dout, x in, dx out; w in, dw out; both tables
+            return 3 * p["tokens"] * hidden * 2 + 2 * hidden * 2 + tables
+        return 2 * p["tokens"] * hidden * 2 + hidden * 2 + tables
 
 
 def check_rows(m, dev):
