@@ -17,7 +17,15 @@ Params params_of(DType t, const RmsNormBwdChoice& c) {
   return Params{{"dtype", std::string(dtype_name(t))}, {"group", std::int64_t(c.group)},
                 {"rows", std::int64_t(c.rows)},       {"vec", std::int64_t(c.vec)},
                 {"packs", std::int64_t(c.packs)},     {"cluster", std::int64_t(c.cluster)},
-                {"sm_threads", std::int64_t(c.sm_threads)}, {"stages", std::int64_t(c.stages)}};
+                {"sm_threads", std::int64_t(c.sm_threads)}, {"stages", std::int64_t(c.stages)},
+                {"recompute", std::int64_t(c.recompute)}, {"dh", std::int64_t(c.dh)}};
+}
+
+// The row strides a kernel reads and writes: dy, x, dx, and dh when the problem has one.
+std::vector<std::int64_t> row_strides(const RmsNormBwdProblem& q) {
+  std::vector<std::int64_t> out{q.dy_row_stride, q.x_row_stride, q.dx_row_stride};
+  if (q.dh_row_stride != 0) out.push_back(q.dh_row_stride);
+  return out;
 }
 
 // The largest dynamic shared memory one block may opt into on sm_90 (227 KiB), and what an SM
@@ -31,22 +39,29 @@ bool bulk_able(const Problem& p) {
   const auto q = p.as<RmsNormBwdProblem>();
   const std::int64_t esize = std::int64_t(dtype_size(p.dtype));
   if (q.max_cluster <= 1 || p.alignment < 16 || (q.cols * esize) % 16) return false;
-  for (std::int64_t stride : {q.dy_row_stride, q.x_row_stride, q.dx_row_stride})
+  for (std::int64_t stride : row_strides(q))
     if ((stride * esize) % 16) return false;
   return true;
 }
 std::int64_t packs16(const Problem& p) {
   return p.as<RmsNormBwdProblem>().cols * std::int64_t(dtype_size(p.dtype)) / 16;
 }
-// Whether the one-block bulk-copy kernel can run the problem: at most 2048 packs per row.
-bool bulk_fits(const Problem& p) { return bulk_able(p) && packs16(p) <= 2048; }
+// The most 16-byte packs per row the one-block bulk-copy kernel takes: 2048, or with dh what 512
+// threads hold at 16 elements each (1024 packs in f16/bf16, 2048 in f32). Past 16 elements a
+// thread keeps dw in shared memory and dy, x and w in registers across the row's barrier, and
+// the dh loads of the dx pass then spill (validate rejects those variants).
+std::int64_t bulk_max_packs(const Problem& p) {
+  return p.as<RmsNormBwdProblem>().dh_row_stride != 0 ? 512 * std::int64_t(dtype_size(p.dtype)) : 2048;
+}
+// Whether the one-block bulk-copy kernel can run the problem.
+bool bulk_fits(const Problem& p) { return bulk_able(p) && packs16(p) <= bulk_max_packs(p); }
 // The cluster size the clustered bulk kernel takes by default, 0 where it is not the default: rows
 // of more packs than one block's ring holds, at most what a cluster of 4 holds at 512 threads x 4
 // packs (hidden 65536 in f16/bf16, 32768 in f32); the smallest cluster, 2 or 4, that holds the row
 // at 512 x 4 packs per block, on a device with clusters of that size.
 int bulk_cluster_default(const Problem& p) {
   const std::int64_t packs = packs16(p);
-  if (!bulk_able(p) || packs <= 2048 || packs > 4 * 512 * 4) return 0;
+  if (!bulk_able(p) || packs <= bulk_max_packs(p) || packs > 4 * 512 * 4) return 0;
   const int cluster = packs > 2 * 512 * 4 ? 4 : 2;
   return p.as<RmsNormBwdProblem>().max_cluster >= cluster ? cluster : 0;
 }
@@ -59,15 +74,17 @@ std::int64_t packs_per_block(const RmsNormBwdChoice& c, std::int64_t cols) {
 class RmsNormBwd final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm_bwd"; }
-  int version() const override { return 4; }
+  int version() const override { return 5; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
         {"cluster", {1, 2, 4, 8}, {}, "blocks of a thread-block cluster sharing one row (sm_90 and later)"},
-        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dy, x, w and dx"},
+        {"dh", {0, 1}, {}, "1: adds a gradient dh to dx (the problem's dh_row_stride is not 0)"},
+        {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dy, x, w, dx and dh"},
         {"group", {32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448, 480, 512}, {},
          "threads working on one row (powers of two without bulk copies)"},
         {"packs", {1, 2, 4}, {}, "packs of dy and x per thread kept in registers (4: with bulk copies only)"},
+        {"recompute", {0, 1}, {}, "1: computes inv_rms = rsqrt(mean(x^2) + eps) from x rather than reading it"},
         {"rows", {1, 2, 4, 8}, {}, "rows in flight per block (one per group)"},
         {"sm_threads", {512, 1024}, {}, "resident threads per SM the kernel is built for (its register cap: 128 or 64)"},
         {"stages", {0, 2, 3, 4, 6}, {}, "row buffers filled by bulk copies (sm_90 and later; at least 3 with clusters); 0: rows read into registers"},
@@ -84,7 +101,12 @@ class RmsNormBwd final : public Family {
         key(&RmsNormBwdProblem::dx_row_stride, "dx_row_stride", "elements between two rows of dx"),
         key(&RmsNormBwdProblem::slabs, "slabs", "row slabs, hence partial dw rows (rmsnorm_bwd_slabs)"),
         key(&RmsNormBwdProblem::max_cluster, "max_cluster",
-            "the largest cluster the device launches (8 from sm_90, else 1)")});
+            "the largest cluster the device launches (8 from sm_90, else 1)"),
+        key(&RmsNormBwdProblem::dh_row_stride, "dh_row_stride",
+            "elements between two rows of dh, the gradient added to dx; 0: no dh"),
+        key(&RmsNormBwdProblem::recompute, "recompute",
+            "1: inv_rms is computed from x (the inv_rms buffer is not read), 0: read"),
+        value(&RmsNormBwdProblem::eps, "eps", "added to mean(x^2) when recompute is 1")});
     return fields;
   }
 
@@ -120,6 +142,8 @@ class RmsNormBwd final : public Family {
     if (c.rows != 1 || c.sm_threads != 512 || c.vec * esize != 16)
       return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs rows=1, sm_threads=512 and "
                               "16-byte packs");
+    if (c.dh && c.packs * c.vec > 16)
+      return invalid_argument("rmsnorm_bwd: the bulk-copy kernel with dh=1 takes at most 16 elements per thread");
     const std::int64_t smem = rmsnorm_bwd_bulk_smem(c, esize);
     if (smem > k_max_block_smem || std::max(1, 512 / c.group) * (smem + 1024) > k_sm_smem)
       return invalid_argument("rmsnorm_bwd: " + std::to_string(c.stages) + " row buffers of " +
@@ -139,51 +163,60 @@ class RmsNormBwd final : public Family {
     const auto c = rmsnorm_bwd_choice(params);
     Rendered r;
     r.source = "#include \"rmsnorm_bwd/rmsnorm_bwd.cuh\"\n";
+    // The options' template arguments default to false: variants without them render as before.
+    std::string options;
+    if (c.recompute || c.dh) options = std::string(c.recompute ? ", true" : ", false") + (c.dh ? ", true" : ", false");
     if (c.stages > 0 && c.cluster > 1) {
       r.name_expression = std::string("kiln::rmsnorm_bwd_bulk_cluster<") + device_type(*params.get_str("dtype")) +
                           ", " + std::to_string(c.group) + ", " + std::to_string(c.packs) + ", " +
-                          std::to_string(c.stages) + ", " + std::to_string(c.cluster) + ">";
+                          std::to_string(c.stages) + ", " + std::to_string(c.cluster) + options + ">";
       return r;
     }
     if (c.stages > 0) {
       r.name_expression = std::string("kiln::rmsnorm_bwd_bulk<") + device_type(*params.get_str("dtype")) + ", " +
                           std::to_string(c.group) + ", " + std::to_string(c.packs) + ", " + std::to_string(c.stages) +
-                          ">";
+                          options + ">";
       return r;
     }
     r.name_expression = std::string("kiln::rmsnorm_bwd<") + device_type(*params.get_str("dtype")) + ", " +
                         std::to_string(c.group) + ", " + std::to_string(c.rows) + ", " + std::to_string(c.vec) +
                         ", " + std::to_string(c.packs) + ", " + std::to_string(c.cluster) + ", " +
-                        std::to_string(c.sm_threads) + ">";
+                        std::to_string(c.sm_threads) + options + ">";
     return r;
   }
 
   // What the heuristic picks over the usual row lengths, alignments and devices with and without
-  // clusters, for one row and for many.
+  // clusters, for one row and for many: for rms_norm_backward (a saved inv_rms) and for
+  // add_rms_norm_backward in training (recompute, with dh; without dh, the residual output
+  // unused, is compiled on first use).
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     std::set<std::string> seen;
-    for (DType t : {DType::f32, DType::f16, DType::bf16})
-      for (std::int64_t cols : {1, 64, 128, 256, 512, 1024, 2048, 3000, 4096, 5120, 8192, 16384, 32768, 65536})
-        for (std::uint32_t align : {16u, 2u})
-          for (std::int64_t max_cluster : {1, 8})
-            for (std::int64_t rows : {1, 4096}) {
-              const Problem p = Problem::of(t, std::max<std::uint32_t>(align, std::uint32_t(dtype_size(t))),
-                                            RmsNormBwdProblem{.rows = rows,
-                                                              .cols = cols,
-                                                              .dy_row_stride = cols,
-                                                              .x_row_stride = cols,
-                                                              .dx_row_stride = cols,
-                                                              .max_cluster = max_cluster});
-              // Each choice at both register caps: the tuner may pick either (bulk kernels: 512 only).
-              auto c = rmsnorm_bwd_heuristic(p);
-              for (int sm_threads : {512, 1024}) {
-                if (c.stages > 0 && sm_threads != 512) continue;
-                c.sm_threads = sm_threads;
-                Params params = params_of(t, c);
-                if (validate(params).ok() && seen.insert(params.canonical()).second) out.push_back(std::move(params));
+    for (const bool fused : {false, true})
+      for (DType t : {DType::f32, DType::f16, DType::bf16})
+        for (std::int64_t cols : {1, 64, 128, 256, 512, 1024, 2048, 3000, 4096, 5120, 8192, 16384, 32768, 65536})
+          for (std::uint32_t align : {16u, 2u})
+            for (std::int64_t max_cluster : {1, 8})
+              for (std::int64_t rows : {1, 4096}) {
+                const Problem p = Problem::of(t, std::max<std::uint32_t>(align, std::uint32_t(dtype_size(t))),
+                                              RmsNormBwdProblem{.rows = rows,
+                                                                .cols = cols,
+                                                                .dy_row_stride = cols,
+                                                                .x_row_stride = cols,
+                                                                .dx_row_stride = cols,
+                                                                .max_cluster = max_cluster,
+                                                                .dh_row_stride = fused ? cols : 0,
+                                                                .recompute = fused ? 1 : 0,
+                                                                .eps = 1e-6});
+                // Each choice at both register caps: the tuner may pick either (bulk kernels: 512 only).
+                auto c = rmsnorm_bwd_heuristic(p);
+                for (int sm_threads : {512, 1024}) {
+                  if (c.stages > 0 && sm_threads != 512) continue;
+                  c.sm_threads = sm_threads;
+                  Params params = params_of(t, c);
+                  if (validate(params).ok() && seen.insert(params.canonical()).second) out.push_back(std::move(params));
+                }
               }
-            }
     return out;
   }
 
@@ -192,17 +225,28 @@ class RmsNormBwd final : public Family {
     const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
     if (rows < 0 || cols <= 0) return shape_mismatch("rmsnorm_bwd: need rows >= 0 and cols > 0");
     if (cols >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm_bwd: rows longer than 2^31 elements");
-    if (q.dy_row_stride < cols || q.x_row_stride < cols || q.dx_row_stride < cols)
+    if (q.dy_row_stride < cols || q.x_row_stride < cols || q.dx_row_stride < cols ||
+        (q.dh_row_stride != 0 && q.dh_row_stride < cols))
       return shape_mismatch("rmsnorm_bwd: row strides must be at least the row length");
+    if (q.recompute != 0 && q.recompute != 1) return invalid_argument("rmsnorm_bwd: recompute must be 0 or 1");
+    if (q.recompute && !(std::isfinite(q.eps) && q.eps >= 0))
+      return invalid_argument("rmsnorm_bwd: eps must be finite and non-negative");
     const auto c = rmsnorm_bwd_choice(params);
+    auto options = [](bool recompute, bool dh) {
+      return std::string(recompute ? "recompute=1" : "recompute=0") + (dh ? " with dh" : " without dh");
+    };
+    if (c.recompute != (q.recompute == 1) || c.dh != (q.dh_row_stride != 0))
+      return invalid_argument("rmsnorm_bwd: the kernel is for " + options(c.recompute, c.dh) + ", the problem has " +
+                              options(q.recompute == 1, q.dh_row_stride != 0));
     if (slabs < (rows > 0 ? 1 : 0) || slabs > std::max<std::int64_t>(rows, 1) || slabs * c.cluster > 0x7fffffff)
       return invalid_argument("rmsnorm_bwd: slabs must be between 1 and the row count");
     const auto dtype = *parse_dtype(*params.get_str("dtype"));
     if (dtype != p.dtype)
       return unsupported_dtype(std::string("rmsnorm_bwd: kernel is for ") + dtype_name(dtype) + ", tensors are " +
                                dtype_name(p.dtype));
-    if (p.alignment < c.vec * std::int64_t(dtype_size(dtype)) || q.dy_row_stride % c.vec ||
-        q.x_row_stride % c.vec || q.dx_row_stride % c.vec)
+    const auto strides = row_strides(q);
+    if (p.alignment < c.vec * std::int64_t(dtype_size(dtype)) ||
+        std::any_of(strides.begin(), strides.end(), [&](std::int64_t s) { return s % c.vec != 0; }))
       return invalid_argument("rmsnorm_bwd: vec=" + std::to_string(c.vec) +
                               " needs buffers and row strides aligned to vec elements");
     if (c.cluster > q.max_cluster)
@@ -221,7 +265,8 @@ class RmsNormBwd final : public Family {
     } else if (c.stages > 0) {
       if (!bulk_fits(p))
         return invalid_argument("rmsnorm_bwd: stages > 0 (bulk copies) needs sm_90 or later, 16-byte aligned "
-                                "buffers, row strides and rows, and rows of at most 2048 16-byte packs");
+                                "buffers, row strides and rows, and rows of at most 2048 16-byte packs (1024 "
+                                "in f16 and bf16 with dh)");
       if (cols / c.vec > std::int64_t(c.group) * c.packs)
         return invalid_argument("rmsnorm_bwd: stages > 0 needs the row to fit in group * packs packs");
     }
@@ -252,7 +297,8 @@ class RmsNormBwd final : public Family {
         for (int stages : {2, 4}) {
           const int threads = int(std::max<std::int64_t>(32, (ceil_div(packs, per_thread) + 31) / 32 * 32));
           if (threads > 512) continue;
-          const RmsNormBwdChoice c{threads, 1, int(16 / dtype_size(p.dtype)), per_thread, 1, 512, stages};
+          const RmsNormBwdChoice c{threads, 1, int(16 / dtype_size(p.dtype)), per_thread, 1, 512, stages,
+                                   h.recompute, h.dh};
           Params params = params_of(p.dtype, c);
           if (params == out[0] || !validate(params).ok() || !check_problem(params, p).ok()) continue;
           out.push_back(std::move(params));
@@ -260,7 +306,7 @@ class RmsNormBwd final : public Family {
     }
     // Clustered bulk kernels past one block's ring: clusters of 2, 4 or 8, 2 or 4 packs per
     // thread, as many row buffers (3, 4 or 6) as fit.
-    if (bulk_able(p) && packs16(p) > 2048) {
+    if (bulk_able(p) && packs16(p) > bulk_max_packs(p)) {
       const std::int64_t esize = std::int64_t(dtype_size(p.dtype)), packs = packs16(p);
       for (int cluster : {2, 4, 8}) {
         if (cluster > q.max_cluster) continue;
@@ -268,7 +314,7 @@ class RmsNormBwd final : public Family {
           const std::int64_t threads = (ceil_div(packs, std::int64_t(cluster) * per_thread) + 31) / 32 * 32;
           if (threads > 512) continue;
           for (int stages : {6, 4, 3}) {
-            const RmsNormBwdChoice c{int(threads), 1, int(16 / esize), per_thread, cluster, 512, stages};
+            const RmsNormBwdChoice c{int(threads), 1, int(16 / esize), per_thread, cluster, 512, stages, h.recompute, h.dh};
             Params params = params_of(p.dtype, c);
             if (!validate(params).ok() || !check_problem(params, p).ok()) continue;
             if (params != out[0]) out.push_back(std::move(params));
@@ -282,8 +328,10 @@ class RmsNormBwd final : public Family {
         for (int rows : {1, 2, 4, 8})
           for (int packs : {1, 2})
             for (int sm_threads : {512, 1024}) {
-              const RmsNormBwdChoice c{group, rows, h.stages > 0 ? 16 / int(dtype_size(p.dtype)) : h.vec,
-                                       packs, cluster, sm_threads, 0};
+              RmsNormBwdChoice c{group, rows, h.stages > 0 ? 16 / int(dtype_size(p.dtype)) : h.vec,
+                                 packs, cluster, sm_threads};
+              c.recompute = h.recompute;
+              c.dh = h.dh;
               const std::int64_t per_block = packs_per_block(c, q.cols);
               const std::int64_t cache = std::int64_t(group) * packs;
               if (per_block > cache || 2 * per_block <= cache) continue;
@@ -297,21 +345,28 @@ class RmsNormBwd final : public Family {
 
   // Training shapes, contiguous, on an H100-sized GPU (132 SMs) without clusters (max_cluster 1,
   // so every GPU runs them): the slab count the typed op would pick for the heuristic's choice.
+  // rms_norm_backward's problems, and add_rms_norm_backward's (recompute, dh) at two row counts.
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;
+    auto add = [&](std::int64_t rows, std::int64_t cols, bool fused) {
+      RmsNormBwdProblem q{.rows = rows,
+                          .cols = cols,
+                          .dy_row_stride = cols,
+                          .x_row_stride = cols,
+                          .dx_row_stride = cols,
+                          .max_cluster = 1,
+                          .dh_row_stride = fused ? cols : 0,
+                          .recompute = fused ? 1 : 0,
+                          .eps = 1e-6};
+      Problem p = Problem::of(dtype, 16, q);
+      q.slabs = rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(p), p, 132);
+      p.set(q);
+      out.push_back(p);
+    };
     for (std::int64_t rows : {16, 512, 4096, 16384})
-      for (std::int64_t cols : {2048, 4096, 8192}) {
-        RmsNormBwdProblem q{.rows = rows,
-                            .cols = cols,
-                            .dy_row_stride = cols,
-                            .x_row_stride = cols,
-                            .dx_row_stride = cols,
-                            .max_cluster = 1};
-        Problem p = Problem::of(dtype, 16, q);
-        q.slabs = rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(p), p, 132);
-        p.set(q);
-        out.push_back(p);
-      }
+      for (std::int64_t cols : {2048, 4096, 8192}) add(rows, cols, false);
+    for (std::int64_t rows : {16, 4096})
+      for (std::int64_t cols : {2048, 4096, 8192}) add(rows, cols, true);
     return out;
   }
 
@@ -322,22 +377,28 @@ class RmsNormBwd final : public Family {
     return {{"dy", BufferRole::input, p.dtype, extent(q.dy_row_stride)},
             {"x", BufferRole::input, p.dtype, extent(q.x_row_stride)},
             {"w", BufferRole::input, p.dtype, cols},
-            {"inv_rms", BufferRole::input, DType::f32, rows},
+            {"inv_rms", BufferRole::input, DType::f32, q.recompute ? 0 : rows},
             {"dx", BufferRole::output, p.dtype, extent(q.dx_row_stride)},
-            {"partial", BufferRole::output, DType::f32, q.slabs * cols}};
+            {"partial", BufferRole::output, DType::f32, q.slabs * cols},
+            {"dh", BufferRole::input, p.dtype, q.dh_row_stride ? extent(q.dh_row_stride) : 0}};
   }
 
+  // dh, the seventh buffer, may be left out when the problem has none.
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto q = p.as<RmsNormBwdProblem>();
     for (int i = 0; i < 6; ++i) out.add(b[i]);
     for (std::int64_t v : {q.rows, q.cols, q.dy_row_stride, q.x_row_stride, q.dx_row_stride, q.slabs})
       out.add(static_cast<long long>(v));
+    out.add(b.size() > 6 ? b[6] : nullptr);
+    out.add(static_cast<long long>(q.dh_row_stride));
+    out.add(static_cast<float>(q.eps));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
-    if (b.size() != 6)
-      return invalid_argument("rmsnorm_bwd: reference takes 6 buffers (dy, x, w, inv_rms, dx, partial)");
     const auto q = p.as<RmsNormBwdProblem>();
+    if (b.size() != 7 && !(b.size() == 6 && q.dh_row_stride == 0))
+      return invalid_argument("rmsnorm_bwd: reference takes 7 buffers (dy, x, w, inv_rms, dx, partial, dh; "
+                              "without dh the last may be left out)");
     const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
     if (rows > 0 && slabs < 1) return invalid_argument("rmsnorm_bwd: slabs must be at least 1");
     const auto* inv_rms = static_cast<const float*>(b[3]);
@@ -347,15 +408,19 @@ class RmsNormBwd final : public Family {
       std::fill(dw.begin(), dw.end(), 0.0);
       for (std::int64_t r = slab; r < rows; r += slabs) {
         const std::int64_t dyo = r * q.dy_row_stride, xo = r * q.x_row_stride, dxo = r * q.dx_row_stride;
-        const double s = inv_rms[r];
-        double dot = 0;
-        for (std::int64_t c = 0; c < cols; ++c)
-          dot += load_as_double(b[0], p.dtype, dyo + c) * load_as_double(b[2], p.dtype, c) *
-                 load_as_double(b[1], p.dtype, xo + c);
+        double dot = 0, squares = 0;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double x = load_as_double(b[1], p.dtype, xo + c);
+          dot += load_as_double(b[0], p.dtype, dyo + c) * load_as_double(b[2], p.dtype, c) * x;
+          squares += x * x;
+        }
+        const double s = q.recompute ? 1 / std::sqrt(squares / double(cols) + q.eps) : double(inv_rms[r]);
         const double k = s * s * s * dot / double(cols);
         for (std::int64_t c = 0; c < cols; ++c) {
           const double dy = load_as_double(b[0], p.dtype, dyo + c), x = load_as_double(b[1], p.dtype, xo + c);
-          store_from_double(b[4], p.dtype, dxo + c, s * dy * load_as_double(b[2], p.dtype, c) - x * k);
+          double dx = s * dy * load_as_double(b[2], p.dtype, c) - x * k;
+          if (q.dh_row_stride) dx += load_as_double(b[6], p.dtype, r * q.dh_row_stride + c);
+          store_from_double(b[4], p.dtype, dxo + c, dx);
           dw[std::size_t(c)] += dy * x * s;
         }
       }
@@ -370,7 +435,8 @@ class RmsNormBwd final : public Family {
 RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params) {
   return {int(*params.get_int("group")), int(*params.get_int("rows")),    int(*params.get_int("vec")),
           int(*params.get_int("packs")), int(*params.get_int("cluster")), int(*params.get_int("sm_threads")),
-          int(params.get_int("stages").value_or(0))};
+          int(params.get_int("stages").value_or(0)),   params.get_int("recompute").value_or(0) == 1,
+          params.get_int("dh").value_or(0) == 1};
 }
 
 std::int64_t rmsnorm_bwd_bulk_smem(const RmsNormBwdChoice& c, std::int64_t esize) {
@@ -390,9 +456,11 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   // bench's variants section on Hopper, at 4096 x 65536 bf16 clusters of 4 x 512 threads are well
   // ahead of the register kernel in clusters of 8 and of clusters of 8 x 256; at 4096 x 32768
   // clusters of 2 x 512 are well ahead of 4 x 256 and 8 x 128 (clusters of 2 fill all 132 SMs of
-  // an H100; 30 clusters of 4 fit, 120 SMs). docs/benchmarks.md has the figures.
+  // an H100; 30 clusters of 4 fit, 120 SMs). docs/benchmarks.md has the figures. With dh, rows
+  // of 1025 to 2048 packs in f16 and bf16 (hidden 8200 to 16384) take it too, in clusters of 2:
+  // the one-block kernel would spill there (bulk_max_packs).
   if (const int cluster = bulk_cluster_default(p)) {
-    RmsNormBwdChoice c{0, 1, 16 / esize, 4, cluster, 512, 3};
+    RmsNormBwdChoice c{0, 1, 16 / esize, 4, cluster, 512, 3, q.recompute == 1, q.dh_row_stride != 0};
     c.group = int((ceil_div(packs16(p), 4 * c.cluster) + 31) / 32 * 32);
     return c;
   }
@@ -403,15 +471,18 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   // memory for them (rmsnorm_bwd_bulk_smem) stays within 128 KiB, else two.
   if (bulk_fits(p) && cols * esize / 16 >= 256) {
     const std::int64_t packs = cols * esize / 16;
-    RmsNormBwdChoice c{0, 1, 16 / esize, packs <= 1024 ? 2 : 4, 1, 512, 4};
+    RmsNormBwdChoice c{0, 1, 16 / esize, packs <= 1024 ? 2 : 4, 1, 512, 4, q.recompute == 1, q.dh_row_stride != 0};
     c.group = int((ceil_div(packs, c.packs) + 31) / 32 * 32);
     if (std::max(1, 512 / c.group) * rmsnorm_bwd_bulk_smem(c, esize) > 128 * 1024) c.stages = 2;
     return c;
   }
   RmsNormBwdChoice c{32, 1, 16 / esize, 1, 1, 512};
+  c.recompute = q.recompute == 1;
+  c.dh = q.dh_row_stride != 0;
   // The widest access that every row start and the weight allow.
-  while (c.vec > 1 && (p.alignment < std::uint32_t(c.vec * esize) || q.dy_row_stride % c.vec ||
-                       q.x_row_stride % c.vec || q.dx_row_stride % c.vec || cols < c.vec))
+  const auto strides = row_strides(q);
+  while (c.vec > 1 && (p.alignment < std::uint32_t(c.vec * esize) || cols < c.vec ||
+                       std::any_of(strides.begin(), strides.end(), [&](std::int64_t s) { return s % c.vec != 0; })))
     c.vec /= 2;
   const std::int64_t max_cluster = std::min<std::int64_t>(8, q.max_cluster);
   while (c.cluster * 2 <= max_cluster && packs_per_block(c, cols) > 1024) c.cluster *= 2;

@@ -1,7 +1,8 @@
 // RMSNorm backward, first stage: dx for every row and one fp32 partial dw row per row slab.
 //
-// With s = inv_rms[r] (saved by the forward) and c = mean(dy * w * x) over the row:
-//   dx = s * (dy * w - x * s^2 * c),   dw = sum over rows of dy * x * s.
+// With s = inv_rms[r] (saved by the forward, or recomputed: RECOMPUTE below) and
+// c = mean(dy * w * x) over the row:
+//   dx = s * (dy * w - x * s^2 * c) [+ dh],   dw = sum over rows of dy * x * s.
 //
 // Rows are dealt to `slabs` slabs in turn (slab i: rows i, i + slabs, i + 2 * slabs, ...), so the
 // rows in flight on the whole GPU at any time are neighbours in memory (contiguous slabs are
@@ -25,8 +26,13 @@
 // cluster barrier per row. The per-row slots are double-buffered by row parity, so the next row's
 // writes never race the previous row's remote reads.
 //
-// Requires: dy, x, dx and w aligned to VEC * sizeof(T) bytes, row strides multiples of VEC, rows
-// shorter than 2^31 elements.
+// Two options, template parameters that compile out when off (every kernel below takes both):
+// RECOMPUTE computes s = rsqrt(mean(x^2) + eps) per row from the x it reads, its sum of squares
+// reduced beside mean(dy * w * x) (inv_rms is not read); DH adds a gradient dh (dy's dtype, its
+// own row stride) to dx, read where dx is written: dx = s * (dy * w - x * s^2 * c) + dh.
+//
+// Requires: dy, x, dx, dh and w aligned to VEC * sizeof(T) bytes, row strides multiples of VEC,
+// rows shorter than 2^31 elements.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -53,6 +59,32 @@ __device__ __forceinline__ float group_sum(float v, float* scratch) {
   }
 }
 
+// group_sum of two values at once, with one barrier: the row's mean(dy * w * x) and, with
+// RECOMPUTE, its sum of squares. `scratch`: 32 float2 of shared memory for this call's parity.
+template <int GROUP, int ROWS>
+__device__ __forceinline__ float2 group_sum2(float a, float b, float2* scratch) {
+  constexpr int k_warps = GROUP / 32;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if constexpr (k_warps == 1) {
+    return make_float2(a, b);
+  } else {
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    if (lane == 0) scratch[warp] = make_float2(a, b);
+    __syncthreads();
+    const int first = (warp / k_warps) * k_warps;
+    const float2 v = lane < k_warps ? scratch[first + lane] : make_float2(0.f, 0.f);
+    return make_float2(warp_sum(v.x), warp_sum(v.y));
+  }
+}
+
+// One element of dx: s * (dy * w - x * k2), plus dh with DH (k2 = s^2 * mean(dy * w * x)).
+template <bool DH>
+__device__ __forceinline__ float dx_of(float s, float dy, float x, float w, float k2, float dh) {
+  if constexpr (DH) return fmaf(s, fmaf(-x, k2, dy * w), dh);
+  else return s * fmaf(-x, k2, dy * w);
+}
+
 }  // namespace bwd
 
 // SM_THREADS resident threads per SM (a register cap of 65536 / SM_THREADS per thread: 128 or
@@ -60,14 +92,16 @@ __device__ __forceinline__ float group_sum(float v, float* scratch) {
 // guards them), which frees the registers it took beside the row cache and the next row's
 // prefetch; at 64 registers there is no room for the prefetch (it spilled 200 bytes), and twice
 // the threads keep loads in flight through the row reductions' barriers instead.
-template <typename T, int GROUP, int ROWS, int VEC, int PACKS, int CLUSTER, int SM_THREADS>
+template <typename T, int GROUP, int ROWS, int VEC, int PACKS, int CLUSTER, int SM_THREADS, bool RECOMPUTE = false,
+          bool DH = false>
 __global__ void __launch_bounds__(GROUP * ROWS, SM_THREADS / (GROUP * ROWS))
 #if __CUDA_ARCH__ >= 900
 __cluster_dims__(CLUSTER, 1, 1)
 #endif
 rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
             const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial, long long rows,
-            long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs) {
+            long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs,
+            const T* __restrict__ dh, long long dh_stride, float eps) {
   static_assert(GROUP % 32 == 0 && GROUP * ROWS <= 512, "bad block shape");
   using P = Pack<T, VEC>;
 #if __CUDA_ARCH__ < 900
@@ -77,7 +111,9 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   }
 #endif
   __shared__ float scratch[2][32];
+  __shared__ float2 scratch2[RECOMPUTE ? 2 : 1][32];
   __shared__ float row_sums[2][ROWS];
+  __shared__ float row_squares[RECOMPUTE ? 2 : 1][ROWS];
   __shared__ float combine[ROWS > 1 ? GROUP * ROWS : 1];
   // dw of the cached columns, one slot per (group, pack, element, thread): consecutive threads
   // use consecutive words, so the accesses are free of bank conflicts.
@@ -109,6 +145,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
   const T* dyp = dy + row * dy_stride + first;
   const T* xp = x + row * x_stride + first;
   T* dxp = dx + row * dx_stride + first;
+  const T* dhp = DH ? dh + row * dh_stride + first : nullptr;
   const T* wp = w + first;
   float* part = partial + slab * cols + first;
 
@@ -144,21 +181,27 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
     P ndy[k_prefetch ? PACKS : 1], nx[k_prefetch ? PACKS : 1];
     if constexpr (k_prefetch) load_row(ndy, nx, 1);
     else load_row(cdy, cx, 0);
-    const float s = valid ? inv_rms[row] : 0.f;
+    float s = !RECOMPUTE && valid ? inv_rms[row] : 0.f;
 
-    float acc = 0.f;
+    float acc = 0.f, sq = 0.f;  // sq: the row's sum of squares (RECOMPUTE)
 #pragma unroll
     for (int i = 0; i < PACKS; ++i)
       if (valid && t + i * GROUP < block_packs) {
         const P wv = load_pack<T, VEC>(wp + i * GROUP * VEC);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc = fmaf(to_float(cdy[i].v[k]) * to_float(wv.v[k]), to_float(cx[i].v[k]), acc);
+        for (int k = 0; k < VEC; ++k) {
+          acc = fmaf(to_float(cdy[i].v[k]) * to_float(wv.v[k]), to_float(cx[i].v[k]), acc);
+          if constexpr (RECOMPUTE) sq = fmaf(to_float(cx[i].v[k]), to_float(cx[i].v[k]), sq);
+        }
       }
     if (valid)
       for (int o = PACKS * GROUP * VEC; o < (block_packs - t) * VEC; o += GROUP * VEC) {
         const P a = load_pack<T, VEC>(dyp + o), b = load_pack<T, VEC>(xp + o), wv = load_pack<T, VEC>(wp + o);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc = fmaf(to_float(a.v[k]) * to_float(wv.v[k]), to_float(b.v[k]), acc);
+        for (int k = 0; k < VEC; ++k) {
+          acc = fmaf(to_float(a.v[k]) * to_float(wv.v[k]), to_float(b.v[k]), acc);
+          if constexpr (RECOMPUTE) sq = fmaf(to_float(b.v[k]), to_float(b.v[k]), sq);
+        }
       }
     float tdy = 0.f, tx = 0.f, tw = 0.f;
     if (valid && t < tail) {
@@ -166,27 +209,47 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
       tx = to_float(xp[tail_off]);
       tw = to_float(wp[tail_off]);
       acc = fmaf(tdy * tw, tx, acc);
+      if constexpr (RECOMPUTE) sq = fmaf(tx, tx, sq);
     }
 
-    float sum = bwd::group_sum<GROUP, ROWS>(acc, scratch[it & 1]);
+    float sum;
+    if constexpr (RECOMPUTE) {
+      const float2 both = bwd::group_sum2<GROUP, ROWS>(acc, sq, scratch2[it & 1]);
+      sum = both.x;
+      sq = both.y;
+    } else {
+      sum = bwd::group_sum<GROUP, ROWS>(acc, scratch[it & 1]);
+    }
     if constexpr (CLUSTER > 1) {
-      if (t == 0) row_sums[it & 1][g] = sum;
+      if (t == 0) {
+        row_sums[it & 1][g] = sum;
+        if constexpr (RECOMPUTE) row_squares[it & 1][g] = sq;
+      }
       ptx::cluster_sync_aligned();
       sum = 0.f;
 #pragma unroll
       for (unsigned q = 0; q < CLUSTER; ++q) sum += ptx::ld_remote_f32(ptx::smem_addr_opaque(&row_sums[it & 1][g]), q);
+      if constexpr (RECOMPUTE) {
+        sq = 0.f;
+#pragma unroll
+        for (unsigned q = 0; q < CLUSTER; ++q)
+          sq += ptx::ld_remote_f32(ptx::smem_addr_opaque(&row_squares[it & 1][g]), q);
+      }
     }
+    if constexpr (RECOMPUTE) s = valid ? rsqrtf(sq * inv_cols + eps) : 0.f;
     const float k2 = s * s * sum * inv_cols;
 
 #pragma unroll
     for (int i = 0; i < PACKS; ++i)
       if (valid && t + i * GROUP < block_packs) {
         const P wv = load_pack<T, VEC>(wp + i * GROUP * VEC);
+        P hv{};
+        if constexpr (DH) hv = load_pack<T, VEC>(dhp + i * GROUP * VEC);
         P out;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const float fdy = to_float(cdy[i].v[k]), fx = to_float(cx[i].v[k]);
-          out.v[k] = from_float<T>(s * fmaf(-fx, k2, fdy * to_float(wv.v[k])));
+          out.v[k] = from_float<T>(bwd::dx_of<DH>(s, fdy, fx, to_float(wv.v[k]), k2, DH ? to_float(hv.v[k]) : 0.f));
           dw[(i * VEC + k) * GROUP] = fmaf(fdy * fx, s, dw[(i * VEC + k) * GROUP]);
         }
         store_pack<T, VEC>(dxp + i * GROUP * VEC, out);
@@ -194,17 +257,19 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
     if (valid)
       for (int o = PACKS * GROUP * VEC; o < (block_packs - t) * VEC; o += GROUP * VEC) {
         const P a = load_pack<T, VEC>(dyp + o), b = load_pack<T, VEC>(xp + o), wv = load_pack<T, VEC>(wp + o);
+        P hv{};
+        if constexpr (DH) hv = load_pack<T, VEC>(dhp + o);
         P out;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const float fdy = to_float(a.v[k]), fx = to_float(b.v[k]);
-          out.v[k] = from_float<T>(s * fmaf(-fx, k2, fdy * to_float(wv.v[k])));
+          out.v[k] = from_float<T>(bwd::dx_of<DH>(s, fdy, fx, to_float(wv.v[k]), k2, DH ? to_float(hv.v[k]) : 0.f));
           part[o + k] = fmaf(fdy * fx, s, part[o + k]);
         }
         store_pack<T, VEC>(dxp + o, out);
       }
     if (valid && t < tail) {
-      dxp[tail_off] = from_float<T>(s * fmaf(-tx, k2, tdy * tw));
+      dxp[tail_off] = from_float<T>(bwd::dx_of<DH>(s, tdy, tx, tw, k2, DH ? to_float(dhp[tail_off]) : 0.f));
       dw_tail = fmaf(tdy * tx, s, dw_tail);
     }
 
@@ -219,6 +284,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
     dyp += step * dy_stride;
     xp += step * x_stride;
     dxp += step * dx_stride;
+    if constexpr (DH) dhp += step * dh_stride;
   }
 
   if constexpr (ROWS > 1) {
@@ -258,7 +324,7 @@ rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restri
 // as float4s (4 packs of bf16 in registers spilled 224 bytes). Blocks of THREADS threads come
 // 512 / THREADS to an SM (at least 1), 128 registers each.
 //
-// Requires: sm_90; dy, x, dx aligned to 16 bytes, row strides and cols multiples of 16 bytes;
+// Requires: sm_90; dy, x, dx (and dh) aligned to 16 bytes, row strides and cols multiples of 16 bytes;
 // cols <= THREADS * PACKS * VEC; the dynamic shared memory that rmsnorm_bwd_bulk_smem gives for
 // this choice (families/rmsnorm_bwd). The body is a device function so that other kernels can
 // wrap it (the fusion experiments kept under the tag bench-exp-archive do).
@@ -282,12 +348,13 @@ __device__ __forceinline__ void ring_init(unsigned long long* full, P* sdy, P* s
     }
 }
 
-template <typename T, int THREADS, int PACKS, int STAGES>
+template <typename T, int THREADS, int PACKS, int STAGES, bool RECOMPUTE = false, bool DH = false>
 __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                                           const float* __restrict__ inv_rms, T* __restrict__ dx,
                                           float* __restrict__ partial, long long rows, long long cols,
                                           long long dy_stride, long long x_stride, long long dx_stride,
-                                          long long slabs) {
+                                          long long slabs, const T* __restrict__ dh = nullptr,
+                                          long long dh_stride = 0, float eps = 0.f) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int k_buffer = THREADS * PACKS * VEC;  // elements of one row buffer
   constexpr bool k_dw_smem = PACKS * VEC > 16;
@@ -301,6 +368,7 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
   T* sx = sdy + STAGES * k_buffer;       // [STAGES][k_buffer]
   __shared__ unsigned long long full[STAGES];
   __shared__ float scratch[2][32];
+  __shared__ float scratch_sq[RECOMPUTE ? 2 : 1][32];  // the warps' sums of squares (RECOMPUTE)
 
   const int t = int(threadIdx.x);
   const long long slab = blockIdx.x;
@@ -359,7 +427,7 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
   for (long long i = 0; i < n; ++i) {
     const int s = int(i % STAGES);
     const long long row = slab + i * slabs;
-    const float rs = inv_rms[row];
+    float rs = RECOMPUTE ? 0.f : inv_rms[row];
     ptx::mbar_wait(ptx::smem_addr(&full[s]), unsigned(i / STAGES) & 1u);
     P a[PACKS], b[PACKS];
 #pragma unroll
@@ -367,33 +435,51 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
       a[j] = *reinterpret_cast<const P*>(sdy + s * k_buffer + (t + j * THREADS) * VEC);
       b[j] = *reinterpret_cast<const P*>(sx + s * k_buffer + (t + j * THREADS) * VEC);
     }
-    float acc = 0.f;
+    // The zeroed packs past the row add nothing to either sum.
+    float acc = 0.f, sq = 0.f;
 #pragma unroll
     for (int j = 0; j < PACKS; ++j)
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) acc = fmaf(to_float(a[j].v[k]) * to_float(wv[j].v[k]), to_float(b[j].v[k]), acc);
+      for (int k = 0; k < VEC; ++k) {
+        acc = fmaf(to_float(a[j].v[k]) * to_float(wv[j].v[k]), to_float(b[j].v[k]), acc);
+        if constexpr (RECOMPUTE) sq = fmaf(to_float(b[j].v[k]), to_float(b[j].v[k]), sq);
+      }
     acc = warp_sum(acc);
-    if (t % 32 == 0) scratch[i & 1][t / 32] = acc;
+    if constexpr (RECOMPUTE) sq = warp_sum(sq);
+    if (t % 32 == 0) {
+      scratch[i & 1][t / 32] = acc;
+      if constexpr (RECOMPUTE) scratch_sq[i & 1][t / 32] = sq;
+    }
     __syncthreads();
     // Every thread has read buffer s: refill it with the row STAGES ahead.
     if (t == 0 && i + STAGES < n) post(s, row + STAGES * slabs);
     float sum = 0.f;
 #pragma unroll
     for (int q = 0; q < THREADS / 32; ++q) sum += scratch[i & 1][q];
+    if constexpr (RECOMPUTE) {
+      sq = 0.f;
+#pragma unroll
+      for (int q = 0; q < THREADS / 32; ++q) sq += scratch_sq[i & 1][q];
+      rs = rsqrtf(sq * inv_cols + eps);
+    }
     const float k2 = rs * rs * sum * inv_cols;
 #pragma unroll
     for (int j = 0; j < PACKS; ++j) {
+      const bool in_row = t + j * THREADS < packs;
+      P hv{};
+      if constexpr (DH)
+        if (in_row) hv = load_pack<T, VEC>(dh + row * dh_stride + (t + j * THREADS) * VEC);
       P out;
       float d[VEC];
       load_dw(j, d);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float fdy = to_float(a[j].v[k]), fx = to_float(b[j].v[k]);
-        out.v[k] = from_float<T>(rs * fmaf(-fx, k2, fdy * to_float(wv[j].v[k])));
+        out.v[k] = from_float<T>(bwd::dx_of<DH>(rs, fdy, fx, to_float(wv[j].v[k]), k2, to_float(hv.v[k])));
         d[k] = fmaf(fdy * fx, rs, d[k]);
       }
       store_dw(j, d);
-      if (t + j * THREADS < packs) store_pack<T, VEC>(dx + row * dx_stride + (t + j * THREADS) * VEC, out);
+      if (in_row) store_pack<T, VEC>(dx + row * dx_stride + (t + j * THREADS) * VEC, out);
     }
   }
   // The partial row goes out through shared memory (the row buffers are free now), consecutive
@@ -427,15 +513,17 @@ __device__ __forceinline__ void bulk_body(const T* __restrict__ dy, const T* __r
 // 4, 512 threads x 4 packs, 3 buffers; docs/benchmarks.md). Clusters of 4 fit 30 at a time on an
 // H100 (GPC packing), so the caller launches as many slabs as clusters can be resident.
 //
-// Requires: sm_90; STAGES >= 3; dy, x, dx 16-byte aligned, row strides and cols multiples of 16
+// Requires: sm_90; STAGES >= 3; dy, x, dx (and dh) 16-byte aligned, row strides and cols multiples of 16
 // bytes; cols <= CLUSTER * THREADS * PACKS * VEC; dynamic shared memory 2 * STAGES * THREADS *
 // PACKS * 16 bytes; slabs * CLUSTER blocks, slabs <= rows.
-template <typename T, int THREADS, int PACKS, int STAGES, int CLUSTER>
+template <typename T, int THREADS, int PACKS, int STAGES, int CLUSTER, bool RECOMPUTE = false, bool DH = false>
 __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, const T* __restrict__ x,
                                                   const T* __restrict__ w, const float* __restrict__ inv_rms,
                                                   T* __restrict__ dx, float* __restrict__ partial, long long rows,
                                                   long long cols, long long dy_stride, long long x_stride,
-                                                  long long dx_stride, long long slabs) {
+                                                  long long dx_stride, long long slabs,
+                                                  const T* __restrict__ dh = nullptr, long long dh_stride = 0,
+                                                  float eps = 0.f) {
   constexpr int VEC = 16 / int(sizeof(T));
   constexpr int k_buffer = THREADS * PACKS * VEC;  // elements of one block's row buffer
   using P = Pack<T, VEC>;
@@ -450,6 +538,9 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
   __shared__ unsigned long long full[STAGES];
   __shared__ float scratch[2][32];
   __shared__ float sums[4];  // this block's sum of row i in slot i % 4, read by the whole cluster
+  // With RECOMPUTE, the same for the row's sum of squares.
+  __shared__ float scratch_sq[RECOMPUTE ? 2 : 1][32];
+  __shared__ float squares[RECOMPUTE ? 4 : 1];
 
   const int t = int(threadIdx.x), lane = t % 32, warp = t / 32;
   const unsigned rank = ptx::cluster_ctarank();
@@ -489,7 +580,14 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
   auto finish = [&](long long i) {
     const int s = int(i % STAGES);
     const long long row = slab + i * slabs;
-    const float rs = inv_rms[row];
+    float rs;
+    if constexpr (RECOMPUTE) {
+      float total_sq =
+          lane < CLUSTER ? ptx::ld_remote_f32(ptx::smem_addr_opaque(&squares[i & 3]), unsigned(lane)) : 0.f;
+      rs = rsqrtf(warp_sum(total_sq) * inv_cols + eps);
+    } else {
+      rs = inv_rms[row];
+    }
     float total = lane < CLUSTER ? ptx::ld_remote_f32(ptx::smem_addr_opaque(&sums[i & 3]), unsigned(lane)) : 0.f;
     total = warp_sum(total);
     const float k2 = rs * rs * total * inv_cols;
@@ -497,36 +595,53 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
     for (int j = 0; j < PACKS; ++j) {
       const P a = *reinterpret_cast<const P*>(sdy + s * k_buffer + (j * THREADS + t) * VEC);
       const P b = *reinterpret_cast<const P*>(sx + s * k_buffer + (j * THREADS + t) * VEC);
+      const bool in_row = j * THREADS + t < own;
+      P hv{};
+      if constexpr (DH)
+        if (in_row) hv = load_pack<T, VEC>(dh + row * dh_stride + col0 + (j * THREADS + t) * VEC);
       P out;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float fdy = to_float(a.v[k]), fx = to_float(b.v[k]);
-        out.v[k] = from_float<T>(rs * fmaf(-fx, k2, fdy * to_float(wv[j].v[k])));
+        out.v[k] = from_float<T>(bwd::dx_of<DH>(rs, fdy, fx, to_float(wv[j].v[k]), k2, to_float(hv.v[k])));
         dw[j * VEC + k] = fmaf(fdy * fx, rs, dw[j * VEC + k]);
       }
-      if (j * THREADS + t < own) store_pack<T, VEC>(dx + row * dx_stride + col0 + (j * THREADS + t) * VEC, out);
+      if (in_row) store_pack<T, VEC>(dx + row * dx_stride + col0 + (j * THREADS + t) * VEC, out);
     }
   };
   for (long long i = 0; i < n; ++i) {
     const int s = int(i % STAGES);
     const unsigned parity = unsigned(i / STAGES) & 1u;
     ptx::mbar_wait(ptx::smem_addr(&full[s]), parity);
-    float acc = 0.f;
+    float acc = 0.f, sq = 0.f;  // sq: the sum of squares (RECOMPUTE)
 #pragma unroll
     for (int j = 0; j < PACKS; ++j) {
       const P a = *reinterpret_cast<const P*>(sdy + s * k_buffer + (j * THREADS + t) * VEC);
       const P b = *reinterpret_cast<const P*>(sx + s * k_buffer + (j * THREADS + t) * VEC);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) acc = fmaf(to_float(a.v[k]) * to_float(wv[j].v[k]), to_float(b.v[k]), acc);
+      for (int k = 0; k < VEC; ++k) {
+        acc = fmaf(to_float(a.v[k]) * to_float(wv[j].v[k]), to_float(b.v[k]), acc);
+        if constexpr (RECOMPUTE) sq = fmaf(to_float(b.v[k]), to_float(b.v[k]), sq);
+      }
     }
     acc = warp_sum(acc);
-    if (lane == 0) scratch[i & 1][warp] = acc;
+    if constexpr (RECOMPUTE) sq = warp_sum(sq);
+    if (lane == 0) {
+      scratch[i & 1][warp] = acc;
+      if constexpr (RECOMPUTE) scratch_sq[i & 1][warp] = sq;
+    }
     __syncthreads();
     if (t == 0) {
       float sum = 0.f;
 #pragma unroll
       for (int q = 0; q < THREADS / 32; ++q) sum += scratch[i & 1][q];
       sums[i & 3] = sum;
+      if constexpr (RECOMPUTE) {
+        float squares_sum = 0.f;
+#pragma unroll
+        for (int q = 0; q < THREADS / 32; ++q) squares_sum += scratch_sq[i & 1][q];
+        squares[i & 3] = squares_sum;
+      }
     }
     ptx::cluster_arrive_aligned();
     if (i >= 1) finish(i - 1);
@@ -556,16 +671,17 @@ __device__ __forceinline__ void bulk_cluster_body(const T* __restrict__ dy, cons
 
 }  // namespace bwd
 
-template <typename T, int THREADS, int PACKS, int STAGES>
+template <typename T, int THREADS, int PACKS, int STAGES, bool RECOMPUTE = false, bool DH = false>
 __global__ void __launch_bounds__(THREADS, (512 / THREADS > 1 ? 512 / THREADS : 1))
 rmsnorm_bwd_bulk(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                  const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial, long long rows,
-                 long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs) {
-  bwd::bulk_body<T, THREADS, PACKS, STAGES>(dy, x, w, inv_rms, dx, partial, rows, cols, dy_stride, x_stride,
-                                            dx_stride, slabs);
+                 long long cols, long long dy_stride, long long x_stride, long long dx_stride, long long slabs,
+                 const T* __restrict__ dh, long long dh_stride, float eps) {
+  bwd::bulk_body<T, THREADS, PACKS, STAGES, RECOMPUTE, DH>(dy, x, w, inv_rms, dx, partial, rows, cols, dy_stride,
+                                                           x_stride, dx_stride, slabs, dh, dh_stride, eps);
 }
 
-template <typename T, int THREADS, int PACKS, int STAGES, int CLUSTER>
+template <typename T, int THREADS, int PACKS, int STAGES, int CLUSTER, bool RECOMPUTE = false, bool DH = false>
 __global__ void __launch_bounds__(THREADS, 1)
 #if __CUDA_ARCH__ >= 900
 __cluster_dims__(CLUSTER, 1, 1)
@@ -573,9 +689,9 @@ __cluster_dims__(CLUSTER, 1, 1)
 rmsnorm_bwd_bulk_cluster(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                          const float* __restrict__ inv_rms, T* __restrict__ dx, float* __restrict__ partial,
                          long long rows, long long cols, long long dy_stride, long long x_stride, long long dx_stride,
-                         long long slabs) {
-  bwd::bulk_cluster_body<T, THREADS, PACKS, STAGES, CLUSTER>(dy, x, w, inv_rms, dx, partial, rows, cols, dy_stride,
-                                                             x_stride, dx_stride, slabs);
+                         long long slabs, const T* __restrict__ dh, long long dh_stride, float eps) {
+  bwd::bulk_cluster_body<T, THREADS, PACKS, STAGES, CLUSTER, RECOMPUTE, DH>(
+      dy, x, w, inv_rms, dx, partial, rows, cols, dy_stride, x_stride, dx_stride, slabs, dh, dh_stride, eps);
 }
 
 }  // namespace kiln

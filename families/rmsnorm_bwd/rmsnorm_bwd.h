@@ -1,7 +1,11 @@
 // RMSNorm backward, first stage (rmsnorm_bwd): dx row by row, and dw as one fp32 partial row per
 // row slab, summed by the rmsnorm_bwd_reduce family (no per-element atomics). With s = inv_rms[r]
 // saved by the forward and n = cols:
-//   dx = s * dy * w - x * s^3 * mean(dy * w * x),   dw = sum over rows of dy * x * s.
+//   dx = s * dy * w - x * s^3 * mean(dy * w * x) [+ dh],   dw = sum over rows of dy * x * s.
+// Two options, in every kernel: `recompute` computes s = rsqrt(mean(x^2) + eps) from the x the
+// kernel reads (its sum of squares reduced with the row's other sum, so no extra pass; inv_rms is
+// not read), and `dh` adds a gradient dh (dy's dtype, its own row stride) to dx where dx is
+// stored: the backward of add + RMSNorm, whose h = x + residual is an output too.
 //
 // Three kernels: the register kernel (stages = 0) reads each row into registers; the bulk-copy
 // kernel (stages > 0, cluster 1, sm_90 and later) brings rows into a ring of `stages` shared-memory
@@ -16,30 +20,36 @@
 // vec {1, 2, 4, 8} elements per access (vec * sizeof(dtype) <= 16 bytes); packs {1, 2, 4} vec-packs
 // of dy and x kept in registers per thread (4: bulk only); cluster {1, 2, 4, 8} blocks sharing a
 // row (a thread-block cluster, sm_90 and later); sm_threads {512, 1024} resident threads per SM the
-// kernel is built for (a register cap of 128 or 64 per thread); stages {0, 2, 3, 4, 6}. Bulk kernels
+// kernel is built for (a register cap of 128 or 64 per thread); stages {0, 2, 3, 4, 6}; recompute
+// {0, 1} and dh {0, 1}, which must match the problem's (below). Bulk kernels
 // take rows = 1, sm_threads = 512, 16-byte packs, and problems with 16-byte aligned buffers and row
 // strides, rows of whole packs, at most cluster * group * packs of them, on a device with clusters
 // (max_cluster > 1: sm_90 and later, where bulk copies exist); without a cluster at most 2048
-// packs, with one at least 3 stages.
-// Problem (RmsNormBwdProblem), every field a key: rows (bucketed), cols, dy_row_stride,
-// x_row_stride, dx_row_stride (strides in elements), slabs (how many row slabs, hence partial dw
-// rows, the caller chose, see rmsnorm_bwd_slabs), max_cluster (the largest cluster the device
-// launches, 1 before sm_90). Buffers: dy, x, w ([cols]), inv_rms (f32 [rows]) in; dx, partial (f32 [slabs, cols])
-// out. Slab i holds rows i, i + slabs, i + 2 * slabs, ... (dealt in turn, so the rows in flight
-// across the GPU are neighbours in memory).
+// packs, with one at least 3 stages. The bulk-copy kernel without a cluster takes dh = 1 only up
+// to 16 elements per thread (packs * vec <= 16): past that its dh loads spill.
+// Problem (RmsNormBwdProblem): keys rows (bucketed), cols, dy_row_stride, x_row_stride,
+// dx_row_stride (strides in elements), slabs (how many row slabs, hence partial dw rows, the
+// caller chose, see rmsnorm_bwd_slabs), max_cluster (the largest cluster the device launches, 1
+// before sm_90), dh_row_stride (0: no dh), recompute; value eps. Buffers: dy, x, w ([cols]),
+// inv_rms (f32 [rows]; none with recompute) in; dx, partial (f32 [slabs, cols]) out; dh in (the
+// seventh buffer, which callers of a problem without dh may leave out). Slab i holds rows i,
+// i + slabs, i + 2 * slabs, ... (dealt in turn, so the rows in flight across the GPU are
+// neighbours in memory).
 //
 // The heuristic (rmsnorm_bwd_heuristic):
 // - The clustered bulk kernel wherever bulk copies can run and a row has 2049 to 8192 16-byte packs
 //   (hidden 16385 to 65536 in bf16): clusters of 2 up to 4096 packs, else 4; four packs per
 //   thread; group = the block's packs / 4 rounded up to whole warps (512 at hidden 32768 and
-//   65536 bf16); 3 row buffers.
+//   65536 bf16); 3 row buffers. With dh, also rows of 1025 to 2048 packs in f16 and bf16 (the
+//   one-block kernel would need 4 packs per thread), in clusters of 2.
 // - Bulk copies wherever they can run and a row has 256 to 2048 16-byte packs (hidden 2048 to
 //   16384 in bf16): two packs per thread up to 1024 packs, else four; group = packs / packs per
 //   thread rounded up to whole warps; 4 row buffers while the SM's buffers (512 / group blocks,
-//   at least 1) stay within 128 KiB, else 2 (hidden 16384 bf16).
+//   at least 1) stay within 128 KiB, else 2 (hidden 16384 bf16). With dh, f16 and bf16 rows of
+//   at most 1024 packs.
 // Otherwise the register kernel, for packs = cols / vec:
-// - vec: the widest access (16 bytes) that the buffers' alignment, the row strides and the row
-//   length allow.
+// - vec: the widest access (16 bytes) that the buffers' alignment, the row strides (dh's
+//   included) and the row length allow.
 // - cluster: the smallest power of two up to 8 (and up to max_cluster) that leaves each block at
 //   most 1024 packs, so that a block of 512 threads holds its part of the row in registers at two
 //   packs per thread (hidden 16384 bf16: 2 blocks per row; 65536: 8).
@@ -60,7 +70,7 @@
 
 namespace kiln::families {
 
-// The first stage's problem; every field is a key (part of the tuning signature).
+// The first stage's problem; every field but eps is a key (part of the tuning signature).
 struct RmsNormBwdProblem {
   std::int64_t rows = 0;           // key, bucketed: rows of dy, x and dx
   std::int64_t cols = 0;           // key: elements per row (the hidden size)
@@ -69,6 +79,9 @@ struct RmsNormBwdProblem {
   std::int64_t dx_row_stride = 0;  // key: elements between two rows of dx
   std::int64_t slabs = 0;          // key: row slabs, hence partial dw rows (rmsnorm_bwd_slabs)
   std::int64_t max_cluster = 0;    // key: the largest cluster the device launches, 1 before sm_90
+  std::int64_t dh_row_stride = 0;  // key: elements between two rows of dh, added to dx; 0: no dh
+  std::int64_t recompute = 0;      // key: 1 computes inv_rms from x (the inv_rms buffer is not read)
+  double eps = 0;                  // value: added to mean(x^2) with recompute
 };
 
 struct RmsNormBwdChoice {
@@ -79,6 +92,9 @@ struct RmsNormBwdChoice {
   int cluster;
   int sm_threads;  // resident threads per SM the kernel's register cap allows: 512 or 1024
   int stages = 0;  // bulk-copy row buffers (rmsnorm_bwd_bulk); 0: the register kernel
+  // The options, which follow the problem (RmsNormBwdProblem::recompute and dh_row_stride).
+  bool recompute = false;
+  bool dh = false;
 };
 // Dynamic shared memory of a bulk-copy choice (stages > 0) for elements of `esize` bytes: the row
 // buffers of dy and x, and dw when a thread holds more than 16 elements.
