@@ -192,24 +192,54 @@ def _inv_rms(rows, eps):
     return torch.rsqrt(norm.square() / rows.shape[-1] + eps)
 
 
-def _add_rms_norm_grad(ctx, dy, dh):
-    # y = rms_norm(h) * weight with h = x + residual, and h is an output too: dh flows to x and
-    # residual beside the norm's own gradient. inv_rms is recomputed from the saved h (one read).
-    h, weight = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(h)
-    rows = h.reshape(-1, h.shape[-1])
-    inv_rms = _inv_rms(rows, ctx.eps)
-    dx, dw = torch.ops.kiln.rms_norm_backward(dy.reshape(rows.shape), rows, weight, inv_rms)
-    dx = dx.reshape(h.shape)
+_ADD_RMS_NORM_BACKWARD = _ops.OPS["add_rms_norm_backward"].id
+
+
+def _add_rms_norm_backward_impl(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Tensor,
+                                eps: float) -> Tuple[Tensor, Tensor]:
+    dy, h = dy.contiguous(), _rows_contiguous(h)
     if dh is not None:
-        dx = dx + dh
-    return dx, dx, dw, None
+        dh = dh.contiguous()
+    if h.numel() == 0:
+        return torch.empty_like(h), torch.zeros_like(weight)
+    workspace = None
+    if h.is_cuda:
+        # Allocated by PyTorch rather than kiln's per-stream cache: no cuMemAlloc during capture.
+        workspace = _new(h, (max(_ops.rms_norm_backward_workspace_elements(h), 1),), torch.float32)
+    dx, dw = torch.empty_like(h), torch.empty_like(weight)
+    _ops._call(_ADD_RMS_NORM_BACKWARD, None, None, dy, dh, h, weight.contiguous(), workspace, dx, dw, eps)
+    return dx, dw
 
 
+_add_rms_norm_backward = torch.library.custom_op("kiln::add_rms_norm_backward", _add_rms_norm_backward_impl,
+                                                 mutates_args=())
+
+
+@_add_rms_norm_backward.register_fake
+def _(dy, dh, h, weight, eps):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape)
+
+
+def _add_rms_norm_grad_with(backward):
+    """add_rms_norm's gradient through `backward` (the custom op where it may be traced, its
+    implementation for the eager path): y = rms_norm(h) * weight with h = x + residual, and h is
+    an output too, so its gradient dh joins the norm's in dx, which is both x's and residual's.
+    One kiln pass: inv_rms is recomputed from the saved h and dh added where dx is written."""
+
+    def grad(ctx, dy, dh):
+        h, weight = ctx.saved_tensors
+        if dy is None:  # the eager Function does not materialize the gradients of unused outputs
+            dy = torch.zeros_like(h)
+        dx, dw = backward(dy, dh, h, weight, ctx.eps)
+        return dx, dx, dw, None
+
+    return grad
+
+
+_add_rms_norm_grad = _add_rms_norm_grad_with(lambda *a: torch.ops.kiln.add_rms_norm_backward(*a))
 _add_rms_norm.register_autograd(_add_rms_norm_grad, setup_context=_add_rms_norm_setup)
 _AddRmsNormFunction = _eager_function("_AddRmsNormFunction", _add_rms_norm_impl, _add_rms_norm_setup,
-                                      _add_rms_norm_grad)
+                                      _add_rms_norm_grad_with(_add_rms_norm_backward_impl), materialize_grads=False)
 
 
 def _act_and_mul_impl(x: Tensor, activation: str) -> Tensor:
