@@ -457,11 +457,13 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p) {
   // ahead of the register kernel in clusters of 8 and of clusters of 8 x 256; at 4096 x 32768
   // clusters of 2 x 512 are well ahead of 4 x 256 and 8 x 128 (clusters of 2 fill all 132 SMs of
   // an H100; 30 clusters of 4 fit, 120 SMs). docs/benchmarks.md has the figures. With dh, rows
-  // of 1025 to 2048 packs in f16 and bf16 (hidden 8200 to 16384) take it too, in clusters of 2:
-  // the one-block kernel would spill there (bulk_max_packs).
+  // of 1025 to 2048 packs in f16 and bf16 (hidden 8200 to 16384) take it too, in clusters of 2
+  // (the one-block kernel would spill there: bulk_max_packs), at two packs per thread: blocks of
+  // 257 to 512 threads, whose warps hide the latency of the dh loads as the one-block kernel's do.
   if (const int cluster = bulk_cluster_default(p)) {
-    RmsNormBwdChoice c{0, 1, 16 / esize, 4, cluster, 512, 3, q.recompute == 1, q.dh_row_stride != 0};
-    c.group = int((ceil_div(packs16(p), 4 * c.cluster) + 31) / 32 * 32);
+    const int per_thread = packs16(p) <= 2048 ? 2 : 4;
+    RmsNormBwdChoice c{0, 1, 16 / esize, per_thread, cluster, 512, 3, q.recompute == 1, q.dh_row_stride != 0};
+    c.group = int((ceil_div(packs16(p), per_thread * c.cluster) + 31) / 32 * 32);
     return c;
   }
   // Rows of 256 to 2048 16-byte packs on sm_90: the bulk-copy kernel, which is faster than the

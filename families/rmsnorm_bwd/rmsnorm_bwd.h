@@ -41,7 +41,7 @@
 //   (hidden 16385 to 65536 in bf16): clusters of 2 up to 4096 packs, else 4; four packs per
 //   thread; group = the block's packs / 4 rounded up to whole warps (512 at hidden 32768 and
 //   65536 bf16); 3 row buffers. With dh, also rows of 1025 to 2048 packs in f16 and bf16 (the
-//   one-block kernel would need 4 packs per thread), in clusters of 2.
+//   one-block kernel would need 4 packs per thread), in clusters of 2 at two packs per thread.
 // - Bulk copies wherever they can run and a row has 256 to 2048 16-byte packs (hidden 2048 to
 //   16384 in bf16): two packs per thread up to 1024 packs, else four; group = packs / packs per
 //   thread rounded up to whole warps; 4 row buffers while the SM's buffers (512 / group blocks,

@@ -391,15 +391,17 @@ TEST(RmsNormBwd, HeuristicTakesTheOptions) {
             }
           }
   // ... but for f16 and bf16 rows of 1025 to 2048 packs with dh, which take the clustered kernel in
-  // clusters of 2 rather than the one-block kernel at 4 packs per thread.
+  // clusters of 2 at 2 packs per thread rather than the one-block kernel at 4.
   auto c = rmsnorm_bwd_heuristic(with_options(problem(DType::bf16, 4096, 16384, 1, 8), 16384));
   EXPECT_EQ(c.stages, 3);
   EXPECT_EQ(c.cluster, 2);
-  EXPECT_EQ(c.group, 256);
-  EXPECT_EQ(c.packs, 4);
+  EXPECT_EQ(c.group, 512);
+  EXPECT_EQ(c.packs, 2);
   c = rmsnorm_bwd_heuristic(with_options(problem(DType::f16, 4096, 8200, 1, 8), 8200));  // 1025 packs
   EXPECT_EQ(c.cluster, 2);
   EXPECT_EQ(c.stages, 3);
+  EXPECT_EQ(c.group, 288);
+  EXPECT_EQ(c.packs, 2);
   EXPECT_EQ(rmsnorm_bwd_heuristic(with_options(problem(DType::bf16, 4096, 16384, 1, 8), 0)).cluster, 1);
   c = rmsnorm_bwd_heuristic(with_options(problem(DType::f32, 4096, 8192, 1, 8), 8192));  // 2048 f32 packs
   EXPECT_EQ(c.cluster, 1);
