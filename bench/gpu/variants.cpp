@@ -67,6 +67,14 @@ std::vector<Case> cases(bool quick, int sms, int cc) {
                               .slabs = std::min<std::int64_t>(t, std::int64_t(sms) * 16), .max_cluster = 8};
     out.push_back({"rmsnorm_bwd", shape(t, h), Problem::of(DType::bf16, 16, p)});
   }
+  // add_rms_norm_backward's first stage (inv_rms recomputed, dh added): 4096 and 16384 bf16 rows
+  // take the bulk-copy and the clustered kernel there (the one-block kernel spills with dh).
+  for (auto [t, h] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 4096}, {4096, 16384}}) {
+    const RmsNormBwdProblem p{.rows = t, .cols = h, .dy_row_stride = h, .x_row_stride = h, .dx_row_stride = h,
+                              .slabs = std::min<std::int64_t>(t, std::int64_t(sms) * 16), .max_cluster = 8,
+                              .dh_row_stride = h, .recompute = 1, .eps = 1e-6};
+    out.push_back({"rmsnorm_bwd", shape(t, h) + " add", Problem::of(DType::bf16, 16, p)});
+  }
   for (auto [t, d] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 14336}, {32768, 11008}}) {
     ActAndMulProblem q{.rows = t, .d = d, .x_row_stride = 2 * d, .out_row_stride = d, .activation = k_am_silu};
     out.push_back({"act_and_mul", shape(t, d) + " silu", Problem::of(DType::bf16, 16, q)});

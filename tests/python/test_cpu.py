@@ -204,6 +204,41 @@ def test_rms_norm_backward_matches_finite_differences(rng):
     assert kiln.rms_norm_backward_workspace_elements(x32) == 0  # host: no workspace
 
 
+def test_add_rms_norm_backward_matches_finite_differences(rng):
+    # L = sum(dy * rms_norm(h) * w) + sum(dh * h): dx is dL/dh with inv_rms recomputed from h.
+    h = rng.standard_normal((3, 64))
+    w = rng.standard_normal(64)
+    dy, dh = rng.standard_normal((3, 64)), rng.standard_normal((3, 64))
+    eps = 1e-3
+
+    def loss(h_, w_):
+        return float((ref_rms_norm(h_, w_, eps)[0] * dy).sum() + (h_ * dh).sum())
+
+    step = 1e-6
+    dx_ref = np.zeros_like(h)
+    for i in np.ndindex(*h.shape):
+        e = np.zeros_like(h)
+        e[i] = step
+        dx_ref[i] = (loss(h + e, w) - loss(h - e, w)) / (2 * step)
+    dw_ref = np.array([(loss(h, w + step * np.eye(64)[j]) - loss(h, w - step * np.eye(64)[j])) / (2 * step)
+                       for j in range(64)])
+
+    h32, w32, dy32, dh32 = (a.astype(np.float32) for a in (h, w, dy, dh))
+    dx, dw = kiln.add_rms_norm_backward(dy32, dh32, h32, w32, eps=eps)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4)
+    # Without dh: the norm's gradient alone, as rms_norm_backward gives it from the saved inv_rms.
+    dx0, dw0 = kiln.add_rms_norm_backward(dy32, None, h32, w32, eps=eps)
+    _, inv = kiln.rms_norm_with_inv_rms(h32, w32, eps)
+    dx1, dw1 = kiln.rms_norm_backward(dy32, h32, w32, inv)
+    np.testing.assert_allclose(dx0, dx1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw0, dw1, rtol=1e-5, atol=1e-6)
+    with pytest.raises(kiln.ShapeMismatchError):
+        kiln.add_rms_norm_backward(dy32, dh32[:2], h32, w32)
+    with pytest.raises(kiln.InvalidArgumentError):
+        kiln.add_rms_norm_backward(dy32, dh32, h32, w32, eps=-1.0)
+
+
 # --- other array producers: DLPack and __array_interface__ ---
 
 

@@ -73,7 +73,8 @@ Data make_data(const Case& c, std::mt19937& rng) {
                                                             .eps = k_eps});
   std::vector<float> partial(std::size_t(c.cols));
   void* b[7] = {d.dy.data() + c.offset * es, d.x.data() + c.offset * es, d.w.data() + c.offset * es,
-                d.inv_rms.data(), d.want_dx.data() + c.offset * es, partial.data(), d.dh.data() + c.offset * es};
+                d.inv_rms.data(), d.want_dx.data() + c.offset * es, partial.data(),
+                c.dh_stride ? d.dh.data() + c.offset * es : nullptr};
   const Family& bwd = *Registry::global().find("rmsnorm_bwd");
   EXPECT_TRUE(bwd.cpu_reference(bwd.heuristic(p), p, b).ok());
   const Problem pr = Problem::of(c.dtype, 16, families::RmsNormBwdReduceProblem{.slabs = 1, .cols = c.cols});
@@ -460,8 +461,9 @@ class AddRmsNormBwdGpu : public RmsNormBwdGpu {
     const std::string what = std::to_string(c.rows) + "x" + std::to_string(c.cols) + " stride " +
                              std::to_string(c.stride) + " dh stride " + std::to_string(c.dh_stride) + " off " +
                              std::to_string(c.offset) + (c.in_place ? " dx = dy" : "") + (c.dx_is_dh ? " dx = dh" : "");
-    if (c.cols == 1 && !c.dh_stride) {
-      // All cancellation (see RmsNormBwdGpu.MatchesReferenceForEveryDtypeAndRowLength).
+    if (c.cols == 1) {
+      // All cancellation (see RmsNormBwdGpu.MatchesReferenceForEveryDtypeAndRowLength), and dh
+      // may be small.
       EXPECT_LT(e.dx, 0.5) << dtype_name(c.dtype) << " " << what << " seed " << seed_;
       EXPECT_LT(e.dw_vs_allowed, 1.0) << dtype_name(c.dtype) << " " << what << " seed " << seed_;
     } else {

@@ -128,6 +128,8 @@ def test_opcheck_every_op_on_cuda():
         (torch.ops.kiln.rms_norm_fwd.default, (x.float().requires_grad_(), w.float().requires_grad_(), 1e-6)),
         (torch.ops.kiln.rms_norm_backward.default, (x, x, w, torch.rand(2, 8, device="cuda") + 0.5)),
         (torch.ops.kiln.add_rms_norm.default, (x, x.clone(), w, 1e-6)),
+        (torch.ops.kiln.add_rms_norm_backward.default, (x, x.clone(), x.clone(), w, 1e-6)),
+        (torch.ops.kiln.add_rms_norm_backward.default, (x, None, x.clone(), w, 1e-6)),
         (torch.ops.kiln.act_and_mul.default, (x, "silu")),
         (torch.ops.kiln.apply_rope_qk.default, (q, k, cos, sin, pos, "neox")),
         (torch.ops.kiln.rms_norm_rope.default, (x.float().requires_grad_(), w.float().requires_grad_(), rc, rs,
