@@ -525,17 +525,27 @@ TEST_F(AddRmsNormBwdGpu, StridedMisalignedAndInPlace) {
   }
 }
 
+// rms_norm_backward_workspace_elements(h) is enough for add_rms_norm_backward, also where dh
+// sends f16/bf16 rows to the clustered kernel, whose slab count the driver gives (clusters
+// resident at once: smaller blocks than the other clustered variants may fit several to an SM).
 TEST_F(AddRmsNormBwdGpu, CallersWorkspace) {
+  for (DType t : {DType::f16, DType::bf16})
+    for (std::int64_t cols : {8200, 12288, 16384, 4096}) {
+      Case c{t, 400, cols, cols};  // more rows than clusters fit at once
+      c.recompute = true;
+      c.dh_stride = c.cols;
+      auto need = rms_norm_backward_workspace_elements(
+          TensorView::contiguous(reinterpret_cast<void*>(16), c.dtype, {c.rows, c.cols}, Device::cuda(0)));
+      ASSERT_TRUE(need.ok()) << need.status().to_string();
+      DeviceBuffer ws(std::size_t(*need) * 4);
+      ws.poison();
+      const auto wv = TensorView::contiguous(ws.get(), DType::f32, {*need}, Device::cuda(0));
+      check_op(c, &wv);
+    }
   Case c{DType::bf16, 300, 16384, 16384};
   c.recompute = true;
   c.dh_stride = c.cols;
-  auto need = rms_norm_backward_workspace_elements(
-      TensorView::contiguous(reinterpret_cast<void*>(16), c.dtype, {c.rows, c.cols}, Device::cuda(0)));
-  ASSERT_TRUE(need.ok()) << need.status().to_string();
-  DeviceBuffer ws(std::size_t(*need) * 4);
-  ws.poison();
-  const auto wv = TensorView::contiguous(ws.get(), DType::f32, {*need}, Device::cuda(0));
-  check_op(c, &wv);
+  DeviceBuffer ws(std::size_t(c.cols) * 4);
   const auto small = TensorView::contiguous(ws.get(), DType::f32, {c.cols}, Device::cuda(0));
   check_case(c, rng_, [&](void* dy, void* x, void* w, void*, void* dx, void* dw, void* dh) {
     Status s = run_add_op(c, rt_.get(), dy, x, w, dx, dw, dh, &small);
