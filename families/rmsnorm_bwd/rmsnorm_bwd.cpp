@@ -503,8 +503,17 @@ std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int 
   if (rows <= 0) return 0;
   // The clustered bulk kernel keeps a ring per block across its slab's rows: one slab per cluster
   // the GPU runs at once, or a late cluster would start its whole slab after the others ended.
+  // Without the driver's count, as many as the SMs hold by shared memory and threads: an upper
+  // bound (registers and GPC packing may allow fewer), so that a workspace sized by it holds what
+  // the op launches. Blocks of up to 512 threads and 192 KiB come one to an SM; the smaller ones
+  // of rows that dh sends to clusters may come several.
   if (c.stages > 0 && c.cluster > 1) {
-    const int clusters = resident_clusters > 0 ? resident_clusters : std::max(1, sms / c.cluster);
+    int clusters = resident_clusters;
+    if (clusters <= 0) {
+      const std::int64_t block_smem = rmsnorm_bwd_bulk_smem(c, std::int64_t(dtype_size(p.dtype))) + 1024;
+      const std::int64_t per_sm = std::max<std::int64_t>(1, std::min<std::int64_t>(k_sm_smem / block_smem, 2048 / c.group));
+      clusters = std::max(1, int(sms * per_sm / c.cluster));
+    }
     return std::min<std::int64_t>(clusters, rows);
   }
   // The kernel's register cap lets an SM hold sm_threads threads.

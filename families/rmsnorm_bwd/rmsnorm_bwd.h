@@ -105,8 +105,9 @@ RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params);
 RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p);
 // The slab count for a choice on a GPU with `sms` multiprocessors (>= 1 when rows > 0). The
 // clustered bulk kernel (stages > 0, cluster > 1) takes one slab per cluster the GPU holds at once:
-// `resident_clusters` when the caller asked the driver (cuOccupancyMaxActiveClusters), else sms /
-// cluster, which may be more than fit (30 clusters of 4 on a 132-SM H100, not 33).
+// `resident_clusters` when the caller asked the driver (cuOccupancyMaxActiveClusters), else sms
+// times the blocks an SM's shared memory and threads allow, over cluster: an upper bound, which
+// may be more than fit (30 clusters of 4 on a 132-SM H100, not 33).
 std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms, int resident_clusters = 0);
 
 }  // namespace kiln::families

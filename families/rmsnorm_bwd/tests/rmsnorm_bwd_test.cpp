@@ -454,6 +454,15 @@ TEST(RmsNormBwd, SlabsFillTheGpu) {
   EXPECT_EQ(rmsnorm_bwd_slabs(c, wide, 132, 30), 30);
   EXPECT_EQ(rmsnorm_bwd_slabs(c, wide, 132), 33);
   EXPECT_EQ(rmsnorm_bwd_slabs(c, problem(DType::bf16, 7, 65536, 1, 8), 132, 30), 7);
+  // Smaller clustered blocks (dh's f16/bf16 rows of 1025 to 2048 packs) may come several to an SM:
+  // without the driver's count, the bound counts them (a workspace sized by it must hold the
+  // driver's count).
+  const Problem small = with_options(problem(DType::bf16, 4096, 8200, 1, 8), 8200);
+  const auto cs = rmsnorm_bwd_heuristic(small);
+  ASSERT_EQ(cs.cluster, 2);
+  ASSERT_EQ(cs.group, 288);  // 54 KiB of buffers: 4 blocks by shared memory, 7 by threads
+  EXPECT_EQ(rmsnorm_bwd_slabs(cs, small, 132), 132 * 4 / 2);
+  EXPECT_EQ(rmsnorm_bwd_slabs(cs, small, 132, 100), 100);
   // Other kernels ignore the resident count.
   const Problem narrow = problem(DType::bf16, 4096, 4096, 1, 8);
   EXPECT_EQ(rmsnorm_bwd_slabs(rmsnorm_bwd_heuristic(narrow), narrow, 132, 30),
