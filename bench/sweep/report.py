@@ -2,7 +2,10 @@
 shard, or several runs, plain or gzipped (.json.gz, as docs/results keeps them): a point measured
 in a later file replaces an earlier one, one not run never replaces one that ran).
 
-  python3 bench/sweep/report.py SWEEP.json [MORE.json ...] [--markdown docs/benchmarks.md]
+  python3 bench/sweep/report.py SWEEP.json [MORE.json ...] [--replace OP,...] [--markdown docs/benchmarks.md]
+
+--replace names ops re-run after they changed: only their points from the last file that measured
+them count (the earlier ones timed other code).
 
 Per op and direction: the points measured, the min, p10 and median of the ratio best peer / kiln
 (above 1: kiln is faster; at or above TIE a peer is within 2%, a tie), the peer that was best most
@@ -28,13 +31,18 @@ def point_key(p):
     return p["label"], json.dumps(p["sizes"], sort_keys=True)
 
 
-def load(paths):
-    """(headers, points) of the files, each point once (see the module's note on merging)."""
+def load(paths, replace=()):
+    """(headers, points) of the files, each point once (see the module's note on merging). An op
+    label in `replace` keeps only the points of the last file that measured it (re-run after the
+    op changed: its earlier points timed other code)."""
     headers, merged = [], {}
     for path in paths:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             data = json.load(f)
         headers.append(data["header"])
+        fresh = {p["label"] for p in data["points"] if p["label"] in replace and p["status"] != "not_run"}
+        if fresh:
+            merged = {k: v for k, v in merged.items() if v["label"] not in fresh}
         for p in data["points"]:
             key = point_key(p)
             if p["status"] == "not_run" and key in merged and merged[key]["status"] != "not_run":
@@ -190,8 +198,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="+", help="run.py's JSON files (shards)")
     ap.add_argument("--markdown", metavar="FILE", help="rewrite the sweep block of FILE")
+    ap.add_argument("--replace", default="", metavar="LABEL,...",
+                    help="ops re-run after a change: only their points from the last file that measured them count")
     args = ap.parse_args(argv)
-    headers, points = load(args.json)
+    headers, points = load(args.json, tuple(filter(None, args.replace.split(","))))
     block = markdown(headers, summarize(points), args.json)
     print(block, end="")
     if args.markdown:

@@ -126,3 +126,23 @@ def test_markdown_block_is_appended_where_there_is_none_and_a_lone_begin_is_refu
     assert report.rewrite_block("", "B\n") == f"{report.BEGIN}\nB\n{report.END}\n"
     with pytest.raises(ValueError):
         report.rewrite_block(f"a\n{report.BEGIN}\nno end\n", "B\n")
+
+
+def test_replace_keeps_only_the_latest_run_of_an_op_that_changed(tmp_path):
+    """An op re-run after it changed: only its points of the last file that measured it count,
+    those that run left out become not run; other ops merge as shards do."""
+    old = [point("add_rms_norm_backward", 16, 0.4), point("add_rms_norm_backward", 4095, 0.7),
+           point("rms_norm", 16, 1.1), point("rms_norm", 4095, 1.0)]
+    new = [point("add_rms_norm_backward", 4095, 1.4), point("add_rms_norm_backward", 16, status="not_run"),
+           point("rms_norm", 4095, 1.2), point("rms_norm", 16, status="not_run")]
+    paths = []
+    for name, pts in (("old.json", old), ("new.json", new)):
+        (tmp_path / name).write_text(json.dumps({"header": HEADER, "points": pts}))
+        paths.append(str(tmp_path / name))
+    _, merged = report.load(paths, replace=("add_rms_norm_backward",))
+    by = {(p["label"], p["sizes"]["rows"]): p for p in merged}
+    assert by[("add_rms_norm_backward", 4095)]["ratio"] == 1.4
+    assert by[("add_rms_norm_backward", 16)]["status"] == "not_run"
+    assert by[("rms_norm", 16)]["ratio"] == 1.1 and by[("rms_norm", 4095)]["ratio"] == 1.2
+    _, plain = report.load(paths)
+    assert {(p["label"], p["sizes"]["rows"]): p.get("ratio") for p in plain}[("add_rms_norm_backward", 16)] == 0.4
