@@ -558,8 +558,8 @@ def rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor] = 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
     """(rms_norm(x + residual) * weight, x + residual), vLLM's fused residual add. Differentiable in
-    x, residual and weight: the backward recomputes inv_rms from x + residual, runs kiln's RMSNorm
-    backward and adds the residual stream's gradient (three passes; a fused kernel is to come)."""
+    x, residual and weight: the backward is one add_rms_norm_backward pass over the saved
+    x + residual (inv_rms recomputed in the kernel, the residual stream's gradient added to dx)."""
     if _eager():
         if _needs_grad(x, residual, weight):
             return _AddRmsNormFunction.apply(x, residual, weight, eps)
