@@ -93,7 +93,8 @@ std::string OpDecl::describe() const {
                             {"min_rank", t.min_rank},
                             {"max_rank", t.max_rank},
                             {"shape", t.shape},
-                            {"grad_of", t.grad_of}});
+                            {"grad_of", t.grad_of},
+                            {"strided_rows", t.strided_rows}});
   }
   j["scalars"] = nlohmann::json::array();
   for (const auto& s : scalars) {

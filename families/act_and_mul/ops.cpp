@@ -168,7 +168,8 @@ void kiln_register_ops_act_and_mul(kiln::Registry& r) {
   OpDecl op;
   op.name = "act_and_mul";
   op.doc = "out = act(x[..., :d]) * x[..., d:]; activation: silu, gelu (erf) or gelu_tanh.";
-  op.tensors = {{.name = "x", .shape = "[..., 2d]"}, {.name = "out", .role = TensorRole::output, .shape = "[..., d]"}};
+  op.tensors = {{.name = "x", .shape = "[..., 2d]", .strided_rows = true},
+                {.name = "out", .role = TensorRole::output, .shape = "[..., d]", .strided_rows = true}};
   op.scalars = {{.name = "activation", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
                  .choices = {"silu", "gelu", "gelu_tanh"}}};
   op.backward = "act_and_mul_backward";
@@ -187,9 +188,10 @@ void kiln_register_ops_act_and_mul(kiln::Registry& r) {
   bwd.name = "act_and_mul_backward";
   bwd.doc = "The gradient of act_and_mul with respect to x, recomputing act from x: "
             "dx[..., :d] = dy * x[..., d:] * act'(x[..., :d]), dx[..., d:] = dy * act(x[..., :d]).";
-  bwd.tensors = {{.name = "x", .shape = "[..., 2d]"},
-                 {.name = "dy", .shape = "[..., d]", .grad_of = "out"},
-                 {.name = "dx", .role = TensorRole::output, .shape = "[..., 2d]", .grad_of = "x"}};
+  bwd.tensors = {{.name = "x", .shape = "[..., 2d]", .strided_rows = true},
+                 {.name = "dy", .shape = "[..., d]", .grad_of = "out", .strided_rows = true},
+                 {.name = "dx", .role = TensorRole::output, .shape = "[..., 2d]", .grad_of = "x",
+                  .strided_rows = true}};
   bwd.scalars = {{.name = "activation", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
                   .choices = {"silu", "gelu", "gelu_tanh"}}};
   bwd.run = [](const OpCall& c) {

@@ -119,11 +119,11 @@ void kiln_register_ops_add_rmsnorm(kiln::Registry& r) {
   op.name = "add_rms_norm";
   op.doc = "(out, residual_out): h = x + residual, residual_out = h, out = rms_norm(h) * weight. "
            "residual_out may be residual and out may be x (in place).";
-  op.tensors = {{.name = "x", .shape = "[..., hidden]"},
-                {.name = "residual", .shape = "[..., hidden]"},
+  op.tensors = {{.name = "x", .shape = "[..., hidden]", .strided_rows = true},
+                {.name = "residual", .shape = "[..., hidden]", .strided_rows = true},
                 {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
-                {.name = "out", .role = TensorRole::output, .shape = "[..., hidden]"},
-                {.name = "residual_out", .role = TensorRole::output, .shape = "[..., hidden]"}};
+                {.name = "out", .role = TensorRole::output, .shape = "[..., hidden]", .strided_rows = true},
+                {.name = "residual_out", .role = TensorRole::output, .shape = "[..., hidden]", .strided_rows = true}};
   op.scalars = {{.name = "eps", .kind = ScalarKind::f64, .has_default = true, .default_value = 1e-6}};
   op.run = [](const OpCall& c) {
     return add_rms_norm(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.f64(0), c.stream,

@@ -91,9 +91,9 @@ void kiln_register_ops_rmsnorm(kiln::Registry& r) {
   OpDecl op;
   op.name = "rms_norm";
   op.doc = "out = x * rsqrt(mean(x^2, last dim) + eps) * weight; also fills inv_rms (f32, one value per row) if given.";
-  op.tensors = {{.name = "x", .shape = "[..., hidden]"},
+  op.tensors = {{.name = "x", .shape = "[..., hidden]", .strided_rows = true},
                 {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
-                {.name = "out", .role = TensorRole::output, .shape = "[..., hidden]"},
+                {.name = "out", .role = TensorRole::output, .shape = "[..., hidden]", .strided_rows = true},
                 {.name = "inv_rms", .role = TensorRole::output, .optional = true, .dtypes = dtype_bit(DType::f32),
                  .shape = "[rows]"}};
   op.scalars = {{.name = "eps", .kind = ScalarKind::f64, .has_default = true, .default_value = 1e-6}};

@@ -263,12 +263,13 @@ void kiln_register_ops_rmsnorm_bwd(kiln::Registry& r) {
   op.name = "rms_norm_backward";
   op.doc = "(dx, dw) of RMSNorm from the forward's inv_rms. workspace: f32 scratch for the partial dw rows "
            "(at least rms_norm_backward_workspace_elements(x)); absent: one cached per stream.";
-  op.tensors = {{.name = "dy", .shape = "[..., hidden]", .grad_of = "out"},
-                {.name = "x", .shape = "[..., hidden]"},
+  op.tensors = {{.name = "dy", .shape = "[..., hidden]", .grad_of = "out", .strided_rows = true},
+                {.name = "x", .shape = "[..., hidden]", .strided_rows = true},
                 {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
                 {.name = "inv_rms", .dtypes = dtype_bit(DType::f32), .shape = "[rows]"},
                 {.name = "workspace", .optional = true, .dtypes = dtype_bit(DType::f32), .shape = "[elements]"},
-                {.name = "dx", .role = TensorRole::output, .shape = "[..., hidden]", .grad_of = "x"},
+                {.name = "dx", .role = TensorRole::output, .shape = "[..., hidden]", .grad_of = "x",
+                 .strided_rows = true},
                 {.name = "dw", .role = TensorRole::output, .max_rank = 1, .shape = "[hidden]", .grad_of = "weight"}};
   op.run = [](const OpCall& c) {
     return rms_norm_backward(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(5), c.tensor(6), c.stream,
@@ -287,12 +288,14 @@ void kiln_register_ops_rmsnorm_bwd(kiln::Registry& r) {
             "pass: inv_rms recomputed from h with eps, and dh, the gradient of residual_out (absent: zero), added "
             "to dx, which is the gradient of both x and residual. workspace: as rms_norm_backward's (at least "
             "rms_norm_backward_workspace_elements(h)).";
-  add.tensors = {{.name = "dy", .shape = "[..., hidden]", .grad_of = "out"},
-                 {.name = "dh", .optional = true, .shape = "[..., hidden]", .grad_of = "residual_out"},
-                 {.name = "h", .shape = "[..., hidden]"},
+  add.tensors = {{.name = "dy", .shape = "[..., hidden]", .grad_of = "out", .strided_rows = true},
+                 {.name = "dh", .optional = true, .shape = "[..., hidden]", .grad_of = "residual_out",
+                  .strided_rows = true},
+                 {.name = "h", .shape = "[..., hidden]", .strided_rows = true},
                  {.name = "weight", .max_rank = 1, .shape = "[hidden]"},
                  {.name = "workspace", .optional = true, .dtypes = dtype_bit(DType::f32), .shape = "[elements]"},
-                 {.name = "dx", .role = TensorRole::output, .shape = "[..., hidden]", .grad_of = "x"},
+                 {.name = "dx", .role = TensorRole::output, .shape = "[..., hidden]", .grad_of = "x",
+                  .strided_rows = true},
                  {.name = "dw", .role = TensorRole::output, .max_rank = 1, .shape = "[hidden]", .grad_of = "weight"}};
   add.scalars = {{.name = "eps", .kind = ScalarKind::f64, .has_default = true, .default_value = 1e-6}};
   add.run = [](const OpCall& c) {

@@ -197,8 +197,8 @@ kiln_code kiln_op_at(int32_t index, const kiln_op** out);
 /* KILN_NOT_FOUND when no op has that name. */
 kiln_code kiln_op_find(const char* name, const kiln_op** out);
 /* The op's declaration as JSON: {"name", "doc", "backward", "cpu", "tensors": [{"name", "output",
- * "optional", "dtypes", "min_rank", "max_rank", "shape", "grad_of"}], "scalars": [{"name", "kind",
- * "doc", "choices", "default"?}]}; valid for the process's life. NULL for a NULL op. */
+ * "optional", "dtypes", "min_rank", "max_rank", "shape", "grad_of", "strided_rows"}], "scalars": [{"name",
+ * "kind", "doc", "choices", "default"?}]}; valid for the process's life. NULL for a NULL op. */
 const char* kiln_op_describe(const kiln_op* op);
 /* Runs the op: tensors in declaration order (inputs, then outputs; NULL for an absent optional
  * one), scalars in declaration order. Validation and errors as the typed op's. */

@@ -51,6 +51,10 @@ struct OpTensor {
   std::string shape;
   // In a backward op: the forward tensor this one is the gradient of ("" for none).
   std::string grad_of;
+  // The op takes this tensor's rows at any row stride: the last dimension contiguous, the leading
+  // ones collapsing into one row index (a slice of a wider tensor). Bindings pass such views as
+  // they are; a tensor without the mark is made contiguous first.
+  bool strided_rows = false;
 };
 
 enum class ScalarKind : std::uint8_t { f64, i64, boolean, choice };

@@ -939,8 +939,13 @@ def _output_shapes(decl, inputs, scalars):
 
 
 def _declared_impl(decl):
+    # Inputs the op reads at any row stride (the declaration's strided_rows) are passed as they are
+    # where their rows collapse to one stride; the others are made contiguous.
+    strided = [t.get("strided_rows", False) for t in decl.inputs]
+
     def impl(*args):
-        inputs = [None if t is None else t.contiguous() for t in args[:len(decl.inputs)]]
+        inputs = [None if t is None else _rows_contiguous(t) if rows else t.contiguous()
+                  for t, rows in zip(args[:len(decl.inputs)], strided)]
         scalars = list(args[len(decl.inputs):])
         first = next(t for t in inputs if t is not None)
         shapes = _output_shapes(decl, inputs, scalars)

@@ -68,6 +68,27 @@ TEST(OpDecl, EveryOpIsWellFormedAndItsGradientsNameRealTensors) {
   }
 }
 
+TEST(OpDecl, DescribeSaysWhichTensorsTakeStridedRows) {
+  // The bindings pass a row-strided view only where the declaration says the op reads it.
+  const auto marked = [](const char* op_name) {
+    const kiln_op* op = nullptr;
+    EXPECT_EQ(kiln_op_find(op_name, &op), KILN_OK) << op_name;
+    std::set<std::string> out;
+    if (!op) return out;
+    const auto j = nlohmann::json::parse(kiln_op_describe(op));
+    for (const auto& t : j.at("tensors"))
+      if (t.at("strided_rows").get<bool>()) out.insert(t.at("name").get<std::string>());
+    return out;
+  };
+  EXPECT_EQ(marked("act_and_mul_backward"), (std::set<std::string>{"x", "dy", "dx"}));
+  EXPECT_EQ(marked("rms_norm_backward"), (std::set<std::string>{"dy", "x", "dx"}));
+  EXPECT_EQ(marked("add_rms_norm_backward"), (std::set<std::string>{"dy", "dh", "h", "dx"}));
+  EXPECT_EQ(marked("add_rms_norm"), (std::set<std::string>{"x", "residual", "out", "residual_out"}));
+  // LayerNorm takes contiguous rows only: nothing is marked.
+  EXPECT_TRUE(marked("layer_norm").empty());
+  EXPECT_TRUE(marked("layer_norm_backward").empty());
+}
+
 TEST(OpDecl, ChecksRejectMalformedDeclarations) {
   kiln::OpDecl op;
   op.name = "Bad";

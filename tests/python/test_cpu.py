@@ -630,3 +630,11 @@ def test_describe_family_lists_problem_fields():
     assert {p["name"] for p in d["params"]} >= {"dtype", "head_dim", "layout", "vec", "block"}
     with pytest.raises(kiln.NotFoundError):
         kiln.describe_family("no_such_family")
+
+
+def test_declarations_say_which_tensors_take_strided_rows():
+    """kiln.ops carries the declarations' strided_rows marks, which kiln.torch follows."""
+    marked = {name: {t["name"] for t in decl.tensors if t["strided_rows"]} for name, decl in kiln.ops.OPS.items()}
+    assert marked["act_and_mul_backward"] == {"x", "dy", "dx"}
+    assert marked["add_rms_norm_backward"] == {"dy", "dh", "h", "dx"}
+    assert marked["layer_norm"] == set()

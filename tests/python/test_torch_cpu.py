@@ -368,3 +368,27 @@ def test_swiglu_module_matches_the_llama_mlp(act):
     torch.testing.assert_close(mlp.gate_up_proj.weight.grad, torch.cat([gate.weight.grad, up.weight.grad]),
                                rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(mlp.down_proj.weight.grad, down.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_declared_ops_take_strided_rows_where_declared(monkeypatch):
+    """A declared op marked strided_rows gets a slice of a wider tensor as it is (no copy) and
+    computes what it computes on a contiguous copy; an unmarked one (layer_norm) gets a copy."""
+    base = torch.randn(6, 2 * 48 + 16)
+    x = base[:, :96]
+    dy = torch.randn(6, 48)
+    copies = []
+    real = torch.Tensor.contiguous
+
+    def counting(t, *args, **kwargs):
+        if not t.is_contiguous():
+            copies.append(tuple(t.shape))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting)
+    got = kt.act_and_mul_backward(x, dy, "silu")
+    assert copies == []
+    monkeypatch.undo()
+    torch.testing.assert_close(got, kt.act_and_mul_backward(x.contiguous(), dy, "silu"), rtol=0, atol=0)
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting)
+    kt.layer_norm(x, torch.ones(96), None, 1e-5)
+    assert copies == [(6, 96)]
