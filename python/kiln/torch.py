@@ -96,16 +96,21 @@ def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(_rows_shape(x), dtype=torch.float32)
 
 
+def _norm_backward_workspace(x):
+    """The f32 scratch of the rmsnorm_bwd launches for rows like x (None on the host), allocated by
+    PyTorch rather than kiln's per-stream cache: no cuMemAlloc during a CUDA-graph capture."""
+    if not x.is_cuda:
+        return None
+    return _new(x, (max(_ops.rms_norm_backward_workspace_elements(x), 1),), torch.float32)
+
+
 def _rms_norm_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, inv_rms: Tensor) -> Tuple[Tensor, Tensor]:
     dy, x = _rows_contiguous(dy), _rows_contiguous(x)  # dy of a sum() is an expanded (stride 0) tensor
     if x.numel() == 0:
         return torch.empty_like(x), torch.zeros_like(weight)
-    workspace = None
-    if x.is_cuda:
-        # Allocated by PyTorch rather than kiln's per-stream cache: no cuMemAlloc during capture.
-        workspace = _new(x, (max(_ops.rms_norm_backward_workspace_elements(x), 1),), torch.float32)
     dx, dw = torch.empty_like(x), torch.empty_like(weight)
-    _ops._call(_RMS_NORM_BACKWARD, None, None, dy, x, weight.contiguous(), inv_rms, workspace, dx, dw)
+    _ops._call(_RMS_NORM_BACKWARD, None, None, dy, x, weight.contiguous(), inv_rms, _norm_backward_workspace(x), dx,
+               dw)
     return dx, dw
 
 
@@ -202,12 +207,9 @@ def _add_rms_norm_backward_impl(dy: Tensor, dh: Optional[Tensor], h: Tensor, wei
         dh = dh.contiguous()
     if h.numel() == 0:
         return torch.empty_like(h), torch.zeros_like(weight)
-    workspace = None
-    if h.is_cuda:
-        # Allocated by PyTorch rather than kiln's per-stream cache: no cuMemAlloc during capture.
-        workspace = _new(h, (max(_ops.rms_norm_backward_workspace_elements(h), 1),), torch.float32)
     dx, dw = torch.empty_like(h), torch.empty_like(weight)
-    _ops._call(_ADD_RMS_NORM_BACKWARD, None, None, dy, dh, h, weight.contiguous(), workspace, dx, dw, eps)
+    _ops._call(_ADD_RMS_NORM_BACKWARD, None, None, dy, dh, h, weight.contiguous(), _norm_backward_workspace(h), dx, dw,
+               eps)
     return dx, dw
 
 
