@@ -87,6 +87,20 @@ int resident_clusters(const Kernel& kernel, unsigned block, unsigned shared_byte
   return clusters;
 }
 
+Status run_family(const Family* family, const char* family_name, const Problem& p, std::span<void* const> buffers,
+                  DeviceKind where, Stream stream, Runtime* runtime) {
+  if (!family) return internal_error(std::string("the ") + family_name + " family is not registered");
+  if (where == DeviceKind::cpu) {
+    const Params params = family->heuristic(p);
+    KILN_TRY(family->check_problem(params, p));
+    return family->cpu_reference(params, p, buffers);
+  }
+  if (!runtime) {
+    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  return runtime->run(*family, p, buffers, stream);
+}
+
 Result<int> rmsnorm_bwd_resident_clusters(Runtime& runtime, const Family& bwd, const Params& params, const Problem& p) {
   const auto choice = families::rmsnorm_bwd_choice(params);
   if (choice.stages == 0 || choice.cluster <= 1) return 0;

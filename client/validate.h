@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "kiln/runtime.h"
@@ -27,6 +28,12 @@ struct RowView {
   std::int64_t row_stride = 0;  // elements
 };
 Result<RowView> as_rows(const TensorView& t, const char* name);
+
+// Runs the family found under `family_name` (`family`: the caller's cached lookup, null when it is
+// not registered: internal_error) on problem `p`: for host tensors its CPU reference with the
+// heuristic's params, otherwise the kernel through `runtime` (the shared one when null) on `stream`.
+Status run_family(const Family* family, const char* family_name, const Problem& p, std::span<void* const> buffers,
+                  DeviceKind where, Stream stream, Runtime* runtime);
 
 // How many clusters of `kernel` (built with a fixed cluster shape of `cluster` blocks) the device
 // runs at once with blocks of `block` threads and `shared_bytes` of dynamic shared memory, as the

@@ -77,17 +77,8 @@ Status act_and_mul(const TensorView& x, const TensorView& out, Activation act, S
   if (xr.rows == 0) return {};
 
   static const Family* const family = Registry::global().find("act_and_mul");
-  if (!family) return internal_error("the act_and_mul family is not registered");
   void* buffers[2] = {x.data, out.data};
-  if (where == DeviceKind::cpu) {
-    const Params params = family->heuristic(p);
-    KILN_TRY(family->check_problem(params, p));
-    return family->cpu_reference(params, p, buffers);
-  }
-  if (!runtime) {
-    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
-  }
-  return runtime->run(*family, p, buffers, stream);
+  return client::run_family(family, "act_and_mul", p, buffers, where, stream, runtime);
 }
 
 Status act_and_mul_backward(const TensorView& x, const TensorView& dy, const TensorView& dx, Activation act,
@@ -146,17 +137,8 @@ Status act_and_mul_backward(const TensorView& x, const TensorView& dy, const Ten
   if (xr.rows == 0) return {};
 
   static const Family* const family = Registry::global().find("act_and_mul_bwd");
-  if (!family) return internal_error("the act_and_mul_bwd family is not registered");
   void* buffers[3] = {x.data, dy.data, dx.data};
-  if (where == DeviceKind::cpu) {
-    const Params params = family->heuristic(p);
-    KILN_TRY(family->check_problem(params, p));
-    return family->cpu_reference(params, p, buffers);
-  }
-  if (!runtime) {
-    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
-  }
-  return runtime->run(*family, p, buffers, stream);
+  return client::run_family(family, "act_and_mul_bwd", p, buffers, where, stream, runtime);
 }
 
 }  // namespace kiln

@@ -96,17 +96,8 @@ Status add_rms_norm(const TensorView& x, const TensorView& residual, const Tenso
   if (xr.rows == 0) return {};
 
   static const Family* const family = Registry::global().find("add_rmsnorm");
-  if (!family) return internal_error("the add_rmsnorm family is not registered");
   void* buffers[5] = {x.data, residual.data, weight.data, y.data, residual_out.data};
-  if (where == DeviceKind::cpu) {
-    const Params params = family->heuristic(p);
-    KILN_TRY(family->check_problem(params, p));
-    return family->cpu_reference(params, p, buffers);
-  }
-  if (!runtime) {
-    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
-  }
-  return runtime->run(*family, p, buffers, stream);
+  return client::run_family(family, "add_rmsnorm", p, buffers, where, stream, runtime);
 }
 
 }  // namespace kiln

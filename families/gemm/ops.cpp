@@ -56,23 +56,10 @@ Result<DeviceKind> common_device(const char* op, std::initializer_list<std::pair
   return where;
 }
 
-Result<Runtime*> runtime_or_shared(Runtime* runtime) {
-  if (runtime) return runtime;
-  return Runtime::shared();
-}
-
-// Runs `family` on the problem: the CPU reference for host tensors, the GPU kernel otherwise.
+// Runs `family_name` on the problem: the CPU reference for host tensors, the GPU kernel otherwise.
 Status dispatch(const char* family_name, const Problem& p, std::span<void* const> buffers, DeviceKind where,
                 Stream stream, Runtime* runtime) {
-  const Family* family = Registry::global().find(family_name);
-  if (!family) return internal_error(std::string("the ") + family_name + " family is not registered");
-  if (where == DeviceKind::cpu) {
-    const Params params = family->heuristic(p);
-    KILN_TRY(family->check_problem(params, p));
-    return family->cpu_reference(params, p, buffers);
-  }
-  KILN_ASSIGN_OR_RETURN(Runtime * rt, runtime_or_shared(runtime));
-  return rt->run(*family, p, buffers, stream);
+  return client::run_family(Registry::global().find(family_name), family_name, p, buffers, where, stream, runtime);
 }
 
 // K = 0: the product is all zeros (no kernel to run).

@@ -167,7 +167,6 @@ Status apply_rope_qk(const TensorView& q, const TensorView& k, const TensorView&
   if (tokens == 0 || qv.heads + kv.heads == 0) return {};
 
   static const Family* family = Registry::global().find("rope");
-  if (!family) return internal_error("the rope family is not registered");
   void* buffers[7] = {q.data, k.data, cos.data, sin.data, position_ids.data, q_out.data, k_out.data};
   if (where == DeviceKind::cpu) {
     const auto* ids = static_cast<const std::int64_t*>(position_ids.data);
@@ -175,14 +174,8 @@ Status apply_rope_qk(const TensorView& q, const TensorView& k, const TensorView&
       if (ids[t] < 0 || ids[t] >= max_pos)
         return invalid_argument("apply_rope_qk: position_ids[" + std::to_string(t) + "] = " + std::to_string(ids[t]) +
                                 " is outside [0, " + std::to_string(max_pos) + ")");
-    const Params params = family->heuristic(p);
-    KILN_TRY(family->check_problem(params, p));
-    return family->cpu_reference(params, p, buffers);
   }
-  if (!runtime) {
-    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
-  }
-  return runtime->run(*family, p, buffers, stream);
+  return client::run_family(family, "rope", p, buffers, where, stream, runtime);
 }
 
 }  // namespace kiln
