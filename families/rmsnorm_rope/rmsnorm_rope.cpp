@@ -249,6 +249,11 @@ RmsNormRopeChoice rmsnorm_rope_heuristic(const Problem& p) {
 
 }  // namespace kiln::families
 
+void kiln_register_kernels_rope_hf_bwd(kiln::Registry& r);
+
+// The folder's two kernel families: the fused forward and the rotation's transpose that its
+// backward runs before the RMSNorm backward.
 void kiln_register_family_rmsnorm_rope(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::RmsNormRope>());
+  kiln_register_kernels_rope_hf_bwd(r);
 }
