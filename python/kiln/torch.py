@@ -190,13 +190,6 @@ def _add_rms_norm_setup(ctx, inputs, output):
     ctx.eps = eps
 
 
-def _inv_rms(rows, eps):
-    """1 / sqrt(mean(x^2) + eps) per row in f32, from one read of the rows (vector_norm accumulates
-    in f32 without an f32 copy of them)."""
-    norm = torch.linalg.vector_norm(rows, 2, dim=-1, dtype=torch.float32)
-    return torch.rsqrt(norm.square() / rows.shape[-1] + eps)
-
-
 _ADD_RMS_NORM_BACKWARD = _ops.OPS["add_rms_norm_backward"].id
 
 
@@ -334,24 +327,50 @@ def _rope_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, cos, sin)
 
 
-def _rope_grad(ctx, dout):
-    # out = rope(n), n = rms_norm(x) * weight; the rotation's transpose takes dout back to dn, and
-    # kiln's RMSNorm backward takes dn to (dx, dw). cos and sin get no gradient.
-    x, weight, cos, sin = ctx.saved_tensors
-    head_dim = cos.shape[-1]
-    half = head_dim // 2
-    c = cos.reshape(1, -1, 1, head_dim).float()
-    s = sin.reshape(1, -1, 1, head_dim).float()
-    d = dout.float().reshape(x.shape[0], x.shape[1], -1, head_dim)
-    d1, d2 = d[..., :half], d[..., half:]
-    dn = torch.cat([d1 * c[..., :half] + d2 * s[..., half:], d2 * c[..., half:] - d1 * s[..., :half]], -1)
-    dn = dn.reshape(x.shape).to(x.dtype)
-    inv_rms = _inv_rms(x.reshape(-1, x.shape[-1]), ctx.eps).reshape(x.shape[:-1])
-    dx, dw = torch.ops.kiln.rms_norm_backward(dn, x, weight, inv_rms)
-    return dx, dw, None, None, None, None
+_RMS_NORM_ROPE_BACKWARD = _ops.OPS["rms_norm_rope_backward"].id
 
 
+def _rms_norm_rope_backward_impl(dout: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                                 num_heads: int) -> Tuple[Tensor, Tensor]:
+    dout = dout.contiguous()  # dout of a sum() is an expanded (stride 0) tensor
+    if x.numel() == 0:
+        return torch.empty_like(x), torch.zeros_like(weight)
+    workspace = None
+    if x.is_cuda:
+        # Allocated by PyTorch rather than kiln's per-stream cache: no cuMemAlloc during capture.
+        workspace = _new(x, (max(_ops.rms_norm_backward_workspace_elements(x), 1),), torch.float32)
+    dx, dw = torch.empty_like(x), torch.empty_like(weight)
+    _ops._call(_RMS_NORM_ROPE_BACKWARD, None, None, dout, x, weight, cos, sin, workspace, dx, dw, eps, num_heads)
+    return dx, dw
+
+
+_rms_norm_rope_backward = torch.library.custom_op("kiln::rms_norm_rope_backward", _rms_norm_rope_backward_impl,
+                                                  mutates_args=())
+
+
+@_rms_norm_rope_backward.register_fake
+def _(dout, x, weight, cos, sin, eps, num_heads):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rope_grad_with(backward):
+    """rms_norm_rope's gradient through `backward` (the custom op where it may be traced, its
+    implementation for the eager path): out = rope(n), n = rms_norm(x) * weight. Two kiln passes:
+    the rotation's transpose takes dout to dn, then the RMSNorm backward, with inv_rms recomputed
+    from the saved x, takes dn to (dx, dw). cos and sin get no gradient."""
+
+    def grad(ctx, dout):
+        x, weight, cos, sin = ctx.saved_tensors
+        dx, dw = backward(dout, x, weight, cos, sin, ctx.eps, ctx.num_heads)
+        return dx, dw, None, None, None, None
+
+    return grad
+
+
+_rope_grad = _rope_grad_with(lambda *a: torch.ops.kiln.rms_norm_rope_backward(*a))
 _rms_norm_rope.register_autograd(_rope_grad, setup_context=_rope_setup)
+_RmsNormRopeFunction = _eager_function("_RmsNormRopeFunction", _rms_norm_rope_impl, _rope_setup,
+                                       _rope_grad_with(_rms_norm_rope_backward_impl))
 
 
 def _fused_gated_mlp_impl(x: Tensor, gate_weight: Tensor, up_weight: Tensor, activation: str) -> Tensor:
@@ -602,7 +621,9 @@ def fused_rmsnorm_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps:
     weight [hidden]; cos, sin: [seq, head_dim] or [1, seq, 1, head_dim], float32 or x's dtype;
     num_heads None infers hidden / head_dim. Differentiable in x and weight."""
     heads = 0 if num_heads is None else num_heads
-    if _eager() and not _needs_grad(x, weight):
+    if _eager():
+        if _needs_grad(x, weight):
+            return _RmsNormRopeFunction.apply(x, weight, cos, sin, eps, heads)
         return _rms_norm_rope_impl(x, weight, cos, sin, eps, heads)
     return torch.ops.kiln.rms_norm_rope(x, weight, cos, sin, eps, heads)
 

@@ -239,6 +239,40 @@ def test_add_rms_norm_backward_matches_finite_differences(rng):
         kiln.add_rms_norm_backward(dy32, dh32, h32, w32, eps=-1.0)
 
 
+def test_rms_norm_rope_backward_matches_finite_differences(rng):
+    # L = sum(dout * rope(rms_norm(x) * w)) with cos/sin whose halves differ; the backward runs on
+    # the host (the forward itself is CUDA only).
+    b, s, heads, d, eps = 2, 3, 2, 64, 1e-3
+    x, w = rng.standard_normal((b, s, heads * d)), rng.standard_normal(heads * d)
+    dout = rng.standard_normal((b, s, heads * d))
+    angle = rng.uniform(-3, 3, (s, d))
+    cos, sin = np.cos(angle), np.sin(angle)
+
+    def loss(x_, w_):
+        n = (ref_rms_norm(x_, w_, eps)[0]).reshape(b, s, heads, d)
+        rotated = np.concatenate([-n[..., d // 2:], n[..., :d // 2]], -1)
+        return float(((n * cos[:, None] + rotated * sin[:, None]).reshape(x_.shape) * dout).sum())
+
+    step = 1e-6
+    dx_ref = np.zeros_like(x)
+    for i in np.ndindex(*x.shape):
+        e = np.zeros_like(x)
+        e[i] = step
+        dx_ref[i] = (loss(x + e, w) - loss(x - e, w)) / (2 * step)
+    eye = np.eye(heads * d)
+    dw_ref = np.array([(loss(x, w + step * eye[j]) - loss(x, w - step * eye[j])) / (2 * step)
+                       for j in range(heads * d)])
+
+    x32, w32, g32, c32, s32 = (a.astype(np.float32) for a in (x, w, dout, cos, sin))
+    dx, dw = kiln.rms_norm_rope_backward(g32, x32, w32, c32, s32, eps=eps, num_heads=heads)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(kiln.ShapeMismatchError):
+        kiln.rms_norm_rope_backward(g32, x32, w32, c32[:2], s32[:2])
+    with pytest.raises(kiln.InvalidArgumentError):
+        kiln.rms_norm_rope_backward(g32, x32, w32, c32, s32, eps=-1.0)
+
+
 # --- other array producers: DLPack and __array_interface__ ---
 
 

@@ -94,6 +94,38 @@ def test_errors_are_kiln_errors():
         kt.act_and_mul(torch.randn(4, 64), "relu")
 
 
+def _ref_rms_norm_rope(x, w, cos, sin, eps):
+    n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+    d = cos.shape[-1]
+    n = n.view(*x.shape[:-1], -1, d)
+    rotated = torch.cat([-n[..., d // 2:], n[..., :d // 2]], -1)
+    return (n * cos[:, None] + rotated * sin[:, None]).view(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rope_backward_on_host_tensors(dtype):
+    """The fused RMSNorm + RoPE backward (the rotation's transpose, then the RMSNorm backward) on
+    the CPU fallback, eager and through the custom op, against autograd through an fp64 forward."""
+    from kiln.torch import _rms_norm_rope_backward_impl
+
+    torch.manual_seed(0)
+    b, s, heads, d = 2, 5, 3, 64
+    x = torch.randn(b, s, heads * d).to(dtype)
+    w = (1 + 0.3 * torch.randn(heads * d)).to(dtype)
+    angle = torch.rand(s, d) * 6 - 3  # the halves' tables differ
+    cos, sin = angle.cos(), angle.sin()
+    dout = torch.randn(b, s, heads * d).to(dtype)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    _ref_rms_norm_rope(x64, w64, cos.double(), sin.double(), 1e-5).backward(dout.double())
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for dx, dw in (_rms_norm_rope_backward_impl(dout, x, w, cos, sin, 1e-5, heads),
+                   torch.ops.kiln.rms_norm_rope_backward(dout, x, w, cos, sin, 1e-5, 0)):
+        torch.testing.assert_close(dx.double(), x64.grad, **tol)
+        torch.testing.assert_close(dw.double(), w64.grad, **tol)
+    with pytest.raises(kiln.ShapeMismatchError):
+        _rms_norm_rope_backward_impl(dout, x, w, cos[:4], sin[:4], 1e-5, 0)
+
+
 def _ref_rms_norm(x, w, eps=1e-6):
     x64 = x.double()
     return (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps) * w.double()).to(x.dtype)

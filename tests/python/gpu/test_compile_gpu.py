@@ -134,6 +134,7 @@ def test_opcheck_every_op_on_cuda():
         (torch.ops.kiln.apply_rope_qk.default, (q, k, cos, sin, pos, "neox")),
         (torch.ops.kiln.rms_norm_rope.default, (x.float().requires_grad_(), w.float().requires_grad_(), rc, rs,
                                                 1e-6, 0)),
+        (torch.ops.kiln.rms_norm_rope_backward.default, (x, x.clone(), w, rc, rs, 1e-6, 4)),
     ]
     for op, args in cases:
         result = torch.library.opcheck(op, args)
