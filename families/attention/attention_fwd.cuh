@@ -70,10 +70,10 @@ __device__ __forceinline__ void load_rows(unsigned dst, const T* src, long long 
 
 template <class T, int D, int DV, int WARPS, int BN>
 __global__ void __launch_bounds__(WARPS * 32)
-    attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                  float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int seqlen_q,
-                  int seqlen_k, int total_q, int heads, int kv_heads, int window_left, int window_right, int varlen,
-                  int reverse, float scale, float softcap) {
+    attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const int* __restrict__ cu_q, const int* __restrict__ cu_k, T* __restrict__ o,
+                  float* __restrict__ lse, int seqlen_q, int seqlen_k, int total_q, int heads, int kv_heads,
+                  int window_left, int window_right, int varlen, int reverse, float scale, float softcap) {
   static_assert(D % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tiles are whole m16n8k16 steps");
   constexpr int NT = WARPS * 32, BM = 16 * WARPS;
   constexpr int PQ = D + 8, PV = DV + 8;  // shared row pitch, elements
