@@ -19,11 +19,12 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops
-from ._errors import InvalidArgumentError, ShapeMismatchError, UnsupportedDtypeError
+from ._errors import InvalidArgumentError, KilnError, ShapeMismatchError, UnsupportedDtypeError
 
 __all__ = ["rms_norm", "add_rms_norm", "act_and_mul", "silu_and_mul", "apply_rope_qk", "fused_rmsnorm_rope",
            "quantize_fp8", "fp8_gemm", "fused_gated_mlp", "RMSNorm", "SwiGLU", "RotaryEmbedding", "FusedRMSNormRoPE",
-           "FusedGatedMLP", "FP8Linear"]
+           "FusedGatedMLP", "FP8Linear", "flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention",
+           "AttentionBackwardNotBuiltError"]
 
 _KILN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -924,6 +925,146 @@ class FP8Linear(torch.nn.Module):
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"scaling={self.scaling}"
+
+
+# --- attention (forward only) ---
+#
+# kiln::attention and kiln::attention_varlen are written here rather than generated from their
+# declarations: empty inputs get lse -inf (no key seen), and there is no backward yet, so the
+# wrappers refuse inputs that require grad instead of returning a result autograd cannot follow.
+
+
+class AttentionBackwardNotBuiltError(KilnError, NotImplementedError):
+    """Raised when attention is called on tensors that require grad: only the forward is built."""
+
+
+def _attention_outputs(q, v, rows_shape, lse_shape):
+    return _new(q, (*rows_shape, q.shape[-2], v.shape[-1])), _new(q, lse_shape, torch.float32)
+
+
+def _attention_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window_left: int,
+                    window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse = _attention_outputs(q, v, q.shape[:2], (q.shape[0], q.shape[2], q.shape[1]))
+    if out.numel() == 0 or k.shape[1] == 0:  # PyTorch gives empty tensors a null pointer, which kiln rejects
+        return out.zero_(), lse.fill_(-math.inf)
+    _ops.attention(q, k, v, scale, causal, window_left, window_right, softcap, out=out, lse=lse)
+    return out, lse
+
+
+_attention = torch.library.custom_op("kiln::attention", _attention_impl, mutates_args=())
+
+
+@_attention.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, softcap):
+    return (q.new_empty((*q.shape[:3], v.shape[-1])),
+            q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
+
+
+def _attention_varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
+                           window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse = _attention_outputs(q, v, q.shape[:1], (q.shape[1], q.shape[0]))
+    if out.numel() == 0 or k.shape[0] == 0:
+        return out.zero_(), lse.fill_(-math.inf)
+    _ops.attention_varlen(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                          scale, causal, window_left, window_right, softcap, out=out, lse=lse)
+    return out, lse
+
+
+_attention_varlen = torch.library.custom_op("kiln::attention_varlen", _attention_varlen_impl, mutates_args=())
+
+
+@_attention_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
+      softcap):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+def _attention_args(name, q, k, v, dropout_p, scale, alibi_slopes=None):
+    """The checks FlashAttention's and SDPA's arguments get before kiln's own, and the scale kiln
+    takes (0: 1/sqrt(head_dim))."""
+    if _needs_grad(q, k, v):
+        raise AttentionBackwardNotBuiltError(
+            f"kiln.torch.{name}: the attention backward is not built yet; call it under torch.no_grad() or "
+            "on tensors that do not require grad")
+    if dropout_p != 0:
+        raise InvalidArgumentError(f"kiln.torch.{name}: dropout is not supported (dropout_p must be 0)")
+    if alibi_slopes is not None:
+        raise InvalidArgumentError(f"kiln.torch.{name}: alibi_slopes is not supported")
+    if scale is None:
+        return 0.0
+    if scale == 0:
+        raise InvalidArgumentError(f"kiln.torch.{name}: a softmax scale of 0 is not supported")
+    return float(scale)
+
+
+def _window(name, window_size):
+    left, right = (int(w) for w in window_size)
+    return left, right
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention's flash_attn_func on kiln's kernels (forward only): q [batch, seqlen_q, heads,
+    head_dim], k and v [batch, seqlen_k, kv_heads, head_dim(_v)]; causal and window_size aligned to
+    the end of the keys. Returns out, or (out, lse) with return_attn_probs (lse f32 [batch, heads,
+    seqlen_q]; kiln never returns the attention probabilities). The forward is deterministic, so
+    `deterministic` changes nothing. dropout_p != 0 and alibi_slopes are InvalidArgumentError; inputs
+    that require grad are AttentionBackwardNotBuiltError."""
+    scale = _attention_args("flash_attn_func", q, k, v, dropout_p, softmax_scale, alibi_slopes)
+    left, right = _window("flash_attn_func", window_size)
+    args = (q, k, v, scale, bool(causal), left, right, float(softcap))
+    out, lse = _attention_impl(*args) if _eager() else torch.ops.kiln.attention(*args)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """FlashAttention's flash_attn_varlen_func on kiln's kernels (forward only): q [total_q, heads,
+    head_dim], k and v [total_k, kv_heads, head_dim(_v)], cu_seqlens_q / cu_seqlens_k int32 [batch +
+    1]. Returns out, or (out, lse) with return_attn_probs (lse f32 [heads, total_q]). block_table
+    (paged KV) is not supported; otherwise as flash_attn_func."""
+    scale = _attention_args("flash_attn_varlen_func", q, k, v, dropout_p, softmax_scale, alibi_slopes)
+    if block_table is not None:
+        raise InvalidArgumentError("kiln.torch.flash_attn_varlen_func: block_table (paged KV) is not supported")
+    left, right = _window("flash_attn_varlen_func", window_size)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left,
+            right, float(softcap))
+    out, lse = _attention_varlen_impl(*args) if _eager() else torch.ops.kiln.attention_varlen(*args)
+    return (out, lse) if return_attn_probs else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention on kiln's kernels (forward only): query
+    [batch, heads, L, E], key [batch, kv_heads, S, E], value [batch, kv_heads, S, Ev] (4-D only);
+    kv_heads < heads needs enable_gqa, as in torch. is_causal is torch's top-left-aligned mask
+    (query i sees keys j <= i); with L < S that mask is not one kiln's end-aligned windows express,
+    and is InvalidArgumentError. attn_mask must be None; dropout_p must be 0."""
+    s = _attention_args("scaled_dot_product_attention", query, key, value, dropout_p, scale)
+    if attn_mask is not None:
+        raise InvalidArgumentError("kiln.torch.scaled_dot_product_attention: attn_mask is not supported (only None)")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ShapeMismatchError("kiln.torch.scaled_dot_product_attention: query, key and value must be 4-D "
+                                 "[batch, heads, seq, head_dim]")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ShapeMismatchError(f"kiln.torch.scaled_dot_product_attention: query has {query.shape[1]} heads and key "
+                                 f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    length, keys = query.shape[2], key.shape[2]
+    right = -1
+    if is_causal:
+        if length < keys:
+            raise InvalidArgumentError(
+                "kiln.torch.scaled_dot_product_attention: is_causal with fewer queries than keys is torch's "
+                "top-left-aligned mask, which kiln does not build (kiln.torch.flash_attn_func aligns it to the end)")
+        right = length - keys  # query i sees keys j <= i
+    args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), s, False, -1, right, 0.0)
+    out, _ = _attention_impl(*args) if _eager() else torch.ops.kiln.attention(*args)
+    return out.transpose(1, 2)
 
 
 # --- every other declared op, from its declaration (include/kiln/op.h) ---

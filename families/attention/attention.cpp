@@ -1,0 +1,382 @@
+#include "families/attention/attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/half.h"
+#include "families/common/family_util.h"
+
+namespace kiln::families {
+
+bool attention_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v) {
+  return std::find(k_attention_head_dims.begin(), k_attention_head_dims.end(), std::pair{head_dim, head_dim_v}) !=
+         k_attention_head_dims.end();
+}
+
+AttentionTile attention_tile(std::int64_t head_dim, std::int64_t head_dim_v) {
+  return {8, std::max(head_dim, head_dim_v) <= 128 ? 64 : 32};
+}
+
+std::uint32_t attention_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_n) {
+  const std::int64_t pq = head_dim + 8, pv = head_dim_v + 8;
+  return std::uint32_t(2 * (16 * warps * pq + 2 * block_n * (pq + pv)));
+}
+
+namespace {
+
+constexpr std::int64_t k_sm80_smem = 163 * 1024, k_sm90_smem = 227 * 1024;
+
+std::int64_t max_smem(std::int64_t cc) { return cc == 0 || cc >= 90 ? k_sm90_smem : k_sm80_smem; }
+
+// The first token and the length of sequence b's queries and keys.
+struct Seq {
+  std::int64_t q0, lq, k0, lk;
+};
+Seq sequence(const AttentionProblem& a, const std::int32_t* cu_q, const std::int32_t* cu_k, std::int64_t b) {
+  if (!a.varlen) return {b * a.seqlen_q, a.seqlen_q, b * a.seqlen_k, a.seqlen_k};
+  return {cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b]};
+}
+
+// The CPU computation for one (sequence, query head): keys in blocks of 64 with an online softmax,
+// fp64 throughout; K and V of the head's KV head converted once.
+void attend_head(const AttentionProblem& a, DType dtype, std::span<void* const> buf, const Seq& s, std::int64_t b,
+                 std::int64_t h, std::vector<double>& kd, std::vector<double>& vd) {
+  const std::int64_t d = a.head_dim, dv = a.head_dim_v, hk = h / (a.heads / a.kv_heads);
+  kd.resize(std::size_t(s.lk * d));
+  vd.resize(std::size_t(s.lk * dv));
+  for (std::int64_t j = 0; j < s.lk; ++j) {
+    for (std::int64_t c = 0; c < d; ++c)
+      kd[std::size_t(j * d + c)] = load_as_double(buf[1], dtype, ((s.k0 + j) * a.kv_heads + hk) * d + c);
+    for (std::int64_t c = 0; c < dv; ++c)
+      vd[std::size_t(j * dv + c)] = load_as_double(buf[2], dtype, ((s.k0 + j) * a.kv_heads + hk) * dv + c);
+  }
+  constexpr std::int64_t block = 64;
+  std::vector<double> qd(static_cast<std::size_t>(d)), acc(static_cast<std::size_t>(dv)), score(block);
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  const std::int64_t delta = s.lk - s.lq;
+  for (std::int64_t i = 0; i < s.lq; ++i) {
+    for (std::int64_t c = 0; c < d; ++c)
+      qd[std::size_t(c)] = load_as_double(buf[0], dtype, ((s.q0 + i) * a.heads + h) * d + c);
+    std::int64_t lo = 0, hi = s.lk;  // visible keys [lo, hi)
+    if (a.window_left >= 0) lo = std::max<std::int64_t>(lo, i + delta - a.window_left);
+    if (a.window_right >= 0) hi = std::min<std::int64_t>(hi, i + delta + a.window_right + 1);
+    double mx = neg_inf, sum = 0;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (std::int64_t j0 = lo; j0 < hi; j0 += block) {
+      const std::int64_t n = std::min(block, hi - j0);
+      double bmax = neg_inf;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double* kr = kd.data() + (j0 + j) * d;
+        double dot = 0;
+        for (std::int64_t c = 0; c < d; ++c) dot += qd[std::size_t(c)] * kr[c];
+        double sc = dot * a.scale;
+        if (a.softcap > 0) sc = a.softcap * std::tanh(sc / a.softcap);
+        score[std::size_t(j)] = sc;
+        bmax = std::max(bmax, sc);
+      }
+      const double m_new = std::max(mx, bmax);
+      const double corr = mx == neg_inf ? 0.0 : std::exp(mx - m_new);
+      sum *= corr;
+      for (double& o : acc) o *= corr;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double p = std::exp(score[std::size_t(j)] - m_new);
+        sum += p;
+        const double* vr = vd.data() + (j0 + j) * dv;
+        for (std::int64_t c = 0; c < dv; ++c) acc[std::size_t(c)] += p * vr[c];
+      }
+      mx = m_new;
+    }
+    const double inv = sum > 0 ? 1.0 / sum : 0.0;
+    for (std::int64_t c = 0; c < dv; ++c)
+      store_from_double(buf[5], dtype, ((s.q0 + i) * a.heads + h) * dv + c, acc[std::size_t(c)] * inv);
+    if (buf[6]) {
+      const std::int64_t at = a.varlen ? h * a.total_q + s.q0 + i : (b * a.heads + h) * a.seqlen_q + i;
+      static_cast<float*>(buf[6])[at] = sum > 0 ? float(mx + std::log(sum)) : -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+Status check_shape(const AttentionProblem& a) {
+  if (a.batch < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 || a.total_q < 0 || a.total_k < 0)
+    return shape_mismatch("attention: sizes must be non-negative");
+  if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads)
+    return shape_mismatch("attention: heads (" + std::to_string(a.heads) + ") must be a positive multiple of kv_heads (" +
+                          std::to_string(a.kv_heads) + ")");
+  if (a.head_dim <= 0 || a.head_dim_v <= 0) return shape_mismatch("attention: head dims must be positive");
+  if (a.window_left < -1 || a.window_right < -1)
+    return invalid_argument("attention: window sizes must be -1 (unbounded) or non-negative");
+  if (a.causal && a.window_right != 0) return invalid_argument("attention: causal needs window_right 0");
+  if (!std::isfinite(a.scale) || !std::isfinite(a.softcap) || a.softcap < 0)
+    return invalid_argument("attention: scale must be finite and softcap finite and non-negative");
+  if (!a.varlen && (a.total_q != a.batch * a.seqlen_q || a.total_k != a.batch * a.seqlen_k))
+    return shape_mismatch("attention: padded layouts have batch * seqlen tokens");
+  return {};
+}
+
+class Attention final : public Family {
+ public:
+  std::string_view name() const override { return "attention"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"block_n", {32, 64, 128}, {}, "keys per K/V tile"},
+        {"dtype", {}, {"f16", "bf16"}, "element type of q, k, v and out"},
+        {"head_dim", {64, 80, 96, 128, 192, 256}, {}, "elements per head of q and k"},
+        {"head_dim_v", {64, 80, 96, 128, 192, 256}, {}, "elements per head of v and out"},
+        {"warps", {4, 8}, {}, "warps per block, 16 query rows each"},
+    };
+    return defs;
+  }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<AttentionProblem>({
+        key(&AttentionProblem::batch, "batch", "sequences"),
+        bucketed(&AttentionProblem::seqlen_q, "seqlen_q", "queries per sequence (varlen: the longest)"),
+        key(&AttentionProblem::seqlen_k, "seqlen_k", "keys per sequence (varlen: the longest)"),
+        value(&AttentionProblem::total_q, "total_q", "query tokens (rows of q)"),
+        value(&AttentionProblem::total_k, "total_k", "key tokens (rows of k and v)"),
+        key(&AttentionProblem::heads, "heads", "query heads"),
+        key(&AttentionProblem::kv_heads, "kv_heads", "key/value heads (divides heads)"),
+        key(&AttentionProblem::head_dim, "head_dim", "elements per head of q and k"),
+        key(&AttentionProblem::head_dim_v, "head_dim_v", "elements per head of v and out"),
+        key(&AttentionProblem::causal, "causal", "1: causal (window_right 0)"),
+        key(&AttentionProblem::varlen, "varlen", "1: packed sequences (cu_seqlens)"),
+        value(&AttentionProblem::window_left, "window_left", "keys left of the diagonal seen; -1 unbounded"),
+        value(&AttentionProblem::window_right, "window_right", "keys right of the diagonal seen; -1 unbounded"),
+        value(&AttentionProblem::scale, "scale", "multiplies Q K^T"),
+        value(&AttentionProblem::softcap, "softcap", "> 0: scores become softcap * tanh(score / softcap)")});
+    return fields;
+  }
+
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    const auto d = *params.get_int("head_dim"), dv = *params.get_int("head_dim_v");
+    if (!attention_head_dims_supported(d, dv))
+      return invalid_argument("attention: no kernel for head_dim " + std::to_string(d) + " with head_dim_v " +
+                              std::to_string(dv));
+    if (attention_smem_bytes(d, dv, int(*params.get_int("warps")), int(*params.get_int("block_n"))) > k_sm90_smem)
+      return invalid_argument("attention: the variant needs more than 227 KiB of shared memory");
+    return {};
+  }
+
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    return attention_smem_bytes(*params.get_int("head_dim"), *params.get_int("head_dim_v"),
+                                int(*params.get_int("warps")), int(*params.get_int("block_n"))) <=
+           max_smem(arch.capability);
+  }
+
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered r;
+    r.source = "#include \"attention/attention_fwd.cuh\"\n";
+    r.name_expression = std::string("kiln::attention::attention_fwd<") + device_type(*params.get_str("dtype")) + ", " +
+                        std::to_string(*params.get_int("head_dim")) + ", " +
+                        std::to_string(*params.get_int("head_dim_v")) + ", " +
+                        std::to_string(*params.get_int("warps")) + ", " + std::to_string(*params.get_int("block_n")) +
+                        ">";
+    return r;
+  }
+
+  // The heuristic's variant for every dtype and head-dim pair.
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* dtype : {"f16", "bf16"})
+      for (const auto& [d, dv] : k_attention_head_dims) out.push_back(make(dtype, d, dv, attention_tile(d, dv)));
+    return out;
+  }
+
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto a = p.as<AttentionProblem>();
+    KILN_TRY(check_shape(a));
+    const auto dtype = *parse_dtype(*params.get_str("dtype"));
+    if (dtype != p.dtype)
+      return unsupported_dtype("attention: kernel is for " + std::string(dtype_name(dtype)) + ", tensors are " +
+                               dtype_name(p.dtype));
+    if (a.head_dim != *params.get_int("head_dim") || a.head_dim_v != *params.get_int("head_dim_v"))
+      return invalid_argument("attention: the kernel is for head dims " + std::to_string(*params.get_int("head_dim")) +
+                              "/" + std::to_string(*params.get_int("head_dim_v")) + ", the problem has " +
+                              std::to_string(a.head_dim) + "/" + std::to_string(a.head_dim_v));
+    if (p.alignment < 16) return invalid_argument("attention: q, k, v and out must be 16-byte aligned");
+    if (p.cc && p.cc < 80) return invalid_argument("attention: the kernels need compute capability 8.0 or later");
+    const auto smem = attention_smem_bytes(a.head_dim, a.head_dim_v, int(*params.get_int("warps")),
+                                           int(*params.get_int("block_n")));
+    if (smem > max_smem(p.cc))
+      return invalid_argument("attention: the variant needs " + std::to_string(smem) +
+                              " bytes of shared memory, more than the device grants a block");
+    const std::int64_t lim = 0x7fffffff;
+    if (a.batch > 65535 || a.heads > 65535 || a.seqlen_q > lim || a.seqlen_k > lim || a.total_q > lim ||
+        a.total_k > lim)
+      return invalid_argument("attention: batch and heads up to 65535, token counts below 2^31");
+    return {};
+  }
+
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    const auto a = p.as<AttentionProblem>();
+    const std::int64_t bm = 16 * *params.get_int("warps");
+    LaunchGeometry g;
+    g.grid.x = std::uint32_t(std::max<std::int64_t>((a.seqlen_q + bm - 1) / bm, 1));
+    g.grid.y = std::uint32_t(std::max<std::int64_t>(a.heads, 1));
+    g.grid.z = std::uint32_t(std::max<std::int64_t>(a.batch, 1));
+    g.block.x = std::uint32_t(32 * *params.get_int("warps"));
+    g.shared_bytes = attention_smem_bytes(a.head_dim, a.head_dim_v, int(*params.get_int("warps")),
+                                          int(*params.get_int("block_n")));
+    return g;
+  }
+
+  Params heuristic(const Problem& p) const override {
+    const auto a = p.as<AttentionProblem>();
+    const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
+    if (!attention_head_dims_supported(a.head_dim, a.head_dim_v)) return make(dtype, 128, 128, {8, 64});
+    return make(dtype, a.head_dim, a.head_dim_v, attention_tile(a.head_dim, a.head_dim_v));
+  }
+
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    const auto a = p.as<AttentionProblem>();
+    std::vector<Params> out;
+    if (!attention_head_dims_supported(a.head_dim, a.head_dim_v)) return {heuristic(p)};
+    const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
+    for (int warps : {4, 8})
+      for (int bn : {32, 64, 128}) {
+        // The output accumulator and a tile of scores share a thread's registers.
+        if (a.head_dim_v / 2 + bn / 2 > 160) continue;
+        Params c = make(dtype, a.head_dim, a.head_dim_v, {warps, bn});
+        if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+      }
+    return out;
+  }
+
+  // Unnamed fields: padded (total = batch * seqlen), kv_heads = heads, head_dim_v = head_dim,
+  // no window, scale 1 / sqrt(head_dim).
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    auto named = shape;
+    auto get = [&](const char* n) -> std::optional<std::int64_t> {
+      for (const auto& [k, v] : shape)
+        if (k == n) return v;
+      return std::nullopt;
+    };
+    auto fill = [&](const char* n, std::int64_t v) {
+      if (!get(n)) named.emplace_back(n, v);
+    };
+    fill("batch", 1);
+    fill("kv_heads", get("heads").value_or(1));
+    fill("head_dim_v", get("head_dim").value_or(128));
+    fill("causal", 0);
+    fill("varlen", 0);
+    KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, named));
+    auto a = p.as<AttentionProblem>();
+    if (!get("total_q")) a.total_q = a.batch * a.seqlen_q;
+    if (!get("total_k")) a.total_k = a.batch * a.seqlen_k;
+    if (!get("window_left")) a.window_left = -1;
+    if (!get("window_right")) a.window_right = a.causal ? 0 : -1;
+    if (a.scale == 0 && a.head_dim > 0) a.scale = 1.0 / std::sqrt(double(a.head_dim));
+    p.set(a);
+    return p;
+  }
+
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    if (dtype != DType::f16 && dtype != DType::bf16) return {};
+    struct S {
+      std::int64_t batch, heads, kv_heads, seq, d, dv, causal;
+    };
+    // Small shapes every head-dim pair (the GPU conformance test checks them against the CPU
+    // reference), GQA, then the benchmark's prefill shapes.
+    const S shapes[] = {{2, 8, 2, 256, 64, 64, 1},     {2, 4, 4, 200, 80, 80, 0},    {1, 4, 1, 256, 96, 96, 1},
+                        {2, 8, 8, 512, 128, 128, 0},   {2, 8, 2, 512, 128, 128, 1},  {1, 4, 4, 256, 192, 192, 1},
+                        {1, 8, 8, 256, 192, 128, 0},   {1, 4, 4, 256, 256, 256, 0},  {4, 32, 32, 4096, 128, 128, 1},
+                        {2, 16, 16, 8192, 128, 128, 0}, {4, 32, 32, 4096, 64, 64, 0}, {2, 16, 16, 4096, 256, 256, 1}};
+    std::vector<Problem> out;
+    for (const S& s : shapes) {
+      AttentionProblem a;
+      a.batch = s.batch;
+      a.seqlen_q = a.seqlen_k = s.seq;
+      a.total_q = a.total_k = s.batch * s.seq;
+      a.heads = s.heads;
+      a.kv_heads = s.kv_heads;
+      a.head_dim = s.d;
+      a.head_dim_v = s.dv;
+      a.causal = s.causal;
+      a.window_right = s.causal ? 0 : -1;
+      a.scale = 1.0 / std::sqrt(double(s.d));
+      out.push_back(Problem::of(dtype, 16, a));
+    }
+    return out;
+  }
+
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto a = p.as<AttentionProblem>();
+    // Padded problems never read cu_seqlens: index bound 1 (zeros) where a harness fills them.
+    const std::int64_t bound = a.varlen ? std::max<std::int64_t>(a.total_q, a.total_k) + 1 : 1;
+    return {{"q", BufferRole::input, p.dtype, a.total_q * a.heads * a.head_dim},
+            {"k", BufferRole::input, p.dtype, a.total_k * a.kv_heads * a.head_dim},
+            {"v", BufferRole::input, p.dtype, a.total_k * a.kv_heads * a.head_dim_v},
+            {"cu_seqlens_q", BufferRole::input, DType::i32, a.batch + 1, bound},
+            {"cu_seqlens_k", BufferRole::input, DType::i32, a.batch + 1, bound},
+            {"out", BufferRole::output, p.dtype, a.total_q * a.heads * a.head_dim_v},
+            {"lse", BufferRole::output, DType::f32, a.total_q * a.heads}};
+  }
+
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto a = p.as<AttentionProblem>();
+    for (std::size_t i = 0; i < 7; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
+    out.add(int(a.seqlen_q));
+    out.add(int(a.seqlen_k));
+    out.add(int(a.total_q));
+    out.add(int(a.heads));
+    out.add(int(a.kv_heads));
+    out.add(int(a.window_left));
+    out.add(int(a.window_right));
+    out.add(int(a.varlen));
+    out.add(int(a.causal));  // reverse: causal blocks with the most keys first
+    out.add(float(a.scale));
+    out.add(float(a.softcap));
+  }
+
+  // Buffers as buffers() lists them; lse may be null, cu_seqlens only read when varlen.
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 7 || !b[0] || !b[1] || !b[2] || !b[5])
+      return invalid_argument("attention: the reference takes q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse");
+    const auto a = p.as<AttentionProblem>();
+    KILN_TRY(check_shape(a));
+    if (a.varlen && (!b[3] || !b[4])) return invalid_argument("attention: varlen needs cu_seqlens_q and cu_seqlens_k");
+    const auto* cu_q = static_cast<const std::int32_t*>(b[3]);
+    const auto* cu_k = static_cast<const std::int32_t*>(b[4]);
+    const std::int64_t tasks = a.batch * a.heads;
+    const std::int64_t threads =
+        std::clamp<std::int64_t>(std::int64_t(std::thread::hardware_concurrency()), 1, std::min<std::int64_t>(tasks, 64));
+    std::atomic<std::int64_t> next{0};
+    auto work = [&] {
+      std::vector<double> kd, vd;
+      for (std::int64_t t; (t = next.fetch_add(1)) < tasks;) {
+        const std::int64_t bi = t / a.heads, h = t % a.heads;
+        attend_head(a, p.dtype, b, sequence(a, cu_q, cu_k, bi), bi, h, kd, vd);
+      }
+    };
+    if (threads <= 1) {
+      work();
+      return {};
+    }
+    std::vector<std::thread> pool;
+    for (std::int64_t i = 0; i < threads; ++i) pool.emplace_back(work);
+    for (auto& th : pool) th.join();
+    return {};
+  }
+
+ private:
+  static Params make(const std::string& dtype, std::int64_t d, std::int64_t dv, AttentionTile t) {
+    return Params{{"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv}, {"warps", std::int64_t(t.warps)},
+                  {"block_n", std::int64_t(t.block_n)}};
+  }
+};
+
+}  // namespace
+}  // namespace kiln::families
+
+void kiln_register_family_attention(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::Attention>());
+}

@@ -1,0 +1,38 @@
+"""PyTorch anchors for the attention forward (bf16), the shapes families/attention/bench/attention.cpp
+times: torch.nn.functional.scaled_dot_product_attention with the cuDNN and the flash backends,
+full and causal, with triton.testing.do_bench (median). TFLOP/s counts 4 B H S^2 D, half for causal.
+"""
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (4, 32, 4096, 64), (2, 16, 4096, 256)]
+QUICK_SHAPES = [(4, 32, 4096, 128), (2, 16, 4096, 256)]
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+
+
+def run(quick: bool) -> list[dict]:
+    dev = torch.device("cuda")
+    rows = []
+    print(f"\ntorch attention forward (bf16)\n{'B':>3} {'H':>4} {'S':>6} {'D':>5} {'causal':>7} "
+          f"{'cudnn us':>10} {'cudnn TF':>9} {'flash us':>10} {'flash TF':>9}")
+    for b, h, s, d in (QUICK_SHAPES if quick else SHAPES):
+        q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            row = {"family": "attention", "dtype": "bf16", "batch": b, "heads": h, "seq": s, "head_dim": d,
+                   "causal": causal}
+            for name, backend in BACKENDS.items():
+                try:
+                    with torch.no_grad(), sdpa_kernel(backend):
+                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), warmup=25,
+                                      rep=100 if quick else 200, return_mode="median")
+                    row[name + "_us"], row[name + "_tflops"] = ms * 1e3, flops / (ms * 1e-3) / 1e12
+                except RuntimeError:  # the backend does not take this shape on this GPU
+                    row[name + "_us"] = row[name + "_tflops"] = float("nan")
+            print(f"{b:>3} {h:>4} {s:>6} {d:>5} {str(causal):>7} {row['cudnn_us']:>10.1f} {row['cudnn_tflops']:>9.1f} "
+                  f"{row['flash_us']:>10.1f} {row['flash_tflops']:>9.1f}", flush=True)
+            rows.append(row)
+    return rows
