@@ -83,23 +83,9 @@ Params act_heuristic(const Problem& p, std::int64_t activation, std::initializer
                 {"vec", std::int64_t(vec)}};
 }
 
-// `shape` with `defaults` added for the names it does not give.
-std::vector<std::pair<std::string, std::int64_t>> with_defaults(
-    std::vector<std::pair<std::string, std::int64_t>> shape,
-    const std::vector<std::pair<std::string, std::int64_t>>& defaults) {
-  for (const auto& [name, value] : defaults) {
-    const std::string& wanted = name;
-    if (std::none_of(shape.begin(), shape.end(), [&](const auto& g) { return g.first == wanted; }))
-      shape.emplace_back(name, value);
-  }
-  return shape;
-}
-
 // The d a shape names, or -1.
 std::int64_t shape_d(const std::vector<std::pair<std::string, std::int64_t>>& shape) {
-  for (const auto& [name, value] : shape)
-    if (name == "d") return value;
-  return -1;
+  return shape_value(shape, "d").value_or(-1);
 }
 
 // The checks both directions share: the variant's activation and dtype against the problem's.

@@ -119,6 +119,18 @@ class AddRmsNorm final : public Family {
     return out;
   }
 
+  // Row strides default to the row length (contiguous rows).
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    const auto cols = shape_value(shape, "cols");
+    if (!cols) return Family::problem_from_shape(dtype, shape);
+    return Family::problem_from_shape(
+        dtype, with_defaults(shape, {{"x_row_stride", *cols},
+                                     {"residual_row_stride", *cols},
+                                     {"y_row_stride", *cols},
+                                     {"residual_out_row_stride", *cols}}));
+  }
+
   // The rmsnorm benchmark shapes (docs/benchmarks.md): tokens x hidden, every tensor contiguous.
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;

@@ -250,25 +250,28 @@ class Attention final : public Family {
     return out;
   }
 
+  // The bucket's upper bound in queries per sequence; a padded layout's query tokens follow it.
+  Problem tuning_problem(const Problem& problem) const override {
+    Problem out = Family::tuning_problem(problem);
+    auto a = out.as<AttentionProblem>();
+    if (!a.varlen) {
+      a.total_q = a.batch * a.seqlen_q;
+      out.set(a);
+    }
+    return out;
+  }
+
   // Unnamed fields: padded (total = batch * seqlen), kv_heads = heads, head_dim_v = head_dim,
   // no window, scale 1 / sqrt(head_dim).
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    auto named = shape;
-    auto get = [&](const char* n) -> std::optional<std::int64_t> {
-      for (const auto& [k, v] : shape)
-        if (k == n) return v;
-      return std::nullopt;
-    };
-    auto fill = [&](const char* n, std::int64_t v) {
-      if (!get(n)) named.emplace_back(n, v);
-    };
-    fill("batch", 1);
-    fill("kv_heads", get("heads").value_or(1));
-    fill("head_dim_v", get("head_dim").value_or(128));
-    fill("causal", 0);
-    fill("varlen", 0);
-    KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, named));
+    auto get = [&](const char* n) { return shape_value(shape, n); };
+    KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(
+                                         dtype, with_defaults(shape, {{"batch", 1},
+                                                                      {"kv_heads", get("heads").value_or(1)},
+                                                                      {"head_dim_v", get("head_dim").value_or(128)},
+                                                                      {"causal", 0},
+                                                                      {"varlen", 0}})));
     auto a = p.as<AttentionProblem>();
     if (!get("total_q")) a.total_q = a.batch * a.seqlen_q;
     if (!get("total_k")) a.total_k = a.batch * a.seqlen_k;

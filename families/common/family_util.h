@@ -3,6 +3,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "kiln/family_util.h"
 
@@ -24,6 +28,23 @@ inline std::int64_t register_cache_packs(std::int64_t cache_regs, std::int64_t p
 inline std::int64_t smem_cache_packs(std::int64_t packs, std::int64_t block, std::int64_t cached_per_thread,
                                      std::int64_t pack_bytes, std::int64_t max_bytes) {
   return std::clamp<std::int64_t>(packs - block * cached_per_thread, 0, max_bytes / pack_bytes);
+}
+
+// A `kiln tune --shape` list (Family::problem_from_shape): the value it gives `name`, if any.
+inline std::optional<std::int64_t> shape_value(const std::vector<std::pair<std::string, std::int64_t>>& shape,
+                                               const std::string& name) {
+  for (const auto& [n, v] : shape)
+    if (n == name) return v;
+  return std::nullopt;
+}
+
+// `shape` with `defaults` added for the names it does not give.
+inline std::vector<std::pair<std::string, std::int64_t>> with_defaults(
+    std::vector<std::pair<std::string, std::int64_t>> shape,
+    const std::vector<std::pair<std::string, std::int64_t>>& defaults) {
+  for (const auto& [name, value] : defaults)
+    if (!shape_value(shape, name)) shape.emplace_back(name, value);
+  return shape;
 }
 
 }  // namespace kiln::families

@@ -142,6 +142,18 @@ class RmsNormRope final : public Family {
                   {"vec", std::int64_t(c.vec)}};
   }
 
+  // The bucket's upper bound in rows, rounded down to whole sequences (rows must be a multiple of
+  // seq), and at least one sequence.
+  Problem tuning_problem(const Problem& problem) const override {
+    Problem out = Family::tuning_problem(problem);
+    auto q = out.as<RmsNormRopeProblem>();
+    if (q.seq > 0) {
+      q.rows = std::max(q.seq, q.rows / q.seq * q.seq);
+      out.set(q);
+    }
+    return out;
+  }
+
   std::vector<Params> tuning_space(const Problem& p) const override {
     std::vector<Params> out;
     Params base = heuristic(p);

@@ -156,6 +156,19 @@ class Rope final : public Family {
     return out;
   }
 
+  // Token strides default to contiguous tokens: q_heads * head_dim for q and q_out, kv_heads *
+  // head_dim for k and k_out.
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    const auto q_heads = shape_value(shape, "q_heads"), kv_heads = shape_value(shape, "kv_heads");
+    const auto head_dim = shape_value(shape, "head_dim");
+    if (!q_heads || !kv_heads || !head_dim) return Family::problem_from_shape(dtype, shape);
+    return Family::problem_from_shape(dtype, with_defaults(shape, {{"q_stride", *q_heads * *head_dim},
+                                                                   {"k_stride", *kv_heads * *head_dim},
+                                                                   {"q_out_stride", *q_heads * *head_dim},
+                                                                   {"k_out_stride", *kv_heads * *head_dim}}));
+  }
+
   // The rope benchmark shapes (families/rope/bench/rope.cpp): 32 query and 8 key heads of 64 or 128, both
   // layouts, contiguous tokens, positions below 4096.
   std::vector<Problem> benchmark_problems(DType dtype) const override {

@@ -164,6 +164,9 @@ TEST_P(Consistency, HeuristicAndTuningSpaceAcceptTheBenchmarkProblems) {
       const std::string where = f.signature(p);
       EXPECT_FALSE(where.empty());
       EXPECT_EQ(f.signature(f.tuning_problem(p)), where) << "a bucket's tuning problem has the bucket's signature";
+      const Problem tp = f.tuning_problem(p);
+      const Status tuned = f.check_problem(f.heuristic(tp), tp);
+      EXPECT_TRUE(tuned.ok()) << where << ": the heuristic refuses the bucket's tuning problem: " << tuned.to_string();
       std::vector<Params> variants = f.tuning_space(p);
       EXPECT_FALSE(variants.empty()) << where << ": empty tuning space";
       variants.insert(variants.begin(), f.heuristic(p));

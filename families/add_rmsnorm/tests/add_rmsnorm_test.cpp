@@ -38,6 +38,23 @@ Params variant(const char* dtype, std::int64_t block, std::int64_t vec) {
   return Params{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
 }
 
+// `kiln tune --shape rows=...,cols=...`: the four row strides default to the row length.
+TEST(AddRmsNorm, ShapeDefaultsToContiguousRows) {
+  const Family& f = *Registry::global().find("add_rmsnorm");
+  auto p = f.problem_from_shape(DType::bf16, {{"rows", 16}, {"cols", 4096}});
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const auto q = p->as<AddRmsNormProblem>();
+  EXPECT_EQ(q.x_row_stride, 4096);
+  EXPECT_EQ(q.residual_row_stride, 4096);
+  EXPECT_EQ(q.y_row_stride, 4096);
+  EXPECT_EQ(q.residual_out_row_stride, 4096);
+  EXPECT_TRUE(f.check_problem(f.heuristic(*p), *p).ok());
+  auto strided = f.problem_from_shape(DType::bf16, {{"rows", 16}, {"cols", 4096}, {"x_row_stride", 4160}});
+  ASSERT_TRUE(strided.ok());
+  EXPECT_EQ(strided->as<AddRmsNormProblem>().x_row_stride, 4160);
+  EXPECT_EQ(strided->as<AddRmsNormProblem>().y_row_stride, 4096);
+}
+
 TEST(AddRmsNorm, ReferenceMatchesHandComputedRows) {
   // Row 0: h = [1+2, 2+2] = [3, 4], mean(h^2) = 12.5; w = [1, 2].
   // Row 1: h = [1, 1], mean 1, eps 0 -> y = w.

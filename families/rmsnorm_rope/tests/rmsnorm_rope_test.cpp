@@ -2,6 +2,7 @@
 // problem checks, every catalog variant through NVRTC, and every error path of the typed op (none
 // of which may resolve a kernel).
 #include "families/rmsnorm_rope/rmsnorm_rope.h"
+#include "families/rmsnorm_rope/rope_hf_bwd.h"
 
 #include <gtest/gtest.h>
 
@@ -126,6 +127,28 @@ TEST(RmsNormRope, HeuristicPicksWidestAccessAndAboutTwoItemsPerThread) {
           EXPECT_TRUE(fused().validate(params).ok()) << params.canonical();
           EXPECT_TRUE(fused().check_problem(params, p).ok()) << params.canonical();
         }
+}
+
+// A bucket is tuned on its upper bound in rows, which must stay a whole number of sequences: 4
+// sequences of 2047 (8188 rows, bucket 8192) are tuned at 8188 rows, and the rotation backward
+// does the same.
+TEST(RmsNormRope, TuningProblemKeepsWholeSequences) {
+  const Problem p = problem(DType::bf16, 8188, 3584, 128, 2047, DType::bf16);
+  const Problem tp = fused().tuning_problem(p);
+  EXPECT_EQ(tp.as<RmsNormRopeProblem>().rows, 8188);
+  EXPECT_TRUE(fused().check_problem(fused().heuristic(tp), tp).ok());
+  EXPECT_EQ(fused().signature(tp), fused().signature(p));
+  EXPECT_EQ(fused().tuning_problem(problem(DType::bf16, 3, 4096, 128, 3)).as<RmsNormRopeProblem>().rows, 3);
+  EXPECT_EQ(fused().tuning_problem(problem(DType::bf16, 5, 4096, 128, 5)).as<RmsNormRopeProblem>().rows, 5);
+  EXPECT_EQ(fused().tuning_problem(problem(DType::bf16, 10, 4096, 128, 1)).as<RmsNormRopeProblem>().rows, 16);
+
+  const Family& bwd = *Registry::global().find("rope_hf_bwd");
+  const Problem b = Problem::of(DType::bf16, 16,
+                                RopeHfBwdProblem{.rows = 4095, .hidden = 3072, .head_dim = 96, .seq = 4095,
+                                                 .num_heads = 32, .cos_dtype = std::int64_t(DType::bf16)});
+  const Problem tb = bwd.tuning_problem(b);
+  EXPECT_EQ(tb.as<RopeHfBwdProblem>().rows, 4095);
+  EXPECT_TRUE(bwd.check_problem(bwd.heuristic(tb), tb).ok());
 }
 
 TEST(RmsNormRope, CheckProblemRejectsMismatches) {

@@ -58,6 +58,25 @@ struct HostRope {
   void* bufs_[7];
 };
 
+// `kiln tune --shape` names the keys; the token strides default to contiguous tokens.
+TEST(Rope, ShapeDefaultsToContiguousTokens) {
+  const Family& f = *Registry::global().find("rope");
+  auto p = f.problem_from_shape(DType::bf16, {{"tokens", 16}, {"q_heads", 32}, {"kv_heads", 8}, {"head_dim", 128},
+                                              {"layout", 0}, {"max_pos", 4096}});
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const auto q = p->as<RopeProblem>();
+  EXPECT_EQ(q.q_stride, 32 * 128);
+  EXPECT_EQ(q.q_out_stride, 32 * 128);
+  EXPECT_EQ(q.k_stride, 8 * 128);
+  EXPECT_EQ(q.k_out_stride, 8 * 128);
+  EXPECT_TRUE(f.check_problem(f.heuristic(*p), *p).ok());
+  auto given = f.problem_from_shape(DType::bf16, {{"tokens", 16}, {"q_heads", 32}, {"kv_heads", 8}, {"head_dim", 128},
+                                                  {"layout", 0}, {"max_pos", 4096}, {"q_stride", 6144}});
+  ASSERT_TRUE(given.ok());
+  EXPECT_EQ(given->as<RopeProblem>().q_stride, 6144);
+  EXPECT_FALSE(f.problem_from_shape(DType::bf16, {{"tokens", 16}, {"q_heads", 32}}).ok());
+}
+
 TEST(Rope, ReferenceIsIdentityAtAngleZero) {
   for (bool neox : {true, false}) {
     HostRope h(2, 2, 1, 64, 4);
