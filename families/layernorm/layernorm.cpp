@@ -27,24 +27,47 @@ Status check_variant(std::string_view family, const Params& params, bool backwar
   return {};
 }
 
-// What both kernels check of a problem of `rows` rows of `cols` elements for a variant: sizes,
-// dtype, alignment and row length.
+// What both kernels check of a problem of `rows` rows of `cols` elements at the given row strides
+// for a variant: sizes, dtype, alignment and row length.
 Status check_rows(std::string_view family, const Params& params, const Problem& p, std::int64_t rows,
-                  std::int64_t cols) {
+                  std::int64_t cols, std::initializer_list<std::int64_t> strides) {
   const std::string f(family);
   if (rows < 0 || cols <= 0) return shape_mismatch(f + ": need rows >= 0 and cols > 0");
+  for (std::int64_t s : strides)
+    if (s < cols) return shape_mismatch(f + ": row strides must be at least the row length");
   const auto dtype = *parse_dtype(*params.get_str("dtype"));
   if (dtype != p.dtype)
     return unsupported_dtype(f + ": kernel is for " + dtype_name(dtype) + ", tensors are " + dtype_name(p.dtype));
   const auto vec = *params.get_int("vec"), block = *params.get_int("block"), packs = *params.get_int("packs");
-  if (p.alignment < vec * std::int64_t(dtype_size(dtype)) || cols % vec)
+  bool strides_ok = true;
+  for (std::int64_t s : strides) strides_ok = strides_ok && s % vec == 0;
+  if (p.alignment < vec * std::int64_t(dtype_size(dtype)) || cols % vec || !strides_ok)
     return invalid_argument(f + ": vec=" + std::to_string(vec) +
-                            " needs buffers aligned to vec elements and a row length divisible by vec");
+                            " needs buffers aligned to vec elements and a row length and row strides divisible by vec");
   if (cols > block * packs * vec)
     return invalid_argument(f + ": block=" + std::to_string(block) + ", packs=" + std::to_string(packs) +
                             ", vec=" + std::to_string(vec) + " holds rows of at most " +
                             std::to_string(block * packs * vec) + " elements, not " + std::to_string(cols));
   return {};
+}
+
+// Elements a buffer of `rows` rows of `cols` at `stride` spans.
+std::int64_t extent(std::int64_t rows, std::int64_t cols, std::int64_t stride) {
+  return rows == 0 ? 0 : (rows - 1) * stride + cols;
+}
+
+// `shape` with each of `strides` not named in it set to the row length (contiguous rows).
+std::vector<std::pair<std::string, std::int64_t>> with_strides(
+    const std::vector<std::pair<std::string, std::int64_t>>& shape, std::initializer_list<const char*> strides) {
+  auto out = shape;
+  std::int64_t cols = -1;
+  for (const auto& [n, v] : shape)
+    if (n == "cols") cols = v;
+  if (cols < 0) return out;
+  for (const char* stride : strides)
+    if (std::none_of(shape.begin(), shape.end(), [&](const auto& s) { return s.first == stride; }))
+      out.emplace_back(stride, cols);
+  return out;
 }
 
 std::string render_name(const char* kernel, const Params& params) {
@@ -98,7 +121,7 @@ std::vector<Problem> shapes(const Family& f, DType dtype, bool backward) {
 class LayerNorm final : public Family {
  public:
   std::string_view name() const override { return "layernorm"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -113,6 +136,8 @@ class LayerNorm final : public Family {
     static const std::vector<ProblemField> fields = problem_fields_of<LayerNormProblem>({
         bucketed(&LayerNormProblem::rows, "rows", "rows to normalize"),
         key(&LayerNormProblem::cols, "cols", "elements per row"),
+        key(&LayerNormProblem::x_row_stride, "x_row_stride", "elements between two rows of x"),
+        key(&LayerNormProblem::y_row_stride, "y_row_stride", "elements between two rows of y"),
         value(&LayerNormProblem::eps, "eps", "added to the variance")});
     return fields;
   }
@@ -134,7 +159,7 @@ class LayerNorm final : public Family {
 
   Status check_problem(const Params& params, const Problem& p) const override {
     const auto q = p.as<LayerNormProblem>();
-    KILN_TRY(check_rows(name(), params, p, q.rows, q.cols));
+    KILN_TRY(check_rows(name(), params, p, q.rows, q.cols, {q.x_row_stride, q.y_row_stride}));
     if (!std::isfinite(q.eps) || !(q.eps >= 0))
       return invalid_argument("layernorm: eps must be finite and non-negative");
     return {};
@@ -153,10 +178,11 @@ class LayerNorm final : public Family {
   }
   std::vector<Params> tuning_space(const Problem& p) const override { return tuning_candidates(*this, p); }
 
-  // eps defaults to 1e-5 (torch.nn.LayerNorm's).
+  // Row strides default to the row length (contiguous rows), eps to 1e-5 (torch.nn.LayerNorm's).
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    KILN_ASSIGN_OR_RETURN(Problem p, Family::problem_from_shape(dtype, shape));
+    KILN_ASSIGN_OR_RETURN(Problem p,
+                          Family::problem_from_shape(dtype, with_strides(shape, {"x_row_stride", "y_row_stride"})));
     if (std::none_of(shape.begin(), shape.end(), [](const auto& s) { return s.first == "eps"; })) {
       auto q = p.as<LayerNormProblem>();
       q.eps = 1e-5;
@@ -169,9 +195,12 @@ class LayerNorm final : public Family {
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto q = p.as<LayerNormProblem>();
     const auto rows = q.rows, cols = q.cols;
-    return {{"x", BufferRole::input, p.dtype, rows * cols},     {"weight", BufferRole::input, p.dtype, cols},
-            {"bias", BufferRole::input, p.dtype, cols},         {"y", BufferRole::output, p.dtype, rows * cols},
-            {"mean", BufferRole::output, DType::f32, rows},     {"rstd", BufferRole::output, DType::f32, rows}};
+    return {{"x", BufferRole::input, p.dtype, extent(rows, cols, q.x_row_stride)},
+            {"weight", BufferRole::input, p.dtype, cols},
+            {"bias", BufferRole::input, p.dtype, cols},
+            {"y", BufferRole::output, p.dtype, extent(rows, cols, q.y_row_stride)},
+            {"mean", BufferRole::output, DType::f32, rows},
+            {"rstd", BufferRole::output, DType::f32, rows}};
   }
 
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
@@ -179,6 +208,8 @@ class LayerNorm final : public Family {
     for (std::size_t i = 0; i < 6; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
     out.add(static_cast<long long>(q.rows));
     out.add(static_cast<long long>(q.cols));
+    out.add(static_cast<long long>(q.x_row_stride));
+    out.add(static_cast<long long>(q.y_row_stride));
     out.add(static_cast<float>(q.eps));
   }
 
@@ -189,18 +220,19 @@ class LayerNorm final : public Family {
     const auto q = p.as<LayerNormProblem>();
     const auto rows = q.rows, cols = q.cols;
     for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t xo = r * q.x_row_stride, yo = r * q.y_row_stride;
       double sum = 0, sq = 0;
-      for (std::int64_t c = 0; c < cols; ++c) sum += load_as_double(b[0], p.dtype, r * cols + c);
+      for (std::int64_t c = 0; c < cols; ++c) sum += load_as_double(b[0], p.dtype, xo + c);
       const double mean = sum / double(cols);
       for (std::int64_t c = 0; c < cols; ++c) {
-        const double d = load_as_double(b[0], p.dtype, r * cols + c) - mean;
+        const double d = load_as_double(b[0], p.dtype, xo + c) - mean;
         sq += d * d;
       }
       const double rstd = 1.0 / std::sqrt(sq / double(cols) + q.eps);
       for (std::int64_t c = 0; c < cols; ++c) {
         const double bias = b[2] ? load_as_double(b[2], p.dtype, c) : 0.0;
-        store_from_double(b[3], p.dtype, r * cols + c,
-                          (load_as_double(b[0], p.dtype, r * cols + c) - mean) * rstd * load_as_double(b[1], p.dtype, c) +
+        store_from_double(b[3], p.dtype, yo + c,
+                          (load_as_double(b[0], p.dtype, xo + c) - mean) * rstd * load_as_double(b[1], p.dtype, c) +
                               bias);
       }
       if (b[4]) static_cast<float*>(b[4])[r] = float(mean);
@@ -213,7 +245,7 @@ class LayerNorm final : public Family {
 class LayerNormBwd final : public Family {
  public:
   std::string_view name() const override { return "layernorm_bwd"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -228,6 +260,9 @@ class LayerNormBwd final : public Family {
     static const std::vector<ProblemField> fields = problem_fields_of<LayerNormBwdProblem>({
         bucketed(&LayerNormBwdProblem::rows, "rows", "rows of dy, x and dx"),
         key(&LayerNormBwdProblem::cols, "cols", "elements per row"),
+        key(&LayerNormBwdProblem::dy_row_stride, "dy_row_stride", "elements between two rows of dy"),
+        key(&LayerNormBwdProblem::x_row_stride, "x_row_stride", "elements between two rows of x"),
+        key(&LayerNormBwdProblem::dx_row_stride, "dx_row_stride", "elements between two rows of dx"),
         key(&LayerNormBwdProblem::slabs, "slabs", "blocks, each summing the gradients of consecutive rows")});
     return fields;
   }
@@ -249,7 +284,7 @@ class LayerNormBwd final : public Family {
 
   Status check_problem(const Params& params, const Problem& p) const override {
     const auto q = p.as<LayerNormBwdProblem>();
-    KILN_TRY(check_rows(name(), params, p, q.rows, q.cols));
+    KILN_TRY(check_rows(name(), params, p, q.rows, q.cols, {q.dy_row_stride, q.x_row_stride, q.dx_row_stride}));
     const auto rows = q.rows, slabs = q.slabs;
     if (slabs < (rows > 0 ? 1 : 0) || slabs > std::max<std::int64_t>(rows, 1) || slabs > 0x7fffffff)
       return shape_mismatch("layernorm_bwd: need 1 <= slabs <= rows");
@@ -269,10 +304,10 @@ class LayerNormBwd final : public Family {
   }
   std::vector<Params> tuning_space(const Problem& p) const override { return tuning_candidates(*this, p); }
 
-  // slabs defaults to the op's choice for a 132-SM GPU when not named.
+  // Row strides default to the row length, slabs to the op's choice for a 132-SM GPU.
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    auto named = shape;
+    auto named = with_strides(shape, {"dy_row_stride", "x_row_stride", "dx_row_stride"});
     const bool has_slabs = std::any_of(shape.begin(), shape.end(), [](const auto& s) { return s.first == "slabs"; });
     if (!has_slabs) {
       std::int64_t rows = 0;
@@ -287,9 +322,12 @@ class LayerNormBwd final : public Family {
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto q = p.as<LayerNormBwdProblem>();
     const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
-    return {{"dy", BufferRole::input, p.dtype, rows * cols},   {"x", BufferRole::input, p.dtype, rows * cols},
-            {"weight", BufferRole::input, p.dtype, cols},      {"mean", BufferRole::input, DType::f32, rows},
-            {"rstd", BufferRole::input, DType::f32, rows},     {"dx", BufferRole::output, p.dtype, rows * cols},
+    return {{"dy", BufferRole::input, p.dtype, extent(rows, cols, q.dy_row_stride)},
+            {"x", BufferRole::input, p.dtype, extent(rows, cols, q.x_row_stride)},
+            {"weight", BufferRole::input, p.dtype, cols},
+            {"mean", BufferRole::input, DType::f32, rows},
+            {"rstd", BufferRole::input, DType::f32, rows},
+            {"dx", BufferRole::output, p.dtype, extent(rows, cols, q.dx_row_stride)},
             {"partial", BufferRole::output, DType::f32, 2 * slabs * cols}};
   }
 
@@ -297,9 +335,8 @@ class LayerNormBwd final : public Family {
     for (std::size_t i = 0; i < 7; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
     const auto q = p.as<LayerNormBwdProblem>();
     const auto rows = q.rows, slabs = std::max<std::int64_t>(q.slabs, 1);
-    out.add(static_cast<long long>(rows));
-    out.add(static_cast<long long>(q.cols));
-    out.add(static_cast<long long>((rows + slabs - 1) / slabs));
+    for (std::int64_t v : {rows, q.cols, q.dy_row_stride, q.x_row_stride, q.dx_row_stride, (rows + slabs - 1) / slabs})
+      out.add(static_cast<long long>(v));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
@@ -316,11 +353,12 @@ class LayerNormBwd final : public Family {
       std::fill(acc_w.begin(), acc_w.end(), 0.0);
       std::fill(acc_b.begin(), acc_b.end(), 0.0);
       for (std::int64_t r = s * per_slab; r < std::min(rows, (s + 1) * per_slab); ++r) {
+        const std::int64_t dyo = r * q.dy_row_stride, xo = r * q.x_row_stride, dxo = r * q.dx_row_stride;
         const double m = static_cast<const float*>(b[3])[r], rs = static_cast<const float*>(b[4])[r];
         double sum_g = 0, sum_gx = 0;
         for (std::int64_t c = 0; c < cols; ++c) {
-          const double d = load_as_double(b[0], p.dtype, r * cols + c);
-          const double xh = (load_as_double(b[1], p.dtype, r * cols + c) - m) * rs;
+          const double d = load_as_double(b[0], p.dtype, dyo + c);
+          const double xh = (load_as_double(b[1], p.dtype, xo + c) - m) * rs;
           const double g = d * load_as_double(b[2], p.dtype, c);
           sum_g += g;
           sum_gx += g * xh;
@@ -328,9 +366,9 @@ class LayerNormBwd final : public Family {
           acc_b[std::size_t(c)] += d;
         }
         for (std::int64_t c = 0; c < cols; ++c) {
-          const double xh = (load_as_double(b[1], p.dtype, r * cols + c) - m) * rs;
-          const double g = load_as_double(b[0], p.dtype, r * cols + c) * load_as_double(b[2], p.dtype, c);
-          store_from_double(b[5], p.dtype, r * cols + c, rs * (g - (sum_g + xh * sum_gx) / double(cols)));
+          const double xh = (load_as_double(b[1], p.dtype, xo + c) - m) * rs;
+          const double g = load_as_double(b[0], p.dtype, dyo + c) * load_as_double(b[2], p.dtype, c);
+          store_from_double(b[5], p.dtype, dxo + c, rs * (g - (sum_g + xh * sum_gx) / double(cols)));
         }
       }
       for (std::int64_t c = 0; c < cols; ++c) {
@@ -351,13 +389,24 @@ std::int64_t cols_of(const Problem& p, bool backward) {
   return backward ? p.as<LayerNormBwdProblem>().cols : p.as<LayerNormProblem>().cols;
 }
 
-// The heuristic's variant for accesses of up to `widest` elements; none when its threads cannot
-// hold the row.
+// The heuristic's variant for accesses of up to `widest` elements (narrowed until the alignment,
+// the row length and the row strides allow them); none when its threads cannot hold the row.
 std::optional<Params> choose(const Problem& p, bool backward, std::int64_t widest) {
   const auto esize = std::int64_t(dtype_size(p.dtype));
   const auto cols = cols_of(p, backward);
+  std::vector<std::int64_t> strides;
+  if (backward) {
+    const auto q = p.as<LayerNormBwdProblem>();
+    strides = {q.dy_row_stride, q.x_row_stride, q.dx_row_stride};
+  } else {
+    const auto q = p.as<LayerNormProblem>();
+    strides = {q.x_row_stride, q.y_row_stride};
+  }
+  auto strides_allow = [&](std::int64_t v) {
+    return std::all_of(strides.begin(), strides.end(), [&](std::int64_t s) { return s % v == 0; });
+  };
   std::int64_t vec = widest;
-  while (vec > 1 && (p.alignment < vec * esize || cols % vec)) vec /= 2;
+  while (vec > 1 && (p.alignment < vec * esize || cols % vec || !strides_allow(vec))) vec /= 2;
   const std::int64_t packs_total = (cols + vec - 1) / vec;
   const auto make = [&](std::int64_t block, std::int64_t packs) {
     return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", block}, {"vec", vec}, {"packs", packs}};

@@ -1,6 +1,6 @@
 // LayerNorm forward and backward (families/layernorm/README.md).
 //
-// Forward, one block per row (grid-stride over rows), fp32 statistics:
+// Forward, one block per row (grid-stride over rows, at any row stride), fp32 statistics:
 //   mean = sum(x) / cols, rstd = rsqrt(sum((x - mean)^2) / cols + eps)   (two passes: exact where a
 //   one-pass sum of squares cancels for rows with a large mean),
 //   y = (x - mean) * rstd * weight + bias.
@@ -8,15 +8,16 @@
 // is read from memory once. mean and rstd (f32, one per row) are written when non-null, bias is
 // read when non-null.
 //
-// Backward, one block per slab of consecutive rows, with xhat = (x - mean) * rstd, g = dy * weight:
+// Backward, one block per slab of consecutive rows (at any row strides), with
+// xhat = (x - mean) * rstd, g = dy * weight:
 //   dx = rstd * (g - (sum(g) + xhat * sum(g * xhat)) / cols)
 //   partial[slab, c] = sum over the slab's rows of dy * xhat,  partial[slabs + slab, c] = of dy
 // Each thread keeps its columns' two partial sums in registers over the slab and writes them once;
 // a second kernel (rmsnorm_bwd_reduce) sums the slabs into dweight and dbias in a fixed order, so
 // the result is deterministic.
 //
-// Requires: rows contiguous, cols a multiple of VEC and at most PACKS * BLOCK * VEC, every buffer
-// aligned to VEC elements.
+// Requires: the last dimension contiguous, cols a multiple of VEC and at most PACKS * BLOCK * VEC,
+// every buffer and row stride aligned to VEC elements.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -52,13 +53,14 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float2* scratch) 
 template <typename T, int BLOCK, int VEC, int PACKS>
 __global__ void __launch_bounds__(BLOCK)
 layernorm_fwd(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
-              float* __restrict__ mean_out, float* __restrict__ rstd_out, long long rows, long long cols, float eps) {
+              float* __restrict__ mean_out, float* __restrict__ rstd_out, long long rows, long long cols,
+              long long x_stride, long long y_stride, float eps) {
   using P = kiln::Pack<T, VEC>;
   __shared__ float scratch[33];
   const long long packs = cols / VEC;
   const float inv_cols = 1.f / float(cols);
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + row * cols;
+    const T* xr = x + row * x_stride;
     float v[PACKS][VEC];
     float sum = 0.f;
 #pragma unroll
@@ -92,7 +94,7 @@ layernorm_fwd(const T* __restrict__ x, const T* __restrict__ weight, const T* __
       if (mean_out) mean_out[row] = mean;
       if (rstd_out) rstd_out[row] = rstd;
     }
-    T* yr = y + row * cols;
+    T* yr = y + row * y_stride;
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
       const long long p = threadIdx.x + (long long)k * BLOCK;
@@ -120,7 +122,8 @@ template <typename T, int BLOCK, int VEC, int PACKS>
 __global__ void __launch_bounds__(BLOCK)
 layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
               const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
-              float* __restrict__ partial, long long rows, long long cols, long long rows_per_slab) {
+              float* __restrict__ partial, long long rows, long long cols, long long dy_stride, long long x_stride,
+              long long dx_stride, long long rows_per_slab) {
   using P = kiln::Pack<T, VEC>;
   __shared__ float2 scratch[33];
   const int packs = int(cols / VEC);  // cols < 2^31: the op checks
@@ -139,11 +142,11 @@ layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __rest
       for (int i = 0; i < VEC; ++i) w[k][i] = kiln::to_float(wp.v[i]);
     }
   }
-  for (long long row = r0; row < r1; ++row) {
+  const T* xr = x + r0 * x_stride;
+  const T* dyr = dy + r0 * dy_stride;
+  T* dxr = dx + r0 * dx_stride;
+  for (long long row = r0; row < r1; ++row, xr += x_stride, dyr += dy_stride, dxr += dx_stride) {
     const float m = mean[row], s = rstd[row];
-    const T* const xr = x + row * cols;
-    const T* const dyr = dy + row * cols;
-    T* const dxr = dx + row * cols;
     float xh[PACKS][VEC], g[PACKS][VEC];
     float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll

@@ -4,7 +4,7 @@
 // layernorm params: dtype {f32, f16, bf16}; block {128, 256, 512, 1024} threads, one block per
 // row; vec {1, 2, 4, 8} elements per access (at most 16 bytes); packs {1, 2, 4, 8} packs per
 // thread held in registers (packs * vec <= 32). A variant runs rows of up to block * packs * vec
-// elements, cols a multiple of vec.
+// elements, cols and the row strides multiples of vec.
 // Problem: LayerNormProblem below. Buffers: x, weight, bias (may be null), y, mean and rstd (f32
 // [rows], may be null).
 //
@@ -24,18 +24,24 @@
 
 namespace kiln::families {
 
-// layernorm's problem (kiln/problem.h). Keys: rows (bucketed), cols; value: eps.
+// layernorm's problem (kiln/problem.h). Keys: rows (bucketed), cols, x_row_stride, y_row_stride;
+// value: eps.
 struct LayerNormProblem {
-  std::int64_t rows = 0;  // rows to normalize
-  std::int64_t cols = 0;  // elements per row (the weight's and bias's length)
-  double eps = 0;         // added to the variance
+  std::int64_t rows = 0;          // rows to normalize
+  std::int64_t cols = 0;          // elements per row (the weight's and bias's length)
+  std::int64_t x_row_stride = 0;  // elements between the starts of two rows of x
+  std::int64_t y_row_stride = 0;  // elements between the starts of two rows of y
+  double eps = 0;                 // added to the variance
 };
 
-// layernorm_bwd's problem. Keys: rows (bucketed), cols, slabs.
+// layernorm_bwd's problem. Keys: rows (bucketed), cols, the three row strides, slabs.
 struct LayerNormBwdProblem {
-  std::int64_t rows = 0;   // rows of dy, x and dx
-  std::int64_t cols = 0;   // elements per row
-  std::int64_t slabs = 0;  // blocks, each taking consecutive rows; rows of partial per gradient
+  std::int64_t rows = 0;           // rows of dy, x and dx
+  std::int64_t cols = 0;           // elements per row
+  std::int64_t dy_row_stride = 0;  // elements between two rows of dy
+  std::int64_t x_row_stride = 0;   // elements between two rows of x
+  std::int64_t dx_row_stride = 0;  // elements between two rows of dx
+  std::int64_t slabs = 0;          // blocks, each taking consecutive rows; rows of partial per gradient
 };
 
 // The heuristic's variant of either kernel for p; invalid_argument when no variant holds a row of

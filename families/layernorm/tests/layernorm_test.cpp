@@ -1,6 +1,7 @@
 // LayerNorm on the CPU: the typed ops against a plain fp64 LayerNorm written here (forward, and the
-// backward against central differences of the forward's loss), errors before any launch, the
-// heuristic's row-length limits, and the op declarations the bindings are generated from.
+// backward against central differences of the forward's loss), errors before any launch, strided
+// rows against contiguous ones, the heuristic's row-length limits, and the op declarations the
+// bindings are generated from.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -119,9 +120,13 @@ TEST(LayerNormCpu, BadInputIsATypedErrorAndWritesNothing) {
   std::vector<float> bad_mean(3);
   auto bm = host(bad_mean, {3});
   EXPECT_EQ(layer_norm(xv, wv, nullptr, yv, &bm, nullptr).code(), Code::shape_mismatch);
-  auto strided = xv;
-  strided.strides[0] = 16;
+  auto strided = xv;  // the last dimension not contiguous
+  strided.strides[1] = 2;
+  strided.shape[1] = 4;
   EXPECT_EQ(layer_norm(strided, wv, nullptr, yv, nullptr, nullptr).code(), Code::shape_mismatch);
+  auto overlapping = xv;  // rows closer than a row length
+  overlapping.strides[0] = 4;
+  EXPECT_EQ(layer_norm(xv, wv, nullptr, overlapping, nullptr, nullptr).code(), Code::shape_mismatch);
   // A host pointer claimed to be on a GPU: device_error (no driver here, or not device memory).
   auto on_gpu = xv;
   on_gpu.device = Device::cuda(0);
@@ -129,15 +134,58 @@ TEST(LayerNormCpu, BadInputIsATypedErrorAndWritesNothing) {
   for (float v : y) EXPECT_EQ(v, 7.f);
 }
 
+TEST(LayerNormCpu, StridedRowsMatchContiguousOnesAndLeaveThePaddingAlone) {
+  // 3 rows of 37 in buffers with rows 40 apart (x, y, dy, dx), against the contiguous ops.
+  const std::int64_t rows = 3, cols = 37, stride = 40;
+  Data d(rows, cols, 4);
+  auto widen = [&](const std::vector<float>& v, float pad) {
+    std::vector<float> out(std::size_t(rows * stride), pad);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c) out[std::size_t(r * stride + c)] = v[std::size_t(r * cols + c)];
+    return out;
+  };
+  auto strided = [&](std::vector<float>& v) {
+    TensorView t = TensorView::contiguous(v.data(), DType::f32, {rows, cols}, Device::cpu());
+    t.strides[0] = stride;
+    return t;
+  };
+  std::vector<float> y(rows * cols), mean(rows), rstd(rows), dx(rows * cols), dw(cols), db(cols);
+  auto xv = host(d.x, {rows, cols}), wv = host(d.w, {cols}), bv = host(d.b, {cols}), yv = host(y, {rows, cols});
+  auto mv = host(mean, {rows}), rv = host(rstd, {rows}), dyv = host(d.dy, {rows, cols}), dxv = host(dx, {rows, cols});
+  auto dwv = host(dw, {cols}), dbv = host(db, {cols});
+  ASSERT_TRUE(layer_norm(xv, wv, &bv, yv, &mv, &rv).ok());
+  ASSERT_TRUE(layer_norm_backward(dyv, xv, wv, mv, rv, dxv, dwv, &dbv).ok());
+
+  auto sx = widen(d.x, 1e3f), sdy = widen(d.dy, -1e3f), sy = widen(std::vector<float>(rows * cols), 7.f),
+       sdx = widen(std::vector<float>(rows * cols), 9.f);
+  std::vector<float> mean2(rows), rstd2(rows), dw2(cols), db2(cols);
+  auto mv2 = host(mean2, {rows}), rv2 = host(rstd2, {rows}), dwv2 = host(dw2, {cols}), dbv2 = host(db2, {cols});
+  ASSERT_TRUE(layer_norm(strided(sx), wv, &bv, strided(sy), &mv2, &rv2).ok());
+  ASSERT_TRUE(layer_norm_backward(strided(sdy), strided(sx), wv, mv2, rv2, strided(sdx), dwv2, &dbv2).ok());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(mean2[r], mean[r]);
+    EXPECT_EQ(rstd2[r], rstd[r]);
+    for (std::int64_t c = 0; c < stride; ++c) {
+      const std::size_t i = std::size_t(r * stride + c), j = std::size_t(r * cols + c);
+      EXPECT_EQ(sy[i], c < cols ? y[j] : 7.f) << r << "," << c;
+      EXPECT_EQ(sdx[i], c < cols ? dx[j] : 9.f) << r << "," << c;
+    }
+  }
+  EXPECT_EQ(dw2, dw);
+  EXPECT_EQ(db2, db);
+}
+
 TEST(LayerNormCpu, HeuristicHoldsRowsInRegistersUpToTheLimit) {
   // 4096 rows of `cols` elements for either kernel, 16-byte aligned; the backward in the op's slabs
   // for a 132-SM GPU.
   auto fwd_problem = [](DType t, std::int64_t cols) {
-    return Problem::of(t, 16, families::LayerNormProblem{.rows = 4096, .cols = cols, .eps = 1e-5});
+    return Problem::of(t, 16, families::LayerNormProblem{.rows = 4096, .cols = cols, .x_row_stride = cols,
+                                                         .y_row_stride = cols, .eps = 1e-5});
   };
   auto bwd_problem = [](DType t, std::int64_t cols) {
     return Problem::of(t, 16,
-                       families::LayerNormBwdProblem{.rows = 4096, .cols = cols,
+                       families::LayerNormBwdProblem{.rows = 4096, .cols = cols, .dy_row_stride = cols,
+                                                     .x_row_stride = cols, .dx_row_stride = cols,
                                                      .slabs = families::layernorm_bwd_slabs(4096, 132)});
   };
   auto fwd = families::layernorm_choice(fwd_problem(DType::bf16, 4096), false);
@@ -176,6 +224,9 @@ TEST(LayerNormCpu, DeclaresItsOpsAndTheirGradients) {
       EXPECT_LT(fwd->tensor_index(t["grad_of"].get<std::string>()), fwd->tensors.size()) << t.dump();
     }
   EXPECT_EQ(grads, 4);  // dy, and dx, dweight, dbias
+  // The [..., cols] tensors take strided rows: the bindings pass slices as they are.
+  for (const OpDecl* op : {fwd, bwd})
+    for (const auto& t : op->tensors) EXPECT_EQ(t.strided_rows, t.shape == "[..., cols]") << op->name << " " << t.name;
 }
 
 }  // namespace
