@@ -184,12 +184,14 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
     return {};
   }
 
-  KILN_TRY(families::layernorm_choice(Problem::of(x.dtype, alignment, q), true).status());
+  KILN_ASSIGN_OR_RETURN(const Params choice, families::layernorm_choice(Problem::of(x.dtype, alignment, q), true));
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* device, jit::device_info(x.device.index));
-  const std::int64_t slabs = rows == 0 ? 0 : families::layernorm_bwd_slabs(rows, device->sm_count);
+  // One slab per block of the heuristic's variant that the GPU holds at once (the slab count is a
+  // key of the problem, so a tuned variant runs with the same count).
+  const std::int64_t slabs = families::layernorm_bwd_slabs(choice, rows, device->sm_count);
   q.slabs = slabs;
   void* ws = nullptr;
   if (slabs > 0) {

@@ -12,8 +12,8 @@ namespace kiln {
 // x and y: [..., cols], same shape and dtype (f32, f16 or bf16), the last dimension contiguous and
 // the rows at any row stride (at least cols; the leading dimensions one evenly strided row
 // index); weight and bias (optional: null) [cols], contiguous, that dtype. Host tensors run the
-// CPU fallback; on CUDA rows may hold up to 32768 elements (8192 when the row length or a row
-// stride is not a multiple of 16 bytes' worth).
+// CPU fallback; on CUDA rows may hold up to 32768 elements (16384 when the row length or a row
+// stride is odd).
 // Errors before any compile or launch: device_error, shape_mismatch, unsupported_dtype,
 // invalid_argument (eps not finite or negative, null pointers, rows longer than the kernels hold).
 Status layer_norm(const TensorView& x, const TensorView& weight, const TensorView* bias, const TensorView& y,
@@ -24,7 +24,7 @@ Status layer_norm(const TensorView& x, const TensorView& weight, const TensorVie
 // and dbias ([cols], weight's dtype; dbias optional), reduced over rows in fp32 in a fixed order
 // (deterministic). dy, x and dx take any row stride, as layer_norm's x and y. On CUDA the row pass
 // keeps partial sums in a per-stream workspace (client/workspace.h) and rows may hold up to 8192
-// elements.
+// elements (2048 when the row length or a row stride is odd).
 Status layer_norm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
                            const TensorView& mean, const TensorView& rstd, const TensorView& dx,
                            const TensorView& dweight, const TensorView* dbias, Stream stream = nullptr,

@@ -38,6 +38,7 @@ struct Case {
   std::int64_t rows, cols;
   bool bias;
   std::int64_t stride = 0;  // elements between rows of x, y, dy and dx on the GPU; 0: cols
+  bool backward = true;     // false: the forward only (rows longer than the backward takes)
 };
 
 // A [rows, cols] view of b with rows `stride` elements apart.
@@ -101,9 +102,11 @@ void check(Runtime* rt, const Case& c, unsigned seed) {
                         rt);
   ASSERT_TRUE(s.ok()) << s.to_string();
   auto dbv = dev(db, c.dtype, {c.cols});
-  s = layer_norm_backward(dev_rows(dy, c.dtype, c.rows, c.cols, stride), dev_rows(x, c.dtype, c.rows, c.cols, stride),
-                          dev(w, c.dtype, {c.cols}), mv, rv, dev_rows(dx, c.dtype, c.rows, c.cols, stride),
-                          dev(dw, c.dtype, {c.cols}), c.bias ? &dbv : nullptr, nullptr, rt);
+  if (c.backward)
+    s = layer_norm_backward(dev_rows(dy, c.dtype, c.rows, c.cols, stride),
+                            dev_rows(x, c.dtype, c.rows, c.cols, stride), dev(w, c.dtype, {c.cols}), mv, rv,
+                            dev_rows(dx, c.dtype, c.rows, c.cols, stride), dev(dw, c.dtype, {c.cols}),
+                            c.bias ? &dbv : nullptr, nullptr, rt);
   ASSERT_TRUE(s.ok()) << s.to_string();
   ASSERT_EQ(jit::Driver::get().value()->ctx_synchronize(), CUDA_SUCCESS);
 
@@ -129,14 +132,16 @@ void check(Runtime* rt, const Case& c, unsigned seed) {
   auto hdbv = hostv(wdb, c.dtype, {c.cols});
   // The CPU backward from the GPU's statistics, so the comparison isolates the backward.
   auto gmv = hostv(gmean, DType::f32, {c.rows}), grv = hostv(grstd, DType::f32, {c.rows});
-  ASSERT_TRUE(layer_norm_backward(hostv(hdy, c.dtype, {c.rows, c.cols}), hostv(hx, c.dtype, {c.rows, c.cols}),
-                                  hostv(hw, c.dtype, {c.cols}), gmv, grv, hostv(wdx, c.dtype, {c.rows, c.cols}),
-                                  hostv(wdw, c.dtype, {c.cols}), c.bias ? &hdbv : nullptr)
-                  .ok());
+  if (c.backward)
+    ASSERT_TRUE(layer_norm_backward(hostv(hdy, c.dtype, {c.rows, c.cols}), hostv(hx, c.dtype, {c.rows, c.cols}),
+                                    hostv(hw, c.dtype, {c.cols}), gmv, grv, hostv(wdx, c.dtype, {c.rows, c.cols}),
+                                    hostv(wdw, c.dtype, {c.cols}), c.bias ? &hdbv : nullptr)
+                    .ok());
   const double tol = testing::tolerance(c.dtype);
   EXPECT_LE(testing::rel_l2(gy.data(), wy.data(), c.dtype, all(n)), tol) << "y";
   EXPECT_LE(testing::rel_l2(gmean.data(), wmean.data(), DType::f32, all(c.rows)), 1e-5) << "mean";
   EXPECT_LE(testing::rel_l2(grstd.data(), wrstd.data(), DType::f32, all(c.rows)), 1e-5) << "rstd";
+  if (!c.backward) return;
   EXPECT_LE(testing::rel_l2(gdx.data(), wdx.data(), c.dtype, all(n)), tol) << "dx";
   // dweight and dbias sum rows in fp32 on the GPU: a little more error than one row's.
   EXPECT_LE(testing::rel_l2(gdw.data(), wdw.data(), c.dtype, all(c.cols)), 2 * tol) << "dweight";
@@ -155,6 +160,26 @@ TEST_F(LayerNormGpu, RowsAtTheKernelsLimits) {
   check(rt_.get(), {DType::bf16, 64, 8192, true}, seed_);
   check(rt_.get(), {DType::f32, 16, 8192, false}, seed_ + 1);
   check(rt_.get(), {DType::f16, 2, 2047, true}, seed_ + 2);  // odd: 1-element accesses
+  // The forward's longest rows: 32768 elements, 16384 odd ones (one element an access).
+  check(rt_.get(), {DType::bf16, 3, 32768, true, 0, false}, seed_ + 3);
+  check(rt_.get(), {DType::f32, 256, 32768, true, 0, false}, seed_ + 4);
+  check(rt_.get(), {DType::bf16, 5, 16383, true, 0, false}, seed_ + 5);
+}
+
+TEST_F(LayerNormGpu, TheHeuristicsShapesMatchTheReference) {
+  // Decode (16-byte accesses, two packs a thread over up to 1024 threads), 4-byte accesses with 16
+  // packs, a warp per row with several rows a block, 16-byte accesses with four packs, odd rows.
+  unsigned k = 0;
+  for (std::int64_t rows : {1, 16, 77})
+    for (std::int64_t cols : {896, 2880, 3072, 3584, 4096, 5120, 7168, 8192, 2047})
+      check(rt_.get(), {DType::bf16, rows, cols, true}, seed_ + k++);
+  for (DType t : {DType::f32, DType::f16})
+    for (std::int64_t cols : {896, 4096, 2047}) check(rt_.get(), {t, 16, cols, cols % 2 == 0}, seed_ + k++);
+  check(rt_.get(), {DType::bf16, 1000, 896, true}, seed_ + k++);   // a warp per row, 2 rows a block
+  check(rt_.get(), {DType::bf16, 4096, 896, true}, seed_ + k++);   // a warp per row, 4 rows a block
+  check(rt_.get(), {DType::bf16, 4095, 2880, false}, seed_ + k++);
+  check(rt_.get(), {DType::bf16, 2048, 5120, true}, seed_ + k++);  // 16-byte accesses, four packs
+  check(rt_.get(), {DType::f32, 2048, 896, true}, seed_ + k++);
 }
 
 TEST_F(LayerNormGpu, StridedRowsMatchTheReferenceAndLeaveThePaddingAlone) {
