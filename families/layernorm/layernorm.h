@@ -1,21 +1,34 @@
 // LayerNorm kernel families (README.md in this folder): "layernorm" (forward) and "layernorm_bwd"
 // (the backward's row pass; the slab sums of dweight and dbias are reduced by rmsnorm_bwd_reduce).
 //
-// layernorm params: dtype {f32, f16, bf16}; block {128, 256, 512, 1024} threads, one block per
-// row; vec {1, 2, 4, 8} elements per access (at most 16 bytes); packs {1, 2, 4, 8} packs per
-// thread held in registers (packs * vec <= 32). A variant runs rows of up to block * packs * vec
-// elements, cols a multiple of vec.
-// Problem: LayerNormProblem below. Buffers: x, weight, bias (may be null), y, mean and rstd (f32
-// [rows], may be null).
+// Both kernels split a block into `rows` groups of `group` threads, one row per group; each thread
+// holds `packs` packs of `vec` elements of its row in registers (a row of at most group * packs *
+// vec elements, cols a multiple of vec), and rows may be strided.
 //
-// layernorm_bwd params: dtype, block {128, 256, 512}, vec, packs {1, 2, 4} (packs * vec <= 16 at
-// 512 threads, 32 below). Problem: LayerNormBwdProblem below. Buffers: dy, x, weight, mean, rstd,
-// dx, partial (f32 [2 * slabs, cols]: dweight's slab sums, then dbias's).
+// layernorm params: dtype {f32, f16, bf16}; group {32 .. 1024} threads per row; rows {1, 2, 4, 8}
+// rows per block (group * rows <= 1024); vec {1, 2, 4, 8} elements per access (at most 16 bytes);
+// packs {1, 2, 4, 8, 16} (packs * vec <= 32). Problem: LayerNormProblem below. Buffers: x, weight,
+// bias (may be null), y, mean and rstd (f32 [rows], may be null). Dynamic shared memory
+// (layernorm_fwd_smem): the weight and bias, staged once per block.
 //
-// Heuristic: 8-byte accesses where the alignment and row length allow (the tuner found them ahead
-// of 16-byte ones on Hopper). Forward: up to 8 packs a thread, as few threads as the row then
-// needs. Backward, which waits on two block reductions a row: up to 512 threads, as many as the
-// row has packs, then more packs a thread. docs/benchmarks.md has the measurements.
+// layernorm_bwd params: dtype, group {32 .. 512}, rows {1, 2, 4, 8} (group * rows <= 512), vec,
+// packs {1, 2, 4} (packs * vec <= 16). Problem: LayerNormBwdProblem below. Buffers: dy, x, weight,
+// mean, rstd, dx, partial (f32 [2 * slabs, cols]: dweight's slab sums, then dbias's). Dynamic
+// shared memory (layernorm_bwd_smem): each thread's two column sums.
+//
+// Heuristic (layernorm_choice; the README's Heuristic section says why), after rmsnorm's and
+// rmsnorm_bwd's register kernels:
+// - Forward, the access width: 16 bytes up to 64 rows (decode), and for f16/bf16 rows of 10-32 KiB
+//   from 2048 to 16383 rows; 8 bytes from 2048 rows; 4 bytes below. Narrowed until the alignment,
+//   the row strides and the row length allow it.
+// - Forward, threads per row: the smallest power of two from 32 giving at most 2 packs a thread
+//   (decode, up to 1024 threads), 4 of 16 or 8 of 8 bytes (from 2048 rows, up to 512), 16
+//   (otherwise, up to 512); more packs, then more threads, when the row needs them. Groups under
+//   128 threads share a block with others (up to 8 rows a block) while the grid still has two
+//   blocks per SM.
+// - Backward: 16-byte accesses where allowed; the smallest power of two from 32 threads holding
+//   the row at two packs a thread (up to 512, then up to 4 packs); rows per block up to 512
+//   threads; one slab per block the GPU holds at once (layernorm_bwd_slabs).
 #pragma once
 
 #include <cstdint>
@@ -24,24 +37,34 @@
 
 namespace kiln::families {
 
-// layernorm's problem (kiln/problem.h). Keys: rows (bucketed), cols; value: eps.
+// layernorm's problem (kiln/problem.h). Keys: rows (bucketed), cols, x_row_stride, y_row_stride;
+// value: eps.
 struct LayerNormProblem {
-  std::int64_t rows = 0;  // rows to normalize
-  std::int64_t cols = 0;  // elements per row (the weight's and bias's length)
-  double eps = 0;         // added to the variance
+  std::int64_t rows = 0;          // rows to normalize
+  std::int64_t cols = 0;          // elements per row (the weight's and bias's length)
+  std::int64_t x_row_stride = 0;  // elements between the starts of two rows of x
+  std::int64_t y_row_stride = 0;  // elements between the starts of two rows of y
+  double eps = 0;                 // added to the variance
 };
 
-// layernorm_bwd's problem. Keys: rows (bucketed), cols, slabs.
+// layernorm_bwd's problem. Keys: rows (bucketed), cols, the three row strides, slabs.
 struct LayerNormBwdProblem {
-  std::int64_t rows = 0;   // rows of dy, x and dx
-  std::int64_t cols = 0;   // elements per row
-  std::int64_t slabs = 0;  // blocks, each taking consecutive rows; rows of partial per gradient
+  std::int64_t rows = 0;           // rows of dy, x and dx
+  std::int64_t cols = 0;           // elements per row
+  std::int64_t dy_row_stride = 0;  // elements between two rows of dy
+  std::int64_t x_row_stride = 0;   // elements between two rows of x
+  std::int64_t dx_row_stride = 0;  // elements between two rows of dx
+  std::int64_t slabs = 0;          // blocks; slab i takes rows i, i + slabs, ...; rows of partial per gradient
 };
 
-// The heuristic's variant of either kernel for p; invalid_argument when no variant holds a row of
-// p's length (longer than the family's register budget).
+// The heuristic's variant of either kernel for p (the backward's ignores p's slabs);
+// invalid_argument when no variant holds a row of p's length.
 Result<Params> layernorm_choice(const Problem& p, bool backward);
-// The backward's slab count for `rows` rows on a GPU of `sms` SMs.
-std::int64_t layernorm_bwd_slabs(std::int64_t rows, int sms);
+// The backward's slab count for variant `params` on a GPU of `sms` SMs: one per block the GPU
+// holds at once, at most one per `rows` rows of the problem.
+std::int64_t layernorm_bwd_slabs(const Params& params, std::int64_t rows, int sms);
+// Bytes of dynamic shared memory either kernel gets.
+std::int64_t layernorm_fwd_smem(const Params& params, const Problem& p);
+std::int64_t layernorm_bwd_smem(const Params& params);
 
 }  // namespace kiln::families

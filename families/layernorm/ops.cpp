@@ -20,6 +20,16 @@ namespace {
 using families::LayerNormBwdProblem;
 using families::LayerNormProblem;
 
+// t's rows (client::as_rows): the last dimension contiguous, the leading ones one evenly strided
+// row index, rows at least a row length apart.
+Result<client::RowView> rows_of_tensor(const char* op, const TensorView& t, const char* name) {
+  KILN_ASSIGN_OR_RETURN(auto r, client::as_rows(t, name));
+  if (r.rows > 1 && r.row_stride < r.cols)
+    return shape_mismatch(std::string(op) + ": " + name + "'s rows overlap (row stride " +
+                          std::to_string(r.row_stride) + ")");
+  return r;
+}
+
 // Checks t: a floating tensor of x's dtype and device kind, contiguous, with shape [cols].
 Status check_vector(const char* op, const TensorView& t, const char* name, const TensorView& x, std::int64_t cols) {
   KILN_TRY(client::check_view(t, name));
@@ -42,8 +52,9 @@ Status check_stats(const char* op, const TensorView& t, const char* name, const 
   return client::check_device(t, name, x.device.kind);
 }
 
-// Checks t: x's shape, dtype and device kind, contiguous.
-Status check_like_x(const char* op, const TensorView& t, const char* name, const TensorView& x) {
+// Checks t: x's shape, dtype and device kind, its rows evenly strided (the last dimension
+// contiguous) and not overlapping; returns its row view.
+Result<client::RowView> check_rows_like_x(const char* op, const TensorView& t, const char* name, const TensorView& x) {
   KILN_TRY(client::check_view(t, name));
   if (t.dtype != x.dtype)
     return unsupported_dtype(std::string(op) + ": " + name + " is " + dtype_name(t.dtype) + ", x is " +
@@ -51,8 +62,8 @@ Status check_like_x(const char* op, const TensorView& t, const char* name, const
   if (t.rank != x.rank) return shape_mismatch(std::string(op) + ": " + name + " and x have different ranks");
   for (int i = 0; i < x.rank; ++i)
     if (t.shape[i] != x.shape[i]) return shape_mismatch(std::string(op) + ": " + name + " and x have different shapes");
-  if (!t.is_contiguous()) return shape_mismatch(std::string(op) + ": " + name + " must be contiguous");
-  return client::check_device(t, name, x.device.kind);
+  KILN_TRY(client::check_device(t, name, x.device.kind));
+  return rows_of_tensor(op, t, name);
 }
 
 Status same_gpu(const char* op, std::initializer_list<const TensorView*> ts) {
@@ -96,24 +107,26 @@ Status layer_norm(const TensorView& x, const TensorView& weight, const TensorVie
   const char* op = "layer_norm";
   KILN_TRY(client::check_view(x, "x"));
   KILN_TRY(client::check_float_dtype(x, "x"));
-  if (!x.is_contiguous()) return shape_mismatch("layer_norm: x must be contiguous");
   KILN_TRY(client::check_device(x, "x", x.device.kind));
-  const std::int64_t cols = x.shape[x.rank - 1];
+  KILN_ASSIGN_OR_RETURN(const auto xr, rows_of_tensor(op, x, "x"));
+  const std::int64_t cols = xr.cols;
   if (cols == 0) return shape_mismatch("layer_norm: the normalized dimension is empty");
-  const std::int64_t rows = x.numel() / cols;
+  const std::int64_t rows = xr.rows;
   KILN_TRY(check_vector(op, weight, "weight", x, cols));
   if (bias) KILN_TRY(check_vector(op, *bias, "bias", x, cols));
-  KILN_TRY(check_like_x(op, y, "y", x));
+  KILN_ASSIGN_OR_RETURN(const auto yr, check_rows_like_x(op, y, "y", x));
   if (mean) KILN_TRY(check_stats(op, *mean, "mean", x, rows));
   if (rstd) KILN_TRY(check_stats(op, *rstd, "rstd", x, rows));
   KILN_TRY(same_gpu(op, {&x, &weight, bias, &y, mean, rstd}));
   if (!std::isfinite(eps) || eps < 0) return invalid_argument("layer_norm: eps must be finite and non-negative");
 
-  const Problem p =
-      Problem::of(x.dtype,
-                  client::common_alignment({address(x), address(weight), address(bias), address(y)},
-                                           {cols * std::int64_t(dtype_size(x.dtype))}),
-                  LayerNormProblem{.rows = rows, .cols = cols, .eps = eps});
+  const auto esize = std::int64_t(dtype_size(x.dtype));
+  const Problem p = Problem::of(
+      x.dtype,
+      client::common_alignment({address(x), address(weight), address(bias), address(y)},
+                               {cols * esize, xr.row_stride * esize, yr.row_stride * esize}),
+      LayerNormProblem{.rows = rows, .cols = cols, .x_row_stride = xr.row_stride, .y_row_stride = yr.row_stride,
+                       .eps = eps});
   void* buffers[6] = {x.data,           weight.data, bias ? bias->data : nullptr, y.data, mean ? mean->data : nullptr,
                       rstd ? rstd->data : nullptr};
   KILN_ASSIGN_OR_RETURN(const Family* fwd, family("layernorm"));
@@ -132,13 +145,13 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
   const char* op = "layer_norm_backward";
   KILN_TRY(client::check_view(x, "x"));
   KILN_TRY(client::check_float_dtype(x, "x"));
-  if (!x.is_contiguous()) return shape_mismatch("layer_norm_backward: x must be contiguous");
   KILN_TRY(client::check_device(x, "x", x.device.kind));
-  const std::int64_t cols = x.shape[x.rank - 1];
+  KILN_ASSIGN_OR_RETURN(const auto xr, rows_of_tensor(op, x, "x"));
+  const std::int64_t cols = xr.cols;
   if (cols == 0) return shape_mismatch("layer_norm_backward: the normalized dimension is empty");
-  const std::int64_t rows = x.numel() / cols;
-  KILN_TRY(check_like_x(op, dy, "dy", x));
-  KILN_TRY(check_like_x(op, dx, "dx", x));
+  const std::int64_t rows = xr.rows;
+  KILN_ASSIGN_OR_RETURN(const auto dyr, check_rows_like_x(op, dy, "dy", x));
+  KILN_ASSIGN_OR_RETURN(const auto dxr, check_rows_like_x(op, dx, "dx", x));
   KILN_TRY(check_vector(op, weight, "weight", x, cols));
   KILN_TRY(check_vector(op, dweight, "dweight", x, cols));
   if (dbias) KILN_TRY(check_vector(op, *dbias, "dbias", x, cols));
@@ -146,9 +159,15 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
   KILN_TRY(check_stats(op, rstd, "rstd", x, rows));
   KILN_TRY(same_gpu(op, {&x, &dy, &weight, &mean, &rstd, &dx, &dweight, dbias}));
 
-  const std::uint32_t alignment = client::common_alignment({address(dy), address(x), address(weight), address(dx)},
-                                                           {cols * std::int64_t(dtype_size(x.dtype))});
-  LayerNormBwdProblem q{.rows = rows, .cols = cols};
+  const auto esize = std::int64_t(dtype_size(x.dtype));
+  const std::uint32_t alignment =
+      client::common_alignment({address(dy), address(x), address(weight), address(dx)},
+                               {cols * esize, dyr.row_stride * esize, xr.row_stride * esize, dxr.row_stride * esize});
+  LayerNormBwdProblem q{.rows = rows,
+                        .cols = cols,
+                        .dy_row_stride = dyr.row_stride,
+                        .x_row_stride = xr.row_stride,
+                        .dx_row_stride = dxr.row_stride};
   KILN_ASSIGN_OR_RETURN(const Family* bwd, family("layernorm_bwd"));
 
   if (x.device.kind == DeviceKind::cpu) {
@@ -165,12 +184,14 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
     return {};
   }
 
-  KILN_TRY(families::layernorm_choice(Problem::of(x.dtype, alignment, q), true).status());
+  KILN_ASSIGN_OR_RETURN(const Params choice, families::layernorm_choice(Problem::of(x.dtype, alignment, q), true));
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* device, jit::device_info(x.device.index));
-  const std::int64_t slabs = rows == 0 ? 0 : families::layernorm_bwd_slabs(rows, device->sm_count);
+  // One slab per block of the heuristic's variant that the GPU holds at once (the slab count is a
+  // key of the problem, so a tuned variant runs with the same count).
+  const std::int64_t slabs = families::layernorm_bwd_slabs(choice, rows, device->sm_count);
   q.slabs = slabs;
   void* ws = nullptr;
   if (slabs > 0) {
@@ -199,10 +220,10 @@ void kiln_register_ops_layernorm(kiln::Registry& r) {
     op.name = "layer_norm";
     op.doc = "out = (x - mean) * rstd * weight + bias over the last dimension (biased variance, fp32 statistics); "
              "mean and rstd (f32, one per row) are written when given, for layer_norm_backward.";
-    op.tensors = {{.name = "x", .shape = "[..., cols]"},
+    op.tensors = {{.name = "x", .shape = "[..., cols]", .strided_rows = true},
                   {.name = "weight", .max_rank = 1, .shape = "[cols]"},
                   {.name = "bias", .optional = true, .max_rank = 1, .shape = "[cols]"},
-                  {.name = "out", .role = TensorRole::output, .shape = "[..., cols]"},
+                  {.name = "out", .role = TensorRole::output, .shape = "[..., cols]", .strided_rows = true},
                   {.name = "mean", .role = TensorRole::output, .optional = true, .dtypes = dtype_bit(DType::f32),
                    .shape = "[rows]"},
                   {.name = "rstd", .role = TensorRole::output, .optional = true, .dtypes = dtype_bit(DType::f32),
@@ -225,12 +246,13 @@ void kiln_register_ops_layernorm(kiln::Registry& r) {
     op.name = "layer_norm_backward";
     op.doc = "(dx, dweight, dbias) of layer_norm from its mean and rstd; dweight and dbias are reduced over rows in a "
              "fixed order (deterministic).";
-    op.tensors = {{.name = "dy", .shape = "[..., cols]", .grad_of = "out"},
-                  {.name = "x", .shape = "[..., cols]"},
+    op.tensors = {{.name = "dy", .shape = "[..., cols]", .grad_of = "out", .strided_rows = true},
+                  {.name = "x", .shape = "[..., cols]", .strided_rows = true},
                   {.name = "weight", .max_rank = 1, .shape = "[cols]"},
                   {.name = "mean", .dtypes = dtype_bit(DType::f32), .shape = "[rows]"},
                   {.name = "rstd", .dtypes = dtype_bit(DType::f32), .shape = "[rows]"},
-                  {.name = "dx", .role = TensorRole::output, .shape = "[..., cols]", .grad_of = "x"},
+                  {.name = "dx", .role = TensorRole::output, .shape = "[..., cols]", .grad_of = "x",
+                   .strided_rows = true},
                   {.name = "dweight", .role = TensorRole::output, .max_rank = 1, .shape = "[cols]",
                    .grad_of = "weight"},
                   {.name = "dbias", .role = TensorRole::output, .optional = true, .max_rank = 1, .shape = "[cols]",

@@ -84,9 +84,10 @@ TEST(OpDecl, DescribeSaysWhichTensorsTakeStridedRows) {
   EXPECT_EQ(marked("rms_norm_backward"), (std::set<std::string>{"dy", "x", "dx"}));
   EXPECT_EQ(marked("add_rms_norm_backward"), (std::set<std::string>{"dy", "dh", "h", "dx"}));
   EXPECT_EQ(marked("add_rms_norm"), (std::set<std::string>{"x", "residual", "out", "residual_out"}));
-  // LayerNorm takes contiguous rows only: nothing is marked.
-  EXPECT_TRUE(marked("layer_norm").empty());
-  EXPECT_TRUE(marked("layer_norm_backward").empty());
+  EXPECT_EQ(marked("layer_norm"), (std::set<std::string>{"x", "out"}));
+  EXPECT_EQ(marked("layer_norm_backward"), (std::set<std::string>{"dy", "x", "dx"}));
+  // Unmarked tensors are made contiguous by the bindings.
+  EXPECT_TRUE(marked("quantize_fp8").empty());
 }
 
 TEST(OpDecl, ChecksRejectMalformedDeclarations) {

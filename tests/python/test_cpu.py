@@ -671,4 +671,5 @@ def test_declarations_say_which_tensors_take_strided_rows():
     marked = {name: {t["name"] for t in decl.tensors if t["strided_rows"]} for name, decl in kiln.ops.OPS.items()}
     assert marked["act_and_mul_backward"] == {"x", "dy", "dx"}
     assert marked["add_rms_norm_backward"] == {"dy", "dh", "h", "dx"}
-    assert marked["layer_norm"] == set()
+    assert marked["layer_norm"] == {"x", "out"}
+    assert marked["layer_norm_backward"] == {"dy", "x", "dx"}

@@ -1,10 +1,13 @@
 // LayerNorm on the CPU: the typed ops against a plain fp64 LayerNorm written here (forward, and the
-// backward against central differences of the forward's loss), errors before any launch, the
-// heuristic's row-length limits, and the op declarations the bindings are generated from.
+// backward against central differences of the forward's loss), errors before any launch, strided
+// rows against contiguous ones, the heuristic's choices and row-length limits, the catalog, and the
+// op declarations the bindings are generated from.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
+#include <set>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -119,9 +122,13 @@ TEST(LayerNormCpu, BadInputIsATypedErrorAndWritesNothing) {
   std::vector<float> bad_mean(3);
   auto bm = host(bad_mean, {3});
   EXPECT_EQ(layer_norm(xv, wv, nullptr, yv, &bm, nullptr).code(), Code::shape_mismatch);
-  auto strided = xv;
-  strided.strides[0] = 16;
+  auto strided = xv;  // the last dimension not contiguous
+  strided.strides[1] = 2;
+  strided.shape[1] = 4;
   EXPECT_EQ(layer_norm(strided, wv, nullptr, yv, nullptr, nullptr).code(), Code::shape_mismatch);
+  auto overlapping = xv;  // rows closer than a row length
+  overlapping.strides[0] = 4;
+  EXPECT_EQ(layer_norm(xv, wv, nullptr, overlapping, nullptr, nullptr).code(), Code::shape_mismatch);
   // A host pointer claimed to be on a GPU: device_error (no driver here, or not device memory).
   auto on_gpu = xv;
   on_gpu.device = Device::cuda(0);
@@ -129,37 +136,130 @@ TEST(LayerNormCpu, BadInputIsATypedErrorAndWritesNothing) {
   for (float v : y) EXPECT_EQ(v, 7.f);
 }
 
-TEST(LayerNormCpu, HeuristicHoldsRowsInRegistersUpToTheLimit) {
-  // 4096 rows of `cols` elements for either kernel, 16-byte aligned; the backward in the op's slabs
-  // for a 132-SM GPU.
-  auto fwd_problem = [](DType t, std::int64_t cols) {
-    return Problem::of(t, 16, families::LayerNormProblem{.rows = 4096, .cols = cols, .eps = 1e-5});
+TEST(LayerNormCpu, StridedRowsMatchContiguousOnesAndLeaveThePaddingAlone) {
+  // 3 rows of 37 in buffers with rows 40 apart (x, y, dy, dx), against the contiguous ops.
+  const std::int64_t rows = 3, cols = 37, stride = 40;
+  Data d(rows, cols, 4);
+  auto widen = [&](const std::vector<float>& v, float pad) {
+    std::vector<float> out(std::size_t(rows * stride), pad);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c) out[std::size_t(r * stride + c)] = v[std::size_t(r * cols + c)];
+    return out;
   };
-  auto bwd_problem = [](DType t, std::int64_t cols) {
-    return Problem::of(t, 16,
-                       families::LayerNormBwdProblem{.rows = 4096, .cols = cols,
-                                                     .slabs = families::layernorm_bwd_slabs(4096, 132)});
+  auto strided = [&](std::vector<float>& v) {
+    TensorView t = TensorView::contiguous(v.data(), DType::f32, {rows, cols}, Device::cpu());
+    t.strides[0] = stride;
+    return t;
   };
-  auto fwd = families::layernorm_choice(fwd_problem(DType::bf16, 4096), false);
-  ASSERT_TRUE(fwd.ok());
-  EXPECT_EQ(fwd->get_int("vec"), 4);  // 8-byte accesses
-  EXPECT_EQ(*fwd->get_int("block") * *fwd->get_int("packs") * 4, 4096);
-  auto bwd = families::layernorm_choice(bwd_problem(DType::bf16, 4096), true);
-  ASSERT_TRUE(bwd.ok());
-  EXPECT_EQ(bwd->get_int("block"), 512);
-  EXPECT_TRUE(families::layernorm_choice(fwd_problem(DType::bf16, 32768), false).ok());
-  EXPECT_EQ(families::layernorm_choice(bwd_problem(DType::bf16, 32768), true).status().code(), Code::invalid_argument);
-  EXPECT_TRUE(families::layernorm_choice(bwd_problem(DType::bf16, 8192), true).ok());
-  // 16-byte accesses where 8-byte ones cannot hold the row.
-  auto f32 = families::layernorm_choice(bwd_problem(DType::f32, 8192), true);
-  ASSERT_TRUE(f32.ok());
-  EXPECT_EQ(f32->get_int("vec"), 4);
-  auto odd = families::layernorm_choice(bwd_problem(DType::bf16, 1023), true);  // odd: 1-element accesses
+  std::vector<float> y(rows * cols), mean(rows), rstd(rows), dx(rows * cols), dw(cols), db(cols);
+  auto xv = host(d.x, {rows, cols}), wv = host(d.w, {cols}), bv = host(d.b, {cols}), yv = host(y, {rows, cols});
+  auto mv = host(mean, {rows}), rv = host(rstd, {rows}), dyv = host(d.dy, {rows, cols}), dxv = host(dx, {rows, cols});
+  auto dwv = host(dw, {cols}), dbv = host(db, {cols});
+  ASSERT_TRUE(layer_norm(xv, wv, &bv, yv, &mv, &rv).ok());
+  ASSERT_TRUE(layer_norm_backward(dyv, xv, wv, mv, rv, dxv, dwv, &dbv).ok());
+
+  auto sx = widen(d.x, 1e3f), sdy = widen(d.dy, -1e3f), sy = widen(std::vector<float>(rows * cols), 7.f),
+       sdx = widen(std::vector<float>(rows * cols), 9.f);
+  std::vector<float> mean2(rows), rstd2(rows), dw2(cols), db2(cols);
+  auto mv2 = host(mean2, {rows}), rv2 = host(rstd2, {rows}), dwv2 = host(dw2, {cols}), dbv2 = host(db2, {cols});
+  ASSERT_TRUE(layer_norm(strided(sx), wv, &bv, strided(sy), &mv2, &rv2).ok());
+  ASSERT_TRUE(layer_norm_backward(strided(sdy), strided(sx), wv, mv2, rv2, strided(sdx), dwv2, &dbv2).ok());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(mean2[r], mean[r]);
+    EXPECT_EQ(rstd2[r], rstd[r]);
+    for (std::int64_t c = 0; c < stride; ++c) {
+      const std::size_t i = std::size_t(r * stride + c), j = std::size_t(r * cols + c);
+      EXPECT_EQ(sy[i], c < cols ? y[j] : 7.f) << r << "," << c;
+      EXPECT_EQ(sdx[i], c < cols ? dx[j] : 9.f) << r << "," << c;
+    }
+  }
+  EXPECT_EQ(dw2, dw);
+  EXPECT_EQ(db2, db);
+}
+
+TEST(LayerNormCpu, HeuristicFollowsTheRowCountAndHoldsRowsUpToTheLimit) {
+  auto fwd_problem = [](DType t, std::int64_t rows, std::int64_t cols, std::uint32_t align = 16) {
+    return Problem::of(t, align, families::LayerNormProblem{.rows = rows, .cols = cols, .x_row_stride = cols,
+                                                            .y_row_stride = cols, .eps = 1e-5});
+  };
+  auto bwd_problem = [](DType t, std::int64_t rows, std::int64_t cols, std::int64_t stride = 0) {
+    const std::int64_t s = stride ? stride : cols;
+    return Problem::of(t, 16, families::LayerNormBwdProblem{.rows = rows, .cols = cols, .dy_row_stride = s,
+                                                            .x_row_stride = s, .dx_row_stride = s, .slabs = 1});
+  };
+  auto shape = [](const Params& p) {
+    return std::vector<std::int64_t>{*p.get_int("group"), *p.get_int("rows"), *p.get_int("vec"), *p.get_int("packs")};
+  };
+  using V = std::vector<std::int64_t>;
+  // Decode: 16-byte accesses, two packs a thread.
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 16, 4096), false)), (V{256, 1, 8, 2}));
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 16, 2880), false)), (V{256, 1, 8, 2}));
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 1, 896), false)), (V{64, 1, 8, 2}));
+  // Under 2048 rows: 4-byte accesses, 16 packs; from 2048, 8-byte ones, eight packs, and a warp
+  // per row for short rows, four rows a block.
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 77, 4096), false)), (V{128, 1, 2, 16}));
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 4096, 4096), false)), (V{128, 1, 4, 8}));
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 16384, 896), false)), (V{32, 4, 4, 8}));
+  // 10-32 KiB f16/bf16 rows under 16384 rows: 16-byte accesses, four packs.
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 8188, 8192), false)), (V{256, 1, 8, 4}));
+  // Odd rows: one element an access.
+  EXPECT_EQ(*families::layernorm_choice(fwd_problem(DType::bf16, 16, 2047), false)->get_int("vec"), 1);
+  // The longest rows: 32768 elements, 16384 odd ones.
+  for (DType t : {DType::f32, DType::bf16}) {
+    EXPECT_TRUE(families::layernorm_choice(fwd_problem(t, 4096, 32768), false).ok());
+    EXPECT_TRUE(families::layernorm_choice(fwd_problem(t, 1, 32768), false).ok());
+    EXPECT_TRUE(families::layernorm_choice(fwd_problem(t, 4096, 16383, 4), false).ok());
+    EXPECT_EQ(families::layernorm_choice(fwd_problem(t, 4096, 32776), false).status().code(), Code::invalid_argument);
+    EXPECT_EQ(families::layernorm_choice(fwd_problem(t, 4096, 16385, 4), false).status().code(),
+              Code::invalid_argument);
+  }
+
+  // The backward: 16-byte accesses at any row stride that allows them, two packs a thread, rows
+  // a block up to 512 threads, one slab per block the GPU holds.
+  const auto strided = families::layernorm_choice(bwd_problem(DType::bf16, 16384, 8192, 8256), true);
+  ASSERT_TRUE(strided.ok());
+  EXPECT_EQ(shape(*strided), (V{512, 1, 8, 2}));
+  EXPECT_EQ(families::layernorm_bwd_slabs(*strided, 16384, 132), 264);
+  const auto narrow = families::layernorm_choice(bwd_problem(DType::bf16, 4096, 896), true);
+  ASSERT_TRUE(narrow.ok());
+  EXPECT_EQ(shape(*narrow), (V{64, 8, 8, 2}));
+  EXPECT_EQ(families::layernorm_bwd_slabs(*narrow, 4096, 132), 264);
+  const auto three = families::layernorm_choice(bwd_problem(DType::bf16, 3, 4096), true);
+  ASSERT_TRUE(three.ok());
+  EXPECT_EQ(*three->get_int("rows"), 2);
+  EXPECT_EQ(families::layernorm_bwd_slabs(*three, 3, 132), 2);
+  EXPECT_EQ(*families::layernorm_choice(bwd_problem(DType::bf16, 4096, 4096, 4100), true)->get_int("vec"), 4);
+  EXPECT_TRUE(families::layernorm_choice(bwd_problem(DType::bf16, 4096, 8192), true).ok());
+  EXPECT_TRUE(families::layernorm_choice(bwd_problem(DType::f32, 4096, 8192), true).ok());
+  EXPECT_EQ(families::layernorm_choice(bwd_problem(DType::bf16, 4096, 8200), true).status().code(),
+            Code::invalid_argument);
+  const auto odd = families::layernorm_choice(bwd_problem(DType::bf16, 4096, 2047), true);  // 1-element accesses
   ASSERT_TRUE(odd.ok());
   EXPECT_EQ(odd->get_int("vec"), 1);
   const Family* f = Registry::global().find("layernorm_bwd");
   ASSERT_NE(f, nullptr);
-  EXPECT_TRUE(f->check_problem(*odd, bwd_problem(DType::bf16, 1023)).ok());
+  EXPECT_TRUE(f->check_problem(*odd, bwd_problem(DType::bf16, 4096, 2047)).ok());
+}
+
+TEST(LayerNormCpu, CatalogHoldsTheHeuristicsChoicesForTheSweepShapes) {
+  for (const char* name : {"layernorm", "layernorm_bwd"}) {
+    const Family* f = Registry::global().find(name);
+    ASSERT_NE(f, nullptr);
+    std::set<std::string> catalog;
+    for (const auto& c : f->catalog()) {
+      EXPECT_TRUE(f->validate(c).ok()) << c.canonical();
+      catalog.insert(c.canonical());
+    }
+    for (DType t : {DType::f32, DType::f16, DType::bf16})
+      for (std::int64_t rows : {1, 3, 16, 77, 1000, 4095, 8188, 16384})
+        for (std::int64_t cols : {896, 2880, 3072, 3584, 4096, 5120, 7168, 8192}) {
+          auto p = f->problem_from_shape(t, {{"rows", rows}, {"cols", cols}});
+          ASSERT_TRUE(p.ok());
+          const Params h = f->heuristic(*p);
+          EXPECT_TRUE(f->check_problem(h, *p).ok()) << name << " " << rows << "x" << cols;
+          EXPECT_TRUE(catalog.count(h.canonical())) << name << " " << rows << "x" << cols << ": " << h.canonical();
+        }
+  }
 }
 
 TEST(LayerNormCpu, DeclaresItsOpsAndTheirGradients) {
@@ -176,6 +276,9 @@ TEST(LayerNormCpu, DeclaresItsOpsAndTheirGradients) {
       EXPECT_LT(fwd->tensor_index(t["grad_of"].get<std::string>()), fwd->tensors.size()) << t.dump();
     }
   EXPECT_EQ(grads, 4);  // dy, and dx, dweight, dbias
+  // The [..., cols] tensors take strided rows: the bindings pass slices as they are.
+  for (const OpDecl* op : {fwd, bwd})
+    for (const auto& t : op->tensors) EXPECT_EQ(t.strided_rows, t.shape == "[..., cols]") << op->name << " " << t.name;
 }
 
 }  // namespace

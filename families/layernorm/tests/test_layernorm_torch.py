@@ -59,3 +59,39 @@ def test_compiles_without_graph_breaks_with_gradients():
     kt.layer_norm(x, w, b).float().square().sum().backward()
     for got, want in zip(grads, (x.grad, w.grad, b.grad)):
         assert torch.equal(got, want)  # same kernels, deterministic reduction
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_strided_rows_are_taken_as_they_are(device, dtype, monkeypatch):
+    """x and dy as slices of wider tensors (rows 448 elements apart): the declarations mark them
+    strided_rows, so kiln.torch passes them without a copy, and the results are those of
+    contiguous copies."""
+    g = torch.Generator().manual_seed(1)
+    base = (torch.randn(4, 7, 448, generator=g) + 2).to(device, dtype)
+    dy_base = torch.randn(4, 7, 448, generator=g).to(device, dtype)
+    w = torch.randn(384, generator=g).to(device, dtype).requires_grad_()
+    b = torch.randn(384, generator=g).to(device, dtype).requires_grad_()
+    x = base[..., 32:416].requires_grad_()
+    dy = dy_base[..., 32:416]
+    assert not x.is_contiguous() and not dy.is_contiguous()
+    copies = []
+    real = torch.Tensor.contiguous
+
+    def counting(t, *args, **kwargs):
+        if not t.is_contiguous():
+            copies.append(tuple(t.shape))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting)
+    y = kt.layer_norm(x, w, b)
+    y.backward(dy)
+    monkeypatch.undo()
+    assert copies == []
+    got = (y.detach(), x.grad, w.grad, b.grad)
+
+    xc = x.detach().contiguous().requires_grad_()
+    w.grad = b.grad = None
+    yc = kt.layer_norm(xc, w, b)
+    yc.backward(dy.contiguous())
+    for a, c in zip(got, (yc.detach(), xc.grad, w.grad, b.grad)):
+        assert torch.equal(a, c)
