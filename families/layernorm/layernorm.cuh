@@ -247,7 +247,9 @@ layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __rest
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const float xh = (kiln::to_float(cx[i].v[k]) - m) * s;
-          const float gg = kiln::to_float(cdy[i].v[k]) * kiln::to_float(wp.v[k]);
+          // Rounded on its own (no fused multiply-add with what follows), so the dx pass below
+          // subtracts the very values these sums added: g - mean(g) is exactly 0 for one column.
+          const float gg = __fmul_rn(kiln::to_float(cdy[i].v[k]), kiln::to_float(wp.v[k]));
           sum_g += gg;
           sum_gx += gg * xh;
         }
@@ -266,7 +268,7 @@ layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const T* __rest
         for (int k = 0; k < VEC; ++k) {
           const float d = kiln::to_float(cdy[i].v[k]);
           const float xh = (kiln::to_float(cx[i].v[k]) - m) * s;
-          const float gg = d * kiln::to_float(wp.v[k]);
+          const float gg = __fmul_rn(d, kiln::to_float(wp.v[k]));
           out.v[k] = kiln::from_float<T>(s * (gg - mg - xh * mgx));
           float2& a = acc[(i * VEC + k) * GROUP];
           a.x += d * xh;
