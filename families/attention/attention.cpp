@@ -169,7 +169,10 @@ class Attention final : public Family {
         {"head_dim", {64, 80, 96, 128, 192, 256}, {}, "elements per head of q and k"},
         {"head_dim_v", {64, 80, 96, 128, 192, 256}, {}, "elements per head of v and out"},
         {"warps", {4, 8}, {}, "warps per block, 16 query rows each"},
-        {"overlap", {0, 1}, {}, "wgmma: 1 runs each tile's softmax while the previous tile's P V is in flight; mma: 0"},
+        {"overlap", {0, 1}, {},
+         "wgmma: 1 runs each tile's softmax while the previous tile's P V is in flight; mma: 0"},
+        {"pingpong", {0, 1}, {},
+         "wgmma with overlap 1: 1 has the two consumer warpgroups issue their GEMMs in turn; mma: 0"},
     };
     return defs;
   }
@@ -205,8 +208,10 @@ class Attention final : public Family {
                                 std::to_string(dv));
       if (*params.get_int("warps") != 8 || *params.get_int("block_n") < 64)
         return invalid_argument("attention: the wgmma kernel takes warps 8 and block_n 64 or 128");
-    } else if (*params.get_int("overlap") != 0) {
-      return invalid_argument("attention: overlap is for the wgmma kernel");
+      if (*params.get_int("pingpong") && !*params.get_int("overlap"))
+        return invalid_argument("attention: pingpong orders the overlapped schedule (overlap 1)");
+    } else if (*params.get_int("overlap") != 0 || *params.get_int("pingpong") != 0) {
+      return invalid_argument("attention: overlap and pingpong are for the wgmma kernel");
     }
     if (variant_smem(params) > k_sm90_smem)
       return invalid_argument("attention: the variant needs more than 227 KiB of shared memory");
@@ -228,7 +233,8 @@ class Attention final : public Family {
       r.name_expression = std::string("kiln::attention::attention_fwd_sm90<") + device_type(*params.get_str("dtype")) +
                           ", " + std::to_string(d) + ", " + std::to_string(dv) + ", " + std::to_string(bn) + ", " +
                           std::to_string(attention_sm90_stages(d, dv, bn)) + ", " +
-                          (*params.get_int("overlap") ? "true" : "false") + ">";
+                          (*params.get_int("overlap") ? "true" : "false") + ", " +
+                          (*params.get_int("pingpong") ? "true" : "false") + ">";
       return r;
     }
     r.source = "#include \"attention/attention_fwd.cuh\"\n";
@@ -308,10 +314,11 @@ class Attention final : public Family {
     if (!attention_head_dims_supported(a.head_dim, a.head_dim_v)) return {heuristic(p)};
     const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
     if (wgmma_fits(a, p.cc))
-      for (int overlap : {1, 0})
+      for (int sched : {1, 2, 0})  // overlap; overlap and pingpong; serial
         for (int bn : {128, 64}) {
           Params c = make_sm90(dtype, a.head_dim, a.head_dim_v);
-          c.set("block_n", std::int64_t(bn)).set("overlap", std::int64_t(overlap));
+          c.set("block_n", std::int64_t(bn)).set("overlap", std::int64_t(sched > 0));
+          c.set("pingpong", std::int64_t(sched == 2));
           if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
         }
     for (int warps : {4, 8})
@@ -453,12 +460,13 @@ class Attention final : public Family {
  private:
   static Params make(const std::string& dtype, std::int64_t d, std::int64_t dv, AttentionTile t) {
     return Params{{"path", std::string("mma")}, {"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv},
-                  {"warps", std::int64_t(t.warps)}, {"block_n", std::int64_t(t.block_n)}, {"overlap", std::int64_t(0)}};
+                  {"warps", std::int64_t(t.warps)}, {"block_n", std::int64_t(t.block_n)}, {"overlap", std::int64_t(0)},
+                  {"pingpong", std::int64_t(0)}};
   }
   static Params make_sm90(const std::string& dtype, std::int64_t d, std::int64_t dv) {
     return Params{{"path", std::string("wgmma")}, {"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv},
                   {"warps", std::int64_t(8)}, {"block_n", std::int64_t(attention_sm90_block_n(d, dv))},
-                  {"overlap", std::int64_t(1)}};
+                  {"overlap", std::int64_t(1)}, {"pingpong", std::int64_t(0)}};
   }
 };
 

@@ -1,12 +1,14 @@
 // Attention forward kernel family "attention" (README.md in this folder): softmax(scale * Q K^T
-// [softcapped, masked]) V per (sequence, query head), FlashAttention-2 style on mma.sync.
+// [softcapped, masked]) V per (sequence, query head): FlashAttention-2 style on mma.sync (sm_80
+// and later), FlashAttention-3 style on wgmma and TMA (sm_90a).
 //
 // Params: path {mma: the sm_80 kernel (attention_fwd.cuh), wgmma: the sm_90a one
 // (attention_fwd_sm90.cuh)}; dtype {f16, bf16}; head_dim (Q and K) and head_dim_v (V and the
 // output), as the pairs k_attention_head_dims (k_attention_sm90_head_dims for wgmma) lists;
 // warps {4, 8}: each warp owns 16 query rows, so a block holds 16 * warps rows (wgmma: 8, two
 // consumer warpgroups); block_n {32, 64, 128}: keys per K/V tile (mma: two tiles in flight,
-// cp.async; wgmma: a ring of attention_sm90_stages tiles, TMA).
+// cp.async; wgmma: a ring of attention_sm90_stages tiles, TMA); overlap, pingpong {0, 1}: the
+// wgmma kernel's schedule (attention_fwd_sm90.cuh), 0 for mma.
 // Problem: AttentionProblem below. Buffers: q, k, v, cu_seqlens_q, cu_seqlens_k (i32 [batch + 1],
 // read only when varlen), out, lse (f32; may be null).
 //
@@ -14,8 +16,9 @@
 // registers allow; 64-key tiles up to head dim 128, 32-key tiles above (the output accumulator
 // grows with head_dim_v and the K/V tiles with both head dims: 32 keys keep the 256-dim variant
 // within its registers and two tiles within 164 KiB of shared memory, sm_80's limit). On compute
-// capability 9.0 the wgmma path for the head-dim pairs it has (attention_sm90_block_n's tile);
-// the sm_80 kernel for the others, for every other device and for an unknown one (cc 0).
+// capability 9.0, for the head-dim pairs it has, the wgmma kernel instead (attention_sm90_block_n's
+// tile, overlap 1, pingpong 0); other head dims, other devices and an unknown one (cc 0) keep the
+// sm_80 kernel.
 #pragma once
 
 #include <array>

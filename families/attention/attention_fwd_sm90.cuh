@@ -9,6 +9,9 @@
 //   O += P V by wgmma with P from registers (the register-A form: the S accumulator fragment of
 //   each warp is the m16n8k16 A fragment once rounded to 16 bits) and V from shared memory as an
 //   N-major B operand (V is [keys, head_dim_v] row-major: the transposed descriptor form);
+//   with overlap, each tile's S = Q K^T is issued together with the previous tile's P V and the
+//   softmax runs while P V is in flight; with pingpong (on top of overlap), the two consumers
+//   issue their batches in turn so that one's softmax overlaps the other's GEMMs;
 // - warpgroup 2 is the producer (registers lowered): one thread copies the Q tile once and each
 //   K/V tile the mask leaves visible into a STAGES-deep ring by bulk tensor copies (TMA, 128-byte
 //   swizzle applied by the copy engine). Each stage has a `k_full` and a `v_full` barrier (the
@@ -52,7 +55,7 @@ __device__ __forceinline__ void fence_regs(unsigned (&r)[N][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
 
-template <class T, int D, int DV, int BN, int STAGES, bool OVERLAP>
+template <class T, int D, int DV, int BN, int STAGES, bool OVERLAP, bool PINGPONG>
 __global__ void __launch_bounds__(384, 1)
     attention_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                        const int* __restrict__ cu_q, const int* __restrict__ cu_k, T* __restrict__ o,
@@ -63,6 +66,7 @@ __global__ void __launch_bounds__(384, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D % 64 == 0 && DV % 64 == 0, "whole 128-byte panels of dims");
   static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "key tiles of whole k16 steps, one wgmma wide");
+  static_assert(OVERLAP || !PINGPONG, "pingpong orders the overlapped schedule's batches");
   constexpr int BM = 128, PQ = D / 64, PV = DV / 64;
   constexpr int Q_BYTES = BM * D * 2, K_BYTES = BN * D * 2, V_BYTES = BN * DV * 2, STAGE = K_BYTES + V_BYTES;
   constexpr int NS = BN / 8, NO = DV / 8;  // n8 blocks of S and of the output
@@ -234,6 +238,30 @@ __global__ void __launch_bounds__(384, 1)
       pa[kk][3] = pack2<T>(sacc[0][2 * kk + 1][2], sacc[0][2 * kk + 1][3]);
     }
   };
+  // Pingpong: the two consumers issue their batches in turn (consumer 0's batch i, consumer 1's
+  // batch i, consumer 0's batch i + 1, ...; named barriers 1 and 2, each consumer arriving after it
+  // issues and syncing before), so one's softmax runs while the other's GEMMs hold the tensor
+  // cores. Both issue t_end - t_begin + 1 batches (the first tile's S, then S and the previous P V
+  // per tile, the last P V); consumer 1 skips its last arrival, which nothing would wait for.
+  int batch = 0;
+  const int batches = t_end - t_begin + 1;
+  auto order_wait = [&]() {
+    if constexpr (PINGPONG) {
+      if (wg == 1)
+        ptx::bar_sync<1, 256>();
+      else if (batch > 0)
+        ptx::bar_sync<2, 256>();
+    }
+  };
+  auto order_signal = [&]() {
+    if constexpr (PINGPONG) {
+      if (wg == 0)
+        ptx::bar_arrive<1, 256>();
+      else if (batch + 1 < batches)
+        ptx::bar_arrive<2, 256>();
+      ++batch;
+    }
+  };
   auto stage_of = [](int it) { return it % STAGES; };
   auto phase_of = [](int it) { return unsigned(it / STAGES) & 1u; };
 
@@ -264,7 +292,9 @@ __global__ void __launch_bounds__(384, 1)
       // in flight, and the output is rescaled once P V is done; the last tile's P V at the end.
       {
         ptx::mbar_wait(k_full(0), 0);
+        order_wait();
         issue_s(0);
+        order_signal();
         gemm::wgmma_wait<0>();
         gemm::fence_fragments(sacc);
         float corr[2];
@@ -275,9 +305,11 @@ __global__ void __launch_bounds__(384, 1)
       for (int t = t_begin + 1; t < t_end; ++t, ++it) {
         const int s = stage_of(it), sp = stage_of(it - 1);
         ptx::mbar_wait(k_full(s), phase_of(it));
-        issue_s(s);
         ptx::mbar_wait(v_full(sp), phase_of(it - 1));
+        order_wait();
+        issue_s(s);
         issue_pv(sp);
+        order_signal();
         gemm::wgmma_wait<1>();  // S done, P V may run on
         gemm::fence_fragments(sacc);
         float corr[2];
@@ -291,7 +323,9 @@ __global__ void __launch_bounds__(384, 1)
       }
       const int sp = stage_of(it - 1);
       ptx::mbar_wait(v_full(sp), phase_of(it - 1));
+      order_wait();
       issue_pv(sp);
+      order_signal();
       gemm::wgmma_wait<0>();
       gemm::fence_fragments(acc);
       fence_regs(pa);

@@ -1,11 +1,11 @@
 // The sm_90a attention kernel (path wgmma, attention_fwd_sm90.cuh) on the GPU against the CPU
 // reference (fp64), each variant launched explicitly by its params (the heuristic's choice, which
 // must be wgmma, or another key tile or schedule set on it): every head-dim pair it has, f16 and
-// bf16, both key tiles, both schedules (overlap 1, the heuristic's, and the serial 0), causal and
-// not, windows, softcap, GQA 1/4/8, lq != lk, packed sequences of uneven lengths (empty ones
-// included; TMA boxes that cross a sequence's end read the next sequence's tokens), rows that see
-// no key, key counts that wrap the stage ring several times. Out and lse are poisoned before each
-// launch. Skipped on devices other than compute capability 9.0.
+// bf16, both key tiles, the three schedules (overlap, the heuristic's; serial; overlap with
+// pingpong), causal and not, windows, softcap, GQA 1/4/8, lq != lk, packed sequences of uneven
+// lengths (empty ones included; TMA boxes that cross a sequence's end read the next sequence's
+// tokens), rows that see no key, key counts that wrap the stage ring several times. Out and lse
+// are poisoned before each launch. Skipped on devices other than compute capability 9.0.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -85,16 +85,16 @@ class AttentionSm90Gpu : public testing::GpuFixture {
       GTEST_SKIP() << "the sm_90a attention kernel (path wgmma) runs on compute capability 9.0 only; this GPU is "
                    << cc_ / 10 << "." << cc_ % 10;
   }
-  void check(const Case& c, int block_n = 0, int overlap = -1);
+  void check(const Case& c, int block_n = 0, int overlap = -1, int pingpong = -1);
   int cc_ = 0, sms_ = 0;
 };
 
-// Launches the wgmma variant (block_n 0, overlap -1: the heuristic's) and the CPU reference on the
-// same inputs; compares out by relative L2 error and lse elementwise (-inf exactly where the reference
+// Launches the wgmma variant (block_n 0, overlap and pingpong -1: the heuristic's) and the CPU
+// reference on the same inputs; compares out by relative L2 error and lse elementwise (-inf exactly where the reference
 // has it).
-void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap) {
-  SCOPED_TRACE(c.what() + " block_n " + std::to_string(block_n) + " overlap " + std::to_string(overlap) + " seed " +
-               std::to_string(seed_));
+void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpong) {
+  SCOPED_TRACE(c.what() + " block_n " + std::to_string(block_n) + " overlap " + std::to_string(overlap) +
+               " pingpong " + std::to_string(pingpong) + " seed " + std::to_string(seed_));
   const Family* f = Registry::global().find("attention");
   ASSERT_NE(f, nullptr);
   std::mt19937 rng(seed_++);
@@ -128,6 +128,7 @@ void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap) {
   ASSERT_EQ(params.get_str("path").value_or(""), "wgmma") << params.canonical() << ": the heuristic's choice";
   if (block_n) params.set("block_n", std::int64_t(block_n));
   if (overlap >= 0) params.set("overlap", std::int64_t(overlap));
+  if (pingpong >= 0) params.set("pingpong", std::int64_t(pingpong));
   ASSERT_TRUE(f->validate(params).ok()) << f->validate(params).to_string();
   ASSERT_TRUE(f->check_problem(params, p).ok()) << f->check_problem(params, p).to_string();
 
@@ -193,7 +194,8 @@ TEST_F(AttentionSm90Gpu, EveryHeadDimAndDtypeCausalAndNot) {
     for (const auto& [d, dv] : families::k_attention_sm90_head_dims)
       for (bool causal : {false, true}) {
         check(padded(t, d, dv, 2, 4, 2, 197, 197, causal));
-        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 0);  // the serial schedule
+        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 0, 0);  // the serial schedule
+        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 1, 1);  // pingpong
         if (other_block_n(d, dv)) check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), other_block_n(d, dv));
       }
 }
@@ -205,7 +207,9 @@ TEST_F(AttentionSm90Gpu, QueriesAndKeysOfDifferentLengths) {
     check(padded(DType::f16, 192, 128, 1, 2, 2, 15, 64, causal));
     // Many more keys than stages: the ring wraps several times.
     check(padded(DType::bf16, 128, 128, 1, 2, 2, 300, 3000, causal));
-    check(padded(DType::bf16, 128, 128, 1, 2, 2, 300, 3000, causal), 0, 0);
+    check(padded(DType::bf16, 128, 128, 1, 2, 2, 300, 3000, causal), 0, 0, 0);
+    check(padded(DType::bf16, 128, 128, 1, 2, 2, 300, 3000, causal), 0, 1, 1);
+    check(padded(DType::f16, 64, 64, 2, 2, 1, 1000, 1000, causal), 64, 1, 1);
     check(padded(DType::f16, 256, 256, 1, 2, 2, 130, 1100, causal));
   }
   // lq > lk, causal: the first lq - lk rows see no key (zeros, lse -inf).
@@ -231,6 +235,7 @@ TEST_F(AttentionSm90Gpu, SlidingWindowsAndSoftcap) {
     check(padded(t, 64, 64, 1, 4, 4, 300, 300, false, -1, 40));
     check(padded(t, 64, 64, 1, 4, 4, 300, 300, false, 40, -1));
     check(padded(t, 64, 64, 1, 4, 4, 300, 300, false, 32, 17), 64);
+    check(padded(t, 128, 128, 2, 4, 2, 500, 500, true, 63), 0, 1, 1);
     check(padded(t, 192, 128, 1, 4, 4, 200, 333, true, 50));
     check(padded(t, 192, 192, 1, 4, 4, 200, 333, false, 70, 10));
     // Windows that leave some rows nothing: window (0, 0) with more queries than keys.
@@ -254,7 +259,9 @@ TEST_F(AttentionSm90Gpu, PackedSequencesOfUnevenLengths) {
   // Short sequences side by side: every K/V box crosses into the next sequence's tokens.
   check(packed(DType::f16, 64, 64, 4, 4, {3, 5, 7, 9, 11, 13}, {5, 3, 9, 7, 13, 11}, false));
   check(packed(DType::f16, 256, 256, 4, 2, {3, 5, 7, 9, 11, 13}, {5, 3, 9, 7, 13, 11}, true));
-  check(packed(DType::bf16, 128, 128, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, true), 0, 0);
+  check(packed(DType::bf16, 128, 128, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, true), 0, 0, 0);
+  check(packed(DType::bf16, 128, 128, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, true), 0, 1, 1);
+  check(packed(DType::f16, 256, 256, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, false, 40, 3, 20.0), 0, 1, 1);
 }
 
 }  // namespace

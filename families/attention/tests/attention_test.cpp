@@ -347,8 +347,9 @@ TEST(AttentionCpu, TheGpuPathRejectsWhatItCannotRunBeforeAnyLaunch) {
   EXPECT_EQ(f->check_problem(f->heuristic(p), p).code(), Code::invalid_argument);
   p.cc = 0;
   p.dtype = DType::f16;
-  EXPECT_EQ(f->check_problem(Params{{"path", std::string("mma")}, {"dtype", std::string("bf16")}, {"head_dim", 128},
-                                    {"head_dim_v", 128}, {"warps", 8}, {"block_n", 64}, {"overlap", 0}},
+  EXPECT_EQ(f->check_problem(Params{{"path", std::string("mma")}, {"dtype", std::string("bf16")},
+                                    {"head_dim", 128}, {"head_dim_v", 128}, {"warps", 8}, {"block_n", 64},
+                                    {"overlap", 0}, {"pingpong", 0}},
                              p)
                 .code(),
             Code::unsupported_dtype);
@@ -447,7 +448,7 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
   p.set(a);
   EXPECT_EQ(*f->heuristic(p).get_str("path"), "mma");
   Params w{{"path", std::string("wgmma")}, {"dtype", std::string("bf16")}, {"head_dim", 128},
-           {"head_dim_v", 128}, {"warps", 8}, {"block_n", 128}, {"overlap", 1}};
+           {"head_dim_v", 128}, {"warps", 8}, {"block_n", 128}, {"overlap", 1}, {"pingpong", 0}};
   EXPECT_TRUE(f->validate(w).ok());
   EXPECT_EQ(f->check_problem(w, p).code(), Code::invalid_argument);
   // Variants the wgmma kernel does not have.
@@ -455,6 +456,9 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
   EXPECT_FALSE(f->validate(Params(w).set("warps", std::int64_t(4))).ok());
   EXPECT_FALSE(f->validate(Params(w).set("block_n", std::int64_t(32))).ok());
   EXPECT_TRUE(f->validate(Params(w).set("overlap", std::int64_t(0))).ok()) << "the serial schedule";
+  EXPECT_TRUE(f->validate(Params(w).set("pingpong", std::int64_t(1))).ok());
+  EXPECT_FALSE(f->validate(Params(w).set("pingpong", std::int64_t(1)).set("overlap", std::int64_t(0))).ok())
+      << "pingpong needs overlap";
   EXPECT_FALSE(f->validate(Params(w).set("path", "mma")).ok()) << "overlap is for wgmma";
   EXPECT_FALSE(f->validate(Params(w).set("head_dim", std::int64_t(256)).set("head_dim_v", std::int64_t(256))).ok())
       << "block_n 128 at 256/256: over 227 KiB";
