@@ -27,11 +27,48 @@ std::uint32_t attention_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_
   return std::uint32_t(2 * (16 * warps * pq + 2 * block_n * (pq + pv)));
 }
 
+bool attention_sm90_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v) {
+  return std::find(k_attention_sm90_head_dims.begin(), k_attention_sm90_head_dims.end(),
+                   std::pair{head_dim, head_dim_v}) != k_attention_sm90_head_dims.end();
+}
+
+std::uint32_t attention_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v, int block_n, int stages) {
+  return std::uint32_t(1024 + 2 * (128 * head_dim + std::int64_t(stages) * block_n * (head_dim + head_dim_v)) +
+                       8 * (1 + 3 * stages));
+}
+
+int attention_sm90_block_n(std::int64_t head_dim, std::int64_t head_dim_v) {
+  return attention_sm90_smem_bytes(head_dim, head_dim_v, 128, 2) <= 227 * 1024 ? 128 : 64;
+}
+
+int attention_sm90_stages(std::int64_t head_dim, std::int64_t head_dim_v, int block_n) {
+  int stages = 4;
+  while (stages > 2 && attention_sm90_smem_bytes(head_dim, head_dim_v, block_n, stages) > 227 * 1024) --stages;
+  return stages;
+}
+
 namespace {
 
 constexpr std::int64_t k_sm80_smem = 163 * 1024, k_sm90_smem = 227 * 1024;
 
 std::int64_t max_smem(std::int64_t cc) { return cc == 0 || cc >= 90 ? k_sm90_smem : k_sm80_smem; }
+
+// The sm_90a kernel (path "wgmma"); Params without a path (older specs) are the sm_80 kernel's.
+bool is_wgmma(const Params& params) { return params.get_str("path").value_or("mma") == "wgmma"; }
+
+// The shared memory a variant asks for.
+std::uint32_t variant_smem(const Params& params) {
+  const auto d = *params.get_int("head_dim"), dv = *params.get_int("head_dim_v");
+  const int bn = int(*params.get_int("block_n"));
+  if (is_wgmma(params)) return attention_sm90_smem_bytes(d, dv, bn, attention_sm90_stages(d, dv, bn));
+  return attention_smem_bytes(d, dv, int(*params.get_int("warps")), bn);
+}
+
+// Whether the sm_90a kernel is the one to run: a device of compute capability 9.0, a head-dim pair
+// it has, and at least one query and one key token (its tensor maps need a row).
+bool wgmma_fits(const AttentionProblem& a, std::int64_t cc) {
+  return cc == 90 && attention_sm90_head_dims_supported(a.head_dim, a.head_dim_v) && a.total_q > 0 && a.total_k > 0;
+}
 
 // The first token and the length of sequence b's queries and keys.
 struct Seq {
@@ -121,15 +158,21 @@ Status check_shape(const AttentionProblem& a) {
 class Attention final : public Family {
  public:
   std::string_view name() const override { return "attention"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
+        {"path", {}, {"mma", "wgmma"},
+         "mma: mma.sync, cp.async (sm_80 and later); wgmma: warp-specialized wgmma, TMA (sm_90a)"},
         {"block_n", {32, 64, 128}, {}, "keys per K/V tile"},
         {"dtype", {}, {"f16", "bf16"}, "element type of q, k, v and out"},
         {"head_dim", {64, 80, 96, 128, 192, 256}, {}, "elements per head of q and k"},
         {"head_dim_v", {64, 80, 96, 128, 192, 256}, {}, "elements per head of v and out"},
         {"warps", {4, 8}, {}, "warps per block, 16 query rows each"},
+        {"overlap", {0, 1}, {},
+         "wgmma: 1 runs each tile's softmax while the previous tile's P V is in flight; mma: 0"},
+        {"pingpong", {0, 1}, {},
+         "wgmma with overlap 1: 1 has the two consumer warpgroups issue their GEMMs in turn; mma: 0"},
     };
     return defs;
   }
@@ -159,20 +202,41 @@ class Attention final : public Family {
     if (!attention_head_dims_supported(d, dv))
       return invalid_argument("attention: no kernel for head_dim " + std::to_string(d) + " with head_dim_v " +
                               std::to_string(dv));
-    if (attention_smem_bytes(d, dv, int(*params.get_int("warps")), int(*params.get_int("block_n"))) > k_sm90_smem)
+    if (is_wgmma(params)) {
+      if (!attention_sm90_head_dims_supported(d, dv))
+        return invalid_argument("attention: no wgmma kernel for head_dim " + std::to_string(d) + " with head_dim_v " +
+                                std::to_string(dv));
+      if (*params.get_int("warps") != 8 || *params.get_int("block_n") < 64)
+        return invalid_argument("attention: the wgmma kernel takes warps 8 and block_n 64 or 128");
+      if (*params.get_int("pingpong") && !*params.get_int("overlap"))
+        return invalid_argument("attention: pingpong orders the overlapped schedule (overlap 1)");
+    } else if (*params.get_int("overlap") != 0 || *params.get_int("pingpong") != 0) {
+      return invalid_argument("attention: overlap and pingpong are for the wgmma kernel");
+    }
+    if (variant_smem(params) > k_sm90_smem)
       return invalid_argument("attention: the variant needs more than 227 KiB of shared memory");
     return {};
   }
 
   bool runs_on(const Params& params, const GpuArch& arch) const override {
-    return attention_smem_bytes(*params.get_int("head_dim"), *params.get_int("head_dim_v"),
-                                int(*params.get_int("warps")), int(*params.get_int("block_n"))) <=
-           max_smem(arch.capability);
+    if (is_wgmma(params) && !(arch.capability == 90 && arch.suffix == 'a')) return false;
+    return variant_smem(params) <= max_smem(arch.capability);
   }
 
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
     Rendered r;
+    if (is_wgmma(params)) {
+      const auto d = *params.get_int("head_dim"), dv = *params.get_int("head_dim_v");
+      const int bn = int(*params.get_int("block_n"));
+      r.source = "#include \"attention/attention_fwd_sm90.cuh\"\n";
+      r.name_expression = std::string("kiln::attention::attention_fwd_sm90<") + device_type(*params.get_str("dtype")) +
+                          ", " + std::to_string(d) + ", " + std::to_string(dv) + ", " + std::to_string(bn) + ", " +
+                          std::to_string(attention_sm90_stages(d, dv, bn)) + ", " +
+                          (*params.get_int("overlap") ? "true" : "false") + ", " +
+                          (*params.get_int("pingpong") ? "true" : "false") + ">";
+      return r;
+    }
     r.source = "#include \"attention/attention_fwd.cuh\"\n";
     r.name_expression = std::string("kiln::attention::attention_fwd<") + device_type(*params.get_str("dtype")) + ", " +
                         std::to_string(*params.get_int("head_dim")) + ", " +
@@ -182,11 +246,14 @@ class Attention final : public Family {
     return r;
   }
 
-  // The heuristic's variant for every dtype and head-dim pair.
+  // The heuristic's variants for every dtype and head-dim pair: the sm_80 kernel's, then the
+  // sm_90a kernel's where it has the pair.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f16", "bf16"})
       for (const auto& [d, dv] : k_attention_head_dims) out.push_back(make(dtype, d, dv, attention_tile(d, dv)));
+    for (const char* dtype : {"f16", "bf16"})
+      for (const auto& [d, dv] : k_attention_sm90_head_dims) out.push_back(make_sm90(dtype, d, dv));
     return out;
   }
 
@@ -203,8 +270,13 @@ class Attention final : public Family {
                               std::to_string(a.head_dim) + "/" + std::to_string(a.head_dim_v));
     if (p.alignment < 16) return invalid_argument("attention: q, k, v and out must be 16-byte aligned");
     if (p.cc && p.cc < 80) return invalid_argument("attention: the kernels need compute capability 8.0 or later");
-    const auto smem = attention_smem_bytes(a.head_dim, a.head_dim_v, int(*params.get_int("warps")),
-                                           int(*params.get_int("block_n")));
+    if (is_wgmma(params)) {
+      if (p.cc && p.cc != 90)
+        return invalid_argument("attention: the wgmma kernel needs compute capability 9.0 (sm_90a)");
+      if (a.total_q <= 0 || a.total_k <= 0)
+        return invalid_argument("attention: the wgmma kernel needs at least one query and one key token");
+    }
+    const auto smem = variant_smem(params);
     if (smem > max_smem(p.cc))
       return invalid_argument("attention: the variant needs " + std::to_string(smem) +
                               " bytes of shared memory, more than the device grants a block");
@@ -222,9 +294,9 @@ class Attention final : public Family {
     g.grid.x = std::uint32_t(std::max<std::int64_t>((a.seqlen_q + bm - 1) / bm, 1));
     g.grid.y = std::uint32_t(std::max<std::int64_t>(a.heads, 1));
     g.grid.z = std::uint32_t(std::max<std::int64_t>(a.batch, 1));
-    g.block.x = std::uint32_t(32 * *params.get_int("warps"));
-    g.shared_bytes = attention_smem_bytes(a.head_dim, a.head_dim_v, int(*params.get_int("warps")),
-                                          int(*params.get_int("block_n")));
+    // wgmma: the consumer warps and a producer warpgroup.
+    g.block.x = std::uint32_t(32 * *params.get_int("warps") + (is_wgmma(params) ? 128 : 0));
+    g.shared_bytes = variant_smem(params);
     return g;
   }
 
@@ -232,6 +304,7 @@ class Attention final : public Family {
     const auto a = p.as<AttentionProblem>();
     const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
     if (!attention_head_dims_supported(a.head_dim, a.head_dim_v)) return make(dtype, 128, 128, {8, 64});
+    if (wgmma_fits(a, p.cc)) return make_sm90(dtype, a.head_dim, a.head_dim_v);
     return make(dtype, a.head_dim, a.head_dim_v, attention_tile(a.head_dim, a.head_dim_v));
   }
 
@@ -240,6 +313,14 @@ class Attention final : public Family {
     std::vector<Params> out;
     if (!attention_head_dims_supported(a.head_dim, a.head_dim_v)) return {heuristic(p)};
     const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
+    if (wgmma_fits(a, p.cc))
+      for (int sched : {1, 2, 0})  // overlap; overlap and pingpong; serial
+        for (int bn : {128, 64}) {
+          Params c = make_sm90(dtype, a.head_dim, a.head_dim_v);
+          c.set("block_n", std::int64_t(bn)).set("overlap", std::int64_t(sched > 0));
+          c.set("pingpong", std::int64_t(sched == 2));
+          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+        }
     for (int warps : {4, 8})
       for (int bn : {32, 64, 128}) {
         // The output accumulator and a tile of scores share a thread's registers.
@@ -324,7 +405,9 @@ class Attention final : public Family {
             {"lse", BufferRole::output, DType::f32, a.total_q * a.heads}};
   }
 
-  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+  // wgmma: then tensor maps of q, k and v (tokens x heads * head_dim * 2 bytes; boxes of 128 query
+  // rows and of block_n keys).
+  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto a = p.as<AttentionProblem>();
     for (std::size_t i = 0; i < 7; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
     out.add(int(a.seqlen_q));
@@ -338,6 +421,13 @@ class Attention final : public Family {
     out.add(int(a.causal));  // reverse: causal blocks with the most keys first
     out.add(float(a.scale));
     out.add(float(a.softcap));
+    if (!is_wgmma(params)) return;
+    const auto bn = std::uint32_t(*params.get_int("block_n"));
+    const auto rows = [](std::int64_t n) { return std::uint64_t(std::max<std::int64_t>(n, 1)); };
+    auto at = [&](std::size_t i) { return i < b.size() ? static_cast<const void*>(b[i]) : nullptr; };
+    out.add_tensor_map({at(0), std::uint64_t(a.heads * a.head_dim * 2), rows(a.total_q), 128, 0});
+    out.add_tensor_map({at(1), std::uint64_t(a.kv_heads * a.head_dim * 2), rows(a.total_k), bn, 0});
+    out.add_tensor_map({at(2), std::uint64_t(a.kv_heads * a.head_dim_v * 2), rows(a.total_k), bn, 0});
   }
 
   // Buffers as buffers() lists them; lse may be null, cu_seqlens only read when varlen.
@@ -372,8 +462,14 @@ class Attention final : public Family {
 
  private:
   static Params make(const std::string& dtype, std::int64_t d, std::int64_t dv, AttentionTile t) {
-    return Params{{"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv}, {"warps", std::int64_t(t.warps)},
-                  {"block_n", std::int64_t(t.block_n)}};
+    return Params{{"path", std::string("mma")}, {"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv},
+                  {"warps", std::int64_t(t.warps)}, {"block_n", std::int64_t(t.block_n)}, {"overlap", std::int64_t(0)},
+                  {"pingpong", std::int64_t(0)}};
+  }
+  static Params make_sm90(const std::string& dtype, std::int64_t d, std::int64_t dv) {
+    return Params{{"path", std::string("wgmma")}, {"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv},
+                  {"warps", std::int64_t(8)}, {"block_n", std::int64_t(attention_sm90_block_n(d, dv))},
+                  {"overlap", std::int64_t(1)}, {"pingpong", std::int64_t(0)}};
   }
 };
 

@@ -1,13 +1,23 @@
-// Attention forward (bf16): first a small causal GQA problem and a packed one against the CPU
-// reference (outputs poisoned, so an unwritten element fails), then B4 H32 S4096 D128, B2 H16
-// S8192 D128, B4 H32 S4096 D64 and B2 H16 S4096 D256, full and causal, timed with CUDA events after
-// warm-up. TFLOP/s = 4 B H S^2 D / time (QK^T and PV), half that for causal.
+// Attention forward (bf16): first small GQA problems (head dims 64, 128, 256; full and causal)
+// against the CPU reference (outputs poisoned, so an unwritten element fails), then B4 H32 S4096
+// D128, B2 H16 S8192 D128, B4 H32 S4096 D64 and B2 H16 S4096 D256, full and causal, timed with CUDA
+// events after warm-up. TFLOP/s = 4 B H S^2 D / time (QK^T and PV), half that for causal. Each row
+// names the variant that ran (the heuristic's on this device: path wgmma is the sm_90a kernel,
+// mma the sm_80 one). With KILN_BENCH_ATTENTION_VARIANTS=1 (after the rest) or =only (alone),
+// every variant of the tuning space at the same shapes, launched by its params: the key tiles and
+// schedules (overlap, pingpong) of the sm_90a kernel beside the sm_80 kernel's tiles, the data
+// behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "bench/gpu_harness.h"
+#include "families/attention/attention.h"
 #include "families/attention/ops.h"
+#include "jit/device_info.h"
 
 namespace kiln::bench {
 namespace {
@@ -20,8 +30,8 @@ TensorView host(std::vector<unsigned char>& b, DType t, std::initializer_list<st
 }
 
 // GPU against the CPU reference at a small shape; the relative L2 error of out.
-double check_padded(Context& ctx, bool causal) {
-  const std::int64_t b = 2, s = 300, h = 8, hk = 2, d = 128, n = b * s * h * d, nk = b * s * hk * d;
+double check_padded(Context& ctx, bool causal, std::int64_t d) {
+  const std::int64_t b = 2, s = 300, h = 8, hk = 2, n = b * s * h * d, nk = b * s * hk * d;
   const DType t = DType::bf16;
   auto hq = random_values(t, n, ctx.rng), hk_ = random_values(t, nk, ctx.rng), hv = random_values(t, nk, ctx.rng);
   DeviceBuffer q(n * 2), k(nk * 2), v(nk * 2), o(n * 2);
@@ -43,23 +53,106 @@ double check_padded(Context& ctx, bool causal) {
   return rel_l2(got.data(), want.data(), t, n);
 }
 
+// The variant the runtime runs for a padded problem on this device (no tuned entries in the
+// bench's private cache: the heuristic's).
+std::string variant(std::int64_t b, std::int64_t h, std::int64_t hk, std::int64_t s, std::int64_t d, bool causal) {
+  const Family* f = Registry::global().find("attention");
+  families::AttentionProblem a;
+  a.batch = b;
+  a.seqlen_q = a.seqlen_k = s;
+  a.total_q = a.total_k = b * s;
+  a.heads = h;
+  a.kv_heads = hk;
+  a.head_dim = a.head_dim_v = d;
+  a.causal = causal;
+  a.window_right = causal ? 0 : -1;
+  a.scale = 1.0 / std::sqrt(double(d));
+  Problem p = Problem::of(DType::bf16, 16, a);
+  jit::set_device(p, *jit::device_info(0).value());
+  return f ? f->heuristic(p).canonical() : std::string("?");
+}
+
+// Every tuning-space variant at the benchmark shapes (see the header).
+int variants(Context& ctx, nlohmann::json& rows) {
+  const Family& f = *Registry::global().find("attention");
+  struct Shape {
+    std::int64_t b, h, s, d;
+  };
+  const std::vector<Shape> shapes = {{4, 32, 4096, 128}, {2, 16, 8192, 128}, {4, 32, 4096, 64}, {2, 16, 4096, 256}};
+  std::printf("\nattention variants (bf16)\n%3s %4s %6s %5s %7s %10s %9s  %s\n", "B", "H", "S", "D", "causal",
+              "median_us", "TFLOP/s", "variant");
+  const DType t = DType::bf16;
+  for (const auto& [b, h, s, d] : shapes) {
+    const std::int64_t n = b * s * h * d;
+    auto base = random_values(t, std::min<std::int64_t>(n, std::int64_t(1) << 22), ctx.rng);
+    std::vector<unsigned char> hx(std::size_t(n) * 2);
+    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2), cu(4);
+    q.upload(hx.data());
+    k.upload(hx.data());
+    v.upload(hx.data());
+    for (bool causal : {false, true}) {
+      families::AttentionProblem a;
+      a.batch = b;
+      a.seqlen_q = a.seqlen_k = s;
+      a.total_q = a.total_k = b * s;
+      a.heads = a.kv_heads = h;
+      a.head_dim = a.head_dim_v = d;
+      a.causal = causal;
+      a.window_right = causal ? 0 : -1;
+      a.scale = 1.0 / std::sqrt(double(d));
+      Problem p = Problem::of(t, 16, a);
+      jit::set_device(p, *jit::device_info(0).value());
+      const Params heuristic = f.heuristic(p);
+      void* ptrs[7] = {q.get(), k.get(), v.get(), cu.get(), cu.get(), o.get(), nullptr};
+      for (const Params& var : f.tuning_space(p)) {
+        auto kern = ctx.runtime->kernel(KernelSpec{"attention", var});
+        check(kern.status(), "kernel");
+        auto call = [&](int) { check(ctx.runtime->launch(**kern, p, ptrs, nullptr), "launch"); };
+        call(0);
+        check(ctx.driver->ctx_synchronize(), "sync");
+        const double ms = time_events(call, 3, ctx.quick ? 10 : 20);
+        const double flops = 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
+        const double tflops = flops / (ms * 1e-3) / 1e12;
+        std::printf("%3lld %4lld %6lld %5lld %7s %10.1f %9.1f  %s%s\n", (long long)b, (long long)h, (long long)s,
+                    (long long)d, causal ? "yes" : "no", ms * 1e3, tflops, var.canonical().c_str(),
+                    var == heuristic ? "  (heuristic)" : "");
+        rows.push_back({{"kind", "variant"}, {"batch", b}, {"heads", h}, {"seq", s}, {"head_dim", d},
+                        {"causal", causal}, {"median_us", ms * 1e3}, {"tflops", tflops}, {"variant", var.canonical()},
+                        {"heuristic", var == heuristic}});
+      }
+    }
+  }
+  return 0;
+}
+
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
-  for (bool causal : {false, true}) {
-    const double err = check_padded(ctx, causal);
-    if (!(err < 1e-2)) {
-      std::printf("attention %s: FAILED against the CPU reference (rel err %.3g)\n", causal ? "causal" : "full", err);
-      return 1;
-    }
-    std::printf("attention check (B2 S300 H8/2 D128 bf16 %s): rel err %.2e\n", causal ? "causal" : "full", err);
+  const char* only_variants = std::getenv("KILN_BENCH_ATTENTION_VARIANTS");
+  if (only_variants && std::string(only_variants) == "only") {
+    const int rc = variants(ctx, rows);
+    (*ctx.out)["attention"] = rows;
+    return rc;
   }
+  for (std::int64_t d : {64, 128, 256})
+    for (bool causal : {false, true}) {
+      const double err = check_padded(ctx, causal, d);
+      const std::string v = variant(2, 8, 2, 300, d, causal);
+      if (!(err < 1e-2)) {
+        std::printf("attention D%lld %s (%s): FAILED against the CPU reference (rel err %.3g)\n", (long long)d,
+                    causal ? "causal" : "full", v.c_str(), err);
+        return 1;
+      }
+      std::printf("attention check (B2 S300 H8/2 D%lld bf16 %s, %s): rel err %.2e\n", (long long)d,
+                  causal ? "causal" : "full", v.c_str(), err);
+    }
   struct Shape {
     std::int64_t b, h, s, d;
   };
   std::vector<Shape> shapes = {{4, 32, 4096, 128}, {2, 16, 8192, 128}, {4, 32, 4096, 64}, {2, 16, 4096, 256}};
   if (ctx.quick) shapes = {{4, 32, 4096, 128}, {2, 16, 4096, 256}};
-  std::printf("\nattention forward (bf16)\n%3s %4s %6s %5s %7s %10s %9s\n", "B", "H", "S", "D", "causal", "median_us",
-              "TFLOP/s");
+  std::printf("\nattention forward (bf16)\n%3s %4s %6s %5s %7s %10s %9s  %s\n", "B", "H", "S", "D", "causal",
+              "median_us", "TFLOP/s", "variant");
   const DType t = DType::bf16;
   for (const auto& [b, h, s, d] : shapes) {
     const std::int64_t n = b * s * h * d;
@@ -83,14 +176,17 @@ int run(Context& ctx) {
       const double ms = time_events(call, 5, ctx.quick ? 10 : 30);
       const double flops = 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
       const double tflops = flops / (ms * 1e-3) / 1e12;
-      std::printf("%3lld %4lld %6lld %5lld %7s %10.1f %9.1f\n", (long long)b, (long long)h, (long long)s, (long long)d,
-                  causal ? "yes" : "no", ms * 1e3, tflops);
+      const std::string v = variant(b, h, h, s, d, causal);
+      std::printf("%3lld %4lld %6lld %5lld %7s %10.1f %9.1f  %s\n", (long long)b, (long long)h, (long long)s,
+                  (long long)d, causal ? "yes" : "no", ms * 1e3, tflops, v.c_str());
       rows.push_back({{"batch", b}, {"heads", h}, {"seq", s}, {"head_dim", d}, {"causal", causal},
-                      {"median_us", ms * 1e3}, {"tflops", tflops}});
+                      {"median_us", ms * 1e3}, {"tflops", tflops}, {"variant", v}});
     }
   }
+  int rc = 0;
+  if (only_variants && std::string(only_variants) == "1") rc = variants(ctx, rows);
   (*ctx.out)["attention"] = rows;
-  return 0;
+  return rc;
 }
 
 Register reg("attention", run);

@@ -347,8 +347,9 @@ TEST(AttentionCpu, TheGpuPathRejectsWhatItCannotRunBeforeAnyLaunch) {
   EXPECT_EQ(f->check_problem(f->heuristic(p), p).code(), Code::invalid_argument);
   p.cc = 0;
   p.dtype = DType::f16;
-  EXPECT_EQ(f->check_problem(Params{{"dtype", std::string("bf16")}, {"head_dim", 128}, {"head_dim_v", 128},
-                                    {"warps", 8}, {"block_n", 64}},
+  EXPECT_EQ(f->check_problem(Params{{"path", std::string("mma")}, {"dtype", std::string("bf16")},
+                                    {"head_dim", 128}, {"head_dim_v", 128}, {"warps", 8}, {"block_n", 64},
+                                    {"overlap", 0}, {"pingpong", 0}},
                              p)
                 .code(),
             Code::unsupported_dtype);
@@ -358,7 +359,7 @@ TEST(AttentionCpu, HeuristicAndCatalogCoverEveryHeadDimPair) {
   const Family* f = Registry::global().find("attention");
   ASSERT_NE(f, nullptr);
   const auto catalog = f->catalog();
-  EXPECT_EQ(catalog.size(), 2 * families::k_attention_head_dims.size());
+  EXPECT_EQ(catalog.size(), 2 * (families::k_attention_head_dims.size() + families::k_attention_sm90_head_dims.size()));
   for (DType t : {DType::f16, DType::bf16})
     for (const auto& [d, dv] : families::k_attention_head_dims) {
       families::AttentionProblem a;
@@ -380,6 +381,87 @@ TEST(AttentionCpu, HeuristicAndCatalogCoverEveryHeadDimPair) {
       EXPECT_EQ(g.grid.y, 8u);
       EXPECT_EQ(g.grid.x * 16 * *v.get_int("warps") >= 1000, true);
     }
+}
+
+// The sm_90a kernel (path wgmma): the heuristic's choice on compute capability 9.0 for the
+// head-dim pairs it has, in the catalog, compiled for sm_90a only; the sm_80 kernel everywhere
+// else (other devices, an unknown one, other head dims, no key or query tokens).
+TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
+  const Family* f = Registry::global().find("attention");
+  ASSERT_NE(f, nullptr);
+  const auto catalog = f->catalog();
+  auto problem = [](DType t, std::int64_t d, std::int64_t dv, std::int64_t cc) {
+    families::AttentionProblem a;
+    a.batch = 2;
+    a.seqlen_q = a.seqlen_k = 1000;
+    a.total_q = a.total_k = 2000;
+    a.heads = 8;
+    a.kv_heads = 2;
+    a.head_dim = d;
+    a.head_dim_v = dv;
+    a.scale = 1;
+    Problem p = Problem::of(t, 16, a);
+    p.cc = std::uint8_t(cc);
+    return p;
+  };
+  for (DType t : {DType::f16, DType::bf16})
+    for (const auto& [d, dv] : families::k_attention_head_dims) {
+      const bool sm90 = families::attention_sm90_head_dims_supported(d, dv);
+      const Problem p = problem(t, d, dv, 90);
+      const Params v = f->heuristic(p);
+      EXPECT_EQ(*v.get_str("path"), sm90 ? "wgmma" : "mma") << d << "/" << dv;
+      EXPECT_TRUE(f->validate(v).ok()) << v.canonical();
+      EXPECT_TRUE(f->check_problem(v, p).ok()) << v.canonical();
+      EXPECT_NE(std::find(catalog.begin(), catalog.end(), v), catalog.end()) << v.canonical() << " not in the catalog";
+      EXPECT_TRUE(f->runs_on(v, GpuArch{90, 'a'})) << v.canonical();
+      EXPECT_EQ(f->runs_on(v, GpuArch{80}), !sm90) << v.canonical();
+      EXPECT_EQ(f->runs_on(v, GpuArch{90}), !sm90) << v.canonical() << ": wgmma needs the 'a' features";
+      const LaunchGeometry g = f->geometry(v, p);
+      EXPECT_EQ(g.block.x, sm90 ? 384u : 256u);
+      EXPECT_EQ(g.grid.x, 8u);  // 128 query rows a block either way
+      EXPECT_LE(g.shared_bytes, 227u * 1024);
+      // Tensor maps of q, k and v for the wgmma kernel only.
+      ArgPack args;
+      std::vector<void*> bufs(7, reinterpret_cast<void*>(std::uintptr_t(256)));
+      f->pack_args(v, p, bufs, args);
+      EXPECT_FALSE(args.overflow()) << v.canonical();
+      EXPECT_EQ(args.tensor_maps(), sm90 ? 3u : 0u) << v.canonical();
+      if (sm90) {
+        EXPECT_EQ(args.tensor_map_request(1).row_bytes, std::uint64_t(2 * 2 * d));
+        EXPECT_EQ(args.tensor_map_request(2).box_rows, std::uint32_t(*v.get_int("block_n")));
+        // The sm_80 kernel's choice elsewhere: other devices, an unknown one.
+        for (std::int64_t cc : {0, 80, 86, 89, 100}) {
+          const Problem q = problem(t, d, dv, cc);
+          EXPECT_EQ(*f->heuristic(q).get_str("path"), "mma") << cc;
+          EXPECT_EQ(f->check_problem(v, q).ok(), cc == 0) << cc;
+        }
+        // The tuning space on sm_90 holds the wgmma tile and the sm_80 kernel's.
+        bool wgmma = false, mma = false;
+        for (const Params& c : f->tuning_space(p)) (*c.get_str("path") == "wgmma" ? wgmma : mma) = true;
+        EXPECT_TRUE(wgmma && mma) << d << "/" << dv;
+      }
+    }
+  // No key tokens: the tensor maps need a row, so the sm_80 kernel runs it.
+  Problem p = problem(DType::bf16, 128, 128, 90);
+  auto a = p.as<families::AttentionProblem>();
+  a.total_k = a.seqlen_k = 0;
+  p.set(a);
+  EXPECT_EQ(*f->heuristic(p).get_str("path"), "mma");
+  Params w{{"path", std::string("wgmma")}, {"dtype", std::string("bf16")}, {"head_dim", 128},
+           {"head_dim_v", 128}, {"warps", 8}, {"block_n", 128}, {"overlap", 1}, {"pingpong", 0}};
+  EXPECT_TRUE(f->validate(w).ok());
+  EXPECT_EQ(f->check_problem(w, p).code(), Code::invalid_argument);
+  // Variants the wgmma kernel does not have.
+  EXPECT_FALSE(f->validate(Params(w).set("head_dim", std::int64_t(96)).set("head_dim_v", std::int64_t(96))).ok());
+  EXPECT_FALSE(f->validate(Params(w).set("warps", std::int64_t(4))).ok());
+  EXPECT_FALSE(f->validate(Params(w).set("block_n", std::int64_t(32))).ok());
+  EXPECT_TRUE(f->validate(Params(w).set("overlap", std::int64_t(0))).ok()) << "the serial schedule";
+  EXPECT_TRUE(f->validate(Params(w).set("pingpong", std::int64_t(1))).ok());
+  EXPECT_FALSE(f->validate(Params(w).set("pingpong", std::int64_t(1)).set("overlap", std::int64_t(0))).ok())
+      << "pingpong needs overlap";
+  EXPECT_FALSE(f->validate(Params(w).set("path", "mma")).ok()) << "overlap is for wgmma";
+  EXPECT_FALSE(f->validate(Params(w).set("head_dim", std::int64_t(256)).set("head_dim_v", std::int64_t(256))).ok())
+      << "block_n 128 at 256/256: over 227 KiB";
 }
 
 TEST(AttentionCpu, DeclaresPaddedAndPackedOps) {
