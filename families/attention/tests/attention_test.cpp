@@ -427,6 +427,9 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
       EXPECT_FALSE(args.overflow()) << v.canonical();
       EXPECT_EQ(args.tensor_maps(), sm90 ? 3u : 0u) << v.canonical();
       if (sm90) {
+        // The schedule: pingpong at 64/64, serial at 256/256, overlap alone at the others.
+        EXPECT_EQ(*v.get_int("pingpong"), d == 64 ? 1 : 0) << v.canonical();
+        EXPECT_EQ(*v.get_int("overlap"), d == 256 ? 0 : 1) << v.canonical();
         EXPECT_EQ(args.tensor_map_request(1).row_bytes, std::uint64_t(2 * 2 * d));
         EXPECT_EQ(args.tensor_map_request(2).box_rows, std::uint32_t(*v.get_int("block_n")));
         // The sm_80 kernel's choice elsewhere: other devices, an unknown one.
