@@ -1252,3 +1252,93 @@ def _register_declared():
 
 DECLARED = _register_declared()
 """The ops registered here from their declarations (kiln::<name>), e.g. layer_norm and its backward."""
+
+
+class FlashInferAttention(torch.nn.Module):
+    """Prefill attention with FlashInfer's plan/run split, on kiln's attention kernels.
+
+    plan(cu_seqlens_q, cu_seqlens_k=None) takes a batch of packed sequences (int32 offsets [batch +
+    1]; keys default to the queries' offsets) and reads their lengths to the host once: one device
+    sync per batch, where calling flash_attn_varlen_func without known maximum lengths would need
+    one per layer. forward(q, k, v) then launches without touching the host, so every layer of a
+    batch reuses the plan and the call can be captured in a CUDA graph. Without a plan (or after
+    reset()), forward takes padded [batch, seq, heads, head_dim] tensors.
+
+    forward(q, k, v, return_lse=False): packed q [total_q, num_heads, head_dim], k and v [total_k,
+    num_kv_heads, head_dim(_v)]; returns out [total_q, num_heads, head_dim_v], and with return_lse
+    also lse f32 ([num_heads, total_q] packed, [batch, num_heads, seq_q] padded). causal and
+    window_size are aligned to the end of each sequence's keys, as flash_attn_varlen_func aligns
+    them. Forward only: inputs that require grad raise AttentionBackwardNotBuiltError.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: Optional[int] = None, causal: bool = True,
+                 window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                 softmax_scale: Optional[float] = None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise InvalidArgumentError(f"FlashInferAttention: num_heads ({num_heads}) must be a positive multiple of "
+                                       f"num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads = int(num_heads), int(num_kv_heads)
+        self.causal, self.window_size = bool(causal), (int(window_size[0]), int(window_size[1]))
+        self.softcap, self.softmax_scale = float(softcap), softmax_scale
+        self._plan = None
+
+    @staticmethod
+    def _offsets(name, cu):
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
+            raise InvalidArgumentError(f"FlashInferAttention.plan: {name} must be an int32 tensor [batch + 1]")
+        host = cu.cpu()
+        lengths = host[1:] - host[:-1]
+        if int(host[0]) != 0 or bool((lengths < 0).any()):
+            raise InvalidArgumentError(f"FlashInferAttention.plan: {name} must start at 0 and never decrease")
+        return cu.contiguous(), int(lengths.max()), int(host[-1])
+
+    def plan(self, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor] = None):
+        """Fixes the batch's packed sequences for the following forward calls; returns self."""
+        cu_q, max_q, total_q = self._offsets("cu_seqlens_q", cu_seqlens_q)
+        if cu_seqlens_k is None:
+            cu_k, max_k, total_k = cu_q, max_q, total_q
+        else:
+            cu_k, max_k, total_k = self._offsets("cu_seqlens_k", cu_seqlens_k)
+            if cu_k.numel() != cu_q.numel():
+                raise InvalidArgumentError("FlashInferAttention.plan: cu_seqlens_q and cu_seqlens_k hold different "
+                                           "batch sizes")
+        self._plan = (cu_q, cu_k, max_q, max_k, total_q, total_k)
+        return self
+
+    def reset(self):
+        """Drops the plan: forward takes padded tensors again."""
+        self._plan = None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, return_lse: bool = False):
+        rows = 1 if self._plan is not None else 2
+        if q.dim() != rows + 2 or k.dim() != rows + 2 or v.dim() != rows + 2:
+            layout = "packed [tokens, heads, head_dim] (a plan is set)" if rows == 1 else \
+                "padded [batch, seq, heads, head_dim] (no plan is set)"
+            raise ShapeMismatchError(f"FlashInferAttention: q, k and v must be {layout}")
+        if q.shape[-2] != self.num_heads or k.shape[-2] != self.num_kv_heads or v.shape[-2] != self.num_kv_heads:
+            raise ShapeMismatchError(f"FlashInferAttention: expected {self.num_heads} query heads and "
+                                     f"{self.num_kv_heads} key/value heads, got {q.shape[-2]}, {k.shape[-2]} and "
+                                     f"{v.shape[-2]}")
+        common = dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
+                      softcap=self.softcap, return_attn_probs=True)
+        if self._plan is None:
+            out, lse = flash_attn_func(q, k, v, **common)
+        else:
+            cu_q, cu_k, max_q, max_k, total_q, total_k = self._plan
+            if q.shape[0] != total_q or k.shape[0] != total_k or v.shape[0] != total_k:
+                raise ShapeMismatchError(f"FlashInferAttention: the plan holds {total_q} query and {total_k} key "
+                                         f"tokens; q has {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+            if cu_q.device != q.device:
+                cu_q, cu_k = cu_q.to(q.device), cu_k.to(q.device)
+                self._plan = (cu_q, cu_k, max_q, max_k, total_q, total_k)
+            out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **common)
+        return (out, lse) if return_lse else out
+
+    def extra_repr(self):
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, causal={self.causal}, "
+                f"window_size={self.window_size}, softcap={self.softcap}")
+
+
+__all__.append("FlashInferAttention")
