@@ -196,6 +196,8 @@ const KVCacheManager::Request* KVCacheManager::find(RequestId r) const {
 
 std::int32_t KVCacheManager::blocks_needed_to_grow(const Request& r, std::int64_t n) const {
   if (n <= 0) return 0;
+  // More tokens than any pool holds (num_blocks * page_size < 2^40): never, without overflow.
+  if (n > (std::int64_t(1) << 40)) return std::int32_t(1) << 30;
   const std::int64_t page = config_.page_size;
   const std::int64_t room = r.blocks.size() * page - r.num_tokens;
   std::int64_t needed = n > room ? (n - room + page - 1) / page : 0;

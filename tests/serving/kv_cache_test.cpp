@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <numeric>
 #include <thread>
 
@@ -216,6 +217,7 @@ TEST(KVCacheManager, CanAllocateNowLaterNever) {
   EXPECT_EQ(m.blocks_short(1, 29), 1);
   EXPECT_EQ(m.can_allocate(2, 17), Admission::later);   // a new request of 2 blocks
   EXPECT_EQ(m.can_allocate(2, 16 * 9), Admission::never);
+  EXPECT_EQ(m.can_allocate(1, std::numeric_limits<std::int64_t>::max()), Admission::never);
   EXPECT_EQ(m.can_allocate(iota_tokens(16)), Admission::now);
   EXPECT_EQ(m.can_allocate(iota_tokens(17)), Admission::later);
   EXPECT_EQ(m.can_allocate(iota_tokens(16 * 8 + 1)), Admission::never);
