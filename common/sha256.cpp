@@ -1,6 +1,13 @@
 #include "common/sha256.h"
 
+#include <atomic>
 #include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#define KILN_SHA256_NI 1
+#endif
 
 namespace kiln {
 namespace {
@@ -17,12 +24,78 @@ constexpr std::uint32_t k_round[64] = {
 
 inline std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
 
+#ifdef KILN_SHA256_NI
+// The SHA extensions (SHA-NI) with the SSSE3 and SSE4.1 shuffles they need.
+bool cpu_has_sha_ni() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const bool ssse3 = c & (1u << 9), sse41 = c & (1u << 19);
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return ssse3 && sse41 && (b & (1u << 29));
+}
+
+// One 64-byte block with the SHA extensions. The state is kept as the two halves the round
+// instruction takes: state0 = (A, B, E, F) and state1 = (C, D, G, H), from the high lane down.
+__attribute__((target("sha,sse4.1,ssse3"))) void block_sha_ni(std::uint32_t* h, const std::uint8_t* p) {
+  const __m128i be = _mm_set_epi64x(0x0c0d0e0f08090a0bll, 0x0405060700010203ll);
+  __m128i abcd = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)), 0xB1);
+  __m128i efgh = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 4)), 0x1B);
+  __m128i state0 = _mm_alignr_epi8(abcd, efgh, 8);
+  __m128i state1 = _mm_blend_epi16(efgh, abcd, 0xF0);
+  const __m128i save0 = state0, save1 = state1;
+  __m128i w[4];
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)), be);
+  for (int g = 0; g < 16; ++g) {
+    // Rounds 4g .. 4g+3: two at a time, each taking two words of w + k.
+    __m128i wk = _mm_add_epi32(w[g & 3], _mm_loadu_si128(reinterpret_cast<const __m128i*>(k_round + 4 * g)));
+    state1 = _mm_sha256rnds2_epu32(state1, state0, wk);
+    state0 = _mm_sha256rnds2_epu32(state0, state1, _mm_shuffle_epi32(wk, 0x0E));
+    if (g < 12) {
+      // Words 4g+16 .. 4g+19 from w[t-16], w[t-15] (msg1), w[t-7] (the aligned middle) and w[t-2] (msg2).
+      __m128i t7 = _mm_alignr_epi8(w[(g + 3) & 3], w[(g + 2) & 3], 4);
+      __m128i next = _mm_add_epi32(_mm_sha256msg1_epu32(w[g & 3], w[(g + 1) & 3]), t7);
+      w[g & 3] = _mm_sha256msg2_epu32(next, w[(g + 3) & 3]);
+    }
+  }
+  state0 = _mm_add_epi32(state0, save0);
+  state1 = _mm_add_epi32(state1, save1);
+  const __m128i feba = _mm_shuffle_epi32(state0, 0x1B);
+  const __m128i dchg = _mm_shuffle_epi32(state1, 0xB1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h), _mm_blend_epi16(feba, dchg, 0xF0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h + 4), _mm_alignr_epi8(dchg, feba, 8));
+}
+
+std::atomic<bool> g_use_sha_ni{cpu_has_sha_ni()};
+#endif
+
 }  // namespace
+
+bool sha256_accelerated() {
+#ifdef KILN_SHA256_NI
+  return g_use_sha_ni.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+bool sha256_set_accelerated(bool on) {
+#ifdef KILN_SHA256_NI
+  g_use_sha_ni.store(on && cpu_has_sha_ni(), std::memory_order_relaxed);
+#endif
+  return sha256_accelerated();
+}
 
 Sha256::Sha256()
     : h_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19} {}
 
 void Sha256::block(const std::uint8_t* p) {
+#ifdef KILN_SHA256_NI
+  if (g_use_sha_ni.load(std::memory_order_relaxed)) {
+    block_sha_ni(h_, p);
+    return;
+  }
+#endif
   std::uint32_t w[64];
   for (int i = 0; i < 16; ++i)
     w[i] = std::uint32_t(p[4 * i]) << 24 | std::uint32_t(p[4 * i + 1]) << 16 |

@@ -27,4 +27,10 @@ class Sha256 {
 
 std::string sha256_hex(std::string_view data);
 
+// Whether blocks are hashed with the x86 SHA extensions (detected once; the portable code
+// otherwise). sha256_set_accelerated(false) forces the portable code (tests compare the two);
+// true takes effect only where the CPU has them. Returns the setting now in force.
+bool sha256_accelerated();
+bool sha256_set_accelerated(bool on);
+
 }  // namespace kiln

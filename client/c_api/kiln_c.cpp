@@ -99,6 +99,11 @@ kiln_code guarded(F&& f) {
 
 }  // namespace
 
+// For the C ABI's other files (kiln_kv.cpp): the calling thread's last error.
+namespace kiln::c_api {
+kiln_code set_last_error(const kiln::Status& s) { return finish(s); }
+}  // namespace kiln::c_api
+
 static_assert(int(kiln::Fp8Granularity::tensor) == KILN_FP8_TENSOR &&
               int(kiln::Fp8Granularity::row_1x128) == KILN_FP8_ROW_1X128 &&
               int(kiln::Fp8Granularity::tile_128) == KILN_FP8_TILE_128);

@@ -11,7 +11,8 @@
  * kiln_fused_gated_mlp. Version 4: ops by their declarations (kiln_op_*). Version 5: typed
  * problems: kiln_family_describe, and kiln_launch (the generic launch of any registered family,
  * plugins' included) takes the family's problem fields; version 4's kiln_launch, which took
- * untyped dims and scalars, is gone.
+ * untyped dims and scalars, is gone. Version 6: the paged KV cache's host bookkeeping (kiln_kv_*,
+ * kiln_radix_*).
  *
  * Each op is the C++ op of the same name in kiln/ops.h, with that contract: it validates every
  * tensor and returns KILN_DEVICE_ERROR, KILN_SHAPE_MISMATCH, KILN_UNSUPPORTED_DTYPE or
@@ -28,7 +29,7 @@
 extern "C" {
 #endif
 
-#define KILN_ABI_VERSION 5
+#define KILN_ABI_VERSION 6
 
 /* Same values as kiln::Code. */
 typedef enum kiln_code {
@@ -227,6 +228,119 @@ const char* kiln_family_describe(const char* family);
 kiln_code kiln_launch(kiln_runtime* rt, const char* family, int32_t dtype, const kiln_value* fields,
                       int32_t field_count, uint32_t alignment, void* const* buffers, int32_t buffer_count,
                       void* stream);
+
+/* --- ABI version 6: the paged KV cache's host bookkeeping (kiln/kv_cache.h, kiln/radix_cache.h,
+ * docs/serving.md) ---
+ *
+ * Not thread-safe: a manager, its radix caches and its plans are used by one thread at a time
+ * (the caller serializes). Errors: KILN_INVALID_ARGUMENT (bad configuration, request id in use,
+ * block outside the pool or already free), KILN_NOT_FOUND (unknown or finished request, evicted
+ * node), KILN_UNAVAILABLE (not enough free blocks now), KILN_SHAPE_MISMATCH (context past a block
+ * table); a failed call changes nothing. */
+
+/* Same values as kiln::KVDType. */
+typedef enum kiln_kv_dtype { KILN_KV_F16 = 0, KILN_KV_BF16 = 1, KILN_KV_FP8_E4M3 = 2, KILN_KV_FP8_E5M2 = 3 } kiln_kv_dtype;
+/* Same values as kiln::Admission. */
+typedef enum kiln_kv_admission { KILN_KV_NOW = 0, KILN_KV_LATER = 1, KILN_KV_NEVER = 2 } kiln_kv_admission;
+
+typedef struct kiln_kv_config {
+  int32_t num_blocks;
+  int32_t page_size; /* 1, 8, 16, 32, 64 or 128 */
+  int32_t dtype;     /* kiln_kv_dtype */
+  int32_t num_layers;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t enable_prefix_caching; /* 0 or 1 */
+} kiln_kv_config;
+
+/* Same fields as kiln::KVCacheStats. */
+typedef struct kiln_kv_stats {
+  int64_t num_blocks;
+  int64_t free_blocks;
+  int64_t cached_free_blocks;
+  int64_t used_blocks;
+  int64_t cached_blocks;
+  int64_t num_requests;
+  int64_t prefix_queried_tokens;
+  int64_t prefix_hit_tokens;
+  int64_t evictions;
+  int64_t cow_copies;
+  uint64_t bytes_per_block;
+} kiln_kv_stats;
+
+typedef struct kiln_kv_manager kiln_kv_manager;
+/* Gathers the slots of new tokens and the block copies of a batch (kiln::SlotPlan). */
+typedef struct kiln_kv_plan kiln_kv_plan;
+
+kiln_code kiln_kv_manager_create(const kiln_kv_config* config, kiln_kv_manager** out);
+void kiln_kv_manager_destroy(kiln_kv_manager* m);
+kiln_code kiln_kv_plan_create(kiln_kv_plan** out);
+void kiln_kv_plan_destroy(kiln_kv_plan* plan);
+void kiln_kv_plan_clear(kiln_kv_plan* plan);
+/* The plan's slot mapping (one int64 per token) and copies (src, dst pairs of int32); valid until
+ * the plan changes. */
+kiln_code kiln_kv_plan_get(const kiln_kv_plan* plan, const int64_t** slots, int64_t* num_slots,
+                           const int32_t** copies, int64_t* num_copies);
+
+/* *out: a kiln_kv_admission for num_new_tokens more tokens of request (a new request when not
+ * live), or for a new request with this prompt (prefix-cache hits counted); adapter and salt may
+ * be NULL. */
+kiln_code kiln_kv_can_allocate(kiln_kv_manager* m, int64_t request, int64_t num_new_tokens, int32_t* out);
+kiln_code kiln_kv_can_allocate_prompt(kiln_kv_manager* m, const int32_t* tokens, int64_t num_tokens,
+                                      const char* adapter, const char* salt, int32_t* out);
+/* KVCacheManager::allocate: prefix_blocks may be NULL with num_prefix_blocks 0; *num_cached: the
+ * leading tokens already cached (their slots are not in the plan). */
+kiln_code kiln_kv_allocate(kiln_kv_manager* m, int64_t request, const int32_t* tokens, int64_t num_tokens,
+                           const char* adapter, const char* salt, const int32_t* prefix_blocks,
+                           int64_t num_prefix_blocks, kiln_kv_plan* plan, int64_t* num_cached);
+kiln_code kiln_kv_append_slots(kiln_kv_manager* m, int64_t request, const int32_t* tokens, int64_t num_tokens,
+                               kiln_kv_plan* plan);
+kiln_code kiln_kv_fork(kiln_kv_manager* m, int64_t parent, int64_t child);
+kiln_code kiln_kv_free(kiln_kv_manager* m, int64_t request);
+kiln_code kiln_kv_retain(kiln_kv_manager* m, const int32_t* blocks, int64_t num_blocks);
+kiln_code kiln_kv_release(kiln_kv_manager* m, const int32_t* blocks, int64_t num_blocks);
+/* The request's block table (valid until the manager changes) and token count. */
+kiln_code kiln_kv_block_table(kiln_kv_manager* m, int64_t request, const int32_t** blocks, int64_t* num_blocks,
+                              int64_t* num_tokens);
+/* One block's reference count, external references and whether it is in the prefix cache. */
+kiln_code kiln_kv_block_info(kiln_kv_manager* m, int32_t block, int32_t* ref_count, int32_t* external_refs,
+                             int32_t* cached);
+kiln_code kiln_kv_get_stats(kiln_kv_manager* m, kiln_kv_stats* out);
+/* KILN_INTERNAL naming the first broken invariant (KVCacheManager::check_invariants). */
+kiln_code kiln_kv_check(kiln_kv_manager* m);
+/* KVCacheManager::validate_block_table: what a paged kernel checks before launch. */
+kiln_code kiln_kv_validate_block_table(const int32_t* table, int64_t table_len, int64_t context_len, int32_t num_blocks,
+                                       int32_t page_size);
+
+/* A radix cache over a manager's blocks (kiln::RadixCache); the manager must outlive it. */
+typedef struct kiln_radix kiln_radix;
+
+/* Same fields as kiln::RadixCache::Stats, and reclaimable_blocks(). */
+typedef struct kiln_radix_stats {
+  int64_t nodes;
+  int64_t cached_tokens;
+  int64_t cached_blocks;
+  int64_t evictable_blocks;
+  int64_t protected_blocks;
+  int64_t evicted_blocks;
+  int64_t reclaimable_blocks;
+} kiln_radix_stats;
+
+kiln_code kiln_radix_create(kiln_kv_manager* m, kiln_radix** out);
+/* Releases the tree's block references. */
+void kiln_radix_destroy(kiln_radix* r);
+/* The longest cached prefix: its blocks into blocks_out (capacity >= num_tokens / page_size, or
+ * KILN_INVALID_ARGUMENT), their count, and the node ending it. */
+kiln_code kiln_radix_match(kiln_radix* r, const int32_t* tokens, int64_t num_tokens, int32_t* blocks_out,
+                           int64_t capacity, int64_t* num_blocks, int64_t* node);
+kiln_code kiln_radix_insert(kiln_radix* r, const int32_t* tokens, int64_t num_tokens, const int32_t* blocks,
+                            int64_t num_blocks, int64_t* node, int64_t* cached_tokens);
+kiln_code kiln_radix_lock(kiln_radix* r, int64_t node);
+kiln_code kiln_radix_unlock(kiln_radix* r, int64_t node);
+/* *freed: the blocks freed in the manager. */
+kiln_code kiln_radix_evict(kiln_radix* r, int64_t num_blocks, int64_t* freed);
+kiln_code kiln_radix_get_stats(kiln_radix* r, kiln_radix_stats* out);
+kiln_code kiln_radix_check(kiln_radix* r);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,10 @@
-"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 5)."""
+"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 6)."""
 import ctypes
 import os
 
 from ._errors import error_for
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _P = ctypes.c_void_p
 

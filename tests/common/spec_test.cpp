@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 #include "common/half.h"
 #include "common/sha256.h"
 #include "kiln/spec.h"
@@ -75,6 +78,24 @@ TEST(Sha256, KnownVectors) {
   std::string s(1000, 'a');
   for (std::size_t i = 0; i < s.size(); i += 7) h.update(s.substr(i, 7));
   EXPECT_EQ(h.finish_hex(), sha256_hex(s));
+}
+
+// The SHA-extension path (where the CPU has it) and the portable one agree, on the known vectors
+// and on every length across several blocks.
+TEST(Sha256, AcceleratedAndPortableAgree) {
+  const bool accelerated = sha256_accelerated();
+  std::string data;
+  for (int i = 0; i < 300; ++i) data += char((i * 131 + 7) & 0xff);
+  std::vector<std::string> portable;
+  ASSERT_FALSE(sha256_set_accelerated(false));
+  EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  for (std::size_t n = 0; n <= data.size(); ++n) portable.push_back(sha256_hex(std::string_view(data).substr(0, n)));
+  if (!sha256_set_accelerated(true)) GTEST_SKIP() << "this CPU has no SHA extensions; the portable path was checked";
+  EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  for (std::size_t n = 0; n <= data.size(); ++n)
+    ASSERT_EQ(sha256_hex(std::string_view(data).substr(0, n)), portable[n]) << n;
+  sha256_set_accelerated(accelerated);
 }
 
 TEST(Half, ConversionsRoundToNearestEven) {
