@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kiln/family_util.h"
+#include "kiln/problem.h"
 
 namespace kiln::families {
 
@@ -45,6 +46,18 @@ inline std::vector<std::pair<std::string, std::int64_t>> with_defaults(
   for (const auto& [name, value] : defaults)
     if (!shape_value(shape, name)) shape.emplace_back(name, value);
   return shape;
+}
+
+// A tuning problem whose rows must stay a whole number of sequences (P has `rows` and `seq`):
+// rows rounded down to whole sequences, and at least one sequence.
+template <class P>
+Problem whole_sequences(Problem p) {
+  auto q = p.as<P>();
+  if (q.seq > 0) {
+    q.rows = std::max(q.seq, q.rows / q.seq * q.seq);
+    p.set(q);
+  }
+  return p;
 }
 
 }  // namespace kiln::families

@@ -136,13 +136,7 @@ class RopeHfBwd final : public Family {
   // The bucket's upper bound in rows, rounded down to whole sequences (rows must be a multiple of
   // seq), and at least one sequence.
   Problem tuning_problem(const Problem& problem) const override {
-    Problem out = Family::tuning_problem(problem);
-    auto q = out.as<RopeHfBwdProblem>();
-    if (q.seq > 0) {
-      q.rows = std::max(q.seq, q.rows / q.seq * q.seq);
-      out.set(q);
-    }
-    return out;
+    return whole_sequences<RopeHfBwdProblem>(Family::tuning_problem(problem));
   }
 
   std::vector<Params> tuning_space(const Problem& p) const override {
