@@ -15,6 +15,10 @@ struct AttentionOptions {
   std::int64_t window_left = -1;  // keys left of the diagonal a query sees; -1 unbounded
   std::int64_t window_right = -1; // keys right of the diagonal a query sees; -1 unbounded
   double softcap = 0;             // > 0: scores (after scale) become softcap * tanh(score / softcap)
+  // CUDA only, for tests and benchmarks: 0 lets the heuristic choose between the one-pass kernel
+  // and the decode path (split-KV, README.md); -1 forces the one-pass kernel; n >= 1 forces the
+  // decode path with n key splits (at most 1024). Declared ops always pass 0.
+  std::int64_t decode_splits = 0;
 };
 
 // out = softmax(mask(softcap(scale * q k^T))) v per (sequence, query head), with the log-sum-exp
