@@ -31,7 +31,9 @@ struct AttentionOptions {
 // seqlen_k, kv_heads, head_dim_v], out [batch, seqlen_q, heads, head_dim_v], lse (optional)
 // [batch, heads, seqlen_q] f32; all contiguous, q, k, v and out of one dtype.
 // Host tensors run the CPU fallback (f32, f16, bf16; fp64 accumulation, threads over (batch,
-// head)). On CUDA (compute capability 8.0 or later): f16 or bf16, (head_dim, head_dim_v) one of
+// head)). On CUDA, 1-16 queries against long keys take the decode path (split-KV with GQA
+// packing, two launches over the per-stream workspace; families/attention/README.md), the rest
+// the one-pass kernel. On CUDA (compute capability 8.0 or later): f16 or bf16, (head_dim, head_dim_v) one of
 // 64/64, 80/80, 96/96, 128/128, 192/192, 256/256, 192/128, q, k, v and out 16-byte aligned.
 // Errors before any compile or launch: device_error, shape_mismatch, unsupported_dtype,
 // invalid_argument (windows below -1, causal with window_right > 0, softcap negative, scale or
