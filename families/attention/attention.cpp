@@ -481,6 +481,10 @@ class Attention final : public Family {
 }  // namespace
 }  // namespace kiln::families
 
+// The decode path's families (attention_splitkv.cpp).
+void kiln_register_kernels_attention_splitkv(kiln::Registry& r);
+
 void kiln_register_family_attention(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::Attention>());
+  kiln_register_kernels_attention_splitkv(r);
 }

@@ -7,7 +7,11 @@
 #include <tuple>
 
 #include "client/validate.h"
+#include "client/workspace.h"
 #include "families/attention/attention.h"
+#include "families/attention/attention_splitkv.h"
+#include "jit/device_info.h"
+#include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
 
@@ -96,9 +100,44 @@ Status check_gpu(const char* op, const TensorView& q, const AttentionProblem& a)
 
 std::uintptr_t address(const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data); }
 
+// Whether `stream` is being captured into a CUDA graph (the decode path's per-stream workspace
+// may be reallocated between replays, so captures take the one-pass kernel).
+bool capturing(Stream stream) {
+  auto d = jit::Driver::get();
+  if (!d.ok() || !(*d)->stream_is_capturing) return false;
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  if ((*d)->stream_is_capturing(static_cast<CUstream>(stream), &st) != CUDA_SUCCESS) return true;
+  return st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+// The decode path (families/attention/attention_splitkv.h): the split kernel writes each split's
+// partial output and lse to the per-stream workspace, the combine kernel merges them into out and
+// lse.
+Status run_decode(const AttentionProblem& a, std::int64_t splits, std::uint32_t alignment, const TensorView& q,
+                  void* const* buffers, Stream stream, Runtime* runtime) {
+  static const Family* split = Registry::global().find("attention_splitkv");
+  static const Family* combine = Registry::global().find("attention_combine");
+  if (!split || !combine) return internal_error("the attention decode families are not registered");
+  const Problem ps = Problem::of(q.dtype, alignment, families::attention_splitkv_problem(a, splits));
+  const Problem pc = Problem::of(q.dtype, 16, families::attention_combine_problem(a, splits));
+  KILN_TRY(split->check_problem(split->heuristic(ps), ps));
+  KILN_TRY(combine->check_problem(combine->heuristic(pc), pc));
+  if (!runtime) {
+    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  const std::int64_t elements = families::attention_splitkv_workspace_elements(a, splits);
+  KILN_ASSIGN_OR_RETURN(void* ws, client::stream_workspace(q.device.index, stream, elements));
+  float* o_part = static_cast<float*>(ws);
+  float* lse_part = o_part + splits * a.total_q * a.heads * a.head_dim_v;
+  void* sb[7] = {buffers[0], buffers[1], buffers[2], buffers[3], buffers[4], o_part, lse_part};
+  KILN_TRY(runtime->run(*split, ps, sb, stream));
+  void* cb[5] = {o_part, lse_part, buffers[3], buffers[5], buffers[6]};
+  return runtime->run(*combine, pc, cb, stream);
+}
+
 Status run(const char* op, const AttentionProblem& a, const TensorView& q, const TensorView& k, const TensorView& v,
-           const TensorView* cu_q, const TensorView* cu_k, const TensorView& out, const TensorView* lse, Stream stream,
-           Runtime* runtime) {
+           const TensorView* cu_q, const TensorView* cu_k, const TensorView& out, const TensorView* lse,
+           std::int64_t decode_splits, Stream stream, Runtime* runtime) {
   static const Family* family = Registry::global().find("attention");
   if (!family) return internal_error("the attention family is not registered");
   const Problem p =
@@ -109,6 +148,14 @@ Status run(const char* op, const AttentionProblem& a, const TensorView& q, const
   KILN_TRY(check_gpu(op, q, a));
   KILN_TRY(family->check_problem(family->heuristic(p), p));
   if (a.batch == 0 || a.seqlen_q == 0 || a.total_q == 0) return {};
+  if (decode_splits < -1 || decode_splits > 1024)
+    return invalid_argument(std::string(op) + ": decode_splits must be -1 (one pass), 0 (the heuristic) or 1 to 1024");
+  std::int64_t splits = decode_splits;
+  if (splits == 0) {
+    KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(q.device.index));
+    splits = families::attention_decode_splits(a, dev->sm_count);
+  }
+  if (splits >= 1 && !capturing(stream)) return run_decode(a, splits, p.alignment, q, buffers, stream, runtime);
   return client::run_family(family, "attention", p, buffers, DeviceKind::cuda, stream, runtime);
 }
 
@@ -143,7 +190,7 @@ Status attention(const TensorView& q, const TensorView& k, const TensorView& v, 
     return shape_mismatch(std::string(op) + ": q has " + std::to_string(a.heads) +
                           " heads, not a multiple of k's and v's " + std::to_string(a.kv_heads));
   KILN_TRY(check_options(op, options, a));
-  return run(op, a, q, k, v, nullptr, nullptr, out, lse, stream, runtime);
+  return run(op, a, q, k, v, nullptr, nullptr, out, lse, options.decode_splits, stream, runtime);
 }
 
 Status attention_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -199,7 +246,7 @@ Status attention_varlen(const TensorView& q, const TensorView& k, const TensorVi
     }
   }
   KILN_TRY(check_options(op, options, a));
-  return run(op, a, q, k, v, &cu_seqlens_q, &cu_seqlens_k, out, lse, stream, runtime);
+  return run(op, a, q, k, v, &cu_seqlens_q, &cu_seqlens_k, out, lse, options.decode_splits, stream, runtime);
 }
 
 }  // namespace kiln

@@ -15,6 +15,10 @@ struct AttentionOptions {
   std::int64_t window_left = -1;  // keys left of the diagonal a query sees; -1 unbounded
   std::int64_t window_right = -1; // keys right of the diagonal a query sees; -1 unbounded
   double softcap = 0;             // > 0: scores (after scale) become softcap * tanh(score / softcap)
+  // CUDA only, for tests and benchmarks: 0 lets the heuristic choose between the one-pass kernel
+  // and the decode path (split-KV, README.md); -1 forces the one-pass kernel; n >= 1 forces the
+  // decode path with n key splits (at most 1024). Declared ops always pass 0.
+  std::int64_t decode_splits = 0;
 };
 
 // out = softmax(mask(softcap(scale * q k^T))) v per (sequence, query head), with the log-sum-exp
@@ -27,7 +31,9 @@ struct AttentionOptions {
 // seqlen_k, kv_heads, head_dim_v], out [batch, seqlen_q, heads, head_dim_v], lse (optional)
 // [batch, heads, seqlen_q] f32; all contiguous, q, k, v and out of one dtype.
 // Host tensors run the CPU fallback (f32, f16, bf16; fp64 accumulation, threads over (batch,
-// head)). On CUDA (compute capability 8.0 or later): f16 or bf16, (head_dim, head_dim_v) one of
+// head)). On CUDA, 1-16 queries against long keys take the decode path (split-KV with GQA
+// packing, two launches over the per-stream workspace; families/attention/README.md), the rest
+// the one-pass kernel. On CUDA (compute capability 8.0 or later): f16 or bf16, (head_dim, head_dim_v) one of
 // 64/64, 80/80, 96/96, 128/128, 192/192, 256/256, 192/128, q, k, v and out 16-byte aligned.
 // Errors before any compile or launch: device_error, shape_mismatch, unsupported_dtype,
 // invalid_argument (windows below -1, causal with window_right > 0, softcap negative, scale or

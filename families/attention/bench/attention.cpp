@@ -7,6 +7,7 @@
 // every variant of the tuning space at the same shapes, launched by its params: the key tiles and
 // schedules (overlap, pingpong) of the sm_90a kernel beside the sm_80 kernel's tiles, the data
 // behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
+// Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 
 #include "bench/gpu_harness.h"
 #include "families/attention/attention.h"
+#include "families/attention/attention_splitkv.h"
 #include "families/attention/ops.h"
 #include "jit/device_info.h"
 
@@ -126,6 +128,91 @@ int variants(Context& ctx, nlohmann::json& rows) {
   return 0;
 }
 
+// Decode: B x H32/KV8 x 1 query x lk keys x D128 (bf16), the heuristic's path (its split count
+// shown; 0: the one-pass kernel) beside the one-pass kernel (decode_splits -1). GB/s counts the
+// K and V bytes read once (B * lk * KV * 2 * D * 2 bytes) over the median time, and %copy puts
+// it beside the device copy bandwidth of this run. First a check of the heuristic's path
+// against the CPU reference at B2 H32/KV8 lq 1 lk 4097.
+int run_decode(Context& ctx, nlohmann::json& rows) {
+  const DType t = DType::bf16;
+  {
+    const std::int64_t b = 2, h = 32, hk = 8, d = 128, lk = 4097, nq = b * h * d, nk = b * lk * hk * d;
+    auto hq = random_values(t, nq, ctx.rng), hk_ = random_values(t, nk, ctx.rng), hv = random_values(t, nk, ctx.rng);
+    DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(nq * 2);
+    q.upload(hq.data());
+    k.upload(hk_.data());
+    v.upload(hv.data());
+    o.poison();
+    check(attention(dev(q, t, {b, 1, h, d}), dev(k, t, {b, lk, hk, d}), dev(v, t, {b, lk, hk, d}),
+                    dev(o, t, {b, 1, h, d}), nullptr, {}, nullptr, ctx.runtime),
+          "attention decode");
+    check(ctx.driver->ctx_synchronize(), "sync");
+    std::vector<unsigned char> got(nq * 2), want(nq * 2);
+    o.download(got.data());
+    check(attention(host(hq, t, {b, 1, h, d}), host(hk_, t, {b, lk, hk, d}), host(hv, t, {b, lk, hk, d}),
+                    host(want, t, {b, 1, h, d}), nullptr, {}),
+          "attention decode (cpu)");
+    const double err = rel_l2(got.data(), want.data(), t, nq);
+    if (!(err < 1e-2)) {
+      std::printf("attention decode: FAILED against the CPU reference (rel err %.3g)\n", err);
+      return 1;
+    }
+    std::printf("\nattention decode check (B2 H32/8 lq 1 lk 4097 D128 bf16): rel err %.2e\n", err);
+  }
+  struct Shape {
+    std::int64_t b, lk;
+  };
+  std::vector<Shape> shapes = {{1, 8192}, {1, 32768}, {8, 8192}, {8, 32768}, {64, 8192}, {64, 32768}};
+  if (ctx.quick) shapes = {{1, 32768}, {8, 8192}, {64, 8192}};
+  const std::int64_t h = 32, hk = 8, d = 128;
+  auto info = jit::device_info(0);
+  const std::int64_t sms = info.ok() ? (*info)->sm_count : 0;
+  std::printf("\nattention decode (bf16, H32/KV8, lq 1, D128)\n%3s %6s %7s %10s %8s %6s %14s %8s %6s\n", "B", "lk",
+              "splits", "median_us", "GB/s", "%copy", "one-pass_us", "GB/s", "%copy");
+  for (const auto& [b, lk] : shapes) {
+    const std::int64_t nq = b * h * d, nk = b * lk * hk * d;
+    auto base = random_values(t, std::min<std::int64_t>(nk, std::int64_t(1) << 22), ctx.rng);
+    std::vector<unsigned char> hx(std::size_t(nk) * 2);
+    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(nq * 2);
+    q.upload(hx.data());
+    k.upload(hx.data());
+    v.upload(hx.data());
+    families::AttentionProblem a;
+    a.batch = b;
+    a.seqlen_q = 1;
+    a.seqlen_k = lk;
+    a.total_q = b;
+    a.total_k = b * lk;
+    a.heads = h;
+    a.kv_heads = hk;
+    a.head_dim = a.head_dim_v = d;
+    a.scale = 1.0 / std::sqrt(double(d));
+    const std::int64_t splits = families::attention_decode_splits(a, sms);
+    const double bytes = double(nk) * 2 * 2;  // K and V
+    double us[2];
+    for (int i = 0; i < 2; ++i) {
+      AttentionOptions opt;
+      opt.decode_splits = i == 0 ? 0 : -1;
+      auto call = [&](int) {
+        check(attention(dev(q, t, {b, 1, h, d}), dev(k, t, {b, lk, hk, d}), dev(v, t, {b, lk, hk, d}),
+                        dev(o, t, {b, 1, h, d}), nullptr, opt, nullptr, ctx.runtime),
+              "attention decode");
+      };
+      call(0);
+      check(ctx.driver->ctx_synchronize(), "sync");
+      us[i] = time_events(call, 5, ctx.quick ? 10 : 30) * 1e3;
+    }
+    const double gbs = bytes / (us[0] * 1e-6) / 1e9, gbs1 = bytes / (us[1] * 1e-6) / 1e9;
+    std::printf("%3lld %6lld %7lld %10.1f %8.0f %5.0f%% %14.1f %8.0f %5.0f%%\n", (long long)b, (long long)lk,
+                (long long)splits, us[0], gbs, 100 * gbs / ctx.copy_gbs, us[1], gbs1, 100 * gbs1 / ctx.copy_gbs);
+    rows.push_back({{"batch", b}, {"heads", h}, {"kv_heads", hk}, {"seqlen_q", 1}, {"seqlen_k", lk}, {"head_dim", d},
+                    {"splits", splits}, {"median_us", us[0]}, {"gbs", gbs}, {"fraction_of_copy", gbs / ctx.copy_gbs},
+                    {"one_pass_us", us[1]}, {"one_pass_gbs", gbs1}});
+  }
+  return 0;
+}
+
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
   const char* only_variants = std::getenv("KILN_BENCH_ATTENTION_VARIANTS");
@@ -183,9 +270,12 @@ int run(Context& ctx) {
                       {"median_us", ms * 1e3}, {"tflops", tflops}, {"variant", v}});
     }
   }
+  nlohmann::json decode_rows = nlohmann::json::array();
   int rc = 0;
   if (only_variants && std::string(only_variants) == "1") rc = variants(ctx, rows);
+  if (run_decode(ctx, decode_rows)) rc = 1;
   (*ctx.out)["attention"] = rows;
+  (*ctx.out)["attention_decode"] = decode_rows;
   return rc;
 }
 

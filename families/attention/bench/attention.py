@@ -1,6 +1,9 @@
 """PyTorch anchors for the attention forward (bf16), the shapes families/attention/bench/attention.cpp
 times: torch.nn.functional.scaled_dot_product_attention with the cuDNN and the flash backends,
 full and causal, with triton.testing.do_bench (median). TFLOP/s counts 4 B H S^2 D, half for causal.
+Then the decode shapes (bf16, H32/KV8, one query, D128, 8k and 32k keys): SDPA with enable_gqa on
+the cuDNN and flash backends, and on K/V repeated to every query head (repeat_interleave, outside
+the timing) where a backend refuses GQA; GB/s counts the K and V bytes of the KV heads once.
 """
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,8 @@ from triton.testing import do_bench
 SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (4, 32, 4096, 64), (2, 16, 4096, 256)]
 QUICK_SHAPES = [(4, 32, 4096, 128), (2, 16, 4096, 256)]
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+DECODE_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192), (64, 32768)]
+QUICK_DECODE_SHAPES = [(1, 32768), (8, 8192), (64, 8192)]
 
 
 def run(quick: bool) -> list[dict]:
@@ -35,4 +40,41 @@ def run(quick: bool) -> list[dict]:
             print(f"{b:>3} {h:>4} {s:>6} {d:>5} {str(causal):>7} {row['cudnn_us']:>10.1f} {row['cudnn_tflops']:>9.1f} "
                   f"{row['flash_us']:>10.1f} {row['flash_tflops']:>9.1f}", flush=True)
             rows.append(row)
+    rows += run_decode(quick)
+    return rows
+
+
+def run_decode(quick: bool) -> list[dict]:
+    dev = torch.device("cuda")
+    h, hk, d = 32, 8, 128
+    rows = []
+    print(f"\ntorch attention decode (bf16, H{h}/KV{hk}, lq 1, D{d})\n{'B':>3} {'lk':>6} "
+          f"{'cudnn us':>10} {'GB/s':>8} {'how':>6} {'flash us':>10} {'GB/s':>8} {'how':>6}")
+    for b, lk in (QUICK_DECODE_SHAPES if quick else DECODE_SHAPES):
+        q = torch.randn(b, h, 1, d, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hk, lk, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        nbytes = 2 * b * hk * lk * d * 2
+        row = {"family": "attention", "kind": "decode", "dtype": "bf16", "batch": b, "heads": h, "kv_heads": hk,
+               "seqlen_q": 1, "seqlen_k": lk, "head_dim": d}
+        for name, backend in BACKENDS.items():
+            row[name + "_us"] = row[name + "_gbs"] = float("nan")
+            row[name + "_how"] = "-"
+            for how in ("gqa", "repeat"):
+                try:
+                    if how == "gqa":
+                        fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    else:
+                        kr, vr = (x.repeat_interleave(h // hk, dim=1) for x in (k, v))
+                        fn = lambda: F.scaled_dot_product_attention(q, kr, vr)
+                    with torch.no_grad(), sdpa_kernel(backend):
+                        fn()
+                        ms = do_bench(fn, warmup=25, rep=100 if quick else 200, return_mode="median")
+                    row[name + "_us"], row[name + "_gbs"] = ms * 1e3, nbytes / (ms * 1e-3) / 1e9
+                    row[name + "_how"] = how
+                    break
+                except (RuntimeError, TypeError):  # the backend (or this torch) does not take it
+                    continue
+        print(f"{b:>3} {lk:>6} {row['cudnn_us']:>10.1f} {row['cudnn_gbs']:>8.0f} {row['cudnn_how']:>6} "
+              f"{row['flash_us']:>10.1f} {row['flash_gbs']:>8.0f} {row['flash_how']:>6}", flush=True)
+        rows.append(row)
     return rows

@@ -1,0 +1,80 @@
+// The attention forward's decode path (README.md in this folder, "Decode: split-KV"): kernel
+// families "attention_splitkv" and "attention_combine" (attention_splitkv.cuh), and the heuristic
+// that sends a problem there or to the one-pass "attention" kernel.
+//
+// attention_splitkv. Params: dtype {f16, bf16}; head_dim, head_dim_v as k_attention_head_dims;
+// warps {1, 2, 4, 8} (16 packed rows each); block_n {32, 64, 128}. Problem:
+// AttentionSplitKvProblem. Buffers: q, k, v, cu_seqlens_q, cu_seqlens_k, o_part (f32 [splits,
+// total_q, heads, head_dim_v]), lse_part (f32 [splits, total_q, heads]). Grid: (row blocks of
+// seqlen_q * heads / kv_heads packed rows) * splits, kv_heads, batch.
+// Heuristic: the fewest warps whose rows hold one KV head's packed rows (at most 8); block_n as
+// the one-pass kernel's (64 keys up to head dim 128, 32 above).
+//
+// attention_combine. Params: dtype {f16, bf16}; head_dim_v {64, 80, 96, 128, 192, 256}. Problem:
+// AttentionCombineProblem. Buffers: o_part, lse_part (as above), cu_seqlens_q, out, lse (f32;
+// may be null), out and lse laid out as the attention family's.
+#pragma once
+
+#include <cstdint>
+
+#include "families/attention/attention.h"
+
+namespace kiln::families {
+
+// The decode path takes at most this many queries per sequence (the longest, for varlen).
+inline constexpr std::int64_t k_attention_decode_max_q = 16;
+// Key tiles a split is given at least, and the most splits.
+inline constexpr std::int64_t k_attention_min_split_tiles = 4;
+inline constexpr std::int64_t k_attention_max_splits = 128;
+
+// The fields as AttentionProblem's (without causal, which only orders the one-pass kernel's
+// blocks), plus splits (key): the key ranges each row block's visible keys are divided into.
+struct AttentionSplitKvProblem {
+  std::int64_t batch = 0;
+  std::int64_t seqlen_q = 0;  // the longest when varlen
+  std::int64_t seqlen_k = 0;
+  std::int64_t total_q = 0;
+  std::int64_t total_k = 0;
+  std::int64_t heads = 0;
+  std::int64_t kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t head_dim_v = 0;
+  std::int64_t varlen = 0;
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  std::int64_t splits = 1;
+  double scale = 0;
+  double softcap = 0;
+};
+
+struct AttentionCombineProblem {
+  std::int64_t batch = 0;
+  std::int64_t seqlen_q = 0;  // padded: queries per sequence (lse's last dimension)
+  std::int64_t total_q = 0;   // query tokens
+  std::int64_t heads = 0;
+  std::int64_t head_dim_v = 0;
+  std::int64_t varlen = 0;
+  std::int64_t splits = 1;
+};
+
+// The split count of the decode path for `a` on a device of `sm_count` multiprocessors (0: the
+// reference device, an H100's 132), or 0 for the one-pass kernel. The decode path takes problems
+// with at most k_attention_decode_max_q queries and at least 2 * k_attention_min_split_tiles key
+// tiles (long keys) on head dims the kernels take. Its blocks are (row block, KV head, sequence):
+// when they fill at least one wave of the SMs, 1 split; otherwise enough splits for about two
+// waves, each split at least k_attention_min_split_tiles key tiles, at most
+// k_attention_max_splits.
+std::int64_t attention_decode_splits(const AttentionProblem& a, std::int64_t sm_count);
+
+// The decode path's problems for `a` with `splits` key ranges.
+AttentionSplitKvProblem attention_splitkv_problem(const AttentionProblem& a, std::int64_t splits);
+AttentionCombineProblem attention_combine_problem(const AttentionProblem& a, std::int64_t splits);
+
+// f32 elements of the decode path's workspace: o_part then lse_part, splits * total_q * heads *
+// (head_dim_v + 1).
+std::int64_t attention_splitkv_workspace_elements(const AttentionProblem& a, std::int64_t splits);
+
+// The splitkv heuristic's warps for `rows` packed rows (queries x the heads of a KV group).
+int attention_splitkv_warps(std::int64_t rows);
+
+}  // namespace kiln::families
