@@ -1,5 +1,7 @@
 #include "families/attention/attention.h"
 
+#include "families/attention/attention_bwd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -483,4 +485,5 @@ class Attention final : public Family {
 
 void kiln_register_family_attention(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::Attention>());
+  kiln::families::register_attention_bwd(r);
 }
