@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(128) attention_bwd_prep(KILN_ATTENTION_BWD_ARG
   const int h = blockIdx.y, b = blockIdx.z, m0 = blockIdx.x * BM;
   const BwdWorkspace w = bwd_workspace<D, DV, BM>(ws, seqlen_q, total_q, total_k, batch, heads);
   const int m_tiles = (seqlen_q + BM - 1) / BM;
-  if (threadIdx.x == 0) w.counters[((long long)b * heads + h) * m_tiles + blockIdx.x] = 0;
+  if (threadIdx.x == 0 && int(blockIdx.x) < m_tiles) w.counters[((long long)b * heads + h) * m_tiles + blockIdx.x] = 0;
   long long q0 = (long long)b * seqlen_q;
   int lq = seqlen_q;
   if (varlen) {
