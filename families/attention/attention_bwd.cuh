@@ -302,16 +302,6 @@ __global__ void __launch_bounds__(WARPS * 32) attention_bwd_main(KILN_ATTENTION_
     // from dS^T (transposed loads), B = K.
     // DQ dims at a time keep the partial within the registers dK and dV leave.
     int* counter = w.counters + ((long long)b * heads + h) * m_tiles + m;
-    if (deterministic) {
-      // Key tiles add in ascending order: this one is number nblock - t_begin among the tile's.
-      int tb, te;
-      visible_key_tiles<BM, BN>(m, lq, lk, window_left, window_right, tb, te);
-      if (tid == 0) {
-        while (atomicAdd(counter, 0) != nblock - tb) __nanosleep(32);
-        __threadfence();
-      }
-      __syncthreads();
-    }
 #pragma unroll
     for (int part = 0; part < DW / DQ; ++part) {
       const int d0 = (warp / RG) * DW + part * DQ;
@@ -333,6 +323,18 @@ __global__ void __launch_bounds__(WARPS * 32) attention_bwd_main(KILN_ATTENTION_
           gemm::mma_16816<T>(dq_acc[2 * nj], a, bk[0], bk[1]);
           gemm::mma_16816<T>(dq_acc[2 * nj + 1], a, bk[2], bk[3]);
         }
+      }
+      if (deterministic && part == 0) {
+        // Key tiles add in ascending order: this one is number nblock - t_begin among the tile's.
+        // Waiting after the first part's products lets a block compute while the one before it
+        // adds.
+        int tb, te;
+        visible_key_tiles<BM, BN>(m, lq, lk, window_left, window_right, tb, te);
+        if (tid == 0) {
+          while (atomicAdd(counter, 0) != nblock - tb) __nanosleep(32);
+          __threadfence();
+        }
+        __syncthreads();
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
