@@ -1,5 +1,7 @@
 #include "families/attention/attention.h"
 
+#include "families/attention/attention_bwd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -487,4 +489,5 @@ void kiln_register_kernels_attention_splitkv(kiln::Registry& r);
 void kiln_register_family_attention(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::Attention>());
   kiln_register_kernels_attention_splitkv(r);
+  kiln::families::register_attention_bwd(r);
 }

@@ -3,17 +3,20 @@
 #include "families/attention/ops.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
 #include "client/validate.h"
 #include "client/workspace.h"
+#include "families/attention/attention_bwd.h"
 #include "families/attention/attention.h"
 #include "families/attention/attention_splitkv.h"
 #include "jit/device_info.h"
 #include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
+#include "kiln/runtime.h"
 
 namespace kiln {
 namespace {
@@ -159,17 +162,16 @@ Status run(const char* op, const AttentionProblem& a, const TensorView& q, const
   return client::run_family(family, "attention", p, buffers, DeviceKind::cuda, stream, runtime);
 }
 
-}  // namespace
-
-Status attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                 const TensorView* lse, const AttentionOptions& options, Stream stream, Runtime* runtime) {
-  const char* op = "attention";
+// The padded layout's problem from q, k, v, out and lse (shapes, dtypes, devices, options).
+Status padded_problem(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, const TensorView* lse, const AttentionOptions& options,
+                      AttentionProblem& a) {
   KILN_TRY(check_tensors(op, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}}, q));
   for (const auto& [t, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}, std::pair{&out, "out"}})
     if (t->rank != 4)
       return shape_mismatch(std::string(op) + ": " + name + " must be [batch, seqlen, heads, head_dim], got " +
                             dims(*t));
-  AttentionProblem a;
+  a = {};
   a.batch = q.shape[0];
   a.seqlen_q = q.shape[1];
   a.heads = q.shape[2];
@@ -189,15 +191,27 @@ Status attention(const TensorView& q, const TensorView& k, const TensorView& v, 
   if (a.heads % a.kv_heads)
     return shape_mismatch(std::string(op) + ": q has " + std::to_string(a.heads) +
                           " heads, not a multiple of k's and v's " + std::to_string(a.kv_heads));
-  KILN_TRY(check_options(op, options, a));
+  return check_options(op, options, a);
+}
+
+}  // namespace
+
+Status attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                 const TensorView* lse, const AttentionOptions& options, Stream stream, Runtime* runtime) {
+  const char* op = "attention";
+  AttentionProblem a;
+  KILN_TRY(padded_problem(op, q, k, v, out, lse, options, a));
   return run(op, a, q, k, v, nullptr, nullptr, out, lse, options.decode_splits, stream, runtime);
 }
 
-Status attention_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
-                        const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k, const TensorView& out,
-                        const TensorView* lse, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
-                        const AttentionOptions& options, Stream stream, Runtime* runtime) {
-  const char* op = "attention_varlen";
+namespace {
+
+// The packed layout's problem from q, k, v, the offsets, out and lse (shapes, dtypes, devices,
+// options; on the host, the offsets' contents).
+Status varlen_problem(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k, const TensorView& out,
+                      const TensorView* lse, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
+                      const AttentionOptions& options, AttentionProblem& a) {
   KILN_TRY(check_tensors(op,
                          {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cu_seqlens_q, "cu_seqlens_q"},
                           {&cu_seqlens_k, "cu_seqlens_k"}, {&out, "out"}, {lse, "lse"}},
@@ -207,7 +221,7 @@ Status attention_varlen(const TensorView& q, const TensorView& k, const TensorVi
       return shape_mismatch(std::string(op) + ": " + name + " must be [tokens, heads, head_dim], got " + dims(*t));
   if (cu_seqlens_q.rank != 1 || cu_seqlens_q.shape[0] < 1)
     return shape_mismatch(std::string(op) + ": cu_seqlens_q must be [batch + 1], got " + dims(cu_seqlens_q));
-  AttentionProblem a;
+  a = {};
   a.varlen = 1;
   a.batch = cu_seqlens_q.shape[0] - 1;
   a.total_q = q.shape[0];
@@ -245,8 +259,138 @@ Status attention_varlen(const TensorView& q, const TensorView& k, const TensorVi
       }
     }
   }
-  KILN_TRY(check_options(op, options, a));
+  return check_options(op, options, a);
+}
+
+}  // namespace
+
+Status attention_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k, const TensorView& out,
+                        const TensorView* lse, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
+                        const AttentionOptions& options, Stream stream, Runtime* runtime) {
+  const char* op = "attention_varlen";
+  AttentionProblem a;
+  KILN_TRY(varlen_problem(op, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, max_seqlen_q, max_seqlen_k, options, a));
   return run(op, a, q, k, v, &cu_seqlens_q, &cu_seqlens_k, out, lse, options.decode_splits, stream, runtime);
+}
+
+namespace {
+
+// The gradients' and dout's checks: dout as out, dq as q, dk as k, dv as v (dtype, device,
+// contiguity, shape).
+Status check_gradients(const char* op, const TensorView& dout, const TensorView& q, const TensorView& k,
+                       const TensorView& v, const TensorView& out, const TensorView& dq, const TensorView& dk,
+                       const TensorView& dv) {
+  KILN_TRY(check_tensors(op, {{&dout, "dout"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}, q));
+  for (const auto& [g, like, name, of] : {std::tuple{&dout, &out, "dout", "out"}, std::tuple{&dq, &q, "dq", "q"},
+                                         std::tuple{&dk, &k, "dk", "k"}, std::tuple{&dv, &v, "dv", "v"}}) {
+    bool same = g->rank == like->rank;
+    for (int i = 0; same && i < g->rank; ++i) same = g->shape[i] == like->shape[i];
+    if (!same)
+      return shape_mismatch(std::string(op) + ": " + name + " must have the shape of " + of + ", " + dims(*like) +
+                            ", got " + dims(*g));
+  }
+  return {};
+}
+
+// The GPU backward is opt-in: it runs with KILN_ATTENTION_BWD_GPU=1 in the environment (its GPU
+// tests and the bench set it) and is otherwise `unavailable` on CUDA tensors, before anything is
+// compiled; host tensors always run the reference.
+bool gpu_backward_enabled() {
+  const char* e = std::getenv("KILN_ATTENTION_BWD_GPU");
+  return e && std::string(e) == "1";
+}
+
+// The GPU backward's limits, named before anything is compiled.
+Status check_gpu_backward(const char* op, const TensorView& q, const AttentionProblem& a) {
+  if (!gpu_backward_enabled())
+    return Status(Code::unavailable, std::string(op) + ": the GPU backward is opt-in "
+                                     "(set KILN_ATTENTION_BWD_GPU=1); host tensors run the fp64 reference");
+  if (q.dtype != DType::f16 && q.dtype != DType::bf16)
+    return unsupported_dtype(std::string(op) + ": the GPU kernels take f16 and bf16, not " + dtype_name(q.dtype) +
+                             " (f32 runs on host tensors only)");
+  if (!families::attention_bwd_head_dims_supported(a.head_dim, a.head_dim_v))
+    return invalid_argument(std::string(op) + ": the GPU backward takes head_dim/head_dim_v 64/64, 80/80, 96/96 "
+                            "and 128/128, not " + std::to_string(a.head_dim) + "/" + std::to_string(a.head_dim_v) +
+                            " (host tensors take any)");
+  if (a.batch > 65535 || a.heads > 65535)
+    return invalid_argument(std::string(op) + ": the GPU kernels take at most 65535 sequences and 65535 heads");
+  const std::int64_t lim = 0x7fffffff;
+  if (a.seqlen_q > lim || a.seqlen_k > lim || a.total_q * a.heads > lim || a.total_k * a.heads > lim)
+    return invalid_argument(std::string(op) + ": token and row counts must stay below 2^31 on the GPU");
+  return {};
+}
+
+Status run_backward(const char* op, const AttentionProblem& f, bool deterministic, const TensorView& dout,
+                    const TensorView& q, const TensorView& k, const TensorView& v, const TensorView* cu_q,
+                    const TensorView* cu_k, const TensorView& out, const TensorView& lse, const TensorView& dq,
+                    const TensorView& dk, const TensorView& dv, Stream stream, Runtime* runtime) {
+  families::AttentionBwdProblem a;
+  a.batch = f.batch;
+  a.seqlen_q = f.seqlen_q;
+  a.seqlen_k = f.seqlen_k;
+  a.total_q = f.total_q;
+  a.total_k = f.total_k;
+  a.heads = f.heads;
+  a.kv_heads = f.kv_heads;
+  a.head_dim = f.head_dim;
+  a.head_dim_v = f.head_dim_v;
+  a.varlen = f.varlen;
+  a.deterministic = deterministic ? 1 : 0;
+  a.window_left = f.window_left;
+  a.window_right = f.window_right;
+  a.scale = f.scale;
+  a.softcap = f.softcap;
+  void* buffers[12] = {q.data,  k.data,   v.data,  out.data, dout.data, lse.data, cu_q ? cu_q->data : nullptr,
+                       cu_k ? cu_k->data : nullptr, nullptr, dq.data, dk.data, dv.data};
+  if (q.device.kind == DeviceKind::cpu) return families::attention_backward_reference(a, q.dtype, buffers);
+  KILN_TRY(check_gpu_backward(op, q, f));
+  static const Family* family = Registry::global().find("attention_bwd");
+  if (!family) return internal_error("the attention_bwd family is not registered");
+  const std::uint32_t alignment = client::common_alignment(
+      {address(q), address(k), address(v), address(out), address(dout), address(dq), address(dk), address(dv)}, {});
+  Problem stages[3];
+  for (std::int64_t stage = 0; stage < 3; ++stage) {
+    a.stage = stage;
+    stages[stage] = Problem::of(q.dtype, alignment, a);
+    KILN_TRY(family->check_problem(family->heuristic(stages[stage]), stages[stage]));
+  }
+  if (a.total_q == 0 && a.total_k == 0) return {};
+  if (!runtime) {
+    KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  KILN_ASSIGN_OR_RETURN(void* ws,
+                        client::stream_workspace(q.device.index, stream, families::attention_bwd_workspace_elements(a)));
+  buffers[8] = ws;
+  for (const Problem& p : stages) KILN_TRY(runtime->run(*family, p, buffers, stream));
+  return {};
+}
+
+}  // namespace
+
+Status attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& out, const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv, const AttentionOptions& options, bool deterministic, Stream stream,
+                          Runtime* runtime) {
+  const char* op = "attention_backward";
+  AttentionProblem a;
+  KILN_TRY(padded_problem(op, q, k, v, out, &lse, options, a));
+  KILN_TRY(check_gradients(op, dout, q, k, v, out, dq, dk, dv));
+  return run_backward(op, a, deterministic, dout, q, k, v, nullptr, nullptr, out, lse, dq, dk, dv, stream, runtime);
+}
+
+Status attention_varlen_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                                 const TensorView& out, const TensorView& lse, const TensorView& dq,
+                                 const TensorView& dk, const TensorView& dv, std::int64_t max_seqlen_q,
+                                 std::int64_t max_seqlen_k, const AttentionOptions& options, bool deterministic,
+                                 Stream stream, Runtime* runtime) {
+  const char* op = "attention_varlen_backward";
+  AttentionProblem a;
+  KILN_TRY(varlen_problem(op, q, k, v, cu_seqlens_q, cu_seqlens_k, out, &lse, max_seqlen_q, max_seqlen_k, options, a));
+  KILN_TRY(check_gradients(op, dout, q, k, v, out, dq, dk, dv));
+  return run_backward(op, a, deterministic, dout, q, k, v, &cu_seqlens_q, &cu_seqlens_k, out, lse, dq, dk, dv, stream,
+                      runtime);
 }
 
 }  // namespace kiln
@@ -271,6 +415,10 @@ void kiln_register_ops_attention(kiln::Registry& r) {
        .doc = "keys right of the diagonal each query sees; -1 unbounded"},
       {.name = "softcap", .kind = ScalarKind::f64, .has_default = true, .default_value = 0,
        .doc = "> 0: scores become softcap * tanh(score / softcap)"}};
+  const OpScalar deterministic = {.name = "deterministic", .kind = ScalarKind::boolean, .has_default = true,
+                                  .default_value = 0,
+                                  .doc = "the backward's mode: 1 sums dq in a fixed order (bitwise reproducible), 0 "
+                                         "by atomic adds; the forward is deterministic either way"};
   const char* doc_tail =
       " Query head h reads key/value head h / (heads / kv_heads); causal and windows are aligned to the end of the "
       "keys (FlashAttention 2); lse (f32, natural log) is written when given; rows that see no key get zeros and lse "
@@ -288,6 +436,8 @@ void kiln_register_ops_attention(kiln::Registry& r) {
         {.name = "lse", .role = TensorRole::output, .optional = true, .dtypes = dtype_bit(DType::f32), .min_rank = 3,
          .max_rank = 3, .shape = "[batch, heads, seqlen_q]"}};
     op.scalars = common;
+    op.scalars.push_back(deterministic);
+    op.backward = "attention_backward";
     op.run = [options](const OpCall& c) {
       return attention(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.optional(4), options(c, 0), c.stream,
                        c.runtime);
@@ -322,6 +472,8 @@ void kiln_register_ops_attention(kiln::Registry& r) {
     op.scalars = {{.name = "max_seqlen_q", .kind = ScalarKind::i64, .doc = "the longest query sequence"},
                   {.name = "max_seqlen_k", .kind = ScalarKind::i64, .doc = "the longest key sequence"}};
     op.scalars.insert(op.scalars.end(), common.begin(), common.end());
+    op.scalars.push_back(deterministic);
+    op.backward = "attention_varlen_backward";
     op.run = [options](const OpCall& c) {
       return attention_varlen(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.tensor(5),
                               c.optional(6), c.i64(0), c.i64(1), options(c, 2), c.stream, c.runtime);
@@ -333,6 +485,78 @@ void kiln_register_ops_attention(kiln::Registry& r) {
       out[1].rank = 2;
       out[1].shape[0] = q.shape[1];
       out[1].shape[1] = q.shape[0];
+      return Status{};
+    };
+    (void)r.add_op(std::move(op));
+  }
+  const char* bwd_doc =
+      " D = rowsum(dout * out); P is recomputed from q, k and the forward's lse (no seqlen_q x seqlen_k buffer); dk "
+      "and dv are summed over each KV head's query heads; rows that saw no key (lse -inf) contribute nothing.";
+  {
+    OpDecl op;
+    op.name = "attention_backward";
+    op.doc = std::string("(dq, dk, dv) of attention from dout, q, k, v, out and lse.") + bwd_doc;
+    op.tensors = {
+        {.name = "dout", .min_rank = 4, .max_rank = 4, .shape = "[batch, seqlen_q, heads, head_dim_v]",
+         .grad_of = "out"},
+        {.name = "q", .min_rank = 4, .max_rank = 4, .shape = "[batch, seqlen_q, heads, head_dim]"},
+        {.name = "k", .min_rank = 4, .max_rank = 4, .shape = "[batch, seqlen_k, kv_heads, head_dim]"},
+        {.name = "v", .min_rank = 4, .max_rank = 4, .shape = "[batch, seqlen_k, kv_heads, head_dim_v]"},
+        {.name = "out", .min_rank = 4, .max_rank = 4, .shape = "[batch, seqlen_q, heads, head_dim_v]"},
+        {.name = "lse", .dtypes = dtype_bit(DType::f32), .min_rank = 3, .max_rank = 3, .shape = "[batch, heads, seqlen_q]"},
+        {.name = "dq", .role = TensorRole::output, .min_rank = 4, .max_rank = 4,
+         .shape = "[batch, seqlen_q, heads, head_dim]", .grad_of = "q"},
+        {.name = "dk", .role = TensorRole::output, .min_rank = 4, .max_rank = 4,
+         .shape = "[batch, seqlen_k, kv_heads, head_dim]", .grad_of = "k"},
+        {.name = "dv", .role = TensorRole::output, .min_rank = 4, .max_rank = 4,
+         .shape = "[batch, seqlen_k, kv_heads, head_dim_v]", .grad_of = "v"}};
+    op.scalars = common;
+    op.scalars.push_back(deterministic);
+    op.run = [options](const OpCall& c) {
+      return attention_backward(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.tensor(5),
+                                c.tensor(6), c.tensor(7), c.tensor(8), options(c, 0), c.i64(5) != 0, c.stream,
+                                c.runtime);
+    };
+    op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+      out[0] = shape_like(c.tensor(1), c.tensor(1).dtype);
+      out[1] = shape_like(c.tensor(2), c.tensor(1).dtype);
+      out[2] = shape_like(c.tensor(3), c.tensor(1).dtype);
+      return Status{};
+    };
+    (void)r.add_op(std::move(op));
+  }
+  {
+    OpDecl op;
+    op.name = "attention_varlen_backward";
+    op.doc = std::string("(dq, dk, dv) of attention_varlen from dout, q, k, v, the offsets, out and lse.") + bwd_doc;
+    op.tensors = {
+        {.name = "dout", .min_rank = 3, .max_rank = 3, .shape = "[total_q, heads, head_dim_v]", .grad_of = "out"},
+        {.name = "q", .min_rank = 3, .max_rank = 3, .shape = "[total_q, heads, head_dim]"},
+        {.name = "k", .min_rank = 3, .max_rank = 3, .shape = "[total_k, kv_heads, head_dim]"},
+        {.name = "v", .min_rank = 3, .max_rank = 3, .shape = "[total_k, kv_heads, head_dim_v]"},
+        {.name = "cu_seqlens_q", .dtypes = dtype_bit(DType::i32), .max_rank = 1, .shape = "[batch + 1]"},
+        {.name = "cu_seqlens_k", .dtypes = dtype_bit(DType::i32), .max_rank = 1, .shape = "[batch + 1]"},
+        {.name = "out", .min_rank = 3, .max_rank = 3, .shape = "[total_q, heads, head_dim_v]"},
+        {.name = "lse", .dtypes = dtype_bit(DType::f32), .min_rank = 2, .max_rank = 2, .shape = "[heads, total_q]"},
+        {.name = "dq", .role = TensorRole::output, .min_rank = 3, .max_rank = 3, .shape = "[total_q, heads, head_dim]",
+         .grad_of = "q"},
+        {.name = "dk", .role = TensorRole::output, .min_rank = 3, .max_rank = 3,
+         .shape = "[total_k, kv_heads, head_dim]", .grad_of = "k"},
+        {.name = "dv", .role = TensorRole::output, .min_rank = 3, .max_rank = 3,
+         .shape = "[total_k, kv_heads, head_dim_v]", .grad_of = "v"}};
+    op.scalars = {{.name = "max_seqlen_q", .kind = ScalarKind::i64, .doc = "the longest query sequence"},
+                  {.name = "max_seqlen_k", .kind = ScalarKind::i64, .doc = "the longest key sequence"}};
+    op.scalars.insert(op.scalars.end(), common.begin(), common.end());
+    op.scalars.push_back(deterministic);
+    op.run = [options](const OpCall& c) {
+      return attention_varlen_backward(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.tensor(5),
+                                       c.tensor(6), c.tensor(7), c.tensor(8), c.tensor(9), c.tensor(10), c.i64(0),
+                                       c.i64(1), options(c, 2), c.i64(7) != 0, c.stream, c.runtime);
+    };
+    op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+      out[0] = shape_like(c.tensor(1), c.tensor(1).dtype);
+      out[1] = shape_like(c.tensor(2), c.tensor(1).dtype);
+      out[2] = shape_like(c.tensor(3), c.tensor(1).dtype);
       return Status{};
     };
     (void)r.add_op(std::move(op));

@@ -54,4 +54,28 @@ Status attention_varlen(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView* lse, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k,
                         const AttentionOptions& options = {}, Stream stream = nullptr, Runtime* runtime = nullptr);
 
+// dq, dk, dv of attention: dout [batch, seqlen_q, heads, head_dim_v] is the gradient of out; q, k,
+// v, out and lse (f32 [batch, heads, seqlen_q], natural log) as attention wrote them; dq, dk, dv
+// shaped as q, k, v, all of q's dtype, contiguous. D = rowsum(dout * out); P is recomputed from q,
+// k and lse (no seqlen_q x seqlen_k buffer); with GQA, dk and dv are summed over each KV head's
+// query heads. A query row whose lse is -inf (it saw no key) contributes nothing, and its dq is 0.
+// deterministic: dq is summed over key tiles in a fixed order (bitwise identical run to run);
+// otherwise by f32 atomic adds (dk and dv are always deterministic). Host tensors run the fp64
+// reference (f32, f16, bf16; any head dims). On CUDA: f16 or bf16, (head_dim, head_dim_v) one of
+// 64/64, 80/80, 96/96, 128/128, 16-byte aligned; the scratch is the stream's workspace
+// (client/workspace.h). Errors before any compile or launch as attention's, plus shape_mismatch for
+// gradients not shaped as their tensors and invalid_argument for head dims the GPU backward lacks.
+Status attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& out, const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv, const AttentionOptions& options = {}, bool deterministic = false,
+                          Stream stream = nullptr, Runtime* runtime = nullptr);
+
+// The same over packed sequences (layouts as attention_varlen's; dq, dk, dv shaped as q, k, v).
+Status attention_varlen_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                                 const TensorView& out, const TensorView& lse, const TensorView& dq,
+                                 const TensorView& dk, const TensorView& dv, std::int64_t max_seqlen_q,
+                                 std::int64_t max_seqlen_k, const AttentionOptions& options = {},
+                                 bool deterministic = false, Stream stream = nullptr, Runtime* runtime = nullptr);
+
 }  // namespace kiln

@@ -1,6 +1,7 @@
 """kiln for PyTorch: custom ops (torch.library.custom_op with fake implementations, so
 torch.compile(fullgraph=True) traces them without graph breaks and CUDA graphs capture them),
-autograd for RMSNorm and the fused RMSNorm + RoPE, and modules:
+autograd for RMSNorm, the fused RMSNorm + RoPE and attention (flash_attn_func,
+flash_attn_varlen_func, scaled_dot_product_attention), and modules:
 
 - RMSNorm: a drop-in for torch.nn.RMSNorm (same constructor, state_dict keys and results).
 - FusedRMSNormRoPE(hidden_dim, head_dim, eps): owns the RMSNorm weight, forward(x, cos, sin).
@@ -13,6 +14,7 @@ Ops launch on the current CUDA stream. CPU tensors run kiln's CPU fallbacks (the
 RoPE is CUDA only: DeviceError). Errors are kiln's exceptions, raised before any launch.
 """
 import math
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -927,15 +929,22 @@ class FP8Linear(torch.nn.Module):
                f"scaling={self.scaling}"
 
 
-# --- attention (forward only) ---
+# --- attention ---
 #
 # kiln::attention and kiln::attention_varlen are written here rather than generated from their
-# declarations: empty inputs get lse -inf (no key seen), and there is no backward yet, so the
-# wrappers refuse inputs that require grad instead of returning a result autograd cannot follow.
+# declarations (empty inputs get lse -inf: no key seen); their signatures are their declarations',
+# so their autograd comes from the declared backward ops (kiln::attention_backward,
+# kiln::attention_varlen_backward; _AUTOGRAD_FROM_DECLARATION below), which save q, k, v, out and
+# lse. `deterministic` is a forward argument only so that it reaches the backward.
 
 
 class AttentionBackwardNotBuiltError(KilnError, NotImplementedError):
-    """Raised when attention is called on tensors that require grad: only the forward is built."""
+    """Raised when attention is called on tensors that require grad where kiln has no backward for
+    them: CUDA tensors of head dims the GPU backward lacks, or with the GPU backward not enabled
+    (KILN_ATTENTION_BWD_GPU=1)."""
+
+
+_ATTENTION_BWD_HEAD_DIMS = {(64, 64), (80, 80), (96, 96), (128, 128)}
 
 
 def _attention_outputs(q, v, rows_shape, lse_shape):
@@ -943,7 +952,7 @@ def _attention_outputs(q, v, rows_shape, lse_shape):
 
 
 def _attention_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window_left: int,
-                    window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+                    window_right: int, softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _attention_outputs(q, v, q.shape[:2], (q.shape[0], q.shape[2], q.shape[1]))
     if out.numel() == 0 or k.shape[1] == 0:  # PyTorch gives empty tensors a null pointer, which kiln rejects
@@ -956,14 +965,14 @@ _attention = torch.library.custom_op("kiln::attention", _attention_impl, mutates
 
 
 @_attention.register_fake
-def _(q, k, v, scale, causal, window_left, window_right, softcap):
+def _(q, k, v, scale, causal, window_left, window_right, softcap, deterministic):
     return (q.new_empty((*q.shape[:3], v.shape[-1])),
             q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
 
 
 def _attention_varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
-                           window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+                           window_right: int, softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _attention_outputs(q, v, q.shape[:1], (q.shape[1], q.shape[0]))
     if out.numel() == 0 or k.shape[0] == 0:
@@ -978,7 +987,7 @@ _attention_varlen = torch.library.custom_op("kiln::attention_varlen", _attention
 
 @_attention_varlen.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left, window_right,
-      softcap):
+      softcap, deterministic):
     return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -986,10 +995,17 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, ca
 def _attention_args(name, q, k, v, dropout_p, scale, alibi_slopes=None):
     """The checks FlashAttention's and SDPA's arguments get before kiln's own, and the scale kiln
     takes (0: 1/sqrt(head_dim))."""
-    if _needs_grad(q, k, v):
-        raise AttentionBackwardNotBuiltError(
-            f"kiln.torch.{name}: the attention backward is not built yet; call it under torch.no_grad() or "
-            "on tensors that do not require grad")
+    if _needs_grad(q, k, v) and q.is_cuda:
+        dims = (q.shape[-1], v.shape[-1])
+        if dims not in _ATTENTION_BWD_HEAD_DIMS:
+            raise AttentionBackwardNotBuiltError(
+                f"kiln.torch.{name}: the GPU attention backward takes head dims 64, 80, 96 and 128 (q/k and v "
+                f"alike), not {dims[0]}/{dims[1]}; call it under torch.no_grad() or on tensors that do not require "
+                "grad")
+        if os.environ.get("KILN_ATTENTION_BWD_GPU") != "1":
+            raise AttentionBackwardNotBuiltError(
+                f"kiln.torch.{name}: the GPU attention backward is opt-in (KILN_ATTENTION_BWD_GPU=1); call it under "
+                "torch.no_grad() or on tensors that do not require grad")
     if dropout_p != 0:
         raise InvalidArgumentError(f"kiln.torch.{name}: dropout is not supported (dropout_p must be 0)")
     if alibi_slopes is not None:
@@ -1001,6 +1017,19 @@ def _attention_args(name, q, k, v, dropout_p, scale, alibi_slopes=None):
     return float(scale)
 
 
+def _run_attention(name, impl, args):
+    """out and lse of kiln::<name>: the custom op where torch.compile traces; in eager mode its
+    implementation, through an autograd.Function with the declared backward when an input requires
+    grad. lse is returned detached: the backward takes no gradient of it."""
+    if not _eager():
+        out, lse = getattr(torch.ops.kiln, name)(*args)
+    elif _needs_grad(*args[:3]):
+        out, lse = _EAGER_FROM_DECLARATION[name].apply(*args)
+    else:
+        out, lse = impl(*args)
+    return out, lse.detach()
+
+
 def _window(name, window_size):
     left, right = (int(w) for w in window_size)
     return left, right
@@ -1008,43 +1037,46 @@ def _window(name, window_size):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """FlashAttention's flash_attn_func on kiln's kernels (forward only): q [batch, seqlen_q, heads,
+    """FlashAttention's flash_attn_func on kiln's kernels, with autograd: q [batch, seqlen_q, heads,
     head_dim], k and v [batch, seqlen_k, kv_heads, head_dim(_v)]; causal and window_size aligned to
     the end of the keys. Returns out, or (out, lse) with return_attn_probs (lse f32 [batch, heads,
-    seqlen_q]; kiln never returns the attention probabilities). The forward is deterministic, so
-    `deterministic` changes nothing. dropout_p != 0 and alibi_slopes are InvalidArgumentError; inputs
-    that require grad are AttentionBackwardNotBuiltError."""
+    seqlen_q], detached: no gradient flows through it; kiln never returns the attention
+    probabilities). `deterministic` picks the backward's mode (dq summed in a fixed order, bitwise
+    reproducible; the forward is deterministic either way). dropout_p != 0 and alibi_slopes are
+    InvalidArgumentError; CUDA inputs that require grad where the GPU backward is not available are
+    AttentionBackwardNotBuiltError."""
     scale = _attention_args("flash_attn_func", q, k, v, dropout_p, softmax_scale, alibi_slopes)
     left, right = _window("flash_attn_func", window_size)
-    args = (q, k, v, scale, bool(causal), left, right, float(softcap))
-    out, lse = _attention_impl(*args) if _eager() else torch.ops.kiln.attention(*args)
+    args = (q, k, v, scale, bool(causal), left, right, float(softcap), bool(deterministic))
+    out, lse = _run_attention("attention", _attention_impl, args)
     return (out, lse) if return_attn_probs else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
-    """FlashAttention's flash_attn_varlen_func on kiln's kernels (forward only): q [total_q, heads,
+    """FlashAttention's flash_attn_varlen_func on kiln's kernels, with autograd: q [total_q, heads,
     head_dim], k and v [total_k, kv_heads, head_dim(_v)], cu_seqlens_q / cu_seqlens_k int32 [batch +
-    1]. Returns out, or (out, lse) with return_attn_probs (lse f32 [heads, total_q]). block_table
-    (paged KV) is not supported; otherwise as flash_attn_func."""
+    1]. Returns out, or (out, lse) with return_attn_probs (lse f32 [heads, total_q], detached).
+    block_table (paged KV) is not supported; otherwise as flash_attn_func."""
     scale = _attention_args("flash_attn_varlen_func", q, k, v, dropout_p, softmax_scale, alibi_slopes)
     if block_table is not None:
         raise InvalidArgumentError("kiln.torch.flash_attn_varlen_func: block_table (paged KV) is not supported")
     left, right = _window("flash_attn_varlen_func", window_size)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left,
-            right, float(softcap))
-    out, lse = _attention_varlen_impl(*args) if _eager() else torch.ops.kiln.attention_varlen(*args)
+            right, float(softcap), bool(deterministic))
+    out, lse = _run_attention("attention_varlen", _attention_varlen_impl, args)
     return (out, lse) if return_attn_probs else out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
-    """torch.nn.functional.scaled_dot_product_attention on kiln's kernels (forward only): query
+    """torch.nn.functional.scaled_dot_product_attention on kiln's kernels, with autograd: query
     [batch, heads, L, E], key [batch, kv_heads, S, E], value [batch, kv_heads, S, Ev] (4-D only);
     kv_heads < heads needs enable_gqa, as in torch. is_causal is torch's top-left-aligned mask
     (query i sees keys j <= i); with L < S that mask is not one kiln's end-aligned windows express,
-    and is InvalidArgumentError. attn_mask must be None; dropout_p must be 0."""
+    and is InvalidArgumentError. attn_mask must be None; dropout_p must be 0. The backward is
+    deterministic when torch.are_deterministic_algorithms_enabled()."""
     s = _attention_args("scaled_dot_product_attention", query, key, value, dropout_p, scale)
     if attn_mask is not None:
         raise InvalidArgumentError("kiln.torch.scaled_dot_product_attention: attn_mask is not supported (only None)")
@@ -1062,8 +1094,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                 "kiln.torch.scaled_dot_product_attention: is_causal with fewer queries than keys is torch's "
                 "top-left-aligned mask, which kiln does not build (kiln.torch.flash_attn_func aligns it to the end)")
         right = length - keys  # query i sees keys j <= i
-    args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), s, False, -1, right, 0.0)
-    out, _ = _attention_impl(*args) if _eager() else torch.ops.kiln.attention(*args)
+    args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), s, False, -1, right, 0.0,
+            torch.are_deterministic_algorithms_enabled())
+    out, _ = _run_attention("attention", _attention_impl, args)
     return out.transpose(1, 2)
 
 
@@ -1221,7 +1254,8 @@ def _run_declared(name, inputs, scalars):
 # Hand-written ops whose torch signature is their declaration's (inputs, scalars and outputs in
 # declaration order), by name, with their implementations: they take their autograd from the
 # declaration, and their eager training path is an autograd.Function with the same formulas.
-_AUTOGRAD_FROM_DECLARATION = {"act_and_mul": _act_and_mul_impl}
+_AUTOGRAD_FROM_DECLARATION = {"act_and_mul": _act_and_mul_impl, "attention": _attention_impl,
+                              "attention_varlen": _attention_varlen_impl}
 _EAGER_FROM_DECLARATION = {}
 _DECLARED_IMPLS = {}
 

@@ -8,6 +8,13 @@
 // schedules (overlap, pingpong) of the sm_90a kernel beside the sm_80 kernel's tiles, the data
 // behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
 // Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read.
+//
+// The backward (bf16; the section enables it with KILN_ATTENTION_BWD_GPU=1): first small problems
+// (head dims 64 and 128, GQA, full and causal, both modes) against the CPU reference with poisoned
+// gradients, then B4 H32 S4096 D128, B2 H16 S8192 D128 and B4 H32 S4096 D64, full and causal, fast
+// and deterministic, out and lse from kiln's forward. TFLOP/s = 2.5 x the forward's count
+// (10 B H S^2 D: five S^2-sized GEMMs against the forward's two), half for causal. D256 has no GPU
+// backward and prints no row.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +25,7 @@
 #include "bench/gpu_harness.h"
 #include "families/attention/attention.h"
 #include "families/attention/attention_splitkv.h"
+#include "families/attention/attention_bwd.h"
 #include "families/attention/ops.h"
 #include "jit/device_info.h"
 
@@ -213,6 +221,114 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
   return 0;
 }
 
+// Backward at a small shape on the GPU against the CPU reference from the same inputs (out and lse
+// from the host forward); the largest relative L2 error of dq, dk, dv.
+double check_backward(Context& ctx, bool causal, std::int64_t d, bool deterministic) {
+  const std::int64_t b = 2, s = 300, h = 8, hk = 2, n = b * s * h * d, nk = b * s * hk * d, nl = b * h * s;
+  const DType t = DType::bf16;
+  auto hq = random_values(t, n, ctx.rng), hk_ = random_values(t, nk, ctx.rng), hv = random_values(t, nk, ctx.rng),
+       hg = random_values(t, n, ctx.rng);
+  std::vector<unsigned char> ho(n * 2), hl(nl * 4);
+  AttentionOptions opt;
+  opt.causal = causal;
+  TensorView hlv = host(hl, DType::f32, {b, h, s});
+  check(attention(host(hq, t, {b, s, h, d}), host(hk_, t, {b, s, hk, d}), host(hv, t, {b, s, hk, d}),
+                  host(ho, t, {b, s, h, d}), &hlv, opt),
+        "attention (cpu)");
+  DeviceBuffer q(n * 2), k(nk * 2), v(nk * 2), o(n * 2), g(n * 2), l(nl * 4), dq(n * 2), dk(nk * 2), dv(nk * 2);
+  q.upload(hq.data());
+  k.upload(hk_.data());
+  v.upload(hv.data());
+  o.upload(ho.data());
+  g.upload(hg.data());
+  l.upload(hl.data());
+  dq.poison();
+  dk.poison();
+  dv.poison();
+  check(attention_backward(dev(g, t, {b, s, h, d}), dev(q, t, {b, s, h, d}), dev(k, t, {b, s, hk, d}),
+                           dev(v, t, {b, s, hk, d}), dev(o, t, {b, s, h, d}),
+                           TensorView::contiguous(l.get(), DType::f32, {b, h, s}, Device::cuda(0)),
+                           dev(dq, t, {b, s, h, d}), dev(dk, t, {b, s, hk, d}), dev(dv, t, {b, s, hk, d}), opt,
+                           deterministic, nullptr, ctx.runtime),
+        "attention_backward");
+  check(ctx.driver->ctx_synchronize(), "sync");
+  std::vector<unsigned char> gq(n * 2), gk(nk * 2), gv(nk * 2), wq(n * 2), wk(nk * 2), wv(nk * 2);
+  dq.download(gq.data());
+  dk.download(gk.data());
+  dv.download(gv.data());
+  check(attention_backward(host(hg, t, {b, s, h, d}), host(hq, t, {b, s, h, d}), host(hk_, t, {b, s, hk, d}),
+                           host(hv, t, {b, s, hk, d}), host(ho, t, {b, s, h, d}), hlv, host(wq, t, {b, s, h, d}),
+                           host(wk, t, {b, s, hk, d}), host(wv, t, {b, s, hk, d}), opt),
+        "attention_backward (cpu)");
+  return std::max({rel_l2(gq.data(), wq.data(), t, n), rel_l2(gk.data(), wk.data(), t, nk),
+                   rel_l2(gv.data(), wv.data(), t, nk)});
+}
+
+int backward(Context& ctx, nlohmann::json& rows) {
+  setenv("KILN_ATTENTION_BWD_GPU", "1", 1);
+  for (std::int64_t d : {64, 128})
+    for (bool causal : {false, true})
+      for (bool det : {false, true}) {
+        const double err = check_backward(ctx, causal, d, det);
+        const char* mode = det ? "deterministic" : "fast";
+        if (!(err < 2e-2)) {
+          std::printf("attention backward D%lld %s %s: FAILED against the CPU reference (rel err %.3g)\n",
+                      (long long)d, causal ? "causal" : "full", mode, err);
+          return 1;
+        }
+        std::printf("attention backward check (B2 S300 H8/2 D%lld bf16 %s %s): rel err %.2e\n", (long long)d,
+                    causal ? "causal" : "full", mode, err);
+      }
+  struct Shape {
+    std::int64_t b, h, s, d;
+  };
+  std::vector<Shape> shapes = {{4, 32, 4096, 128}, {2, 16, 8192, 128}, {4, 32, 4096, 64}};
+  if (ctx.quick) shapes = {{4, 32, 4096, 128}};
+  std::printf("\nattention backward (bf16)\n%3s %4s %6s %5s %7s %14s %10s %9s\n", "B", "H", "S", "D", "causal", "mode",
+              "median_us", "TFLOP/s");
+  const DType t = DType::bf16;
+  for (const auto& [b, h, s, d] : shapes) {
+    if (!families::attention_bwd_head_dims_supported(d, d)) continue;
+    const std::int64_t n = b * s * h * d;
+    auto base = random_values(t, std::min<std::int64_t>(n, std::int64_t(1) << 22), ctx.rng);
+    std::vector<unsigned char> hx(std::size_t(n) * 2);
+    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2), g(n * 2), l(b * h * s * 4), dq(n * 2), dk(n * 2), dv(n * 2);
+    q.upload(hx.data());
+    k.upload(hx.data());
+    v.upload(hx.data());
+    g.upload(hx.data());
+    const TensorView lse = TensorView::contiguous(l.get(), DType::f32, {b, h, s}, Device::cuda(0));
+    for (bool causal : {false, true}) {
+      AttentionOptions opt;
+      opt.causal = causal;
+      check(attention(dev(q, t, {b, s, h, d}), dev(k, t, {b, s, h, d}), dev(v, t, {b, s, h, d}),
+                      dev(o, t, {b, s, h, d}), &lse, opt, nullptr, ctx.runtime),
+            "attention");
+      for (bool det : {false, true}) {
+        auto call = [&](int) {
+          check(attention_backward(dev(g, t, {b, s, h, d}), dev(q, t, {b, s, h, d}), dev(k, t, {b, s, h, d}),
+                                   dev(v, t, {b, s, h, d}), dev(o, t, {b, s, h, d}), lse, dev(dq, t, {b, s, h, d}),
+                                   dev(dk, t, {b, s, h, d}), dev(dv, t, {b, s, h, d}), opt, det, nullptr, ctx.runtime),
+                "attention_backward");
+        };
+        call(0);
+        check(ctx.driver->ctx_synchronize(), "sync");
+        const double ms = time_events(call, 3, ctx.quick ? 10 : 20);
+        const double flops =
+            2.5 * 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
+        const double tflops = flops / (ms * 1e-3) / 1e12;
+        const char* mode = det ? "deterministic" : "fast";
+        std::printf("%3lld %4lld %6lld %5lld %7s %14s %10.1f %9.1f\n", (long long)b, (long long)h, (long long)s,
+                    (long long)d, causal ? "yes" : "no", mode, ms * 1e3, tflops);
+        rows.push_back({{"kind", "backward"}, {"batch", b}, {"heads", h}, {"seq", s}, {"head_dim", d},
+                        {"causal", causal}, {"mode", mode}, {"median_us", ms * 1e3}, {"tflops", tflops}});
+      }
+    }
+  }
+  return 0;
+}
+
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
   const char* only_variants = std::getenv("KILN_BENCH_ATTENTION_VARIANTS");
@@ -271,8 +387,8 @@ int run(Context& ctx) {
     }
   }
   nlohmann::json decode_rows = nlohmann::json::array();
-  int rc = 0;
-  if (only_variants && std::string(only_variants) == "1") rc = variants(ctx, rows);
+  int rc = backward(ctx, rows);
+  if (rc == 0 && only_variants && std::string(only_variants) == "1") rc = variants(ctx, rows);
   if (run_decode(ctx, decode_rows)) rc = 1;
   (*ctx.out)["attention"] = rows;
   (*ctx.out)["attention_decode"] = decode_rows;

@@ -1,6 +1,8 @@
-"""PyTorch anchors for the attention forward (bf16), the shapes families/attention/bench/attention.cpp
-times: torch.nn.functional.scaled_dot_product_attention with the cuDNN and the flash backends,
-full and causal, with triton.testing.do_bench (median). TFLOP/s counts 4 B H S^2 D, half for causal.
+"""PyTorch anchors for the attention forward and backward (bf16), the shapes
+families/attention/bench/attention.cpp times: torch.nn.functional.scaled_dot_product_attention with
+the cuDNN and the flash backends, full and causal, with triton.testing.do_bench (median). TFLOP/s
+counts 4 B H S^2 D for the forward and 2.5 times that for the backward (the backward alone: out is
+computed once, then out.backward(dout, retain_graph=True) is timed), half for causal.
 Then the decode shapes (bf16, H32/KV8, one query, D128, 8k and 32k keys): SDPA with enable_gqa on
 the cuDNN and flash backends, and on K/V repeated to every query head (repeat_interleave, outside
 the timing) where a backend refuses GQA; GB/s counts the K and V bytes of the KV heads once.
@@ -12,6 +14,8 @@ from triton.testing import do_bench
 
 SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (4, 32, 4096, 64), (2, 16, 4096, 256)]
 QUICK_SHAPES = [(4, 32, 4096, 128), (2, 16, 4096, 256)]
+BWD_SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (4, 32, 4096, 64), (2, 16, 4096, 256)]
+BWD_QUICK_SHAPES = [(4, 32, 4096, 128)]
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 DECODE_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192), (64, 32768)]
 QUICK_DECODE_SHAPES = [(1, 32768), (8, 8192), (64, 8192)]
@@ -40,6 +44,7 @@ def run(quick: bool) -> list[dict]:
             print(f"{b:>3} {h:>4} {s:>6} {d:>5} {str(causal):>7} {row['cudnn_us']:>10.1f} {row['cudnn_tflops']:>9.1f} "
                   f"{row['flash_us']:>10.1f} {row['flash_tflops']:>9.1f}", flush=True)
             rows.append(row)
+    rows += run_backward(quick)
     rows += run_decode(quick)
     return rows
 
@@ -77,4 +82,33 @@ def run_decode(quick: bool) -> list[dict]:
         print(f"{b:>3} {lk:>6} {row['cudnn_us']:>10.1f} {row['cudnn_gbs']:>8.0f} {row['cudnn_how']:>6} "
               f"{row['flash_us']:>10.1f} {row['flash_gbs']:>8.0f} {row['flash_how']:>6}", flush=True)
         rows.append(row)
+    return rows
+
+
+def run_backward(quick: bool) -> list[dict]:
+    dev = torch.device("cuda")
+    rows = []
+    print(f"\ntorch attention backward (bf16)\n{'B':>3} {'H':>4} {'S':>6} {'D':>5} {'causal':>7} "
+          f"{'cudnn us':>10} {'cudnn TF':>9} {'flash us':>10} {'flash TF':>9}")
+    for b, h, s, d in (BWD_QUICK_SHAPES if quick else BWD_SHAPES):
+        q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        dout = torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16)
+        for causal in (False, True):
+            flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            row = {"family": "attention", "kind": "backward", "dtype": "bf16", "batch": b, "heads": h, "seq": s,
+                   "head_dim": d, "causal": causal}
+            for name, backend in BACKENDS.items():
+                try:
+                    with sdpa_kernel(backend):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        out.backward(dout, retain_graph=True)
+                        ms = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=25,
+                                      rep=100 if quick else 200, grad_to_none=[q, k, v], return_mode="median")
+                    row[name + "_us"], row[name + "_tflops"] = ms * 1e3, flops / (ms * 1e-3) / 1e12
+                except RuntimeError:  # the backend does not take this shape on this GPU
+                    row[name + "_us"] = row[name + "_tflops"] = float("nan")
+                out = None
+            print(f"{b:>3} {h:>4} {s:>6} {d:>5} {str(causal):>7} {row['cudnn_us']:>10.1f} {row['cudnn_tflops']:>9.1f} "
+                  f"{row['flash_us']:>10.1f} {row['flash_tflops']:>9.1f}", flush=True)
+            rows.append(row)
     return rows

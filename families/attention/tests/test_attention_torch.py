@@ -1,7 +1,9 @@
 """Attention through kiln.torch (needs PyTorch; on CUDA when there is a GPU): flash_attn_func,
 flash_attn_varlen_func and scaled_dot_product_attention against torch's own math
-(F.scaled_dot_product_attention in fp64 with explicit boolean masks), the typed errors, and tracing
-under torch.compile(fullgraph=True) through the fake implementations."""
+(F.scaled_dot_product_attention in fp64 with explicit boolean masks), their gradients against fp64
+autograd of the same math, the typed errors, the backward's deterministic flag reaching the
+backward op, and tracing under torch.compile(fullgraph=True) through the fake implementations,
+gradients included."""
 import math
 
 import pytest
@@ -158,11 +160,14 @@ def test_unsupported_arguments_are_typed_errors():
         kt.scaled_dot_product_attention(s[:, :, :4], s, s, is_causal=True)
 
 
-def test_inputs_that_require_grad_are_refused():
-    q = torch.randn(1, 8, 2, 64, requires_grad=True)
-    with pytest.raises(kt.AttentionBackwardNotBuiltError, match="backward"):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU backward's limits need CUDA tensors")
+def test_gpu_inputs_the_backward_cannot_take_are_refused(monkeypatch):
+    q = torch.randn(1, 8, 2, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(kt.AttentionBackwardNotBuiltError, match="head dims"):
         kt.flash_attn_func(q, q, q)
-    with pytest.raises(NotImplementedError):
+    monkeypatch.delenv("KILN_ATTENTION_BWD_GPU", raising=False)
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="KILN_ATTENTION_BWD_GPU"):
         kt.scaled_dot_product_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
     with torch.no_grad():
         assert kt.flash_attn_func(q, q, q).shape == (1, 8, 2, 64)
@@ -192,3 +197,221 @@ def test_compiles_without_graph_breaks(device):
     # aot_eager traces through the fake implementations (no inductor compile needed on the host).
     got = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(q, k)
     assert torch.allclose(got, f(q, k))
+
+
+# --- gradients ---
+
+def reference_autograd(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    """out [b, lq, h, dv] in fp64 through plain torch ops (autograd follows them); rows that see no
+    key give zeros and no NaN."""
+    qt, kt_, vt = (t.transpose(1, 2) for t in (q, k, v))
+    rep = qt.shape[1] // kt_.shape[1]
+    kt_, vt = kt_.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = visible(q.shape[1], k.shape[1], causal, window)
+    s = qt @ kt_.transpose(-1, -2) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, -math.inf)
+    seen = mask.any(-1)
+    lse = torch.where(seen, torch.logsumexp(s, -1), 0.0)
+    p = torch.where(mask, torch.exp(s - lse[..., None]), 0.0)
+    return (p @ vt).transpose(1, 2)
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def grads_fp64(fn, tensors, dout):
+    xs = [leaf(t.detach().double().cpu()) for t in tensors]
+    fn(*xs).backward(dout.double().cpu())
+    return [x.grad for x in xs]
+
+
+GRAD_CASES = [("cpu", torch.float32), ("cpu", torch.bfloat16)]
+if torch.cuda.is_available():
+    GRAD_CASES += [("cuda", torch.bfloat16), ("cuda", torch.float16)]
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def gpu_backward(monkeypatch):
+    monkeypatch.setenv("KILN_ATTENTION_BWD_GPU", "1")
+
+
+@pytest.mark.parametrize("device,dtype", GRAD_CASES)
+@pytest.mark.parametrize("causal,window,softcap,lq,lk,heads,kv_heads,d,dv", [
+    (False, (-1, -1), 0.0, 37, 37, 2, 2, 64, 64),
+    (True, (-1, -1), 0.0, 40, 40, 4, 2, 64, 64),      # GQA 2
+    (True, (-1, -1), 0.0, 50, 20, 4, 1, 64, 64),      # lq > lk: rows that see no key; GQA 4
+    (True, (-1, -1), 0.0, 20, 70, 2, 2, 128, 128),    # lq < lk
+    (False, (9, 3), 0.0, 45, 45, 4, 4, 96, 96),       # window
+    (True, (16, -1), 20.0, 33, 48, 4, 2, 128, 128),   # softcap with a left window
+    (False, (-1, -1), 0.0, 17, 30, 2, 1, 80, 80),
+])
+def test_flash_attn_func_gradients_match_fp64_autograd(device, dtype, causal, window, softcap, lq, lk, heads, kv_heads,
+                                                       d, dv, gpu_backward):
+    g = torch.Generator().manual_seed(4)
+    q = leaf(randn(2, lq, heads, d, device=device, dtype=dtype, g=g))
+    k = leaf(randn(2, lk, kv_heads, d, device=device, dtype=dtype, g=g))
+    v = leaf(randn(2, lk, kv_heads, dv, device=device, dtype=dtype, g=g))
+    dout = randn(2, lq, heads, dv, device=device, dtype=dtype, g=g)
+    out = kt.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    out.backward(dout)
+    want = grads_fp64(lambda a, b, c: reference_autograd(a, b, c, causal, window, softcap), (q, k, v), dout)
+    for got, w, name in zip((q.grad, k.grad, v.grad), want, "qkv"):
+        assert got.dtype == dtype and got.shape == w.shape
+        assert bool(torch.isfinite(got).all()), name
+        assert rel(got, w) < GRAD_TOL[dtype], name
+
+
+def test_dv_differs_from_d_on_the_host():
+    g = torch.Generator().manual_seed(5)
+    q = leaf(torch.randn(1, 9, 4, 24, generator=g))
+    k = leaf(torch.randn(1, 11, 2, 24, generator=g))
+    v = leaf(torch.randn(1, 11, 2, 8, generator=g))
+    dout = torch.randn(1, 9, 4, 8, generator=g)
+    kt.flash_attn_func(q, k, v, causal=True, window_size=(4, 0)).backward(dout)
+    want = grads_fp64(lambda a, b, c: reference_autograd(a, b, c, True, (4, 0)), (q, k, v), dout)
+    for got, w in zip((q.grad, k.grad, v.grad), want):
+        assert rel(got, w) < 1e-5
+
+
+@pytest.mark.parametrize("device,dtype", GRAD_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_func_gradients_per_sequence(device, dtype, causal, gpu_backward):
+    g = torch.Generator().manual_seed(6)
+    lens_q, lens_k = [7, 70, 0, 33, 5], [30, 50, 9, 33, 0]
+    heads, kv_heads, d = 4, 2, 64
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=device)
+    q = leaf(randn(sum(lens_q), heads, d, device=device, dtype=dtype, g=g))
+    k = leaf(randn(sum(lens_k), kv_heads, d, device=device, dtype=dtype, g=g))
+    v = leaf(randn(sum(lens_k), kv_heads, d, device=device, dtype=dtype, g=g))
+    dout = randn(sum(lens_q), heads, d, device=device, dtype=dtype, g=g)
+    out = kt.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    out.backward(dout)
+    for got in (q.grad, k.grad, v.grad):
+        assert bool(torch.isfinite(got).all())
+    for b in range(len(lens_q)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lens_q[b] == 0 or lens_k[b] == 0:
+            # Nothing flows: the sequence's keys get zero gradients, and so do queries that see none.
+            assert not bool(q.grad[qs].any()) and not bool(k.grad[ks].any()) and not bool(v.grad[ks].any())
+            continue
+        want = grads_fp64(lambda a, b_, c: reference_autograd(a[None], b_[None], c[None], causal)[0],
+                          (q[qs], k[ks], v[ks]), dout[qs])
+        for got, w, name in zip((q.grad[qs], k.grad[ks], v.grad[ks]), want, "qkv"):
+            assert rel(got, w) < GRAD_TOL[dtype], (b, name)
+
+
+@pytest.mark.parametrize("device,dtype", GRAD_CASES)
+@pytest.mark.parametrize("is_causal,length,keys,heads,kv_heads", [(False, 40, 70, 4, 4), (True, 64, 64, 8, 2)])
+def test_sdpa_gradients_match_torch(device, dtype, is_causal, length, keys, heads, kv_heads, gpu_backward):
+    g = torch.Generator().manual_seed(7)
+    q = leaf(randn(2, heads, length, 64, device=device, dtype=dtype, g=g))
+    k = leaf(randn(2, kv_heads, keys, 64, device=device, dtype=dtype, g=g))
+    v = leaf(randn(2, kv_heads, keys, 64, device=device, dtype=dtype, g=g))
+    dout = randn(2, heads, length, 64, device=device, dtype=dtype, g=g)
+    kt.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.2, enable_gqa=kv_heads != heads).backward(dout)
+    rep = heads // kv_heads
+    want = grads_fp64(lambda a, b, c: F.scaled_dot_product_attention(a, b.repeat_interleave(rep, 1),
+                                                                      c.repeat_interleave(rep, 1),
+                                                                      is_causal=is_causal, scale=0.2),
+                      (q, k, v), dout)
+    for got, w in zip((q.grad, k.grad, v.grad), want):
+        assert rel(got, w) < GRAD_TOL[dtype]
+
+
+def test_lse_is_returned_without_a_gradient():
+    q = leaf(torch.randn(1, 6, 2, 16))
+    out, lse = kt.flash_attn_func(q, q, q, return_attn_probs=True)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_deterministic_reaches_the_backward():
+    # Eager: the autograd node keeps the forward's scalars, which the backward op receives.
+    q = leaf(torch.randn(1, 6, 2, 16))
+    for flag in (False, True):
+        out = kt.flash_attn_func(q, q, q, causal=True, deterministic=flag)
+        assert out.grad_fn.scalars["deterministic"] is flag
+        cu = torch.tensor([0, 6], dtype=torch.int32)
+        out = kt.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 6, 6, deterministic=flag)
+        assert out.grad_fn.scalars["deterministic"] is flag
+    s = q.transpose(1, 2)
+    assert kt.scaled_dot_product_attention(s, s, s).grad_fn.next_functions[0][0].scalars["deterministic"] is False
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = kt.scaled_dot_product_attention(s, s, s)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert out.grad_fn.next_functions[0][0].scalars["deterministic"] is True
+
+    # Compiled: the backward graph calls kiln::attention_backward with the flag as given.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    for flag in (False, True):
+        seen = []
+
+        def backward_compiler(gm, example_inputs):
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and "attention_backward" in str(n.target):
+                    seen.append(n.args[-1])
+            return make_boxed_func(gm.forward)
+
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+        x = leaf(torch.randn(1, 6, 2, 16))
+        f = torch.compile(lambda x: kt.flash_attn_func(x, x, x, deterministic=flag).sum(), fullgraph=True,
+                          backend=backend)
+        f(x).backward()
+        assert seen == [flag]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_gradients_match_eager(device, gpu_backward):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(8)
+    q0 = randn(2, 32, 4, 64, device=device, dtype=dtype, g=g)
+    k0 = randn(2, 32, 2, 64, device=device, dtype=dtype, g=g)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32, device=device)
+
+    def f(q, k):
+        a = kt.flash_attn_func(q, k, k, causal=True, softcap=3.0, deterministic=True)
+        b = kt.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), k.flatten(0, 1), cu, cu, 44, 44, causal=True,
+                                      deterministic=True)
+        c = kt.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), is_causal=True,
+                                            enable_gqa=True)
+        return (a.float() ** 2).sum() + (b.float() ** 2).sum() + (c.float() ** 2).sum()
+
+    torch._dynamo.reset()
+    # aot_eager traces through the fake implementations (no inductor compile needed on the host).
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    got, want = [], []
+    for fn, sink in ((compiled, got), (f, want)):
+        q, k = leaf(q0), leaf(k0)
+        fn(q, k).backward()
+        sink += [q.grad, k.grad]
+    for a, b in zip(got, want):
+        if device == "cpu":
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert rel(a, b.double().cpu()) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU backward's modes need CUDA")
+def test_gpu_deterministic_gradients_are_bitwise_identical(gpu_backward):
+    g = torch.Generator().manual_seed(9)
+    q0 = randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16, g=g)
+    k0 = randn(2, 900, 2, 128, device="cuda", dtype=torch.bfloat16, g=g)
+    dout = randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16, g=g)
+    first = None
+    for _ in range(5):
+        q, k, v = leaf(q0), leaf(k0), leaf(k0)
+        kt.flash_attn_func(q, k, v, causal=True, deterministic=True).backward(dout)
+        grads = [t.grad.clone() for t in (q, k, v)]
+        if first is None:
+            first = grads
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(grads, first))
