@@ -400,6 +400,17 @@ class AttentionCombine final : public Family {
     return fields;
   }
 
+  // A padded layout's query tokens are batch * seqlen_q, not the bucket's bound on total_q.
+  Problem tuning_problem(const Problem& problem) const override {
+    Problem out = Family::tuning_problem(problem);
+    auto a = out.as<AttentionCombineProblem>();
+    if (!a.varlen) {
+      a.total_q = a.batch * a.seqlen_q;
+      out.set(a);
+    }
+    return out;
+  }
+
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
     Rendered r;
