@@ -53,7 +53,7 @@ __device__ __forceinline__ BwdWorkspace bwd_workspace(float* ws, int seqlen_q, i
 #define KILN_ATTENTION_BWD_ARGS                                                                                      \
   const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ o,               \
       const T *__restrict__ dout, const float *__restrict__ lse, const int *__restrict__ cu_q,                       \
-      const int *__restrict__ cu_k, T *__restrict__ dq, T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ ws, \
+      const int *__restrict__ cu_k, float *__restrict__ ws, T *__restrict__ dq, T *__restrict__ dk, T *__restrict__ dv, \
       int seqlen_q, int seqlen_k, int total_q, int total_k, int batch, int heads, int kv_heads, int window_left,     \
       int window_right, int flags, float scale, float softcap
 

@@ -1,6 +1,7 @@
 """kiln.torch.FlashInferAttention (needs PyTorch; on CUDA when there is a GPU): planned packed
-sequences and padded batches against a per-sequence fp64 reference written here, the plan's checks
-and its typed errors, and a CUDA graph replaying a planned call."""
+sequences and padded batches against a per-sequence fp64 reference written here, gradients against
+autograd through that reference, the plan's checks and its typed errors, and a CUDA graph
+replaying a planned call."""
 import math
 
 import pytest
@@ -119,11 +120,27 @@ def test_plan_and_shapes_are_checked():
         assert attn(q, kv, kv).shape == (5, 4, 64)
 
 
-def test_requires_grad_is_refused_until_the_backward_exists():
-    attn = kt.FlashInferAttention(2)
-    q = torch.randn(1, 4, 2, 64, requires_grad=True)
-    with pytest.raises(kt.AttentionBackwardNotBuiltError):
-        attn(q, q.detach(), q.detach())
+def test_planned_gradients_match_fp64_autograd():
+    """A planned call on host tensors carries gradients: dq, dk, dv against autograd through the
+    fp64 reference, sequence by sequence."""
+    torch.manual_seed(3)
+    lens_q, lens_k = [3, 9], [6, 9]
+    cu_q = torch.tensor([0, 3, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 15], dtype=torch.int32)
+    h, hk, d = 4, 2, 32
+    q = torch.randn(12, h, d, dtype=torch.float64).float().requires_grad_()
+    k = torch.randn(15, hk, d, dtype=torch.float64).float().requires_grad_()
+    v = torch.randn(15, hk, d, dtype=torch.float64).float().requires_grad_()
+    attn = kt.FlashInferAttention(h, hk, causal=True)
+    attn.plan(cu_q, cu_k)
+    dout = torch.randn(12, h, d)
+    attn(q, k, v).backward(dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    outs = [attend(qd[cu_q[i]:cu_q[i + 1]], kd[cu_k[i]:cu_k[i + 1]], vd[cu_k[i]:cu_k[i + 1]], True, (-1, -1), 0.0)[0]
+            for i in range(2)]
+    torch.cat(outs).backward(dout.double())
+    for got, want, name in ((q.grad, qd.grad, "q"), (k.grad, kd.grad, "k"), (v.grad, vd.grad, "v")):
+        assert rel(got, want) < 1e-5, name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
