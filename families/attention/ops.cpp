@@ -293,19 +293,8 @@ Status check_gradients(const char* op, const TensorView& dout, const TensorView&
   return {};
 }
 
-// The GPU backward is opt-in: it runs with KILN_ATTENTION_BWD_GPU=1 in the environment (its GPU
-// tests and the bench set it) and is otherwise `unavailable` on CUDA tensors, before anything is
-// compiled; host tensors always run the reference.
-bool gpu_backward_enabled() {
-  const char* e = std::getenv("KILN_ATTENTION_BWD_GPU");
-  return e && std::string(e) == "1";
-}
-
 // The GPU backward's limits, named before anything is compiled.
 Status check_gpu_backward(const char* op, const TensorView& q, const AttentionProblem& a) {
-  if (!gpu_backward_enabled())
-    return Status(Code::unavailable, std::string(op) + ": the GPU backward is opt-in "
-                                     "(set KILN_ATTENTION_BWD_GPU=1); host tensors run the fp64 reference");
   if (q.dtype != DType::f16 && q.dtype != DType::bf16)
     return unsupported_dtype(std::string(op) + ": the GPU kernels take f16 and bf16, not " + dtype_name(q.dtype) +
                              " (f32 runs on host tensors only)");

@@ -940,8 +940,7 @@ class FP8Linear(torch.nn.Module):
 
 class AttentionBackwardNotBuiltError(KilnError, NotImplementedError):
     """Raised when attention is called on tensors that require grad where kiln has no backward for
-    them: CUDA tensors of head dims the GPU backward lacks, or with the GPU backward not enabled
-    (KILN_ATTENTION_BWD_GPU=1)."""
+    them: CUDA tensors of head dims the GPU backward lacks."""
 
 
 _ATTENTION_BWD_HEAD_DIMS = {(64, 64), (80, 80), (96, 96), (128, 128)}
@@ -1002,10 +1001,6 @@ def _attention_args(name, q, k, v, dropout_p, scale, alibi_slopes=None):
                 f"kiln.torch.{name}: the GPU attention backward takes head dims 64, 80, 96 and 128 (q/k and v "
                 f"alike), not {dims[0]}/{dims[1]}; call it under torch.no_grad() or on tensors that do not require "
                 "grad")
-        if os.environ.get("KILN_ATTENTION_BWD_GPU") != "1":
-            raise AttentionBackwardNotBuiltError(
-                f"kiln.torch.{name}: the GPU attention backward is opt-in (KILN_ATTENTION_BWD_GPU=1); call it under "
-                "torch.no_grad() or on tensors that do not require grad")
     if dropout_p != 0:
         raise InvalidArgumentError(f"kiln.torch.{name}: dropout is not supported (dropout_p must be 0)")
     if alibi_slopes is not None:
@@ -1302,7 +1297,7 @@ class FlashInferAttention(torch.nn.Module):
     num_kv_heads, head_dim(_v)]; returns out [total_q, num_heads, head_dim_v], and with return_lse
     also lse f32 ([num_heads, total_q] packed, [batch, num_heads, seq_q] padded). causal and
     window_size are aligned to the end of each sequence's keys, as flash_attn_varlen_func aligns
-    them. Forward only: inputs that require grad raise AttentionBackwardNotBuiltError.
+    them. Gradients flow to q, k and v as through flash_attn_varlen_func.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: Optional[int] = None, causal: bool = True,

@@ -9,7 +9,7 @@
 // behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
 // Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read.
 //
-// The backward (bf16; the section enables it with KILN_ATTENTION_BWD_GPU=1): first small problems
+// The backward (bf16): first small problems
 // (head dims 64 and 128, GQA, full and causal, both modes) against the CPU reference with poisoned
 // gradients, then B4 H32 S4096 D128, B2 H16 S8192 D128 and B4 H32 S4096 D64, full and causal, fast
 // and deterministic, out and lse from kiln's forward. TFLOP/s = 2.5 x the forward's count
@@ -265,7 +265,6 @@ double check_backward(Context& ctx, bool causal, std::int64_t d, bool determinis
 }
 
 int backward(Context& ctx, nlohmann::json& rows) {
-  setenv("KILN_ATTENTION_BWD_GPU", "1", 1);
   for (std::int64_t d : {64, 128})
     for (bool causal : {false, true})
       for (bool det : {false, true}) {
