@@ -24,6 +24,12 @@ int attention_bwd_block_m(std::int64_t head_dim, std::int64_t head_dim_v) {
   return std::max(head_dim, head_dim_v) > 96 ? 32 : 64;
 }
 
+int attention_bwd_warps(std::int64_t head_dim, std::int64_t head_dim_v) {
+  // 8 warps (128 keys a block) halve the dQ atomics and the Q and dO loads per key; head_dim 80
+  // cannot split dQ's columns into multiples of 16 over two warps.
+  return head_dim == 80 || head_dim_v == 80 ? 4 : 8;
+}
+
 std::int64_t attention_bwd_workspace_elements(const AttentionBwdProblem& a) {
   const std::int64_t bm = attention_bwd_block_m(a.head_dim, a.head_dim_v), m_tiles = (a.seqlen_q + bm - 1) / bm;
   std::int64_t n = a.heads * a.total_q + a.total_q * a.heads * a.head_dim + a.batch * a.heads * m_tiles;
@@ -213,7 +219,7 @@ class AttentionBwd final : public Family {
         {"dtype", {}, {"f16", "bf16"}, "element type of q, k, v, out, dout and the gradients"},
         {"head_dim", {64, 80, 96, 128}, {}, "elements per head of q and k"},
         {"head_dim_v", {64, 80, 96, 128}, {}, "elements per head of v and out"},
-        {"warps", {4}, {}, "main: warps per block, 16 keys each"},
+        {"warps", {4, 8}, {}, "main: warps per block, 16 keys each"},
         {"block_m", {32, 64}, {}, "query rows a tile (fixed by the head dims: attention_bwd_block_m)"},
     };
     return defs;
@@ -250,6 +256,12 @@ class AttentionBwd final : public Family {
     if (*params.get_int("block_m") != attention_bwd_block_m(d, dv))
       return invalid_argument("attention_bwd: head dims " + std::to_string(d) + "/" + std::to_string(dv) +
                               " take block_m " + std::to_string(attention_bwd_block_m(d, dv)));
+    // The main kernel's warps tile dQ [block_m, head_dim] as block_m / 16 row groups times column
+    // groups of a multiple of 16 dims.
+    const std::int64_t warps = *params.get_int("warps"), rows = *params.get_int("block_m") / 16;
+    if (warps % rows || d % (warps / rows) || (d / (warps / rows)) % 16)
+      return invalid_argument("attention_bwd: " + std::to_string(warps) + " warps cannot tile dQ of head_dim " +
+                              std::to_string(d) + " in rows of " + std::to_string(*params.get_int("block_m")));
     return {};
   }
 
@@ -341,7 +353,18 @@ class AttentionBwd final : public Family {
     return make(dtype, a.head_dim, a.head_dim_v, std::clamp<std::int64_t>(a.stage, 0, 2));
   }
 
-  std::vector<Params> tuning_space(const Problem& p) const override { return {heuristic(p)}; }
+  // The main stage: 64 or 128 keys a block (4 or 8 warps) where the warps tile dQ.
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    Params h = heuristic(p);
+    if (p.as<AttentionBwdProblem>().stage != 1) return {h};
+    std::vector<Params> out;
+    for (std::int64_t warps : {4, 8}) {
+      Params c = h;
+      c.set("warps", warps);
+      if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+    }
+    return out;
+  }
 
   Problem tuning_problem(const Problem& problem) const override {
     Problem out = Family::tuning_problem(problem);
@@ -529,7 +552,7 @@ class AttentionBwd final : public Family {
                   {"dtype", dtype},
                   {"head_dim", d},
                   {"head_dim_v", dv},
-                  {"warps", std::int64_t(k_attention_bwd_warps)},
+                  {"warps", std::int64_t(attention_bwd_warps(d, dv))},
                   {"block_m", std::int64_t(attention_bwd_block_m(d, dv))}};
   }
 };

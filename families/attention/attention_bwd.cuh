@@ -100,6 +100,17 @@ __device__ __forceinline__ void visible_key_tiles(int m, int lq, int lk, int win
   t_end = n_end > n_begin ? (n_end + BN - 1) / BN : t_begin;
 }
 
+// Adds (a, b) to p[0], p[1] in global memory: one vector reduction on sm_90, two scalar atomics
+// before it.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
 template <class T, int D, int DV, int WARPS, int BM>
 __global__ void __launch_bounds__(WARPS * 32) attention_bwd_main(KILN_ATTENTION_BWD_ARGS) {
   const bool varlen = flags & k_bwd_varlen, deterministic = flags & k_bwd_deterministic;
@@ -349,8 +360,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_bwd_main(KILN_ATTENTION_
             p[0] = p[0] + x0;
             p[1] = p[1] + x1;
           } else {
-            atomicAdd(acc + j * 8, x0);
-            atomicAdd(acc + j * 8 + 1, x1);
+            red_add2(acc + j * 8, x0, x1);
           }
         }
       }

@@ -33,8 +33,8 @@ inline constexpr std::array<std::pair<std::int64_t, std::int64_t>, 4> k_attentio
     {{64, 64}, {80, 80}, {96, 96}, {128, 128}}};
 bool attention_bwd_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v);
 
-// Warps of the main kernel: 16 keys each, 64 keys a block.
-inline constexpr int k_attention_bwd_warps = 4;
+// Warps of the main kernel the heuristic picks: 16 keys each.
+int attention_bwd_warps(std::int64_t head_dim, std::int64_t head_dim_v);
 // Query rows of a tile (also the order counters' granularity): 64, or 32 at head dims above 96,
 // whose dK and dV accumulators leave no room for 64-query tiles of S^T and dP^T.
 int attention_bwd_block_m(std::int64_t head_dim, std::int64_t head_dim_v);

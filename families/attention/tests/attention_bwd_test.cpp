@@ -361,7 +361,7 @@ TEST(AttentionBwdCpu, TheGpuPathRejectsWhatItCannotRunBeforeAnyLaunch) {
   for (const Params& v : cat) EXPECT_TRUE(f->validate(v).ok()) << v.canonical();
   // Shared memory of the main kernel fits sm_80 at every head dim.
   for (const auto& [d, dv] : families::k_attention_bwd_head_dims)
-    EXPECT_LE(families::attention_bwd_smem_bytes(d, dv, families::k_attention_bwd_warps,
+    EXPECT_LE(families::attention_bwd_smem_bytes(d, dv, families::attention_bwd_warps(d, dv),
                                                  families::attention_bwd_block_m(d, dv)),
               163u * 1024);
 }
