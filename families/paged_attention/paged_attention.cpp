@@ -411,6 +411,17 @@ class PagedDecode final : public Family {
     return fields;
   }
 
+  // Without cu_seqlens_q, q holds batch * seqlen_q rows: the bucket's instance keeps that.
+  Problem tuning_problem(const Problem& problem) const override {
+    Problem out = Family::tuning_problem(problem);
+    auto a = out.as<PagedDecodeProblem>();
+    if (!a.varlen) {
+      a.total_q = a.batch * a.seqlen_q;
+      out.set(a);
+    }
+    return out;
+  }
+
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     const auto d = *params.get_int("head_dim");
@@ -496,7 +507,7 @@ class PagedDecode final : public Family {
     struct S {
       std::int64_t batch, heads, kv_heads, lq, max_len, d, page, splits;
     };
-    const S shapes[] = {{2, 32, 8, 1, 2048, 128, 16, 4}, {3, 8, 2, 4, 700, 64, 1, 2}, {2, 16, 2, 1, 1000, 128, 8, 3},
+    const S shapes[] = {{2, 32, 8, 1, 2048, 128, 16, 4}, {3, 8, 2, 3, 700, 64, 1, 2}, {2, 16, 2, 1, 1000, 128, 8, 3},
                         {1, 8, 8, 2, 300, 256, 128, 1}, {4, 32, 8, 1, 4096, 128, 64, 2}, {1, 32, 8, 1, 8192, 128, 32, 16}};
     std::vector<Problem> out;
     for (const S& s : shapes) {

@@ -1527,18 +1527,19 @@ class BatchDecodeWithPagedKVCache(torch.nn.Module):
         self._plan = None
 
     def plan(self, block_tables: Tensor, seq_lens: Tensor, num_blocks: int, cu_seqlens_q: Optional[Tensor] = None,
-             device=None):
-        """Fixes the batch for the following forward calls; returns self."""
+             device=None, check_tables: bool = True):
+        """Fixes the batch for the following forward calls; returns self. check_tables=False skips
+        reading the tables to the host and checking them (tables a KVCacheManager built are valid)."""
         from .serving import plan_paged_decode
         device = torch.device(device) if device is not None else block_tables.device
-        tables_host = block_tables.to("cpu", torch.int32)
-        if tables_host.dim() != 2:
+        if block_tables.dim() != 2:
             raise ShapeMismatchError("BatchDecodeWithPagedKVCache.plan: block_tables must be [batch, max_blocks]")
+        tables_host = block_tables.to("cpu", torch.int32) if check_tables else None
         lens_host = seq_lens.to("cpu", torch.int32).reshape(-1)
         cu_host = None if cu_seqlens_q is None else cu_seqlens_q.to("cpu", torch.int32).reshape(-1)
         p = plan_paged_decode(lens_host, heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                               page_size=self.page_size, num_blocks=int(num_blocks), block_tables=tables_host,
-                              max_blocks=tables_host.shape[1], cu_seqlens_q=cu_host, sm_count=_sm_count(device))
+                              max_blocks=block_tables.shape[1], cu_seqlens_q=cu_host, sm_count=_sm_count(device))
         dev = lambda t: None if t is None else t.to(device, torch.int32).contiguous()
         self._plan = dict(p, tables=dev(block_tables), lens=dev(seq_lens.reshape(-1)), cu=dev(cu_seqlens_q),
                           workspace=torch.empty(max(p["workspace_elements"], 1), dtype=torch.float32, device=device),
@@ -1580,10 +1581,10 @@ class BatchPrefillWithPagedKVCache(BatchDecodeWithPagedKVCache):
         super().__init__(num_heads, num_kv_heads, head_dim, page_size, causal, window_left, softcap, softmax_scale)
 
     def plan(self, block_tables: Tensor, seq_lens: Tensor, num_blocks: int, cu_seqlens_q: Optional[Tensor] = None,
-             device=None):
+             device=None, check_tables: bool = True):
         if cu_seqlens_q is None:
             raise InvalidArgumentError("BatchPrefillWithPagedKVCache.plan: cu_seqlens_q (int32 [batch + 1]) is required")
-        return super().plan(block_tables, seq_lens, num_blocks, cu_seqlens_q, device)
+        return super().plan(block_tables, seq_lens, num_blocks, cu_seqlens_q, device, check_tables)
 
 
 class BatchDecodeWithSharedPrefixPagedKVCache(torch.nn.Module):
