@@ -18,6 +18,7 @@ from test_paged_attention import attend, paged_batch  # noqa: E402
 
 DEVICES = [("cpu", torch.float32)] + ([("cuda", torch.bfloat16)] if torch.cuda.is_available() else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+LSE_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # the reference reads q and k unrounded
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
@@ -33,7 +34,7 @@ def test_batch_decode_module(device, dtype, page):
     for b, (k, v) in enumerate(keys):
         want, want_lse = attend(q[b:b + 1].numpy(), k, v)
         np.testing.assert_allclose(out[b:b + 1].float().cpu().numpy(), want, atol=TOL[dtype])
-        np.testing.assert_allclose(lse[b:b + 1].cpu().numpy(), want_lse, atol=1e-3)
+        np.testing.assert_allclose(lse[b:b + 1].cpu().numpy(), want_lse, atol=LSE_TOL[dtype])
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
