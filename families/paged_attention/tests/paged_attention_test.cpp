@@ -4,8 +4,9 @@
 // in full, paged_decode against attention_varlen over the keys gathered from the pages (every
 // page size, GQA, several queries with causal and window masks, softcap, chunked prefill), the
 // paged_decode family's split reference merged by attention_combine against the op, the cascade
-// (its composition and its op) against the whole context, the plans, every typed error before
-// launch, and the declarations.
+// (its composition and its op) against the whole context, KVCacheManager's slots, copies and
+// tables driving the ops through a fork, the plans, every typed error before launch, and the
+// declarations.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include "families/paged_attention/ops.h"
 #include "families/paged_attention/paged_attention.h"
 #include "kiln/family.h"
+#include "kiln/kv_cache.h"
 #include "kiln/op.h"
 
 namespace kiln {
@@ -620,6 +622,91 @@ TEST(PagedDecode, TypedErrorsBeforeLaunch) {
   HostTensor t64(DType::i64, {2, p.max_blocks});
   EXPECT_EQ(paged_decode(p.q.view, p.kc.view, p.vc.view, t64.view, p.lens.view, nullptr, out.view, nullptr, nullptr).code(),
             Code::unsupported_dtype);
+}
+
+// The host side and the kernels' ops together: KVCacheManager's slot mappings written by
+// reshape_and_cache, a fork whose first append copies the shared last block (copy_blocks before
+// the write), then paged_decode over the manager's tables against attention over each request's
+// own keys kept contiguously here.
+TEST(PagedCacheWithManager, ForkCopyOnWriteAndDecode) {
+  std::mt19937 rng(70);
+  const std::int64_t hk = 2, d = 16, heads = 4, page = 8, blocks = 32, row = hk * d;
+  KVCacheConfig cfg;
+  cfg.num_blocks = std::int32_t(blocks);
+  cfg.page_size = std::int32_t(page);
+  cfg.dtype = KVDType::f16;
+  cfg.num_kv_heads = std::int32_t(hk);
+  cfg.head_dim = std::int32_t(d);
+  cfg.enable_prefix_caching = false;
+  auto m = std::move(KVCacheManager::create(cfg)).value();
+  HostTensor kc(DType::f32, {blocks, page, hk, d}), vc(DType::f32, {blocks, page, hk, d});
+  std::vector<std::vector<float>> keys(3), values(3);  // per request: its tokens' rows, in order
+  std::normal_distribution<float> nd(0, 1);
+  // Writes the new tokens of `request` (their rows appended to its own copy) through the plan.
+  auto write = [&](RequestId request, std::int64_t tokens, SlotPlan& plan) {
+    if (!plan.copies.empty()) {
+      HostTensor pairs(DType::i32, {std::int64_t(plan.copies.size()), 2});
+      std::memcpy(pairs.bytes.data(), plan.copies.data(), plan.copies.size() * sizeof(BlockCopy));
+      ASSERT_TRUE(copy_blocks(kc.view, vc.view, pairs.view).ok());
+    }
+    HostTensor k(DType::f32, {tokens, hk, d}), v(DType::f32, {tokens, hk, d}), slots(DType::i64, {tokens});
+    for (std::int64_t i = 0; i < tokens * row; ++i) {
+      k.as<float>()[i] = nd(rng);
+      v.as<float>()[i] = nd(rng);
+    }
+    std::memcpy(slots.bytes.data(), plan.slot_mapping.data(), std::size_t(tokens) * 8);
+    ASSERT_TRUE(reshape_and_cache(k.view, v.view, slots.view, kc.view, vc.view).ok());
+    keys[std::size_t(request)].insert(keys[std::size_t(request)].end(), k.as<float>(), k.as<float>() + tokens * row);
+    values[std::size_t(request)].insert(values[std::size_t(request)].end(), v.as<float>(), v.as<float>() + tokens * row);
+    plan.clear();
+  };
+  SlotPlan plan;
+  std::vector<std::int32_t> prompt(13, 7);
+  ASSERT_TRUE(m.allocate(1, prompt, plan).ok());
+  write(1, 13, plan);
+  ASSERT_TRUE(m.fork(1, 2).ok());
+  keys[2] = keys[1];
+  values[2] = values[1];
+  std::vector<std::int32_t> tok{5};
+  ASSERT_TRUE(m.append_slots(2, tok, plan).ok());
+  ASSERT_EQ(plan.copies.size(), 1u) << "the shared, partly filled last block is copied first";
+  write(2, 1, plan);
+  ASSERT_TRUE(m.append_slots(1, tok, plan).ok());
+  EXPECT_TRUE(plan.copies.empty());
+  write(1, 1, plan);
+  for (int step = 0; step < 5; ++step) {  // request 2 fills its block and takes another
+    ASSERT_TRUE(m.append_slots(2, tok, plan).ok());
+    write(2, 1, plan);
+  }
+  ASSERT_TRUE(m.check_invariants().ok());
+  // Decode both against their own keys.
+  const std::vector<RequestId> ids = {1, 2};
+  std::int64_t max_blocks = 0;
+  for (RequestId id : ids) max_blocks = std::max<std::int64_t>(max_blocks, std::int64_t(m.block_table(id)->size()));
+  HostTensor tables(DType::i32, {2, max_blocks}), lens(DType::i32, {2}), q(DType::f32, {2, heads, d}), out(DType::f32, {2, heads, d});
+  fill_random(q, rng);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const auto t = *m.block_table(ids[i]);
+    std::copy(t.begin(), t.end(), tables.as<std::int32_t>() + i * max_blocks);
+    lens.as<std::int32_t>()[i] = std::int32_t(*m.num_tokens(ids[i]));
+  }
+  ASSERT_TRUE(paged_decode(q.view, kc.view, vc.view, tables.view, lens.view, nullptr, out.view, nullptr, nullptr).ok());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const std::int64_t lk = lens.as<std::int32_t>()[i];
+    ASSERT_EQ(std::int64_t(keys[std::size_t(ids[i])].size()), lk * row);
+    HostTensor k(DType::f32, {lk, hk, d}), v(DType::f32, {lk, hk, d}), cq(DType::i32, {2}), ck(DType::i32, {2}),
+        want(DType::f32, {1, heads, d});
+    std::memcpy(k.bytes.data(), keys[std::size_t(ids[i])].data(), std::size_t(lk * row) * 4);
+    std::memcpy(v.bytes.data(), values[std::size_t(ids[i])].data(), std::size_t(lk * row) * 4);
+    cq.as<std::int32_t>()[1] = 1;
+    ck.as<std::int32_t>()[1] = std::int32_t(lk);
+    TensorView qi = q.view;
+    qi.shape[0] = 1;
+    qi.data = q.bytes.data() + i * heads * d * 4;
+    ASSERT_TRUE(attention_varlen(qi, k.view, v.view, cq.view, ck.view, want.view, nullptr, 1, lk).ok());
+    for (std::int64_t j = 0; j < heads * d; ++j)
+      ASSERT_NEAR(out.at(std::int64_t(i) * heads * d + j), want.at(j), 1e-5) << "request " << ids[i];
+  }
 }
 
 TEST(PagedDecodePlan, SplitsValidationAndWorkspace) {
