@@ -1,5 +1,6 @@
 // Host costs of the paged KV cache's bookkeeping (serving/): manager operations per block, a
-// decode step's planning for a batch of requests, radix matches and arena allocations. A plain
+// decode step's planning for a batch of requests (slots, tables, and the paged decode kernels'
+// plan, plan_paged_decode), radix matches and arena allocations. A plain
 // program (no GPU): `kiln_bench_serving [--quick]`. Each figure is the median of repeated runs.
 #include <algorithm>
 #include <chrono>
@@ -10,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "families/paged_attention/ops.h"
 #include "kiln/arena.h"
 #include "kiln/kv_cache.h"
 #include "kiln/radix_cache.h"
@@ -139,6 +141,20 @@ void bench_decode_plan(std::int32_t page, bool caching, std::int32_t batch, std:
   std::printf("  %-64s %10.2f us (max %.2f)\n", what, median(plan_only), worst(plan_only));
   std::snprintf(what, sizeof(what), "  ... + CSR block tables (%zu indices)", pb.indices.size());
   std::printf("  %-64s %10.2f us (max %.2f)\n", what, median(with_tables), worst(with_tables));
+  // The kernels' plan over the batch's padded tables (kept by the caller step to step): every
+  // request's table checked against the pool, then the split count.
+  std::int32_t max_blocks = 0;
+  for (std::size_t i = 0; i + 1 < pb.indptr.size(); ++i) max_blocks = std::max(max_blocks, pb.indptr[i + 1] - pb.indptr[i]);
+  std::vector<std::int32_t> padded(std::size_t(batch) * std::size_t(max_blocks), 0);
+  for (std::size_t i = 0; i + 1 < pb.indptr.size(); ++i)
+    std::copy(pb.indices.begin() + pb.indptr[i], pb.indices.begin() + pb.indptr[i + 1], padded.begin() + i * max_blocks);
+  const PagedDecodeShape shape{.heads = 32, .kv_heads = 8, .head_dim = 128, .page_size = page,
+                               .num_blocks = m.num_blocks(), .max_blocks = max_blocks};
+  const double checked = median_ns([] {}, [&] { (void)plan_paged_decode(shape, pb.context_lens, {}, padded, 132); });
+  const double unchecked = median_ns([] {}, [&] { (void)plan_paged_decode(shape, pb.context_lens, {}, {}, 132); });
+  std::snprintf(what, sizeof(what), "  plan_paged_decode, tables checked (%zu entries)", padded.size());
+  std::printf("  %-64s %10.2f us\n", what, checked / 1e3);
+  std::printf("  %-64s %10.2f us\n", "  plan_paged_decode, lengths only", unchecked / 1e3);
 }
 
 void bench_radix(std::int32_t page) {

@@ -1,10 +1,11 @@
 // The C ABI of the paged KV cache's host bookkeeping (kiln.h, version 6) over kiln/kv_cache.h and
-// kiln/radix_cache.h. Every entry point catches everything: no exception crosses it.
+// kiln/radix_cache.h, and the paged decode's host plans (version 7). Every entry point catches everything: no exception crosses it.
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 
+#include "families/paged_attention/ops.h"
 #include "kiln/kiln.h"
 #include "kiln/kv_cache.h"
 #include "kiln/radix_cache.h"
@@ -243,6 +244,55 @@ kiln_code kiln_kv_validate_block_table(const int32_t* table, int64_t table_len, 
     std::span<const int32_t> t;
     KILN_TRY(span_of(table, table_len, "table", t));
     return kiln::KVCacheManager::validate_block_table(t, context_len, num_blocks, page_size);
+  });
+}
+
+kiln_code kiln_paged_decode_plan(const int32_t* seq_lens, int64_t batch, const int32_t* cu_seqlens_q,
+                                 const int32_t* block_tables, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t page_size, int64_t num_blocks, int64_t sm_count,
+                                 kiln_paged_decode_plan_t* out) {
+  return guarded([&]() -> kiln::Status {
+    KILN_TRY(need(out, "out"));
+    if (batch < 0 || max_blocks < 0) return kiln::shape_mismatch("kiln_paged_decode_plan: negative batch or max_blocks");
+    std::span<const int32_t> lens, cu, tables;
+    KILN_TRY(span_of(seq_lens, batch, "seq_lens", lens));
+    if (cu_seqlens_q) cu = std::span<const int32_t>(cu_seqlens_q, std::size_t(batch + 1));
+    if (block_tables) tables = std::span<const int32_t>(block_tables, std::size_t(batch * max_blocks));
+    const kiln::PagedDecodeShape shape{.heads = heads,
+                                       .kv_heads = kv_heads,
+                                       .head_dim = head_dim,
+                                       .page_size = page_size,
+                                       .num_blocks = num_blocks,
+                                       .max_blocks = max_blocks};
+    KILN_ASSIGN_OR_RETURN(const kiln::PagedDecodePlan p, kiln::plan_paged_decode(shape, lens, cu, tables, sm_count));
+    *out = {p.batch, p.total_q, p.max_seqlen_q, p.max_seq_len, p.splits, p.workspace_elements};
+    return {};
+  });
+}
+
+kiln_code kiln_paged_cascade_decode_plan(const int32_t* shared_block_table, int64_t shared_blocks, int64_t shared_len,
+                                         const int32_t* seq_lens, int64_t batch, const int32_t* block_tables,
+                                         int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                         int64_t page_size, int64_t num_blocks, int64_t sm_count,
+                                         kiln_paged_cascade_plan_t* out) {
+  return guarded([&]() -> kiln::Status {
+    KILN_TRY(need(out, "out"));
+    if (batch < 0 || max_blocks < 0)
+      return kiln::shape_mismatch("kiln_paged_cascade_decode_plan: negative batch or max_blocks");
+    std::span<const int32_t> shared, lens, tables;
+    KILN_TRY(span_of(shared_block_table, shared_blocks, "shared_block_table", shared));
+    KILN_TRY(span_of(seq_lens, batch, "seq_lens", lens));
+    if (block_tables) tables = std::span<const int32_t>(block_tables, std::size_t(batch * max_blocks));
+    const kiln::PagedDecodeShape shape{.heads = heads,
+                                       .kv_heads = kv_heads,
+                                       .head_dim = head_dim,
+                                       .page_size = page_size,
+                                       .num_blocks = num_blocks,
+                                       .max_blocks = max_blocks};
+    KILN_ASSIGN_OR_RETURN(const kiln::PagedCascadePlan p,
+                          kiln::plan_paged_cascade_decode(shape, shared, shared_len, lens, tables, sm_count));
+    *out = {p.batch, p.shared_len, p.max_seq_len, p.shared_splits, p.splits, p.workspace_elements};
+    return {};
   });
 }
 

@@ -299,6 +299,10 @@ class AttentionSplitKv final : public Family {
     out.add(int(a.splits));
     out.add(float(a.scale));
     out.add(float(a.softcap));
+    out.add(static_cast<void*>(nullptr));  // block_table, seq_lens: the contiguous kernel reads neither
+    out.add(static_cast<void*>(nullptr));
+    out.add(0);
+    out.add(0);
   }
 
   // The kernel's division of keys, row block by row block (warps and block_n from params), each
@@ -396,7 +400,8 @@ class AttentionCombine final : public Family {
         key(&P::heads, "heads", "query heads"),
         key(&P::head_dim_v, "head_dim_v", "elements per head of out"),
         key(&P::varlen, "varlen", "1: packed sequences (cu_seqlens_q)"),
-        key(&P::splits, "splits", "partials per row")});
+        key(&P::splits, "splits", "partials per row"),
+        value(&P::lse_token_major, "lse_token_major", "1: lse is [total_q, heads] (the paged ops' layout)")});
     return fields;
   }
 
@@ -501,6 +506,7 @@ class AttentionCombine final : public Family {
     out.add(int(a.heads));
     out.add(int(a.varlen));
     out.add(int(a.splits));
+    out.add(int(a.lse_token_major));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
@@ -530,7 +536,9 @@ class AttentionCombine final : public Family {
       for (std::int64_t c = 0; c < dv; ++c)
         store_from_double(b[3], p.dtype, row * dv + c, wsum > 0 ? acc[std::size_t(c)] / wsum : 0.0);
       if (b[4]) {
-        const std::int64_t at = a.varlen ? h * a.total_q + t : ((t / a.seqlen_q) * a.heads + h) * a.seqlen_q + t % a.seqlen_q;
+        const std::int64_t at = a.lse_token_major ? row
+                                : a.varlen        ? h * a.total_q + t
+                                                  : ((t / a.seqlen_q) * a.heads + h) * a.seqlen_q + t % a.seqlen_q;
         static_cast<float*>(b[4])[at] = wsum > 0 ? float(mx + std::log(wsum)) : -std::numeric_limits<float>::infinity();
       }
     }

@@ -17,6 +17,13 @@
 //
 // Partial layout: o_part [splits, total_q, heads, head_dim_v], lse_part [splits, total_q, heads],
 // tokens as q's rows (padded sequences at b * seqlen_q, packed ones at cu_seqlens_q[b]).
+//
+// PAGED: k and v are a paged cache [num_blocks, page_size, kv_heads, head_dim(_v)] (vLLM's flash
+// layout), sequence b's key j in block block_table[b * max_blocks + j / page_size] at row j %
+// page_size, its key count seq_lens[b] (cu_k unused). Each K/V tile's keys are resolved to cache
+// rows (slots) two tiles ahead, read from the block table into registers while a tile computes and
+// kept in a two-entry shared ring, so the copies of a tile never wait on a block-table read; every
+// page size (1 to 128 rows, a power of two) takes the same path, a row at a time.
 #pragma once
 
 #include "attention/attention_fwd.cuh"
@@ -63,13 +70,28 @@ __device__ __forceinline__ void load_rows_rolled(unsigned dst, const T* src, lon
   }
 }
 
-template <class T, int D, int DV, int WARPS, int BN>
+// load_rows_rolled for rows scattered through a paged cache: row r at src + slots[r] * stride.
+template <int ROWS, int COLS, int PITCH, int NT, class T>
+__device__ __forceinline__ void load_rows_paged(unsigned dst, const T* src, long long stride, const int* slots,
+                                                int valid, int tid) {
+  constexpr int CHUNKS = COLS / 8, TOTAL = ROWS * CHUNKS;
+#pragma unroll 4
+  for (int i = tid; i < TOTAL; i += NT) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    const bool ok = r < valid;
+    const T* p = ok ? src + (long long)slots[r] * stride + c * 8 : src;
+    gemm::cp_async_16(dst + unsigned(r * PITCH + c * 8) * 2u, p, ok ? 16 : 0);
+  }
+}
+
+template <class T, int D, int DV, int WARPS, int BN, bool PAGED = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
     attention_splitkv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const int* __restrict__ cu_q, const int* __restrict__ cu_k, float* __restrict__ o_part,
                       float* __restrict__ lse_part, int seqlen_q, int seqlen_k, int total_q, int heads,
                       int kv_heads, int window_left, int window_right, int varlen, int splits, float scale,
-                      float softcap) {
+                      float softcap, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+                      int max_blocks, int page_shift) {
   static_assert(D % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tiles are whole m16n8k16 steps");
   constexpr int NT = WARPS * 32, BM = 16 * WARPS;
   constexpr int PQ = D + 8, PV = DV + 8;  // shared row pitch, elements
@@ -87,8 +109,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   if (varlen) {
     q0 = cu_q[b];
     lq = cu_q[b + 1] - cu_q[b];
-    k0 = cu_k[b];
-    lk = cu_k[b + 1] - cu_k[b];
+    if (!PAGED) {
+      k0 = cu_k[b];
+      lk = cu_k[b + 1] - cu_k[b];
+    }
+  }
+  if (PAGED) {
+    k0 = 0;
+    lk = seq_lens[b];
   }
   const int rows = lq * group, m0 = mblock * BM;
   if (m0 >= rows) return;
@@ -108,11 +136,34 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   const int per = (v_end - v_begin + splits - 1) / splits;
   const int t_begin = min(v_end, v_begin + split * per), t_end = min(v_end, t_begin + per);
 
+  // Paged: the cache rows (slots) of a tile's keys, in ring entry 0 or 1 (the tile's stage). Each
+  // thread resolves keys tid, tid + NT, ... of a tile; rows past the keys get slot 0 (never read).
+  constexpr int SLOTS = (BN + NT - 1) / NT;
+  __shared__ int slot_ring[PAGED ? 2 * BN : 1];
+  const int* table = PAGED ? block_table + (long long)b * max_blocks : nullptr;
+  auto fetch_slots = [&](int t, int (&out)[SLOTS]) {
+    const int n0 = t * BN, page_mask = (1 << page_shift) - 1;
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i) {
+      const int idx = tid + i * NT, n = n0 + idx;
+      out[i] = idx < BN && n < lk ? (table[n >> page_shift] << page_shift) + (n & page_mask) : 0;
+    }
+  };
+  auto store_slots = [&](const int (&in)[SLOTS], int entry) {
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i)
+      if (tid + i * NT < BN) slot_ring[entry * BN + tid + i * NT] = in[i];
+  };
   auto load_kv = [&](int t, int stage) {
     const unsigned s = skv + unsigned(stage * STAGE);
     const int n0 = t * BN;
-    load_rows_rolled<BN, D, PQ, NT>(s, kp + (long long)n0 * k_stride, k_stride, lk - n0, tid);
-    load_rows_rolled<BN, DV, PV, NT>(s + K_BYTES, vp + (long long)n0 * v_stride, v_stride, lk - n0, tid);
+    if constexpr (PAGED) {
+      load_rows_paged<BN, D, PQ, NT>(s, kp, k_stride, slot_ring + stage * BN, lk - n0, tid);
+      load_rows_paged<BN, DV, PV, NT>(s + K_BYTES, vp, v_stride, slot_ring + stage * BN, lk - n0, tid);
+    } else {
+      load_rows_rolled<BN, D, PQ, NT>(s, kp + (long long)n0 * k_stride, k_stride, lk - n0, tid);
+      load_rows_rolled<BN, DV, PV, NT>(s + K_BYTES, vp + (long long)n0 * v_stride, v_stride, lk - n0, tid);
+    }
   };
   {
     // Q rows in packed order; rows past the group's last are zero-filled.
@@ -123,6 +174,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
       const bool ok = gr < rows;
       const T* p = ok ? qp + (long long)(gr / group) * q_stride + (gr % group) * D + c * 8 : q;
       gemm::cp_async_16(sq + unsigned(r * PQ + c * 8) * 2u, p, ok ? 16 : 0);
+    }
+  }
+  if constexpr (PAGED) {
+    if (t_begin < t_end) {
+      int first[SLOTS], second[SLOTS];
+      fetch_slots(t_begin, first);
+      fetch_slots(t_begin + 1, second);
+      store_slots(first, 0);
+      store_slots(second, 1);
+      __syncthreads();
     }
   }
   if (t_begin < t_end) load_kv(t_begin, 0);
@@ -140,10 +201,21 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   for (int t = t_begin; t < t_end; ++t) {
     const int stage = (t - t_begin) & 1;
     // The other stage was read in the previous iteration, which ended in a barrier.
+    // Paged: tile t + 2's slots are read from the block table now, into registers, and stored to
+    // tile t's ring entry after the barrier below (every thread has issued tile t's copies, the
+    // entry's only readers, before it); the barrier ending the iteration publishes them.
+    [[maybe_unused]] int next_slots[PAGED ? SLOTS : 1];
+    [[maybe_unused]] const bool fetch = PAGED && t + 2 < t_end;
+    if constexpr (PAGED) {
+      if (fetch) fetch_slots(t + 2, next_slots);
+    }
     if (t + 1 < t_end) load_kv(t + 1, stage ^ 1);
     gemm::cp_async_commit();
     gemm::cp_async_wait<1>();
     __syncthreads();
+    if constexpr (PAGED) {
+      if (fetch) store_slots(next_slots, stage);
+    }
     const unsigned sk = skv + unsigned(stage * STAGE), sv = sk + K_BYTES;
 
     float s[NS][4];
@@ -252,12 +324,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 }
 
 // One warp per (token, head) row of out; 4 rows a block. Tokens past the last packed sequence
-// (varlen) are left as they are, as attention_fwd leaves them.
+// (varlen) are left as they are, as attention_fwd leaves them. lse is [tokens, heads] when
+// lse_token_major (the paged ops' layout), else the attention family's.
 template <class T, int DV>
 __global__ void __launch_bounds__(128)
     attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                       const int* __restrict__ cu_q, T* __restrict__ o, float* __restrict__ lse, int batch,
-                      int seqlen_q, int total_q, int heads, int varlen, int splits) {
+                      int seqlen_q, int total_q, int heads, int varlen, int splits, int lse_token_major) {
   static_assert(DV % 2 == 0, "pairs of columns");
   constexpr int P = DV / 2, PER = (P + 31) / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -298,8 +371,9 @@ __global__ void __launch_bounds__(128)
     store_pack<T, 2>(orow + 2 * p, pk);
   }
   if (lse && lane == 0) {
-    const long long at = varlen ? (long long)h * total_q + t
-                                : ((long long)(t / seqlen_q) * heads + h) * seqlen_q + t % seqlen_q;
+    const long long at = lse_token_major ? row
+                         : varlen        ? (long long)h * total_q + t
+                                         : ((long long)(t / seqlen_q) * heads + h) * seqlen_q + t % seqlen_q;
     lse[at] = wsum > 0.0f ? mx + logf(wsum) : neg_inf();
   }
 }

@@ -12,7 +12,11 @@
 //
 // attention_combine. Params: dtype {f16, bf16}; head_dim_v {64, 80, 96, 128, 192, 256}. Problem:
 // AttentionCombineProblem. Buffers: o_part, lse_part (as above), cu_seqlens_q, out, lse (f32;
-// may be null), out and lse laid out as the attention family's.
+// may be null), out and lse laid out as the attention family's (lse [total_q, heads] with
+// lse_token_major, as the paged decode writes it).
+//
+// The paged decode (families/paged_attention) runs the same split kernel with PAGED set, over a
+// block table instead of contiguous keys, and this combine.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +59,7 @@ struct AttentionCombineProblem {
   std::int64_t head_dim_v = 0;
   std::int64_t varlen = 0;
   std::int64_t splits = 1;
+  std::int64_t lse_token_major = 0;  // 1: lse [total_q, heads] (the paged ops'), else as attention's
 };
 
 // The split count of the decode path for `a` on a device of `sm_count` multiprocessors (0: the

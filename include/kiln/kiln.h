@@ -12,7 +12,9 @@
  * problems: kiln_family_describe, and kiln_launch (the generic launch of any registered family,
  * plugins' included) takes the family's problem fields; version 4's kiln_launch, which took
  * untyped dims and scalars, is gone. Version 6: the paged KV cache's host bookkeeping (kiln_kv_*,
- * kiln_radix_*).
+ * kiln_radix_*). Version 7: kiln_paged_decode_plan and kiln_paged_cascade_decode_plan (the paged
+ * kernels themselves are declared ops: reshape_and_cache, copy_blocks, merge_state,
+ * merge_state_in_place, paged_decode, paged_cascade_decode).
  *
  * Each op is the C++ op of the same name in kiln/ops.h, with that contract: it validates every
  * tensor and returns KILN_DEVICE_ERROR, KILN_SHAPE_MISMATCH, KILN_UNSUPPORTED_DTYPE or
@@ -29,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KILN_ABI_VERSION 6
+#define KILN_ABI_VERSION 7
 
 /* Same values as kiln::Code. */
 typedef enum kiln_code {
@@ -311,6 +313,33 @@ kiln_code kiln_kv_check(kiln_kv_manager* m);
 /* KVCacheManager::validate_block_table: what a paged kernel checks before launch. */
 kiln_code kiln_kv_validate_block_table(const int32_t* table, int64_t table_len, int64_t context_len, int32_t num_blocks,
                                        int32_t page_size);
+
+/* The host plan of a paged decode batch (kiln::plan_paged_decode, families/paged_attention/ops.h):
+ * seq_lens [batch]; cu_seqlens_q [batch + 1] or NULL (one query per request); block_tables [batch *
+ * max_blocks] or NULL (not checked); sm_count 0 for an H100's 132. Writes the values the declared
+ * op paged_decode takes (max_seqlen_q, max_seq_len, splits) and the f32 elements its workspace
+ * needs. Errors: KILN_SHAPE_MISMATCH (keys past a table, bad offsets), KILN_INVALID_ARGUMENT (a
+ * table entry outside the pool, a page size not 1, 8, 16, 32, 64 or 128). */
+typedef struct kiln_paged_decode_plan_t {
+  int64_t batch, total_q, max_seqlen_q, max_seq_len, splits, workspace_elements;
+} kiln_paged_decode_plan_t;
+kiln_code kiln_paged_decode_plan(const int32_t* seq_lens, int64_t batch, const int32_t* cu_seqlens_q,
+                                 const int32_t* block_tables, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t page_size, int64_t num_blocks, int64_t sm_count,
+                                 kiln_paged_decode_plan_t* out);
+/* The host plan of a cascade decode step (kiln::plan_paged_cascade_decode): the shared prefix's
+ * table [shared_blocks] and length, each request's own seq_lens [batch] and block_tables [batch *
+ * max_blocks] (or NULL: not checked). Writes the values the declared op paged_cascade_decode takes
+ * (max_shared_len, max_seq_len, shared_splits, splits) and its workspace size in f32. Errors as
+ * kiln_paged_decode_plan's, for both tables. */
+typedef struct kiln_paged_cascade_plan_t {
+  int64_t batch, shared_len, max_seq_len, shared_splits, splits, workspace_elements;
+} kiln_paged_cascade_plan_t;
+kiln_code kiln_paged_cascade_decode_plan(const int32_t* shared_block_table, int64_t shared_blocks, int64_t shared_len,
+                                         const int32_t* seq_lens, int64_t batch, const int32_t* block_tables,
+                                         int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                         int64_t page_size, int64_t num_blocks, int64_t sm_count,
+                                         kiln_paged_cascade_plan_t* out);
 
 /* A radix cache over a manager's blocks (kiln::RadixCache); the manager must outlive it. */
 typedef struct kiln_radix kiln_radix;

@@ -1,10 +1,10 @@
-"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 6)."""
+"""Loads libkiln.so and declares the prototypes of the C ABI calls made through ctypes (kiln.h, ABI version 7)."""
 import ctypes
 import os
 
 from ._errors import error_for
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _P = ctypes.c_void_p
 

@@ -1,7 +1,8 @@
-"""The paged KV cache's host bookkeeping (C ABI version 6, docs/serving.md): KVCacheManager (blocks,
+"""The paged KV cache's host bookkeeping (C ABI version 7, docs/serving.md): KVCacheManager (blocks,
 per-request block tables, reference counts, prefix caching, copy-on-write fork), SlotPlan (the
-slots of new tokens and the block copies the kernels run) and RadixCache (SGLang-style radix tree
-over the manager's blocks).
+slots of new tokens and the block copies the kernels run), RadixCache (SGLang-style radix tree
+over the manager's blocks) and plan_paged_decode / plan_paged_cascade_decode (a decode batch's
+host plan for the paged kernels).
 
 Not thread-safe: a manager, its radix caches and plans are used by one thread at a time. Errors
 are kiln's: NotFoundError (unknown or finished request, evicted node), InvalidArgumentError (bad
@@ -12,6 +13,7 @@ nothing.
 import ctypes
 import weakref
 
+from ._errors import InvalidArgumentError, ShapeMismatchError
 from ._lib import check, lib
 
 _P = ctypes.c_void_p
@@ -61,6 +63,9 @@ _PROTOTYPES = {
     "kiln_kv_get_stats": (_P, ctypes.POINTER(_Stats)),
     "kiln_kv_check": (_P,),
     "kiln_kv_validate_block_table": (_I32P, _I64, _I64, _I32, _I32),
+    "kiln_paged_decode_plan": (_I32P, _I64, _I32P, _I32P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P),
+    "kiln_paged_cascade_decode_plan": (_I32P, _I64, _I64, _I32P, _I64, _I32P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                       _P),
     "kiln_radix_create": (_P, _P),
     "kiln_radix_match": (_P, _I32P, _I64, _I32P, _I64, _P, _P),
     "kiln_radix_insert": (_P, _I32P, _I64, _I32P, _I64, _P, _P),
@@ -278,4 +283,76 @@ def validate_block_table(table, context_len, num_blocks, page_size):
     check(lib.kiln_kv_validate_block_table(p, n, context_len, num_blocks, page_size))
 
 
-__all__ = ["KVCacheManager", "RadixCache", "SlotPlan", "validate_block_table", "KV_DTYPES", "ADMISSIONS"]
+class _PagedDecodePlan(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("batch", "total_q", "max_seqlen_q", "max_seq_len", "splits",
+                                               "workspace_elements")]
+
+
+def _i32_array(values):
+    """(pointer, count, keep-alive) of int32 values without a Python loop when numpy can view them
+    (numpy arrays, CPU torch tensors); None stays None."""
+    if values is None:
+        return None, 0, None
+    try:
+        import numpy as np
+        arr = np.ascontiguousarray(np.asarray(values).reshape(-1), dtype=np.int32)
+        return arr.ctypes.data_as(_I32P), int(arr.size), arr
+    except ImportError:
+        return _i32(list(values))
+
+
+def plan_paged_decode(seq_lens, *, heads, kv_heads, head_dim, page_size, num_blocks, block_tables=None,
+                      max_blocks=None, cu_seqlens_q=None, sm_count=0):
+    """The host plan of a paged decode batch (kiln::plan_paged_decode): seq_lens [batch] (keys per
+    request), block_tables [batch, max_blocks] (checked when given: InvalidArgumentError for an entry
+    outside the pool, ShapeMismatchError for keys past a table), cu_seqlens_q [batch + 1] (None: one
+    query per request); host sequences, numpy arrays or CPU tensors. Returns a dict: batch, total_q,
+    max_seqlen_q, max_seq_len, splits (for sm_count SMs; 0: an H100's 132) and workspace_elements
+    (f32), the values the paged_decode op takes."""
+    lp, batch, keep_l = _i32_array(seq_lens)
+    cp, ncu, keep_c = _i32_array(cu_seqlens_q)
+    tp, nt, keep_t = _i32_array(block_tables)
+    if max_blocks is None:
+        if block_tables is None:
+            raise InvalidArgumentError("plan_paged_decode: give block_tables or max_blocks")
+        max_blocks = nt // batch if batch else 0
+    if cu_seqlens_q is not None and ncu != batch + 1:
+        raise ShapeMismatchError("plan_paged_decode: cu_seqlens_q must hold batch + 1 offsets")
+    if block_tables is not None and nt != batch * max_blocks:
+        raise ShapeMismatchError("plan_paged_decode: block_tables must hold batch * max_blocks entries")
+    out = _PagedDecodePlan()
+    check(lib.kiln_paged_decode_plan(lp, batch, cp, tp, max_blocks, heads, kv_heads, head_dim, page_size, num_blocks,
+                                     sm_count, ctypes.byref(out)))
+    del keep_l, keep_c, keep_t
+    return {n: int(getattr(out, n)) for n, _ in _PagedDecodePlan._fields_}
+
+
+class _PagedCascadePlan(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("batch", "shared_len", "max_seq_len", "shared_splits", "splits",
+                                               "workspace_elements")]
+
+
+def plan_paged_cascade_decode(shared_block_table, shared_len, seq_lens, *, heads, kv_heads, head_dim, page_size,
+                              num_blocks, block_tables=None, max_blocks=None, sm_count=0):
+    """The host plan of a cascade decode step (kiln::plan_paged_cascade_decode): the shared prefix's
+    blocks and length, each request's own seq_lens [batch] and block_tables [batch, max_blocks]
+    (checked when given). Returns a dict: batch, shared_len, max_seq_len, shared_splits, splits and
+    workspace_elements (f32), the values the paged_cascade_decode op takes."""
+    sp, ns, keep_s = _i32_array(shared_block_table)
+    lp, batch, keep_l = _i32_array(seq_lens)
+    tp, nt, keep_t = _i32_array(block_tables)
+    if max_blocks is None:
+        if block_tables is None:
+            raise InvalidArgumentError("plan_paged_cascade_decode: give block_tables or max_blocks")
+        max_blocks = nt // batch if batch else 0
+    if block_tables is not None and nt != batch * max_blocks:
+        raise ShapeMismatchError("plan_paged_cascade_decode: block_tables must hold batch * max_blocks entries")
+    out = _PagedCascadePlan()
+    check(lib.kiln_paged_cascade_decode_plan(sp, ns, shared_len, lp, batch, tp, max_blocks, heads, kv_heads, head_dim,
+                                             page_size, num_blocks, sm_count, ctypes.byref(out)))
+    del keep_s, keep_l, keep_t
+    return {n: int(getattr(out, n)) for n, _ in _PagedCascadePlan._fields_}
+
+
+__all__ = ["KVCacheManager", "RadixCache", "SlotPlan", "validate_block_table", "plan_paged_decode",
+           "plan_paged_cascade_decode", "KV_DTYPES", "ADMISSIONS"]

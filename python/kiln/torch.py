@@ -1246,6 +1246,121 @@ def _run_declared(name, inputs, scalars):
     return getattr(torch.ops.kiln, name)(*inputs, *scalars)
 
 
+# ---- the paged KV cache (families/paged_attention) ----
+# reshape_and_cache, copy_blocks and merge_state_in_place write into tensors they are given, and
+# paged_decode into its workspace: torch learns that from mutates_args, which the ops registered
+# from their declarations (mutating nothing) cannot say.
+
+
+def _as_cache(t):
+    """An fp8 cache (torch.float8_e4m3fn) as the u8 bytes kiln's ops take; other caches as they are."""
+    return t.view(torch.uint8) if t.dtype == getattr(torch, "float8_e4m3fn", None) else t
+
+
+@torch.library.custom_op("kiln::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+def _reshape_and_cache(key: Tensor, value: Tensor, slot_mapping: Tensor, key_cache: Tensor, value_cache: Tensor,
+                       k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
+    if key.shape[0] == 0:
+        return
+    _ops.reshape_and_cache(key, value, slot_mapping.contiguous(), k_scale, v_scale, key_cache=_as_cache(key_cache),
+                           value_cache=_as_cache(value_cache))
+
+
+@_reshape_and_cache.register_fake
+def _(key, value, slot_mapping, key_cache, value_cache, k_scale=None, v_scale=None):
+    return None
+
+
+@torch.library.custom_op("kiln::copy_blocks", mutates_args=("key_cache", "value_cache"))
+def _copy_blocks(key_cache: Tensor, value_cache: Tensor, pairs: Tensor) -> None:
+    if pairs.shape[0] == 0:
+        return
+    _ops.copy_blocks(pairs.contiguous(), key_cache=_as_cache(key_cache), value_cache=_as_cache(value_cache))
+
+
+@_copy_blocks.register_fake
+def _(key_cache, value_cache, pairs):
+    return None
+
+
+@torch.library.custom_op("kiln::merge_state_in_place", mutates_args=("v", "s"))
+def _merge_state_in_place(v: Tensor, s: Tensor, v_other: Tensor, s_other: Tensor) -> None:
+    if v.numel() == 0:
+        return
+    _ops.merge_state_in_place(v_other.contiguous(), s_other.contiguous(), v=v, s=s)
+
+
+@_merge_state_in_place.register_fake
+def _(v, s, v_other, s_other):
+    return None
+
+
+@torch.library.custom_op("kiln::paged_decode", mutates_args=("workspace",))
+def _paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                  cu_seqlens_q: Optional[Tensor], workspace: Tensor, max_seqlen_q: int, max_seq_len: int, splits: int,
+                  scale: float, causal: bool, window_left: int, softcap: float) -> Tuple[Tensor, Tensor]:
+    q = q.contiguous()
+    out = _new(q, q.shape)
+    lse = _new(q, q.shape[:2], torch.float32)
+    if q.shape[0] == 0:
+        return out, lse
+    _ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, workspace, max_seqlen_q, max_seq_len,
+                      splits, scale, causal, window_left, softcap, out=out, lse=lse)
+    return out, lse
+
+
+@_paged_decode.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, workspace, max_seqlen_q, max_seq_len, splits, scale,
+      causal, window_left, softcap):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("kiln::paged_cascade_decode", mutates_args=("workspace",))
+def _paged_cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, shared_block_table: Tensor,
+                          shared_seq_len: Tensor, block_tables: Tensor, seq_lens: Tensor, workspace: Tensor,
+                          max_shared_len: int, max_seq_len: int, shared_splits: int, splits: int, scale: float,
+                          softcap: float) -> Tuple[Tensor, Tensor]:
+    q = q.contiguous()
+    out = _new(q, q.shape)
+    lse = _new(q, q.shape[:2], torch.float32)
+    if q.shape[0] == 0:
+        return out, lse
+    _ops.paged_cascade_decode(q, k_cache, v_cache, shared_block_table, shared_seq_len, block_tables, seq_lens,
+                              workspace, max_shared_len, max_seq_len, shared_splits, splits, scale, softcap, out=out,
+                              lse=lse)
+    return out, lse
+
+
+@_paged_cascade_decode.register_fake
+def _(q, k_cache, v_cache, shared_block_table, shared_seq_len, block_tables, seq_lens, workspace, max_shared_len,
+      max_seq_len, shared_splits, splits, scale, softcap):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+                      k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
+    """vLLM's reshape_and_cache_flash: key and value [tokens, kv_heads, head_dim] (rows at any stride) go to
+    slots slot_mapping[t] (int32 or int64; -1: skipped) of the caches [num_blocks, page_size, kv_heads,
+    head_dim], in place. fp8 caches (float8_e4m3fn or uint8) store e4m3(x / scale) with k_scale, v_scale
+    f32 [1] tensors."""
+    torch.ops.kiln.reshape_and_cache(key, value, slot_mapping, key_cache, value_cache, k_scale, v_scale)
+
+
+def copy_blocks(key_cache: Tensor, value_cache: Tensor, pairs: Tensor) -> None:
+    """Block dst of both caches becomes a copy of block src for each (src, dst) row of pairs [n, 2] (int32 or
+    int64), in place: KVCacheManager's copy list (SlotPlan.copies). Pairs must not chain or repeat a dst."""
+    torch.ops.kiln.copy_blocks(key_cache, value_cache, pairs)
+
+
+def merge_state_in_place(v: Tensor, s: Tensor, v_other: Tensor, s_other: Tensor) -> None:
+    """(v, s) becomes the merge of itself with (v_other, s_other): v [tokens, heads, head_dim], s [tokens,
+    heads] f32 lse (natural log) over disjoint keys; FlashInfer's merge_state_in_place."""
+    torch.ops.kiln.merge_state_in_place(v, s, v_other, s_other)
+
+
+__all__ += ["reshape_and_cache", "copy_blocks", "merge_state_in_place"]
+
+
 # Hand-written ops whose torch signature is their declaration's (inputs, scalars and outputs in
 # declaration order), by name, with their implementations: they take their autograd from the
 # declaration, and their eager training path is an autograd.Function with the same formulas.
@@ -1371,3 +1486,163 @@ class FlashInferAttention(torch.nn.Module):
 
 
 __all__.append("FlashInferAttention")
+
+
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+class BatchDecodeWithPagedKVCache(torch.nn.Module):
+    """Paged decode with FlashInfer's plan/run split (BatchDecodeWithPagedKVCacheWrapper), on kiln's
+    paged decode kernels (families/paged_attention).
+
+    plan(block_tables, seq_lens, num_blocks, cu_seqlens_q=None) takes a batch's padded block tables
+    (int32 [batch, max_blocks]) and key counts (int32 [batch]), on the device or the host: it reads
+    them to the host once (one sync per batch), checks every request's table against the pool
+    (InvalidArgumentError for an entry outside it, ShapeMismatchError for keys past the table),
+    picks the key split for the device and allocates the workspace. forward(q, k_cache, v_cache)
+    then touches nothing on the host: every layer of the batch reuses the plan, and the call can be
+    captured in a CUDA graph.
+
+    q [total_q, num_heads, head_dim] (one query per request without cu_seqlens_q; with it, request
+    b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, its last tokens); k_cache and
+    v_cache [num_blocks, page_size, num_kv_heads, head_dim] (vLLM's flash layout). Returns out
+    [total_q, num_heads, head_dim] and, with return_lse, lse f32 [total_q, num_heads].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16, causal: bool = False,
+                 window_left: int = -1, softcap: float = 0.0, softmax_scale: Optional[float] = None):
+        super().__init__()
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise InvalidArgumentError(f"BatchDecodeWithPagedKVCache: num_heads ({num_heads}) must be a positive "
+                                       f"multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
+        self.page_size, self.causal, self.window_left = int(page_size), bool(causal), int(window_left)
+        self.softcap, self.softmax_scale = float(softcap), softmax_scale
+        self._plan = None
+
+    def plan(self, block_tables: Tensor, seq_lens: Tensor, num_blocks: int, cu_seqlens_q: Optional[Tensor] = None,
+             device=None, check_tables: bool = True):
+        """Fixes the batch for the following forward calls; returns self. check_tables=False skips
+        reading the tables to the host and checking them (tables a KVCacheManager built are valid)."""
+        from .serving import plan_paged_decode
+        device = torch.device(device) if device is not None else block_tables.device
+        if block_tables.dim() != 2:
+            raise ShapeMismatchError("BatchDecodeWithPagedKVCache.plan: block_tables must be [batch, max_blocks]")
+        tables_host = block_tables.to("cpu", torch.int32) if check_tables else None
+        lens_host = seq_lens.to("cpu", torch.int32).reshape(-1)
+        cu_host = None if cu_seqlens_q is None else cu_seqlens_q.to("cpu", torch.int32).reshape(-1)
+        p = plan_paged_decode(lens_host, heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                              page_size=self.page_size, num_blocks=int(num_blocks), block_tables=tables_host,
+                              max_blocks=block_tables.shape[1], cu_seqlens_q=cu_host, sm_count=_sm_count(device))
+        dev = lambda t: None if t is None else t.to(device, torch.int32).contiguous()
+        self._plan = dict(p, tables=dev(block_tables), lens=dev(seq_lens.reshape(-1)), cu=dev(cu_seqlens_q),
+                          workspace=torch.empty(max(p["workspace_elements"], 1), dtype=torch.float32, device=device),
+                          num_blocks=int(num_blocks))
+        return self
+
+    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, return_lse: bool = False):
+        p = self._plan
+        if p is None:
+            raise InvalidArgumentError("BatchDecodeWithPagedKVCache: call plan() before forward()")
+        if q.dim() != 3 or q.shape[0] != p["total_q"] or q.shape[1] != self.num_heads:
+            raise ShapeMismatchError(f"BatchDecodeWithPagedKVCache: q must be [{p['total_q']}, {self.num_heads}, "
+                                     f"head_dim] for the planned batch, got {list(q.shape)}")
+        if k_cache.dim() != 4 or k_cache.shape[0] != p["num_blocks"] or k_cache.shape[1] != self.page_size:
+            raise ShapeMismatchError(f"BatchDecodeWithPagedKVCache: the caches must be [{p['num_blocks']}, "
+                                     f"{self.page_size}, num_kv_heads, head_dim] as planned, got {list(k_cache.shape)}")
+        out, lse = torch.ops.kiln.paged_decode(q, k_cache, v_cache, p["tables"], p["lens"], p["cu"], p["workspace"],
+                                               p["max_seqlen_q"], p["max_seq_len"], p["splits"],
+                                               float(self.softmax_scale or 0.0), self.causal, self.window_left,
+                                               self.softcap)
+        return (out, lse) if return_lse else out
+
+    def extra_repr(self):
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"page_size={self.page_size}, causal={self.causal}, window_left={self.window_left}, "
+                f"softcap={self.softcap}")
+
+
+class BatchPrefillWithPagedKVCache(BatchDecodeWithPagedKVCache):
+    """Chunked prefill / append over a paged cache, FlashInfer's BatchPrefillWithPagedKVCacheWrapper
+    in shape: BatchDecodeWithPagedKVCache with causal on by default and cu_seqlens_q (the queries'
+    offsets, int32 [batch + 1]) required by plan. Request b's queries are the last of its seq_lens[b]
+    keys (its new tokens, already written to the cache by reshape_and_cache). It runs the decode's
+    split kernel, whose tiles are sized for short query runs: correct for any length, not tuned for
+    long prompts."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16, causal: bool = True,
+                 window_left: int = -1, softcap: float = 0.0, softmax_scale: Optional[float] = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, page_size, causal, window_left, softcap, softmax_scale)
+
+    def plan(self, block_tables: Tensor, seq_lens: Tensor, num_blocks: int, cu_seqlens_q: Optional[Tensor] = None,
+             device=None, check_tables: bool = True):
+        if cu_seqlens_q is None:
+            raise InvalidArgumentError("BatchPrefillWithPagedKVCache.plan: cu_seqlens_q (int32 [batch + 1]) is required")
+        return super().plan(block_tables, seq_lens, num_blocks, cu_seqlens_q, device, check_tables)
+
+
+class BatchDecodeWithSharedPrefixPagedKVCache(torch.nn.Module):
+    """Cascade decode: every request of the batch continues one shared prefix (a system prompt, the
+    prompt of parallel samples) held in blocks shared_block_table of the cache, then keys of its
+    own. The prefix is attended once per batch, as one request whose queries are every request's
+    (its K and V read once instead of once per request, the requests' GQA rows filling its tiles),
+    each request's own keys apart, and one combine merges the two passes' partial states by their
+    lse (three launches: kiln's paged_cascade_decode op). FlashInfer's MultiLevelCascadeAttention
+    with two levels, for one query per request.
+
+    plan(shared_block_table [prefix_blocks], shared_len, block_tables [batch, max_blocks], seq_lens
+    [batch] (own keys, after the prefix), num_blocks) reads the tables to the host once and checks
+    them; forward(q [batch, num_heads, head_dim], k_cache, v_cache, return_lse=False) -> out (and lse
+    [batch, num_heads]), attention over prefix + own keys, touching nothing on the host.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16, softcap: float = 0.0,
+                 softmax_scale: Optional[float] = None):
+        super().__init__()
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise InvalidArgumentError(f"BatchDecodeWithSharedPrefixPagedKVCache: num_heads ({num_heads}) must be a "
+                                       f"positive multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
+        self.page_size, self.softcap, self.softmax_scale = int(page_size), float(softcap), softmax_scale
+        self._plan = None
+
+    def plan(self, shared_block_table: Tensor, shared_len: int, block_tables: Tensor, seq_lens: Tensor,
+             num_blocks: int, device=None):
+        """Fixes the batch for the following forward calls; returns self."""
+        from .serving import plan_paged_cascade_decode
+        device = torch.device(device) if device is not None else block_tables.device
+        shared_host = shared_block_table.to("cpu", torch.int32).reshape(-1)
+        tables_host = block_tables.to("cpu", torch.int32)
+        if tables_host.dim() != 2:
+            raise ShapeMismatchError("BatchDecodeWithSharedPrefixPagedKVCache.plan: block_tables must be "
+                                     "[batch, max_blocks]")
+        p = plan_paged_cascade_decode(shared_host, int(shared_len), seq_lens.to("cpu", torch.int32).reshape(-1),
+                                      heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                      page_size=self.page_size, num_blocks=int(num_blocks), block_tables=tables_host,
+                                      max_blocks=tables_host.shape[1], sm_count=_sm_count(device))
+        dev = lambda t: t.to(device, torch.int32).contiguous()
+        self._plan = dict(p, shared=dev(shared_host), shared_len_t=dev(torch.tensor([int(shared_len)])),
+                          tables=dev(block_tables), lens=dev(seq_lens.reshape(-1)), num_blocks=int(num_blocks),
+                          workspace=torch.empty(max(p["workspace_elements"], 1), dtype=torch.float32, device=device))
+        return self
+
+    def forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, return_lse: bool = False):
+        p = self._plan
+        if p is None:
+            raise InvalidArgumentError("BatchDecodeWithSharedPrefixPagedKVCache: call plan() before forward()")
+        if q.dim() != 3 or q.shape[0] != p["batch"] or q.shape[1] != self.num_heads:
+            raise ShapeMismatchError(f"BatchDecodeWithSharedPrefixPagedKVCache: q must be [{p['batch']}, "
+                                     f"{self.num_heads}, head_dim] for the planned batch, got {list(q.shape)}")
+        if k_cache.dim() != 4 or k_cache.shape[0] != p["num_blocks"] or k_cache.shape[1] != self.page_size:
+            raise ShapeMismatchError(f"BatchDecodeWithSharedPrefixPagedKVCache: the caches must be "
+                                     f"[{p['num_blocks']}, {self.page_size}, num_kv_heads, head_dim] as planned, got "
+                                     f"{list(k_cache.shape)}")
+        out, lse = torch.ops.kiln.paged_cascade_decode(q, k_cache, v_cache, p["shared"], p["shared_len_t"],
+                                                       p["tables"], p["lens"], p["workspace"], p["shared_len"],
+                                                       p["max_seq_len"], p["shared_splits"], p["splits"],
+                                                       float(self.softmax_scale or 0.0), self.softcap)
+        return (out, lse) if return_lse else out
+
+
+__all__ += ["BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache", "BatchDecodeWithSharedPrefixPagedKVCache"]
