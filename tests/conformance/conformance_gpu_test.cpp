@@ -29,11 +29,13 @@ std::vector<unsigned char> random_input(const BufferSpec& b, std::mt19937& rng) 
   return out;
 }
 
-// Relative L2 error over the elements either side wrote (both NaN: a gap neither writes, such as
-// the space between strided rows); an element only one side wrote counts as a mismatch.
+// Relative L2 error over the finite elements either side wrote (both NaN: a gap neither writes,
+// such as the space between strided rows); an element only one side wrote counts as a mismatch,
+// and so does an infinity (an lse of no key, say) the other side does not have with its sign.
 struct Compared {
   double rel_l2 = 0;
   std::int64_t one_sided = 0;
+  std::int64_t infinities_differ = 0;
 };
 Compared compare(const void* got, const void* want, DType t, std::int64_t n) {
   double num = 0, den = 0;
@@ -43,6 +45,10 @@ Compared compare(const void* got, const void* want, DType t, std::int64_t n) {
     if (std::isnan(g) && std::isnan(w)) continue;
     if (std::isnan(g) || std::isnan(w)) {
       ++c.one_sided;
+      continue;
+    }
+    if (std::isinf(g) || std::isinf(w)) {
+      if (g != w) ++c.infinities_differ;
       continue;
     }
     num += (g - w) * (g - w);
@@ -96,6 +102,7 @@ TEST_P(ConformanceGpu, HeuristicVariantsMatchTheCpuReference) {
         dev[i]->download(got.data());
         const Compared c = compare(got.data(), want[i].data(), specs[i].dtype, specs[i].elements);
         EXPECT_EQ(c.one_sided, 0) << what << ": " << specs[i].name << " has elements only one side wrote";
+        EXPECT_EQ(c.infinities_differ, 0) << what << ": " << specs[i].name << " has infinities on one side only";
         const double tol = is_floating(specs[i].dtype) ? tolerance(specs[i].dtype) : 0.0;
         EXPECT_LE(c.rel_l2, tol) << what << ": " << specs[i].name << " (" << dtype_name(specs[i].dtype) << ")";
       }
