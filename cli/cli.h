@@ -103,6 +103,7 @@ int run_daemon_start(const GlobalOptions& g, const DaemonStartOptions& o);
 int run_daemon_stop(const GlobalOptions& g);
 int run_daemon_status(const GlobalOptions& g, bool json);
 int run_plugins(const GlobalOptions& g, bool json);
+int run_metrics(const GlobalOptions& g);
 
 // ---- reporting -------------------------------------------------------------------------------
 

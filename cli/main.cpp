@@ -101,6 +101,8 @@ int run(int argc, char** argv) {
   auto* plugins = app.add_subcommand("plugins", "Family plugins loaded by this process, and the ones skipped with why");
   plugins->add_flag("--json", plugins_json, "Print JSON");
 
+  auto* metrics = app.add_subcommand("metrics", "Counters in the Prometheus text format (the daemon's when it runs)");
+
   auto* daemon = app.add_subcommand("daemon", "Start, stop or query kilnd");
   daemon->require_subcommand(1);
   DaemonStartOptions ds;
@@ -112,7 +114,7 @@ int run(int argc, char** argv) {
   auto* dstatus = daemon->add_subcommand("status", "Whether kilnd runs: pid, version, socket, uptime");
   dstatus->add_flag("--json", dstatus_json, "Print JSON");
 
-  for (CLI::App* sub : {prewarm, list, tune, show, why, stats, verify, evict, plugins, daemon, dstart, dstop, dstatus})
+  for (CLI::App* sub : {prewarm, list, tune, show, why, stats, verify, evict, plugins, metrics, daemon, dstart, dstop, dstatus})
     sub->fallthrough();
 
   try {
@@ -135,6 +137,7 @@ int run(int argc, char** argv) {
   if (*verify) return run_verify(g, verify_json);
   if (*evict) return run_evict(g, ev);
   if (*plugins) return run_plugins(g, plugins_json);
+  if (*metrics) return run_metrics(g);
   if (*dstart) return run_daemon_start(g, ds);
   if (*dstop) return run_daemon_stop(g);
   if (*dstatus) return run_daemon_status(g, dstatus_json);

@@ -11,6 +11,8 @@
 #include "common/paths.h"
 #include "jit/builder.h"
 #include "kiln/spec.h"
+#include "remote/config.h"
+#include "remote/tier.h"
 
 namespace kiln::cli {
 namespace {
@@ -22,7 +24,7 @@ struct WorkItem {
   std::string arch;
 };
 
-enum class Outcome { pending, compiled, cached, failed, skipped };
+enum class Outcome { pending, compiled, cached, remote, failed, skipped };
 
 struct ItemResult {
   Outcome outcome = Outcome::pending;
@@ -35,6 +37,7 @@ const char* outcome_name(Outcome o) {
   switch (o) {
     case Outcome::compiled: return "compiled";
     case Outcome::cached: return "cached";
+    case Outcome::remote: return "remote";
     case Outcome::failed: return "failed";
     case Outcome::skipped: return "skipped";
     case Outcome::pending: break;
@@ -69,13 +72,14 @@ int prewarm_via_daemon(client::DaemonClient& daemon, const PrewarmOptions& o,
     nlohmann::json j = {{"via", "daemon"},         {"socket", socket.string()},
                         {"archs", archs},          {"families", family_names(fams)},
                         {"requested", p.requested}, {"compiled", p.compiled},
-                        {"cached", p.cached},      {"failed", p.failed},
+                        {"cached", p.cached},      {"remote", p.remote},
+                        {"failed", p.failed},
                         {"seconds", secs},         {"errors", p.errors}};
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("prewarm (via kilnd): %lld requested, %lld compiled, %lld already cached, %lld failed "
-                "in %s\n", static_cast<long long>(p.requested), static_cast<long long>(p.compiled),
-                static_cast<long long>(p.cached), static_cast<long long>(p.failed),
+    std::printf("prewarm (via kilnd): %lld requested, %lld compiled, %lld already cached, %lld from the remote "
+                "tier, %lld failed in %s\n", static_cast<long long>(p.requested), static_cast<long long>(p.compiled),
+                static_cast<long long>(p.cached), static_cast<long long>(p.remote), static_cast<long long>(p.failed),
                 human_ms(secs * 1000).c_str());
   }
   if (p.failed > 0) {
@@ -91,10 +95,16 @@ int prewarm_via_daemon(client::DaemonClient& daemon, const PrewarmOptions& o,
 int prewarm_in_process(const PrewarmOptions& o, const std::vector<std::string>& archs,
                        const std::vector<const Family*>& fams, const std::vector<WorkItem>& items) {
   const auto file = cache_file();
+  auto remote_config = remote::config_from_env();
+  if (!remote_config.ok()) return report_error(remote_config.status(), k_exit_usage);
   auto store = cache::Store::open(file);
   if (!store.ok()) return report_error(store.status());
+  // Declared before the builder so that it outlives it; its destructor sends the write-backs
+  // still queued when the prewarm ends.
+  std::unique_ptr<remote::Tier> tier;
+  if (*remote_config) tier = remote::Tier::create(std::move(**remote_config));
   // PCH pays for itself after the first compile of a process, which a prewarm always has.
-  jit::Builder builder(store->get(), &Registry::global(), jit::BuilderOptions{.use_pch = true});
+  jit::Builder builder(store->get(), &Registry::global(), jit::BuilderOptions{.use_pch = true, .remote = tier.get()});
 
   const int jobs = std::max(1, std::min<int>(o.jobs, static_cast<int>(items.size())));
   std::fprintf(stderr, "kiln: prewarm: %zu variants in-process with %d job%s into %s\n", items.size(),
@@ -127,7 +137,7 @@ int prewarm_in_process(const PrewarmOptions& o, const std::vector<std::string>& 
           res.outcome = Outcome::compiled;
           res.ms = a->entry.compile_ms > 0 ? a->entry.compile_ms : elapsed_ms;
         } else {
-          res.outcome = Outcome::cached;
+          res.outcome = a->source == jit::ArtifactSource::remote ? Outcome::remote : Outcome::cached;
           res.ms = elapsed_ms;
         }
       } else {
@@ -144,6 +154,8 @@ int prewarm_in_process(const PrewarmOptions& o, const std::vector<std::string>& 
         line += "compiled " + human_ms(res.ms);
       else if (res.outcome == Outcome::cached)
         line += "cached";
+      else if (res.outcome == Outcome::remote)
+        line += "from the remote tier";
       else
         line += "FAILED: " + res.error.message();
       std::fputs((line + "\n").c_str(), stderr);
@@ -156,10 +168,11 @@ int prewarm_in_process(const PrewarmOptions& o, const std::vector<std::string>& 
   for (auto& t : pool) t.join();
   const double secs = seconds_since(t0);
 
-  std::int64_t compiled = 0, cached = 0, failed = 0, skipped = 0;
+  std::int64_t compiled = 0, cached = 0, remote = 0, failed = 0, skipped = 0;
   for (const auto& r : results) {
     compiled += r.outcome == Outcome::compiled;
     cached += r.outcome == Outcome::cached;
+    remote += r.outcome == Outcome::remote;
     failed += r.outcome == Outcome::failed;
     skipped += r.outcome == Outcome::skipped;
   }
@@ -184,15 +197,16 @@ int prewarm_in_process(const PrewarmOptions& o, const std::vector<std::string>& 
                         {"requested", static_cast<std::int64_t>(items.size())},
                         {"compiled", compiled},
                         {"cached", cached},
+                        {"remote", remote},
                         {"failed", failed},
                         {"skipped", skipped},
                         {"seconds", secs},
                         {"variants", std::move(variants)}};
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("prewarm: %zu requested, %lld compiled, %lld already cached, %lld failed", items.size(),
-                static_cast<long long>(compiled), static_cast<long long>(cached),
-                static_cast<long long>(failed));
+    std::printf("prewarm: %zu requested, %lld compiled, %lld already cached, %lld from the remote tier, %lld failed",
+                items.size(), static_cast<long long>(compiled), static_cast<long long>(cached),
+                static_cast<long long>(remote), static_cast<long long>(failed));
     if (skipped) std::printf(", %lld skipped", static_cast<long long>(skipped));
     std::printf(" in %s\n", human_ms(secs * 1000).c_str());
   }

@@ -32,6 +32,7 @@
 #include "daemon/work_pool.h"
 #include "jit/builder.h"
 #include "kiln/family.h"
+#include "remote/tier.h"
 
 namespace kiln::daemon {
 
@@ -52,6 +53,7 @@ struct Server::Impl {
   std::unique_ptr<Instance> instance;
   std::unique_ptr<cache::Store> store;
   std::unique_ptr<CompileWorkers> workers;  // null: compiles run in-process; outlives builder
+  std::unique_ptr<remote::Tier> remote;     // null: no remote tier; outlives builder
   std::unique_ptr<jit::Builder> builder;
   std::unique_ptr<TuningService> tuning;  // destroyed after the pools: cache pool jobs read its table
   std::unique_ptr<WorkPool> compile_pool;
@@ -126,6 +128,10 @@ struct Server::Impl {
         {"compile_worker_deaths", workers ? workers->worker_deaths() : 0},
         {"compile_workers_started", workers ? workers->workers_started() : 0},
         {"socket", instance->socket_path().string()},
+        {"tuning_runs", tuning->counters().runs},
+        {"tuning_failures", tuning->counters().run_failures},
+        {"tuning_remote_hits", tuning->counters().remote_hits},
+        {"remote", remote ? remote_counters_to_json(*remote) : json(nullptr)},
     };
   }
 };
@@ -178,6 +184,10 @@ Result<std::unique_ptr<Server>> Server::create(const ServerOptions& options, boo
     s->workers = std::make_unique<CompileWorkers>("/proc/self/exe", options.compile_timeout);
     bo.compiler = [w = s->workers.get()](const jit::CompileRequest& r) { return w->compile(r); };
   }
+  if (options.remote) {
+    s->remote = remote::Tier::create(*options.remote);
+    bo.remote = s->remote.get();
+  }
   s->builder = std::make_unique<jit::Builder>(s->store.get(), &Registry::global(), bo);
 
   Connections::Hooks hooks;
@@ -190,7 +200,8 @@ Result<std::unique_ptr<Server>> Server::create(const ServerOptions& options, boo
   KILN_TRY(s->connections->listen(s->instance->release_listen_fd(), options.socket));
   s->compile_pool = std::make_unique<WorkPool>(s->options.jobs, "compile pool");
   s->aux_pool = std::make_unique<WorkPool>(1, "cache pool");
-  KILN_ASSIGN_OR_RETURN(s->tuning, TuningService::create(*s->store, *s->builder, *s->aux_pool, options.autotune));
+  KILN_ASSIGN_OR_RETURN(s->tuning, TuningService::create(*s->store, *s->builder, *s->aux_pool, options.autotune,
+                                                              s->remote.get()));
   s->build = std::make_unique<BuildHandlers>(*s->builder, *s->compile_pool);
   s->query = std::make_unique<QueryHandlers>(*s->store, *s->builder, *s->aux_pool, [s] { return s->daemon_stats(); });
   return std::unique_ptr<Server>(new Server(std::move(impl)));
@@ -210,7 +221,8 @@ int Server::run() {
   s.started = Clock::now();
   log_info(std::string("kilnd ") + KILN_VERSION + " listening on " + s.instance->socket_path().string() +
            " (protocol " + std::to_string(k_protocol_version) + ", jobs " + std::to_string(s.compile_pool->threads()) +
-           ", pch " + (s.options.use_pch ? "on" : "off") + ", cache " + s.store->path().string() + ")");
+           ", pch " + (s.options.use_pch ? "on" : "off") + ", cache " + s.store->path().string() +
+           (s.remote ? ", remote " + s.remote->describe() : std::string()) + ")");
   asio::co_spawn(s.io, s.wait_signals(), asio::detached);
   s.connections->start();
   int code = k_exit_ok;
