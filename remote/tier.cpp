@@ -86,12 +86,15 @@ void Tier::succeeded() {
   backoff_ = config_.backoff_initial;
 }
 
-std::unique_ptr<Connection> Tier::take_connection(Clock::time_point deadline, Status& error) {
-  {
+std::unique_ptr<Connection> Tier::take_connection(Clock::time_point deadline, Status& error, bool& reused,
+                                                  bool fresh) {
+  reused = false;
+  if (!fresh) {
     std::lock_guard lock(mu_);
     if (!idle_.empty()) {
       auto c = std::move(idle_.back());
       idle_.pop_back();
+      reused = true;
       return c;
     }
   }
@@ -118,13 +121,24 @@ std::optional<std::string> Tier::fetch(const std::string& name) {
   }
   const auto deadline = Clock::now() + config_.read_timeout;
   Status error;
-  auto c = take_connection(deadline, error);
+  bool reused = false;
+  auto c = take_connection(deadline, error, reused);
   if (!c) {
     failed(error);
     return std::nullopt;
   }
   const std::string full_name = config_.key_prefix + name;
   auto r = c->command({"GET", full_name}, deadline);
+  // A pooled connection may have been closed by the server since (a restart, an idle timeout):
+  // that is not the server failing now, so it gets one fresh connection.
+  if (!r.ok() && reused && r.status().code() == Code::unavailable) {
+    c = take_connection(deadline, error, reused, /*fresh=*/true);
+    if (!c) {
+      failed(error);
+      return std::nullopt;
+    }
+    r = c->command({"GET", full_name}, deadline);
+  }
   if (!r.ok()) {
     failed(r.status());
     return std::nullopt;
@@ -231,6 +245,18 @@ void Tier::write_loop() {
       if (conn) {
         const std::string full_name = config_.key_prefix + name;
         auto r = conn->command({"SET", full_name, sealed}, deadline);
+        if (!r.ok() && r.status().code() == Code::unavailable) {
+          // Kept from an earlier write, the connection may have been closed by the server since.
+          auto c = Connection::open(config_, deadline);
+          if (c.ok()) {
+            conn = std::move(c).value();
+            {
+              std::lock_guard g(mu_);
+              ++counters_.connects;
+            }
+            r = conn->command({"SET", full_name, sealed}, deadline);
+          }
+        }
         if (!r.ok()) {
           error = r.status();
           conn.reset();

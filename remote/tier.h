@@ -76,7 +76,9 @@ class Tier {
   explicit Tier(Config config);
   // The raw value stored under `name`: nullopt when absent or the server failed (counted).
   std::optional<std::string> fetch(const std::string& name);
-  std::unique_ptr<Connection> take_connection(Clock::time_point deadline, Status& error);
+  // A pooled connection (reused = true) unless `fresh`, else a new one; null with `error` set.
+  std::unique_ptr<Connection> take_connection(Clock::time_point deadline, Status& error, bool& reused,
+                                              bool fresh = false);
   void give_back(std::unique_ptr<Connection> c);
   // True when a request may go to the server now; false while backing off.
   bool admit();
