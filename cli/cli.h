@@ -42,6 +42,10 @@ struct PrewarmOptions {
   bool json = false;
   std::string problems;  // a file of problems to tune (cli/tune.cpp); needs a GPU
   bool pin = false;      // pin every prewarmed variant (never evicted; cli/evict.cpp)
+  std::string model;     // a Hugging Face config.json: that model's variants only (cli/model_plan.h)
+  std::vector<std::int64_t> tokens;  // token buckets for --model (empty: the defaults)
+  int sm_count = 0;      // multiprocessors the heuristics assume for --model (0: the arch's flagship)
+  bool dry_run = false;  // --model: list the variants, compile nothing
 };
 
 struct EvictOptions {

@@ -50,6 +50,14 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   prewarm->add_flag("--json", pw.json, "Print the summary as JSON");
   prewarm->add_flag("--pin", pw.pin, "Pin the variants: the size cap never evicts them (see kiln evict)");
+  prewarm->add_option("--model", pw.model,
+                      "A Hugging Face config.json: compile only the variants that model's layers use");
+  prewarm->add_option("--tokens", pw.tokens, "Token buckets for --model (default 1,16,128,1024,4096)")
+      ->delimiter(',');
+  prewarm->add_option("--sm-count", pw.sm_count,
+                      "Multiprocessors the heuristics assume for --model (default: the arch's flagship GPU)")
+      ->check(CLI::Range(1, 1024));
+  prewarm->add_flag("--dry-run", pw.dry_run, "With --model: list the variants and what uses them, compile nothing");
   prewarm->add_option("--problems", pw.problems,
                       "Also tune the problems in FILE (one 'FAMILY DTYPE name=size,...' per line; needs a GPU)");
 
