@@ -87,6 +87,21 @@ struct DaemonStartOptions {
   bool no_pch = false;
 };
 
+struct ExportOptions {
+  std::string out;       // the bundle file
+  std::string family;    // empty: every family
+  std::string arch;      // empty: every arch
+  std::string key_file;  // empty: $KILN_FLEET_KEY_FILE
+  bool no_tuning = false;
+  bool json = false;
+};
+
+struct ImportOptions {
+  std::string file;
+  std::string key_file;
+  bool json = false;
+};
+
 // Commands. Each returns an ExitCode.
 int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o);
 int run_evict(const GlobalOptions& g, const EvictOptions& o);
@@ -108,6 +123,8 @@ int run_daemon_stop(const GlobalOptions& g);
 int run_daemon_status(const GlobalOptions& g, bool json);
 int run_plugins(const GlobalOptions& g, bool json);
 int run_metrics(const GlobalOptions& g);
+int run_export(const GlobalOptions& g, const ExportOptions& o);
+int run_import(const GlobalOptions& g, const ImportOptions& o);
 
 // ---- reporting -------------------------------------------------------------------------------
 

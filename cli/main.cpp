@@ -111,6 +111,21 @@ int run(int argc, char** argv) {
 
   auto* metrics = app.add_subcommand("metrics", "Counters in the Prometheus text format (the daemon's when it runs)");
 
+  ExportOptions ex;
+  auto* exp = app.add_subcommand("export", "Write the cache's kernels and tuning rows to a bundle signed with the fleet key");
+  exp->add_option("--out", ex.out, "The bundle file to write")->required();
+  exp->add_option("--family", ex.family, "Only this family");
+  exp->add_option("--arch", ex.arch, "Only this architecture");
+  exp->add_option("--fleet-key-file", ex.key_file, "The fleet key, mode 0600 (default: $KILN_FLEET_KEY_FILE)");
+  exp->add_flag("--no-tuning", ex.no_tuning, "Leave the tuning table out");
+  exp->add_flag("--json", ex.json, "Print JSON");
+
+  ImportOptions im;
+  auto* imp = app.add_subcommand("import", "Verify a bundle's every record and add the good ones to the cache");
+  imp->add_option("BUNDLE", im.file, "A bundle written by kiln export")->required();
+  imp->add_option("--fleet-key-file", im.key_file, "The fleet key, mode 0600 (default: $KILN_FLEET_KEY_FILE)");
+  imp->add_flag("--json", im.json, "Print JSON");
+
   auto* daemon = app.add_subcommand("daemon", "Start, stop or query kilnd");
   daemon->require_subcommand(1);
   DaemonStartOptions ds;
@@ -122,7 +137,8 @@ int run(int argc, char** argv) {
   auto* dstatus = daemon->add_subcommand("status", "Whether kilnd runs: pid, version, socket, uptime");
   dstatus->add_flag("--json", dstatus_json, "Print JSON");
 
-  for (CLI::App* sub : {prewarm, list, tune, show, why, stats, verify, evict, plugins, metrics, daemon, dstart, dstop, dstatus})
+  for (CLI::App* sub : {prewarm, list, tune, show, why, stats, verify, evict, plugins, metrics, exp, imp, daemon, dstart, dstop,
+                     dstatus})
     sub->fallthrough();
 
   try {
@@ -146,6 +162,8 @@ int run(int argc, char** argv) {
   if (*evict) return run_evict(g, ev);
   if (*plugins) return run_plugins(g, plugins_json);
   if (*metrics) return run_metrics(g);
+  if (*exp) return run_export(g, ex);
+  if (*imp) return run_import(g, im);
   if (*dstart) return run_daemon_start(g, ds);
   if (*dstop) return run_daemon_stop(g);
   if (*dstatus) return run_daemon_status(g, dstatus_json);
