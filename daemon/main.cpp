@@ -13,6 +13,7 @@
 
 #include "common/paths.h"
 #include "daemon/compile_workers.h"
+#include "daemon/metrics_http.h"
 #include "daemon/server.h"
 #include "kiln/family.h"
 #include "remote/config.h"
@@ -23,7 +24,7 @@ constexpr const char* k_usage =
     "usage: kilnd [--socket PATH] [--cache-dir DIR] [--jobs N] [--no-pch] [--autotune] [--foreground]\n"
     "             [--idle-timeout-ms MS] [--frame-timeout-ms MS] [--max-connections N]\n"
     "             [--compile-timeout-ms MS] [--remote URL --fleet-key-file FILE\n"
-    "             [--remote-password-file FILE] [--remote-timeout-ms MS]]\n"
+    "             [--remote-password-file FILE] [--remote-timeout-ms MS]] [--metrics-listen HOST:PORT]\n"
     "\n"
     "Serves compiled CUDA kernels to kiln clients over a Unix socket.\n"
     "\n"
@@ -50,6 +51,8 @@ constexpr const char* k_usage =
     "  --remote-password-file FILE  Redis AUTH password (with the URL's user), mode 0600\n"
     "                         (default: $KILN_REMOTE_PASSWORD_FILE)\n"
     "  --remote-timeout-ms MS how long a miss waits for the remote (default: $KILN_REMOTE_TIMEOUT_MS, else 50)\n"
+    "  --metrics-listen HOST:PORT  also serve GET /metrics (Prometheus text) over HTTP there, e.g.\n"
+    "                         127.0.0.1:9464 (port 0: any free port; see kiln stats)\n"
     "  --help, --version\n";
 
 int bad_usage(const std::string& message) {
@@ -141,6 +144,12 @@ int main(int argc, char** argv) {
       if (!n) return bad_usage("--remote-timeout-ms must be 1..60000, not '" + v + "'");
       remote.timeout_ms = *n;
       remote_flags = true;
+    } else if (arg == "--metrics-listen") {
+      if (!value(v) || v.empty()) return bad_usage("--metrics-listen needs HOST:PORT");
+      std::string host;
+      unsigned short port = 0;
+      if (kiln::Status s = parse_listen_address(v, host, port); !s.ok()) return bad_usage(s.message());
+      options.metrics_listen = v;
     } else if (arg == "--no-pch") {
       if (!flag_only()) return bad_usage("--no-pch takes no value");
       options.use_pch = false;

@@ -1,6 +1,7 @@
 #include "daemon/metrics.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <string_view>
 #include <vector>
 
@@ -9,9 +10,13 @@ namespace {
 
 using nlohmann::json;
 
+// The shortest text that reads back as `v` ("0.05", not "0.050000000000000003").
 std::string number(double v) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
   return buf;
 }
 

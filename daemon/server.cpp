@@ -26,6 +26,7 @@
 #include "daemon/dispatch.h"
 #include "daemon/instance.h"
 #include "daemon/log.h"
+#include "daemon/metrics_http.h"
 #include "daemon/protocol.h"
 #include "daemon/query_handlers.h"
 #include "daemon/tuning_service.h"
@@ -61,6 +62,7 @@ struct Server::Impl {
   std::unique_ptr<BuildHandlers> build;
   std::unique_ptr<QueryHandlers> query;
   std::unique_ptr<Connections> connections;
+  std::unique_ptr<MetricsHttp> metrics_http;  // null: no HTTP listener
 
   // Touched on the I/O thread only.
   bool stopping = false;
@@ -75,6 +77,7 @@ struct Server::Impl {
              std::to_string(compile_pool->queued()) + " queued");
     // Queued jobs complete at once with shutting_down; running compiles finish normally.
     connections->stop();
+    if (metrics_http) metrics_http->stop();
     compile_pool->stop();
     aux_pool->stop();
     tuning->stop();
@@ -132,6 +135,7 @@ struct Server::Impl {
         {"tuning_failures", tuning->counters().run_failures},
         {"tuning_remote_hits", tuning->counters().remote_hits},
         {"remote", remote ? remote_counters_to_json(*remote) : json(nullptr)},
+        {"metrics_listen", metrics_http ? json(metrics_http->address()) : json(nullptr)},
     };
   }
 };
@@ -204,6 +208,14 @@ Result<std::unique_ptr<Server>> Server::create(const ServerOptions& options, boo
                                                               s->remote.get()));
   s->build = std::make_unique<BuildHandlers>(*s->builder, *s->compile_pool);
   s->query = std::make_unique<QueryHandlers>(*s->store, *s->builder, *s->aux_pool, [s] { return s->daemon_stats(); });
+  if (!options.metrics_listen.empty()) {
+    auto http = MetricsHttp::bind(s->io, options.metrics_listen, [s]() -> awaitable<std::string> {
+      json r = co_await s->query->metrics();
+      co_return r.value("ok", false) ? r.value("text", std::string()) : "# metrics unavailable: " + r.dump() + "\n";
+    });
+    if (!http.ok()) return http.status();
+    s->metrics_http = std::move(http).value();
+  }
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -225,6 +237,10 @@ int Server::run() {
            (s.remote ? ", remote " + s.remote->describe() : std::string()) + ")");
   asio::co_spawn(s.io, s.wait_signals(), asio::detached);
   s.connections->start();
+  if (s.metrics_http) {
+    s.metrics_http->start();
+    log_info("serving metrics on http://" + s.metrics_http->address() + "/metrics");
+  }
   int code = k_exit_ok;
   for (;;) {
     try {

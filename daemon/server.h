@@ -42,6 +42,8 @@ struct ServerOptions {
   bool autotune = false;
   // The fleet's remote cache tier (remote/tier.h); unset: local cache only.
   std::optional<remote::Config> remote;
+  // Also serve GET /metrics over HTTP on this address (daemon/metrics_http.h); empty: not.
+  std::string metrics_listen;
 };
 
 // Process exit codes of kilnd.
