@@ -101,7 +101,7 @@ void cache_series(Writer& w, const json& c) {
 void remote_series(Writer& w, const json& r) {
   w.one("kiln_remote_up", "gauge", "1 when the remote tier is in use, 0 while it backs off.",
         r.value("up", false) ? 1.0 : 0.0);
-  w.one("kiln_remote_lookups_total", "counter", "Reads sent to the remote tier.", num(r, "lookups"));
+  w.one("kiln_remote_lookups_total", "counter", "Reads the remote tier answered (hit or miss).", num(r, "lookups"));
   w.one("kiln_remote_rejected_total", "counter", "Remote records that failed verification and were not used.",
         num(r, "rejected"));
   w.family("kiln_remote_errors_total", "counter", "Remote tier failures by kind.");

@@ -30,7 +30,7 @@
 namespace kiln::remote {
 
 struct Counters {
-  std::int64_t lookups = 0;         // reads sent to the server
+  std::int64_t lookups = 0;         // reads the server answered (hit or miss)
   std::int64_t hits = 0;            // reads that returned a verified record
   std::int64_t misses = 0;          // reads the server had nothing for
   std::int64_t rejected = 0;        // records that failed verification (never returned)
