@@ -146,14 +146,14 @@ TEST_F(Fleet, AFleetKeyOthersCanReadStopsKilnd) {
   EXPECT_FALSE(fs::exists(env.socket())) << "nothing was served";
 }
 
-// Host B serves a run of 3000 `get` requests (4 client threads) for 8 kernels host A compiled,
+// Host B serves a run of 10,000 `get` requests (4 client threads) for 8 kernels host A compiled,
 // each kernel first asked for in its own stretch of the run; Redis is killed halfway. Every
 // request is answered: the kernels first asked for before the kill come from Redis, the rest are
 // compiled. Redis restarted (empty) is used again once B's back-off lets a probe through.
 TEST_F(Fleet, RedisKilledDuringARunLosesNoRequestAndIsUsedAgainAfterARestart) {
   Host a(redis->url(), key), b(redis->url(), key);
   ASSERT_TRUE(a.ok() && b.ok());
-  constexpr int k_kernels = 8, k_requests = 3000, k_threads = 4;
+  constexpr int k_kernels = 8, k_requests = 10000, k_threads = 4;
   const auto s = specs(k_kernels + 1, 4);
   {
     std::vector<std::thread> ts;
