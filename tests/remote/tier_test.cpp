@@ -235,6 +235,18 @@ TEST_F(Tier, AuthenticatesAsAnAclUser) {
   EXPECT_FALSE(anonymous->get_entry(entry(7).key, {})) << "NOAUTH";
 }
 
+TEST_F(Tier, AuthenticatesWithAPasswordAlone) {
+  auto guarded = RedisServer::start(tmp.path(), {"--requirepass", "only-a-password"});
+  ASSERT_TRUE(guarded);
+  remote::Config c = config_for(*guarded);
+  c.password = "only-a-password";  // AUTH <password>: the default user
+  auto tier = remote::Tier::create(c);
+  tier->put_entry(entry(8));
+  ASSERT_TRUE(tier->flush(5s));
+  EXPECT_EQ(tier->counters().writes, 1);
+  EXPECT_TRUE(tier->get_entry(entry(8).key, {}));
+}
+
 TEST_F(Tier, SignedRecordsByName) {
   auto tier = remote::Tier::create(config_for(*redis));
   cache::Setup setup{"sm_90a", "NVIDIA H100", "580 cuda 13000", sha256_hex("tc")};
