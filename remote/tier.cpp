@@ -70,7 +70,8 @@ void Tier::failed(const Status& s) {
   const bool was_up = counters_.up;
   if (!was_up) backoff_ = std::min(backoff_ * 2, config_.backoff_max);
   counters_.up = false;
-  retry_at_ = Clock::now() + backoff_;
+  failed_at_ = Clock::now();
+  retry_at_ = failed_at_ + backoff_;
   idle_.clear();
   if (was_up) {
     ++counters_.outages;
@@ -79,8 +80,9 @@ void Tier::failed(const Status& s) {
   }
 }
 
-void Tier::succeeded() {
+void Tier::succeeded(Clock::time_point sent) {
   std::lock_guard lock(mu_);
+  if (!counters_.up && sent <= failed_at_) return;
   if (!counters_.up) std::fprintf(stderr, "kiln: remote: %s answers again\n", describe().c_str());
   counters_.up = true;
   backoff_ = config_.backoff_initial;
@@ -119,7 +121,8 @@ std::optional<std::string> Tier::fetch(const std::string& name) {
     ++counters_.skipped;
     return std::nullopt;
   }
-  const auto deadline = Clock::now() + config_.read_timeout;
+  const auto sent = Clock::now();
+  const auto deadline = sent + config_.read_timeout;
   Status error;
   bool reused = false;
   auto c = take_connection(deadline, error, reused);
@@ -149,7 +152,7 @@ std::optional<std::string> Tier::fetch(const std::string& name) {
     return std::nullopt;
   }
   give_back(std::move(c));
-  succeeded();
+  succeeded(sent);
   std::lock_guard lock(mu_);
   ++counters_.lookups;
   if (r->type == Reply::Type::nil) {
@@ -230,7 +233,8 @@ void Tier::write_loop() {
       std::lock_guard c(mu_);
       ++counters_.writes_dropped;
     } else {
-      const auto deadline = Clock::now() + config_.write_timeout;
+      const auto sent = Clock::now();
+      const auto deadline = sent + config_.write_timeout;
       Status error;
       if (!conn) {
         auto c = Connection::open(config_, deadline);
@@ -266,7 +270,7 @@ void Tier::write_loop() {
           if (r->text.rfind("OOM", 0) == 0) ++counters_.full;
           else ++counters_.write_errors;
         } else {
-          succeeded();
+          succeeded(sent);
           std::lock_guard g(mu_);
           ++counters_.writes;
         }

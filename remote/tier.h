@@ -83,7 +83,9 @@ class Tier {
   // True when a request may go to the server now; false while backing off.
   bool admit();
   void failed(const Status& s);
-  void succeeded();
+  // A request sent at `sent` was answered. One sent before the last failure says nothing about
+  // the server now, so it does not end a back-off.
+  void succeeded(Clock::time_point sent);
   void write_loop();
   void enqueue(std::string name, std::string sealed);
 
@@ -91,6 +93,7 @@ class Tier {
   mutable std::mutex mu_;  // counters_, the back-off state and idle_
   Counters counters_;
   Clock::time_point retry_at_{};
+  Clock::time_point failed_at_{};  // the last failure
   std::chrono::milliseconds backoff_;
   std::vector<std::unique_ptr<Connection>> idle_;
 
