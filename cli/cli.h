@@ -42,6 +42,10 @@ struct PrewarmOptions {
   bool json = false;
   std::string problems;  // a file of problems to tune (cli/tune.cpp); needs a GPU
   bool pin = false;      // pin every prewarmed variant (never evicted; cli/evict.cpp)
+  std::string model;     // a Hugging Face config.json: that model's variants only (cli/model_plan.h)
+  std::vector<std::int64_t> tokens;  // token buckets for --model (empty: the defaults)
+  int sm_count = 0;      // multiprocessors the heuristics assume for --model (0: the arch's flagship)
+  bool dry_run = false;  // --model: list the variants, compile nothing
 };
 
 struct EvictOptions {
@@ -83,6 +87,21 @@ struct DaemonStartOptions {
   bool no_pch = false;
 };
 
+struct ExportOptions {
+  std::string out;       // the bundle file
+  std::string family;    // empty: every family
+  std::string arch;      // empty: every arch
+  std::string key_file;  // empty: $KILN_FLEET_KEY_FILE
+  bool no_tuning = false;
+  bool json = false;
+};
+
+struct ImportOptions {
+  std::string file;
+  std::string key_file;
+  bool json = false;
+};
+
 // Commands. Each returns an ExitCode.
 int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o);
 int run_evict(const GlobalOptions& g, const EvictOptions& o);
@@ -103,6 +122,9 @@ int run_daemon_start(const GlobalOptions& g, const DaemonStartOptions& o);
 int run_daemon_stop(const GlobalOptions& g);
 int run_daemon_status(const GlobalOptions& g, bool json);
 int run_plugins(const GlobalOptions& g, bool json);
+int run_metrics(const GlobalOptions& g);
+int run_export(const GlobalOptions& g, const ExportOptions& o);
+int run_import(const GlobalOptions& g, const ImportOptions& o);
 
 // ---- reporting -------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 // Read-side commands: ls, show, why, stats, verify.
 #include <algorithm>
+#include <functional>
 #include <cctype>
 #include <cstdio>
 #include <iostream>
@@ -248,16 +249,18 @@ int run_stats(const GlobalOptions& g, bool json) {
     std::cout << f.render();
     if (ds) {
       std::cout << "\ndaemon: running at " << socket << "\n";
-      // The daemon's stats are sections of flat values: print them as they come.
+      // The daemon's stats are sections of values, some of them objects (daemon.remote): print
+      // them as they come, nested names joined by dots.
       Fields df;
-      for (const auto& [section, body] : ds->items()) {
-        if (!body.is_object()) {
-          df.add(section, body.is_string() ? body.get<std::string>() : body.dump());
-          continue;
+      std::function<void(const std::string&, const nlohmann::json&)> add = [&](const std::string& name,
+                                                                              const nlohmann::json& v) {
+        if (v.is_object() && !v.empty()) {
+          for (const auto& [k, sub] : v.items()) add(name.empty() ? k : name + "." + k, sub);
+          return;
         }
-        for (const auto& [k, v] : body.items())
-          df.add(section + "." + k, v.is_string() ? v.get<std::string>() : v.dump());
-      }
+        df.add(name, v.is_string() ? v.get<std::string>() : v.dump());
+      };
+      add("", *ds);
       std::cout << df.render("  ");
     } else {
       std::cout << "\ndaemon: not running (" << socket << ")\n";

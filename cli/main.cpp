@@ -50,6 +50,14 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   prewarm->add_flag("--json", pw.json, "Print the summary as JSON");
   prewarm->add_flag("--pin", pw.pin, "Pin the variants: the size cap never evicts them (see kiln evict)");
+  prewarm->add_option("--model", pw.model,
+                      "A Hugging Face config.json: compile only the variants that model's layers use");
+  prewarm->add_option("--tokens", pw.tokens, "Token buckets for --model (default 1,16,128,1024,4096)")
+      ->delimiter(',');
+  prewarm->add_option("--sm-count", pw.sm_count,
+                      "Multiprocessors the heuristics assume for --model (default: the arch's flagship GPU)")
+      ->check(CLI::Range(1, 1024));
+  prewarm->add_flag("--dry-run", pw.dry_run, "With --model: list the variants and what uses them, compile nothing");
   prewarm->add_option("--problems", pw.problems,
                       "Also tune the problems in FILE (one 'FAMILY DTYPE name=size,...' per line; needs a GPU)");
 
@@ -101,6 +109,23 @@ int run(int argc, char** argv) {
   auto* plugins = app.add_subcommand("plugins", "Family plugins loaded by this process, and the ones skipped with why");
   plugins->add_flag("--json", plugins_json, "Print JSON");
 
+  auto* metrics = app.add_subcommand("metrics", "Counters in the Prometheus text format (the daemon's when it runs)");
+
+  ExportOptions ex;
+  auto* exp = app.add_subcommand("export", "Write the cache's kernels and tuning rows to a bundle signed with the fleet key");
+  exp->add_option("--out", ex.out, "The bundle file to write")->required();
+  exp->add_option("--family", ex.family, "Only this family");
+  exp->add_option("--arch", ex.arch, "Only this architecture");
+  exp->add_option("--fleet-key-file", ex.key_file, "The fleet key, mode 0600 (default: $KILN_FLEET_KEY_FILE)");
+  exp->add_flag("--no-tuning", ex.no_tuning, "Leave the tuning table out");
+  exp->add_flag("--json", ex.json, "Print JSON");
+
+  ImportOptions im;
+  auto* imp = app.add_subcommand("import", "Verify a bundle's every record and add the good ones to the cache");
+  imp->add_option("BUNDLE", im.file, "A bundle written by kiln export")->required();
+  imp->add_option("--fleet-key-file", im.key_file, "The fleet key, mode 0600 (default: $KILN_FLEET_KEY_FILE)");
+  imp->add_flag("--json", im.json, "Print JSON");
+
   auto* daemon = app.add_subcommand("daemon", "Start, stop or query kilnd");
   daemon->require_subcommand(1);
   DaemonStartOptions ds;
@@ -112,7 +137,8 @@ int run(int argc, char** argv) {
   auto* dstatus = daemon->add_subcommand("status", "Whether kilnd runs: pid, version, socket, uptime");
   dstatus->add_flag("--json", dstatus_json, "Print JSON");
 
-  for (CLI::App* sub : {prewarm, list, tune, show, why, stats, verify, evict, plugins, daemon, dstart, dstop, dstatus})
+  for (CLI::App* sub : {prewarm, list, tune, show, why, stats, verify, evict, plugins, metrics, exp, imp, daemon, dstart, dstop,
+                     dstatus})
     sub->fallthrough();
 
   try {
@@ -135,6 +161,9 @@ int run(int argc, char** argv) {
   if (*verify) return run_verify(g, verify_json);
   if (*evict) return run_evict(g, ev);
   if (*plugins) return run_plugins(g, plugins_json);
+  if (*metrics) return run_metrics(g);
+  if (*exp) return run_export(g, ex);
+  if (*imp) return run_import(g, im);
   if (*dstart) return run_daemon_start(g, ds);
   if (*dstop) return run_daemon_stop(g);
   if (*dstatus) return run_daemon_status(g, dstatus_json);

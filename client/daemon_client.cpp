@@ -282,6 +282,7 @@ Result<PrewarmResult> DaemonClient::prewarm(const std::vector<std::string>& arch
     out.requested = r->value("requested", std::int64_t{0});
     out.compiled = r->value("compiled", std::int64_t{0});
     out.cached = r->value("cached", std::int64_t{0});
+    out.remote = r->value("remote", std::int64_t{0});
     out.failed = r->value("failed", std::int64_t{0});
     if (auto e = r->find("errors"); e != r->end() && e->is_array())
       for (const auto& m : *e)
@@ -318,6 +319,15 @@ Result<json> DaemonClient::stats() {
   json out = std::move(r).value();
   out.erase("ok");
   return out;
+}
+
+Result<std::string> DaemonClient::metrics() {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = call(json{{"op", "metrics"}}, std::max(timeout_, k_min_query_timeout));
+  if (!r.ok()) return r.status();
+  auto text = r->find("text");
+  if (text == r->end() || !text->is_string()) return invalid_argument("metrics reply without text");
+  return text->get<std::string>();
 }
 
 Status same_family_build(const Family& family, const cache::Entry& entry) {

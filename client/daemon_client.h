@@ -28,6 +28,7 @@ struct PrewarmResult {
   std::int64_t requested = 0;
   std::int64_t compiled = 0;
   std::int64_t cached = 0;
+  std::int64_t remote = 0;  // from the remote tier (daemons that have one)
   std::int64_t failed = 0;
   std::vector<std::string> errors;  // "spec @ arch: message", one per failure
 };
@@ -75,6 +76,8 @@ class DaemonClient {
                                    std::chrono::milliseconds timeout = std::chrono::minutes(10));
   // Daemon stats as JSON: {"daemon": {...}, "builder": {...}, "cache": {...}}.
   Result<nlohmann::json> stats();
+  // The daemon's counters in the Prometheus text format.
+  Result<std::string> metrics();
   // Asks the daemon to stop; returns once it has acknowledged.
   Status shutdown();
 

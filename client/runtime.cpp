@@ -19,6 +19,8 @@
 #include "jit/device_info.h"
 #include "jit/driver.h"
 #include "jit/tuning_setup.h"
+#include "remote/config.h"
+#include "remote/tier.h"
 
 namespace kiln {
 namespace {
@@ -278,7 +280,7 @@ class RuntimeImpl final : public Runtime {
         if (opts_.mode == ResolverMode::daemon) return r.status();
       }
     }
-    open_embedded();
+    KILN_TRY(open_embedded());
     if (!store_) return unavailable("no cache file, so no tuning table");
     if (!tuning_) {
       KILN_ASSIGN_OR_RETURN(tuning_, cache::TuningTable::open(*store_));
@@ -324,12 +326,23 @@ class RuntimeImpl final : public Runtime {
     return {};
   }
 
-  void open_embedded() {
-    if (builder_) return;
+  // A remote tier configured in the environment (KILN_REMOTE) is used here too; a configuration
+  // that is wrong (an unsafe fleet key file, a malformed URL) fails every resolve until fixed,
+  // rather than silently running without the tier or without its checks.
+  Status open_embedded() {
+    if (builder_) return {};
+    auto remote = remote::config_from_env();
+    if (!remote.ok()) return remote.status();
     auto st = cache::Store::open(opts_.cache_file.empty() ? cache_file() : std::filesystem::path(opts_.cache_file));
     if (st.ok()) store_ = std::move(st).value();
     else std::fprintf(stderr, "kiln: cache unavailable, compiling without it: %s\n", st.status().to_string().c_str());
-    builder_ = std::make_unique<jit::Builder>(store_.get(), &Registry::global());
+    jit::BuilderOptions bo;
+    if (*remote) {
+      remote_ = remote::Tier::create(std::move(**remote));
+      bo.remote = remote_.get();
+    }
+    builder_ = std::make_unique<jit::Builder>(store_.get(), &Registry::global(), bo);
+    return {};
   }
 
   // Daemon first (unless embedded); a daemon that cannot be reached falls back to the embedded
@@ -365,7 +378,7 @@ class RuntimeImpl final : public Runtime {
         }
       }
     }
-    open_embedded();
+    KILN_TRY(open_embedded());
     auto art = builder_->get(spec, arch);
     if (art.ok()) {
       std::lock_guard lock(mu_);
@@ -379,6 +392,7 @@ class RuntimeImpl final : public Runtime {
   mutable std::mutex mu_;  // table_, counters_, last_resolver_
   std::mutex resolve_mu_;  // everything resolve() and device_of() touch
   std::unique_ptr<cache::Store> store_;
+  std::unique_ptr<remote::Tier> remote_;  // outlives builder_
   std::unique_ptr<jit::Builder> builder_;
   std::unique_ptr<cache::TuningTable> tuning_;
   std::unique_ptr<client::DaemonClient> daemon_;

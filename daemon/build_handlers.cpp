@@ -50,7 +50,10 @@ BuildOutcome build(jit::Builder& builder, const KernelSpec& spec, const std::str
     return o;
   }
   o.artifact = std::move(r).value();
-  if (o.artifact.source == jit::ArtifactSource::compiled)
+  if (o.artifact.source == jit::ArtifactSource::remote)
+    log_info("fetched " + spec.canonical() + " @ " + arch + " from the remote tier (key " + short_key(o.artifact.entry.key) +
+             ")");
+  else if (o.artifact.source == jit::ArtifactSource::compiled)
     log_info("compiled " + spec.canonical() + " @ " + arch + " in " + format_ms(o.artifact.entry.compile_ms) +
              " ms (" + std::to_string(o.artifact.entry.cubin.size()) + " bytes, key " +
              short_key(o.artifact.entry.key) + ")");
@@ -136,7 +139,7 @@ awaitable<json> BuildHandlers::prewarm(const json& req) {
   std::vector<BuildOutcome> out =
       co_await async_offload<BuildOutcome>(compile_pool_, WorkPool::Lane::background, std::move(jobs), use_awaitable);
 
-  std::int64_t compiled = 0, cached = 0, failed = 0;
+  std::int64_t compiled = 0, cached = 0, remote = 0, failed = 0;
   json errors = json::array();
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (!out[i].status.ok()) {
@@ -145,6 +148,8 @@ awaitable<json> BuildHandlers::prewarm(const json& req) {
         errors.push_back(labels[i] + ": " + code_name(out[i].status.code()) + ": " + out[i].status.message());
     } else if (out[i].artifact.source == jit::ArtifactSource::compiled) {
       ++compiled;
+    } else if (out[i].artifact.source == jit::ArtifactSource::remote) {
+      ++remote;
     } else {
       ++cached;
     }
@@ -154,11 +159,12 @@ awaitable<json> BuildHandlers::prewarm(const json& req) {
                      " more failure(s)");
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   log_info("prewarm done in " + format_ms(ms) + " ms: " + std::to_string(compiled) + " compiled, " +
-           std::to_string(cached) + " cached, " + std::to_string(failed) + " failed");
+           std::to_string(cached) + " cached, " + std::to_string(remote) + " from the remote tier, " + std::to_string(failed) + " failed");
   json r = ok_reply();
   r["requested"] = static_cast<std::int64_t>(out.size());
   r["compiled"] = compiled;
   r["cached"] = cached;
+  r["remote"] = remote;
   r["failed"] = failed;
   r["errors"] = std::move(errors);
   r["elapsed_ms"] = ms;

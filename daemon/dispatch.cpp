@@ -50,6 +50,8 @@ boost::asio::awaitable<Reply> dispatch(Handlers handlers, const std::string& bod
         reply.body = co_await handlers.query.list(req);
       } else if (op == "stats") {
         reply.body = co_await handlers.query.stats();
+      } else if (op == "metrics") {
+        reply.body = co_await handlers.query.metrics();
       } else if (op == "resolve") {
         reply.body = co_await handlers.tuning.resolve(req);
       } else if (op == "tune") {
@@ -61,7 +63,7 @@ boost::asio::awaitable<Reply> dispatch(Handlers handlers, const std::string& bod
         reply.close_after = true;
       } else {
         reply.body = error_reply(invalid_argument("unknown op '" + op + "'",
-                                                  "known ops: ping, get, prewarm, list, stats, resolve, tune, shutdown"));
+                                                  "known ops: ping, get, prewarm, list, stats, metrics, resolve, tune, shutdown"));
       }
     }
   } catch (const std::exception& e) {

@@ -13,15 +13,18 @@
 
 #include "common/paths.h"
 #include "daemon/compile_workers.h"
+#include "daemon/metrics_http.h"
 #include "daemon/server.h"
 #include "kiln/family.h"
+#include "remote/config.h"
 
 namespace {
 
 constexpr const char* k_usage =
     "usage: kilnd [--socket PATH] [--cache-dir DIR] [--jobs N] [--no-pch] [--autotune] [--foreground]\n"
     "             [--idle-timeout-ms MS] [--frame-timeout-ms MS] [--max-connections N]\n"
-    "             [--compile-timeout-ms MS]\n"
+    "             [--compile-timeout-ms MS] [--remote URL --fleet-key-file FILE\n"
+    "             [--remote-password-file FILE] [--remote-timeout-ms MS]] [--metrics-listen HOST:PORT]\n"
     "\n"
     "Serves compiled CUDA kernels to kiln clients over a Unix socket.\n"
     "\n"
@@ -41,6 +44,15 @@ constexpr const char* k_usage =
     "                         daemon's own process, without a deadline)\n"
     "  --max-connections N    open connections at most; at the cap the longest-waiting one that\n"
     "                         is not being served is closed for a new one (default 256)\n"
+    "  --remote URL           a Redis server shared by a fleet: redis://[user@]host[:port][/db] or\n"
+    "                         unix:///path/redis.sock; asked on a local cache miss before compiling,\n"
+    "                         given what is compiled and tuned here (default: $KILN_REMOTE; none)\n"
+    "  --fleet-key-file FILE  the key entries are signed with, mode 0600 (default: $KILN_FLEET_KEY_FILE)\n"
+    "  --remote-password-file FILE  Redis AUTH password (with the URL's user), mode 0600\n"
+    "                         (default: $KILN_REMOTE_PASSWORD_FILE)\n"
+    "  --remote-timeout-ms MS how long a miss waits for the remote (default: $KILN_REMOTE_TIMEOUT_MS, else 50)\n"
+    "  --metrics-listen HOST:PORT  also serve GET /metrics (Prometheus text) over HTTP there, e.g.\n"
+    "                         127.0.0.1:9464 (port 0: any free port; see kiln stats)\n"
     "  --help, --version\n";
 
 int bad_usage(const std::string& message) {
@@ -63,6 +75,8 @@ int main(int argc, char** argv) {
   if (argc == 2 && std::string_view(argv[1]) == "--compile-worker") return run_compile_worker();
   ServerOptions options;
   std::string socket_flag, cache_dir_flag;
+  kiln::remote::Settings remote;
+  bool remote_flags = false;
 
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -117,6 +131,25 @@ int main(int argc, char** argv) {
       auto n = parse_positive(v, 100000);
       if (!n) return bad_usage("--max-connections must be an integer between 1 and 100000, not '" + v + "'");
       options.max_connections = static_cast<std::size_t>(*n);
+    } else if (arg == "--remote") {
+      if (!value(v) || v.empty()) return bad_usage("--remote needs a URL");
+      remote.url = v;
+    } else if (arg == "--fleet-key-file" || arg == "--remote-password-file") {
+      if (!value(v) || v.empty()) return bad_usage(arg + " needs a file");
+      (arg == "--fleet-key-file" ? remote.key_file : remote.password_file) = v;
+      remote_flags = true;
+    } else if (arg == "--remote-timeout-ms") {
+      if (!value(v)) return bad_usage("--remote-timeout-ms needs a number of milliseconds");
+      auto n = parse_positive(v, 60'000);
+      if (!n) return bad_usage("--remote-timeout-ms must be 1..60000, not '" + v + "'");
+      remote.timeout_ms = *n;
+      remote_flags = true;
+    } else if (arg == "--metrics-listen") {
+      if (!value(v) || v.empty()) return bad_usage("--metrics-listen needs HOST:PORT");
+      std::string host;
+      unsigned short port = 0;
+      if (kiln::Status s = parse_listen_address(v, host, port); !s.ok()) return bad_usage(s.message());
+      options.metrics_listen = v;
     } else if (arg == "--no-pch") {
       if (!flag_only()) return bad_usage("--no-pch takes no value");
       options.use_pch = false;
@@ -133,6 +166,20 @@ int main(int argc, char** argv) {
   options.socket = socket_flag.empty() ? kiln::socket_path() : std::filesystem::path(socket_flag);
   options.cache_file = cache_dir_flag.empty() ? kiln::cache_file()
                                               : std::filesystem::path(cache_dir_flag) / "kernels.sqlite";
+
+  // The remote tier: the flags, else the environment. A bad URL or an unsafe key file stops
+  // kilnd here, before it serves anything.
+  if (!remote.url.empty()) {
+    auto c = kiln::remote::make_config(remote);
+    if (!c.ok()) return bad_usage(c.status().message() + (c.status().details().empty() ? "" : " (" + c.status().details() + ")"));
+    options.remote = std::move(c).value();
+  } else if (remote_flags) {
+    return bad_usage("--fleet-key-file, --remote-password-file and --remote-timeout-ms need --remote");
+  } else {
+    auto c = kiln::remote::config_from_env();
+    if (!c.ok()) return bad_usage(c.status().message() + (c.status().details().empty() ? "" : " (" + c.status().details() + ")"));
+    options.remote = std::move(c).value();
+  }
 
   // Plugins load now, once: a skipped one is in the log from the start, and none can surprise a
   // request later (docs/plugins.md).

@@ -192,12 +192,18 @@ Result<cache::Entry> entry_from_json(const nlohmann::json& j) {
 }
 
 const char* source_name(jit::ArtifactSource s) {
-  return s == jit::ArtifactSource::compiled ? "compiled" : "cache";
+  switch (s) {
+    case jit::ArtifactSource::compiled: return "compiled";
+    case jit::ArtifactSource::remote: return "remote";
+    case jit::ArtifactSource::cache: break;
+  }
+  return "cache";
 }
 
 Result<jit::ArtifactSource> parse_source(std::string_view name) {
   if (name == "cache") return jit::ArtifactSource::cache;
   if (name == "compiled") return jit::ArtifactSource::compiled;
+  if (name == "remote") return jit::ArtifactSource::remote;
   return invalid_argument("unknown artifact source '" + std::string(name) + "'");
 }
 
@@ -205,11 +211,32 @@ nlohmann::json builder_stats_to_json(const jit::BuilderStats& s) {
   return nlohmann::json{
       {"requests", s.requests},
       {"cache_hits", s.cache_hits},
+      {"cache_misses", s.cache_misses},
       {"compiles", s.compiles},
       {"compile_failures", s.compile_failures},
       {"coalesced", s.coalesced},
       {"store_failures", s.store_failures},
       {"negative_hits", s.negative_hits},
+      {"remote_hits", s.remote_hits},
+      {"remote_misses", s.remote_misses},
+      {"compile_seconds",
+       {{"buckets", std::vector<double>(std::begin(jit::k_compile_seconds_buckets), std::end(jit::k_compile_seconds_buckets))},
+        {"counts", s.compile_seconds_counts},
+        {"sum", s.compile_seconds_sum}}},
+  };
+}
+
+nlohmann::json remote_counters_to_json(const remote::Tier& tier) {
+  const remote::Counters c = tier.counters();
+  return nlohmann::json{
+      {"endpoint", tier.describe()},   {"up", c.up},
+      {"lookups", c.lookups},          {"hits", c.hits},
+      {"misses", c.misses},            {"rejected", c.rejected},
+      {"timeouts", c.timeouts},        {"errors", c.errors},
+      {"skipped", c.skipped},          {"writes", c.writes},
+      {"write_errors", c.write_errors}, {"writes_dropped", c.writes_dropped},
+      {"full", c.full},                {"connects", c.connects},
+      {"outages", c.outages},          {"pending_writes", c.pending_writes},
   };
 }
 

@@ -19,6 +19,7 @@
 #include "jit/builder.h"
 #include "kiln/family.h"
 #include "kiln/status.h"
+#include "remote/tier.h"
 
 namespace kiln::daemon {
 
@@ -75,6 +76,8 @@ Result<jit::ArtifactSource> parse_source(std::string_view name);
 
 nlohmann::json builder_stats_to_json(const jit::BuilderStats& s);
 nlohmann::json store_stats_to_json(const cache::Stats& s);
+// The remote tier's endpoint and counters (the "remote" object of a stats reply).
+nlohmann::json remote_counters_to_json(const remote::Tier& tier);
 
 // A problem of `family` as {"dtype", "alignment", "cc", "sm_count", "fields": {name: value}}
 // (resolve and tune); reading needs every field named and refuses unknown ones.

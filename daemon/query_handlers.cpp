@@ -5,6 +5,7 @@
 
 #include <boost/asio/use_awaitable.hpp>
 
+#include "daemon/metrics.h"
 #include "daemon/offload.h"
 #include "daemon/protocol.h"
 #include "daemon/request_fields.h"
@@ -82,6 +83,19 @@ awaitable<json> QueryHandlers::stats() {
   json cache_json = store_stats_to_json(out.front().stats);
   cache_json["path"] = store_.path().string();
   r["cache"] = std::move(cache_json);
+  co_return r;
+}
+
+}  // namespace kiln::daemon
+
+namespace kiln::daemon {
+
+boost::asio::awaitable<nlohmann::json> QueryHandlers::metrics() {
+  nlohmann::json s = co_await stats();
+  if (!s.value("ok", false)) co_return s;
+  nlohmann::json r = ok_reply();
+  r["content_type"] = k_metrics_content_type;
+  r["text"] = render_metrics(s);
   co_return r;
 }
 

@@ -1,5 +1,5 @@
-// The requests that only read: `list` (the cache's entries) and `stats` (the daemon's, the
-// builder's and the cache's counters). The SQLite queries run on the cache pool.
+// The requests that only read: `list` (the cache's entries), `stats` (the daemon's, the
+// builder's and the cache's counters) and `metrics` (the same for Prometheus). The SQLite queries run on the cache pool.
 #pragma once
 
 #include <functional>
@@ -24,6 +24,8 @@ class QueryHandlers {
 
   boost::asio::awaitable<nlohmann::json> list(const nlohmann::json& req);
   boost::asio::awaitable<nlohmann::json> stats();
+  // The stats in the Prometheus text format (daemon/metrics.h), as the reply's "text".
+  boost::asio::awaitable<nlohmann::json> metrics();
 
  private:
   cache::Store& store_;

@@ -26,12 +26,14 @@
 #include "daemon/dispatch.h"
 #include "daemon/instance.h"
 #include "daemon/log.h"
+#include "daemon/metrics_http.h"
 #include "daemon/protocol.h"
 #include "daemon/query_handlers.h"
 #include "daemon/tuning_service.h"
 #include "daemon/work_pool.h"
 #include "jit/builder.h"
 #include "kiln/family.h"
+#include "remote/tier.h"
 
 namespace kiln::daemon {
 
@@ -52,6 +54,7 @@ struct Server::Impl {
   std::unique_ptr<Instance> instance;
   std::unique_ptr<cache::Store> store;
   std::unique_ptr<CompileWorkers> workers;  // null: compiles run in-process; outlives builder
+  std::unique_ptr<remote::Tier> remote;     // null: no remote tier; outlives builder
   std::unique_ptr<jit::Builder> builder;
   std::unique_ptr<TuningService> tuning;  // destroyed after the pools: cache pool jobs read its table
   std::unique_ptr<WorkPool> compile_pool;
@@ -59,6 +62,7 @@ struct Server::Impl {
   std::unique_ptr<BuildHandlers> build;
   std::unique_ptr<QueryHandlers> query;
   std::unique_ptr<Connections> connections;
+  std::unique_ptr<MetricsHttp> metrics_http;  // null: no HTTP listener
 
   // Touched on the I/O thread only.
   bool stopping = false;
@@ -73,6 +77,7 @@ struct Server::Impl {
              std::to_string(compile_pool->queued()) + " queued");
     // Queued jobs complete at once with shutting_down; running compiles finish normally.
     connections->stop();
+    if (metrics_http) metrics_http->stop();
     compile_pool->stop();
     aux_pool->stop();
     tuning->stop();
@@ -126,6 +131,11 @@ struct Server::Impl {
         {"compile_worker_deaths", workers ? workers->worker_deaths() : 0},
         {"compile_workers_started", workers ? workers->workers_started() : 0},
         {"socket", instance->socket_path().string()},
+        {"tuning_runs", tuning->counters().runs},
+        {"tuning_failures", tuning->counters().run_failures},
+        {"tuning_remote_hits", tuning->counters().remote_hits},
+        {"remote", remote ? remote_counters_to_json(*remote) : json(nullptr)},
+        {"metrics_listen", metrics_http ? json(metrics_http->address()) : json(nullptr)},
     };
   }
 };
@@ -178,6 +188,10 @@ Result<std::unique_ptr<Server>> Server::create(const ServerOptions& options, boo
     s->workers = std::make_unique<CompileWorkers>("/proc/self/exe", options.compile_timeout);
     bo.compiler = [w = s->workers.get()](const jit::CompileRequest& r) { return w->compile(r); };
   }
+  if (options.remote) {
+    s->remote = remote::Tier::create(*options.remote);
+    bo.remote = s->remote.get();
+  }
   s->builder = std::make_unique<jit::Builder>(s->store.get(), &Registry::global(), bo);
 
   Connections::Hooks hooks;
@@ -190,9 +204,18 @@ Result<std::unique_ptr<Server>> Server::create(const ServerOptions& options, boo
   KILN_TRY(s->connections->listen(s->instance->release_listen_fd(), options.socket));
   s->compile_pool = std::make_unique<WorkPool>(s->options.jobs, "compile pool");
   s->aux_pool = std::make_unique<WorkPool>(1, "cache pool");
-  KILN_ASSIGN_OR_RETURN(s->tuning, TuningService::create(*s->store, *s->builder, *s->aux_pool, options.autotune));
+  KILN_ASSIGN_OR_RETURN(s->tuning, TuningService::create(*s->store, *s->builder, *s->aux_pool, options.autotune,
+                                                              s->remote.get()));
   s->build = std::make_unique<BuildHandlers>(*s->builder, *s->compile_pool);
   s->query = std::make_unique<QueryHandlers>(*s->store, *s->builder, *s->aux_pool, [s] { return s->daemon_stats(); });
+  if (!options.metrics_listen.empty()) {
+    auto http = MetricsHttp::bind(s->io, options.metrics_listen, [s]() -> awaitable<std::string> {
+      json r = co_await s->query->metrics();
+      co_return r.value("ok", false) ? r.value("text", std::string()) : "# metrics unavailable: " + r.dump() + "\n";
+    });
+    if (!http.ok()) return http.status();
+    s->metrics_http = std::move(http).value();
+  }
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -210,9 +233,14 @@ int Server::run() {
   s.started = Clock::now();
   log_info(std::string("kilnd ") + KILN_VERSION + " listening on " + s.instance->socket_path().string() +
            " (protocol " + std::to_string(k_protocol_version) + ", jobs " + std::to_string(s.compile_pool->threads()) +
-           ", pch " + (s.options.use_pch ? "on" : "off") + ", cache " + s.store->path().string() + ")");
+           ", pch " + (s.options.use_pch ? "on" : "off") + ", cache " + s.store->path().string() +
+           (s.remote ? ", remote " + s.remote->describe() : std::string()) + ")");
   asio::co_spawn(s.io, s.wait_signals(), asio::detached);
   s.connections->start();
+  if (s.metrics_http) {
+    s.metrics_http->start();
+    log_info("serving metrics on http://" + s.metrics_http->address() + "/metrics");
+  }
   int code = k_exit_ok;
   for (;;) {
     try {

@@ -12,8 +12,10 @@
 #include <cstddef>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "kiln/status.h"
+#include "remote/config.h"
 
 namespace kiln::daemon {
 
@@ -38,6 +40,10 @@ struct ServerOptions {
   // Queue background tuning for every resolve whose signature has no tuned winner, whatever the
   // client asked (kilnd --autotune; docs/autotune.md).
   bool autotune = false;
+  // The fleet's remote cache tier (remote/tier.h); unset: local cache only.
+  std::optional<remote::Config> remote;
+  // Also serve GET /metrics over HTTP on this address (daemon/metrics_http.h); empty: not.
+  std::string metrics_listen;
 };
 
 // Process exit codes of kilnd.

@@ -81,17 +81,20 @@ Status read_resolve_request(const json& req, ResolveRequest& out) {
 }  // namespace
 
 Result<std::unique_ptr<TuningService>> TuningService::create(cache::Store& store, jit::Builder& builder,
-                                                              WorkPool& aux_pool, bool autotune_all) {
+                                                              WorkPool& aux_pool, bool autotune_all,
+                                                              remote::Tier* remote) {
   KILN_ASSIGN_OR_RETURN(auto table, cache::TuningTable::open(store));
-  return std::unique_ptr<TuningService>(new TuningService(std::move(table), builder, aux_pool, autotune_all));
+  return std::unique_ptr<TuningService>(
+      new TuningService(std::move(table), builder, aux_pool, autotune_all, remote));
 }
 
 TuningService::TuningService(std::unique_ptr<cache::TuningTable> table, jit::Builder& builder, WorkPool& aux_pool,
-                             bool autotune_all)
+                             bool autotune_all, remote::Tier* remote)
     : table_(std::move(table)),
       tuner_(&builder, table_.get()),
       aux_pool_(aux_pool),
       autotune_all_(autotune_all),
+      remote_(remote),
       pool_(1, "tune pool") {}
 
 // Runs on the tune pool.
@@ -113,13 +116,18 @@ TuningService::TuneOutcome TuningService::tune_now(const Family& family, const P
     opts.device = *d;
   }
   auto r = tuner_.tune(family, problem, opts);
+  ++runs_;
   if (!r.ok()) {
+    ++run_failures_;
     o.status = r.status();
     log_warn("tuning " + std::string(family.name()) + " " + family.signature(problem) + " failed: " +
              o.status.message());
     return o;
   }
   o.record = std::move(r).value();
+  if (remote_ && !o.record.winner.empty())
+    remote_->put_record(remote::tuning_name(o.record.family, o.record.signature, o.record.setup),
+                        dump_json(tuning_record_to_json(o.record)));
   log_info("tuned " + o.record.family + " " + o.record.signature + ": " +
            (o.record.winner.empty() ? std::string("no candidate ran ok") : o.record.winner + " " +
             format_ms(o.record.winner_ms * 1000.0) + " us (heuristic " + format_ms(o.record.heuristic_ms * 1000.0) +
@@ -196,6 +204,21 @@ awaitable<json> TuningService::resolve(const json& req) {
 }
 #pragma GCC diagnostic pop
 
+// A winner another host tuned for exactly this family, signature and setup, kept in the table.
+std::optional<cache::TuningRecord> TuningService::remote_winner(const std::string& family, const std::string& signature,
+                                                                const cache::Setup& setup) {
+  auto payload = remote_->get_record(remote::tuning_name(family, signature, setup));
+  if (!payload) return std::nullopt;
+  auto j = parse_json(*payload);
+  if (!j.ok()) return std::nullopt;
+  auto rec = tuning_record_from_json(*j);
+  // The name hashes these fields, so a mismatch means a collision or a bug: not used.
+  if (!rec.ok() || rec->family != family || rec->signature != signature || !(rec->setup == setup)) return std::nullopt;
+  if (Status s = table_->put(*rec); !s.ok()) log_warn("storing a remote tuning record failed: " + s.to_string());
+  ++remote_hits_;
+  return std::move(rec).value();
+}
+
 // The setup's fingerprint and the table row for problem's signature, on the cache pool.
 awaitable<TuningService::LookupOutcome> TuningService::lookup_tuned(const Family* family, const Problem& problem,
                                                                     const std::string& arch,
@@ -216,10 +239,12 @@ awaitable<TuningService::LookupOutcome> TuningService::lookup_tuned(const Family
     }
     o.setup = *setup;
     auto r = table_->lookup(std::string(family->name()), signature, o.setup);
-    if (r.ok())
-      o.record = std::move(r).value();
-    else
+    if (!r.ok()) {
       o.status = r.status();
+      return o;
+    }
+    o.record = std::move(r).value();
+    if (!o.record && remote_) o.record = remote_winner(std::string(family->name()), signature, o.setup);
     return o;
   });
   auto out = co_await async_offload<LookupOutcome>(aux_pool_, WorkPool::Lane::interactive, std::move(jobs), use_awaitable);

@@ -8,6 +8,8 @@
 // client. Requests are served on the I/O thread; the queue is thread-safe.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -25,16 +27,25 @@
 #include "jit/builder.h"
 #include "kiln/family.h"
 #include "kiln/status.h"
+#include "remote/signed.h"
+#include "remote/tier.h"
 
 namespace kiln::daemon {
+
+struct TuningCounters {
+  std::int64_t runs = 0;          // tuning runs finished (any outcome)
+  std::int64_t run_failures = 0;  // runs that ended in an error
+  std::int64_t remote_hits = 0;   // winners taken from the remote tier instead of tuning here
+};
 
 class TuningService {
  public:
   // Opens the tuning table in `store`. `aux_pool` runs the table lookups. `autotune_all` queues
   // background tuning for every resolve without a tuned winner, whatever the client asked (kilnd
-  // --autotune). Nothing is owned; everything must outlive the service.
+  // --autotune). `remote` (may be null) is asked for winners the table lacks and given every
+  // winner tuned here. Nothing is owned; everything must outlive the service.
   static Result<std::unique_ptr<TuningService>> create(cache::Store& store, jit::Builder& builder, WorkPool& aux_pool,
-                                                       bool autotune_all);
+                                                       bool autotune_all, remote::Tier* remote = nullptr);
   TuningService(const TuningService&) = delete;
   TuningService& operator=(const TuningService&) = delete;
 
@@ -45,12 +56,16 @@ class TuningService {
   void stop() { pool_.stop(); }
   void join() { pool_.join(); }
 
+  TuningCounters counters() const {
+    return {runs_.load(), run_failures_.load(), remote_hits_.load()};
+  }
+
  private:
   struct TuneOutcome;
   struct LookupOutcome;
 
   TuningService(std::unique_ptr<cache::TuningTable> table, jit::Builder& builder, WorkPool& aux_pool,
-                bool autotune_all);
+                bool autotune_all, remote::Tier* remote);
 
   TuneOutcome tune_now(const Family& family, const Problem& problem, int device, const std::string& pci, bool run);
   boost::asio::awaitable<TuneOutcome> run_tune(const Family* family, const Problem& problem, int device,
@@ -58,6 +73,8 @@ class TuningService {
   bool queue_tuning(const Family* family, const Problem& problem, const std::string& pci, const std::string& key);
   boost::asio::awaitable<std::optional<Params>> tune_for_resolve(const Family* family, const Problem& problem,
                                                                  const std::string& pci, nlohmann::json& reply);
+  std::optional<cache::TuningRecord> remote_winner(const std::string& family, const std::string& signature,
+                                                   const cache::Setup& setup);
   boost::asio::awaitable<LookupOutcome> lookup_tuned(const Family* family, const Problem& problem,
                                                      const std::string& arch, const std::string& device_name,
                                                      const std::string& driver_version);
@@ -66,6 +83,8 @@ class TuningService {
   jit::Tuner tuner_;
   WorkPool& aux_pool_;
   const bool autotune_all_;
+  remote::Tier* remote_;
+  std::atomic<std::int64_t> runs_{0}, run_failures_{0}, remote_hits_{0};
   // Signatures (with their setup) whose background tuning is queued or running, and those whose
   // tuning failed.
   std::mutex queue_mu_;

@@ -6,6 +6,7 @@
 #include "jit/key.h"
 #include "jit/nvrtc.h"
 #include "jit/templates.h"
+#include "remote/tier.h"
 
 namespace kiln::jit {
 
@@ -116,6 +117,25 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
       }
       if (!hit.ok()) std::fprintf(stderr, "kiln: cache lookup failed, compiling: %s\n", hit.status().to_string().c_str());
     }
+    {
+      std::lock_guard lock(mu_);
+      ++stats_.cache_misses;
+    }
+    if (options_.remote) {
+      auto entry = options_.remote->get_entry(key, cache::Expected{arch, prepared.key.toolchain});
+      std::lock_guard lock(mu_);
+      if (entry) {
+        ++stats_.remote_hits;
+      } else {
+        ++stats_.remote_misses;
+      }
+      if (entry) {
+        // Kept locally too: the next process on this host needs no network. A failed store is
+        // counted like a compiled kernel's, and the kernel is served anyway.
+        if (store_ && !store_->put(*entry).ok()) ++stats_.store_failures;
+        return Artifact{std::move(*entry), ArtifactSource::remote};
+      }
+    }
     KILN_ASSIGN_OR_RETURN(Nvrtc * nvrtc, Nvrtc::get());
     CompileRequest req{prepared.rendered.source, prepared.rendered.name_expression, prepared.rendered.options, arch,
                        options_.use_pch, &templates(), &prepared.own_headers};
@@ -132,6 +152,13 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
       std::lock_guard lock(mu_);
       ++stats_.compiles;
       if (!compiled.ok()) ++stats_.compile_failures;
+      if (compiled.ok()) {
+        const double secs = compiled->compile_ms / 1000.0;
+        std::size_t b = 0;
+        while (b < std::size(k_compile_seconds_buckets) && secs > k_compile_seconds_buckets[b]) ++b;
+        ++stats_.compile_seconds_counts[b];
+        stats_.compile_seconds_sum += secs;
+      }
       // Only NVRTC's verdict on the source is remembered; a missing NVRTC may be fixed meanwhile.
       if (!compiled.ok() && compiled.status().code() == Code::compile_error) {
         if (failed_.size() >= k_max_remembered_failures) failed_.clear();
@@ -167,6 +194,7 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
                        key.c_str(), s.to_string().c_str());
       }
     }
+    if (options_.remote) options_.remote->put_entry(e);
     return Artifact{std::move(e), ArtifactSource::compiled};
   }();
 

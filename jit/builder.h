@@ -5,10 +5,12 @@
 // process are coalesced: one compile, every waiter gets its result (single-flight). Thread-safe.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -21,11 +23,17 @@
 #include "kiln/spec.h"
 #include "kiln/status.h"
 
+namespace kiln::remote {
+class Tier;
+}
+
 namespace kiln::jit {
 
 class TemplateSet;
 
-enum class ArtifactSource { cache, compiled };
+// cache: the local SQLite cache; remote: the fleet's remote tier (then stored locally);
+// compiled: NVRTC, in this request or the in-flight compile it joined.
+enum class ArtifactSource { cache, compiled, remote };
 
 struct Artifact {
   cache::Entry entry;  // cubin, lowered name, key, metadata
@@ -40,16 +48,29 @@ struct BuilderOptions {
   // under a deadline (daemon/compile_workers.h); a worker compiles against TemplateSet::active(),
   // so it is not combined with `templates`.
   std::function<Result<CompileOutput>(const CompileRequest&)> compiler = nullptr;
+  // The fleet's remote tier (remote/tier.h), asked after a local miss and before compiling, and
+  // given every kernel compiled here; null: none. Not owned.
+  remote::Tier* remote = nullptr;
 };
+
+// Compile times are counted in these buckets (seconds, upper bounds; a last one is unbounded).
+inline constexpr double k_compile_seconds_buckets[] = {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+inline constexpr std::size_t k_compile_buckets = std::size(k_compile_seconds_buckets) + 1;
 
 struct BuilderStats {
   std::int64_t requests = 0;
   std::int64_t cache_hits = 0;
+  std::int64_t cache_misses = 0;      // local cache lookups that found nothing usable (or no cache)
   std::int64_t compiles = 0;          // NVRTC invocations
   std::int64_t compile_failures = 0;
   std::int64_t coalesced = 0;         // requests that waited on another's in-flight compile
   std::int64_t store_failures = 0;    // compiled but could not be stored (still served)
   std::int64_t negative_hits = 0;     // requests answered from a remembered compile failure
+  std::int64_t remote_hits = 0;       // local misses served by the remote tier
+  std::int64_t remote_misses = 0;     // local misses the remote tier could not serve
+  // Successful compiles by NVRTC time (k_compile_seconds_buckets, not cumulative) and their sum.
+  std::array<std::int64_t, k_compile_buckets> compile_seconds_counts{};
+  double compile_seconds_sum = 0;
 };
 
 class Builder {
