@@ -50,4 +50,14 @@ Result<int> rmsnorm_bwd_resident_clusters(Runtime& runtime, const Family& bwd, c
 std::uint32_t common_alignment(std::initializer_list<std::uintptr_t> addresses,
                                std::initializer_list<std::int64_t> byte_strides);
 
+// A tensor's shape as "[d0, d1, ...]", for error messages.
+inline std::string dims(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
+}
+
+// A tensor's data address, as common_alignment takes it.
+inline std::uintptr_t address(const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data); }
+
 }  // namespace kiln::client

@@ -21,13 +21,10 @@
 namespace kiln {
 namespace {
 
-using families::AttentionProblem;
+using client::address;
+using client::dims;
 
-std::string dims(const TensorView& t) {
-  std::string s = "[";
-  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
-  return s + "]";
-}
+using families::AttentionProblem;
 
 Status expect_shape(const char* op, const TensorView& t, const char* name, std::initializer_list<std::int64_t> want,
                     const char* names) {
@@ -100,8 +97,6 @@ Status check_gpu(const char* op, const TensorView& q, const AttentionProblem& a)
     return invalid_argument(std::string(op) + ": token and row counts must stay below 2^31 on the GPU");
   return {};
 }
-
-std::uintptr_t address(const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data); }
 
 // Whether `stream` is being captured into a CUDA graph (the decode path's per-stream workspace
 // may be reallocated between replays, so captures take the one-pass kernel).

@@ -23,15 +23,10 @@
 namespace kiln {
 namespace {
 
+using client::address;
+using client::dims;
+
 using families::PagedDecodeProblem;
-
-std::string dims(const TensorView& t) {
-  std::string s = "[";
-  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
-  return s + "]";
-}
-
-std::uintptr_t address(const TensorView& t) { return reinterpret_cast<std::uintptr_t>(t.data); }
 
 bool is_index(DType t) { return t == DType::i32 || t == DType::i64; }
 
