@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/fp8.h"
 #include "common/half.h"
 #include "families/common/family_util.h"
 #include "families/common/gemm/gemm_util.h"
@@ -142,9 +143,11 @@ class GroupedGemm final : public Family {
     const Variant v = variant_of(params);
     Rendered r;
     r.source = "#include \"moe/grouped_gemm.cuh\"\n";
-    r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma<" : "grouped_mma<") +
-                        device_type(*params.get_str("dtype")) + ", " + std::to_string(v.layout) + ", " +
-                        std::to_string(v.bm) + ", " + std::to_string(v.bn) + ", " + std::to_string(v.stages) + ">";
+    const std::string t = device_type(*params.get_str("dtype"));
+    const std::string tile = std::to_string(v.layout) + ", " + std::to_string(v.bm) + ", " + std::to_string(v.bn) + ", " +
+                             std::to_string(v.stages);
+    r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma<" : "grouped_mma<") + t + ", " + t +
+                        ", " + tile + ", 0>";
     return r;
   }
 
@@ -300,7 +303,10 @@ class GroupedGemm final : public Family {
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto q = p.as<GroupedGemmProblem>();
     const Variant v = variant_of(params);
-    for (int i = 0; i < 4; ++i) out.add(b[i]);
+    for (int i = 0; i < 3; ++i) out.add(b[i]);
+    out.add(static_cast<void*>(nullptr));  // the kernels' scale pointers, read by grouped_gemm_fp8 only
+    out.add(static_cast<void*>(nullptr));
+    out.add(b[3]);
     out.add(int(q.experts));
     out.add(int(q.m));
     out.add(int(q.n));
@@ -347,9 +353,233 @@ class GroupedGemm final : public Family {
   }
 };
 
+// grouped_gemm_fp8: e4m3 operands (u8 codes), fp32 accumulation, rowwise scales (a_scale per row of
+// a, b_scale [experts, n] per expert and column, as torch._scaled_grouped_mm takes them), f16 or
+// bf16 out; contiguous and masked layouts. The same paths, tiles and heuristic as grouped_gemm's
+// (a stage is 128 bytes of K either way); the mma path widens e4m3 to f16 in registers (sm_80
+// has no fp8 tensor-core instruction).
+class GroupedGemmFp8 final : public Family {
+ public:
+  std::string_view name() const override { return "grouped_gemm_fp8"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"path", {}, {"mma", "wgmma"}, "mma: mma.sync with e4m3 widened to f16 (sm_80 and later); wgmma: sm_90a"},
+        {"out", {}, {"f16", "bf16"}, "output element type"},
+        {"layout", {}, {"contiguous", "masked"}, "rows grouped by offsets, or per-expert counts"},
+        {"bm", {64, 128}, {}, "tile rows"},
+        {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
+        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"}};
+    return defs;
+  }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<GroupedGemmProblem>(
+        {bucketed(&GroupedGemmProblem::m, "m", "rows of a (masked: rows per expert)"),
+         key(&GroupedGemmProblem::n, "n", "columns of out"), key(&GroupedGemmProblem::k, "k", "the reduction"),
+         key(&GroupedGemmProblem::experts, "experts", "experts (groups)"),
+         key(&GroupedGemmProblem::layout, "layout", "0 contiguous, 1 masked")});
+    return fields;
+  }
+  static Variant variant(const Params& p) {
+    return {*p.get_str("path") == "wgmma", layout_index(*p.get_str("layout")), int(*p.get_int("bm")),
+            int(*p.get_int("bn")), int(*p.get_int("stages"))};
+  }
+  static Params make8(const Variant& v, const std::string& out) {
+    return Params{{"path", v.wgmma ? "wgmma" : "mma"}, {"out", out},
+                  {"layout", k_layouts[v.layout]},        {"bm", std::int64_t(v.bm)},
+                  {"bn", std::int64_t(v.bn)},             {"stages", std::int64_t(v.stages)}};
+  }
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    const Variant v = variant(params);
+    if (!v.wgmma && v.bn > 128) return invalid_argument("grouped_gemm_fp8: the mma path takes bn <= 128");
+    if (shared_bytes(v, k_max_experts) > 227 * 1024)
+      return invalid_argument("grouped_gemm_fp8: " + std::to_string(shared_bytes(v, k_max_experts)) +
+                              " bytes of shared memory exceed 227 KiB");
+    return {};
+  }
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    const Variant v = variant(params);
+    if (v.wgmma ? !(arch.capability == 90 && arch.suffix == 'a') : arch.capability < 80) return false;
+    return shared_bytes(v, k_max_experts) <= g::max_shared_bytes(arch.capability);
+  }
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    const Variant v = variant(params);
+    Rendered r;
+    r.source = "#include \"moe/grouped_gemm.cuh\"\n";
+    r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma" : "grouped_mma") +
+                        "<kiln::gemm::u8, " + device_type(*params.get_str("out")) + ", " + std::to_string(v.layout) +
+                        ", " + std::to_string(v.bm) + ", " + std::to_string(v.bn) + ", " + std::to_string(v.stages) +
+                        ", 1>";
+    return r;
+  }
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* o : {"f16", "bf16"})
+      for (int layout : {k_contiguous, k_masked}) {
+        for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
+          Variant v{true, layout, bm, bn, 4};
+          v.stages = default_stages(v, 90);
+          out.push_back(make8(v, o));
+        }
+        for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
+          for (std::int64_t cc : {80, 86}) {
+            Variant v{false, layout, bm, bn, 4};
+            v.stages = default_stages(v, cc);
+            Params p = make8(v, o);
+            if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+          }
+      }
+    return out;
+  }
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto q = p.as<GroupedGemmProblem>();
+    const Variant v = variant(params);
+    const std::string f = "grouped_gemm_fp8";
+    if (q.layout != k_contiguous && q.layout != k_masked)
+      return invalid_argument(f + ": layout must be contiguous or masked, got " + std::to_string(q.layout));
+    if (q.layout != v.layout)
+      return invalid_argument(f + ": kernel is for the " + k_layouts[v.layout] + " layout, the problem is " +
+                              k_layouts[q.layout]);
+    const DType o = *parse_dtype(*params.get_str("out"));
+    if (o != p.dtype)
+      return unsupported_dtype(f + ": kernel writes " + dtype_name(o) + ", out is " + dtype_name(p.dtype));
+    if (q.m < 1 || q.n < 1 || q.k < 1) return shape_mismatch(f + ": m, n and k must be positive");
+    if (q.experts < 1 || q.experts > k_max_experts)
+      return shape_mismatch(f + ": experts must be in [1, " + std::to_string(k_max_experts) + "]");
+    const std::int64_t lim = std::int64_t(1) << 31;
+    const std::int64_t rows_a = q.layout == k_masked ? q.experts * q.m : q.m;
+    if (rows_a >= lim || q.experts * q.n >= lim || q.k >= lim || unit_bound(v, q) >= lim)
+      return shape_mismatch(f + ": rows, experts x n, k and the tile count must be below 2^31");
+    if (q.k % 16) return shape_mismatch(f + ": k must be a multiple of 16 (rows are copied in 16-byte pieces)");
+    if (p.alignment < 16) return invalid_argument(f + ": a, b and out need 16-byte aligned base addresses");
+    const std::int64_t cc = g::device_cc(p);
+    if (v.wgmma && cc != 90)
+      return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
+                              std::to_string(cc / 10) + "." + std::to_string(cc % 10));
+    if (!v.wgmma && cc < 80) return invalid_argument(f + ": needs compute capability 8.0 or later");
+    if (shared_bytes(v, q.experts) > g::max_shared_bytes(cc))
+      return invalid_argument(f + ": the variant needs more shared memory than the device grants");
+    return {};
+  }
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    const auto q = p.as<GroupedGemmProblem>();
+    const Variant v = variant(params);
+    LaunchGeometry geo;
+    const std::int64_t units = unit_bound(v, q);
+    geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(units, g::device_sms(p)) : units, 1, 0x7fffffff));
+    geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : 2 * v.bn);
+    geo.shared_bytes = std::uint32_t(shared_bytes(v, q.experts));
+    return geo;
+  }
+  Params heuristic(const Problem& p) const override {
+    const auto q = p.as<GroupedGemmProblem>();
+    const int layout = q.layout == k_masked ? k_masked : k_contiguous;
+    const std::int64_t cc = g::device_cc(p);
+    Variant v{cc == 90, layout, 128, 128, 4};
+    if (v.wgmma) {
+      const std::int64_t rows = layout == k_masked ? q.m : q.m / std::max<std::int64_t>(1, q.experts);
+      if (rows <= 64)
+        v.bm = 64;
+      else if (q.n >= 1024)
+        v.bn = 256;
+    } else {
+      if (unit_bound(v, q) < g::device_sms(p)) v.bm = 64;
+      if (unit_bound(v, q) < g::device_sms(p)) v.bn = 64;
+    }
+    v.stages = default_stages(v, cc);
+    return make8(v, p.dtype == DType::f16 ? "f16" : "bf16");
+  }
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    const Params h = heuristic(p);
+    std::vector<Params> out;
+    for (int bm : {64, 128})
+      for (int bn : {64, 128, 256}) {
+        Variant v{variant(h).wgmma, variant(h).layout, bm, bn, 4};
+        std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
+        std::sort(depths.begin(), depths.end());
+        depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
+        for (int s : depths) {
+          v.stages = s;
+          Params c = make8(v, *h.get_str("out"));
+          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+        }
+      }
+    return out;
+  }
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    return Family::problem_from_shape(dtype, with_defaults(shape, {{"layout", k_contiguous}}));
+  }
+  // The bench's shapes (the problem's dtype is the output's) and small ragged ones.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    if (dtype != DType::f16 && dtype != DType::bf16) return out;
+    auto add = [&](std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t e, Layout l) {
+      out.push_back(Problem::of(dtype, 16, GroupedGemmProblem{.m = m, .n = n, .k = k, .experts = e, .layout = l}));
+    };
+    add(8 * 4096, 28672, 4096, 8, k_contiguous);
+    add(8 * 4096, 4096, 14336, 8, k_contiguous);
+    add(256 * 1024, 4096, 7168, 256, k_contiguous);
+    add(256 * 1024, 7168, 2048, 256, k_contiguous);
+    add(16, 4096, 7168, 256, k_masked);
+    add(1000, 392, 272, 8, k_contiguous);
+    add(40, 392, 272, 8, k_masked);
+    return out;
+  }
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto q = p.as<GroupedGemmProblem>();
+    const std::int64_t rows = q.layout == k_masked ? q.experts * q.m : q.m;
+    return {{"a", BufferRole::input, DType::u8, rows * q.k},
+            {"b", BufferRole::input, DType::u8, q.experts * q.n * q.k},
+            {"offs", BufferRole::input, DType::i32, q.experts, q.m + 1},
+            {"a_scale", BufferRole::input, DType::f32, rows},
+            {"b_scale", BufferRole::input, DType::f32, q.experts * q.n},
+            {"out", BufferRole::output, p.dtype, rows * q.n}};
+  }
+  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<GroupedGemmProblem>();
+    const Variant v = variant(params);
+    for (int i = 0; i < 6; ++i) out.add(b[i]);
+    out.add(int(q.experts));
+    out.add(int(q.m));
+    out.add(int(q.n));
+    out.add(int(q.k));
+    if (!v.wgmma) return;
+    const std::uint64_t rows_a = std::uint64_t(q.layout == k_masked ? q.experts * q.m : q.m);
+    out.add_tensor_map({b[0], std::uint64_t(q.k), rows_a, std::uint32_t(v.bm), 0});
+    out.add_tensor_map({b[1], std::uint64_t(q.k), std::uint64_t(q.experts * q.n), std::uint32_t(v.bn), 0});
+  }
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 6)
+      return invalid_argument("grouped_gemm_fp8: reference takes 6 buffers (a, b, offs, a_scale, b_scale, out)");
+    const auto q = p.as<GroupedGemmProblem>();
+    std::vector<std::int64_t> lo, hi;
+    expert_rows(static_cast<const std::int32_t*>(b[2]), q.experts, q.m, Layout(q.layout), lo, hi);
+    const auto* a = static_cast<const std::uint8_t*>(b[0]);
+    const auto* w = static_cast<const std::uint8_t*>(b[1]);
+    const auto* sa = static_cast<const float*>(b[3]);
+    const auto* sb = static_cast<const float*>(b[4]);
+    double lut[256];
+    for (int i = 0; i < 256; ++i) lut[i] = e4m3_to_float(std::uint8_t(i));
+    for (std::int64_t e = 0; e < q.experts; ++e)
+      for (std::int64_t r = lo[e]; r < hi[e]; ++r)
+        for (std::int64_t j = 0; j < q.n; ++j) {
+          double s = 0;
+          const std::uint8_t* wr = w + (e * q.n + j) * q.k;
+          for (std::int64_t x = 0; x < q.k; ++x) s += lut[a[r * q.k + x]] * lut[wr[x]];
+          store_from_double(b[5], p.dtype, r * q.n + j, s * double(sa[r]) * double(sb[e * q.n + j]));
+        }
+    return {};
+  }
+};
+
 }  // namespace
 }  // namespace kiln::families::moe
 
 void kiln_register_kernels_grouped_gemm(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::moe::GroupedGemm>());
+  (void)r.add(std::make_shared<kiln::families::moe::GroupedGemmFp8>());
 }

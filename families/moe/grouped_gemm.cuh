@@ -97,13 +97,16 @@ __device__ __forceinline__ void unit_coords(int u, int experts, const int* lo, c
 }
 
 // The sm_90a path (contiguous and masked): gemm_wgmma_body's ring without clusters, split-K or
-// scales, over the expert schedule. Warpgroups 0 .. BM/64 - 1 consume, the last produces (one
-// thread issues the TMA copies of A's rows at the expert's row and of B's rows e n + tn BN). The
-// grid is persistent: block i takes units i, i + grid, ...
-template <class T, int LAYOUT, int BM, int BN, int STAGES>
+// block scales, over the expert schedule. Warpgroups 0 .. BM/64 - 1 consume, the last produces
+// (one thread issues the TMA copies of A's rows at the expert's row and of B's rows e n + tn BN).
+// The grid is persistent: block i takes units i, i + grid, ... TIn is f16/bf16 (TOut the same), or
+// e4m3 codes (u8) with ROWWISE scales: out = acc * a_scale[row] * b_scale[e n + col] (a_scale per
+// row of a, b_scale per expert and output column, as torch._scaled_grouped_mm takes them).
+template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int ROWWISE>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-    grouped_wgmma(const T* __restrict__ a, const T* __restrict__ b, const int* __restrict__ offs,
-                  T* __restrict__ out, int experts, int m, int n, int k, const __grid_constant__ ptx::TmaDesc map_a,
+    grouped_wgmma(const TIn* __restrict__ a, const TIn* __restrict__ b, const int* __restrict__ offs,
+                  const float* __restrict__ a_scale, const float* __restrict__ b_scale, TOut* __restrict__ out,
+                  int experts, int m, int n, int k, const __grid_constant__ ptx::TmaDesc map_a,
                   const __grid_constant__ ptx::TmaDesc map_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace gemm;
@@ -117,7 +120,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   int *lo = sched, *hi = lo + experts + 1, *first = hi + experts + 1;
   const int tiles_n = (n + BN - 1) / BN;
   const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
-  const int ktiles = (k * 2 + k_row_bytes - 1) / k_row_bytes;
+  const int ktiles = int(((long long)k * sizeof(TIn) + k_row_bytes - 1) / k_row_bytes);
 
   if (threadIdx.x < 32) build_schedule<LAYOUT, BM>(offs, experts, m, tiles_n, lo, hi, first);
   if (threadIdx.x == 0)
@@ -160,7 +163,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     fence_fragments(acc);
     warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T, BN>::run(acc, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
+    for (int kk = 0; kk < 4; ++kk) Wgmma<TIn, BN>::run(acc, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
     wgmma_commit();
   };
   int it = 0;
@@ -178,8 +181,19 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     wgmma_wait<0>();
     fence_fragments(acc);
     ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
-    const int row0 = lo[e] + tm * BM + wg * 64 + warp_in_wg * 16;
-    store_fragments<T, 1, NI>(out, hi[e], n, row0, tn * BN, [&](int, int ni, int q) { return acc[0][ni][q]; });
+    const int row0 = lo[e] + tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
+    if (ROWWISE) {
+      // store_fragments asks only for rows below hi[e]; columns past n are computed and dropped.
+      const float* sb = b_scale + (long long)e * n;
+      const float sa[2] = {row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f,
+                           row0 + (lane >> 2) + 8 < hi[e] ? __ldg(a_scale + row0 + (lane >> 2) + 8) : 0.0f};
+      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) {
+        const int col = col0 + 8 * ni + 2 * (lane & 3) + (q & 1);
+        return col < n ? acc[0][ni][q] * sa[q >> 1] * __ldg(sb + col) : 0.0f;
+      });
+    } else {
+      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) { return acc[0][ni][q]; });
+    }
   }
 #endif
 }
@@ -211,14 +225,20 @@ __device__ __forceinline__ void load_rows_tile(unsigned dst, const T* src, int c
 // the tile, a STAGES-deep cp.async ring, one block per unit (the grid covers every unit the
 // layout can have; blocks past the unit count return). Contiguous and masked stages hold 128-byte
 // K rows swizzled as the GEMM core's; kgrouped stages hold 64 reduction rows of a's and b's
-// columns (row pitch padded by 16 bytes: conflict-free), read by ldmatrix.trans.
-template <class T, int LAYOUT, int BM, int BN, int STAGES>
-__global__ void __launch_bounds__(2 * BN) grouped_mma(const T* __restrict__ a, const T* __restrict__ b,
-                                                      const int* __restrict__ offs, T* __restrict__ out,
+// columns (row pitch padded by 16 bytes: conflict-free), read by ldmatrix.trans. e4m3 operands
+// (TIn u8, contiguous and masked, ROWWISE scales as grouped_wgmma's) are widened to f16 in
+// registers as gemm_mma.cuh does (exact, 2^-8 per operand, restored in the epilogue).
+template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int ROWWISE>
+__global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a, const TIn* __restrict__ b,
+                                                      const int* __restrict__ offs, const float* __restrict__ a_scale,
+                                                      const float* __restrict__ b_scale, TOut* __restrict__ out,
                                                       int experts, int m, int n, int k) {
   using namespace gemm;
+  using T = TIn;
   constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
-  constexpr bool KG = LAYOUT == k_kgrouped;
+  constexpr bool KG = LAYOUT == k_kgrouped, FP8 = sizeof(TIn) == 1;
+  static_assert(!(KG && FP8), "kgrouped takes f16/bf16 operands");
+  using MmaT = typename Select<FP8, f16_t, TIn>::type;
   constexpr int PA = 2 * BM + 16, PB = 2 * BN + 16;  // kgrouped row pitches
   constexpr int A_BYTES = KG ? 64 * PA : BM * k_row_bytes, B_BYTES = KG ? 64 * PB : BN * k_row_bytes;
   constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + 1023) / 1024 * 1024;
@@ -246,7 +266,7 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const T* __restrict__ a, c
     unit_coords<BM, 8>(blockIdx.x, experts, lo, hi, first, tiles_n, e, tm, tn);
   }
   const int r_lo = lo[e], r_hi = hi[e];
-  const long long ld = (long long)k * 2;
+  const long long ld = (long long)k * sizeof(TIn);
   const u8* au = reinterpret_cast<const u8*>(a);
   const u8* bu = reinterpret_cast<const u8*>(b) + (KG ? 0 : (long long)e * n * ld);
   const int row_a = KG ? tm * BM : r_lo + tm * BM, row_b = tn * BN;
@@ -307,17 +327,36 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const T* __restrict__ a, c
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni) {
           const unsigned* bq = bf[ni >> 1] + 2 * (ni & 1);
-          mma_16816<T>(acc[mi][ni], af[mi], bq[0], bq[1]);
+          if constexpr (FP8) {
+            // A 16-byte chunk is one k16 step of widened values, the k order inside the
+            // instruction the same for A and B (gemm_mma.cuh).
+            const unsigned* x = af[mi];
+            const unsigned a_lo[4] = {e4m3x2_lo(x[0]), e4m3x2_lo(x[1]), e4m3x2_hi(x[0]), e4m3x2_hi(x[1])};
+            const unsigned a_hi[4] = {e4m3x2_lo(x[2]), e4m3x2_lo(x[3]), e4m3x2_hi(x[2]), e4m3x2_hi(x[3])};
+            mma_16816<MmaT>(acc[mi][ni], a_lo, e4m3x2_lo(bq[0]), e4m3x2_hi(bq[0]));
+            mma_16816<MmaT>(acc[mi][ni], a_hi, e4m3x2_lo(bq[1]), e4m3x2_hi(bq[1]));
+          } else {
+            mma_16816<MmaT>(acc[mi][ni], af[mi], bq[0], bq[1]);
+          }
         }
     }
   }
   cp_async_wait<0>();
   const int row0 = row_a + wm * (BM / 2), col0 = row_b + wn * 32;
-  if (KG)
-    store_fragments<T, MI, NI>(out + (long long)e * n * k, rows_out, cols_out, row0, col0,
-                               [&](int mi, int ni, int q) { return acc[mi][ni][q]; });
-  else
-    store_fragments<T, MI, NI>(out, r_hi, cols_out, row0, col0, [&](int mi, int ni, int q) { return acc[mi][ni][q]; });
+  if (KG) {
+    store_fragments<TOut, MI, NI>(out + (long long)e * n * k, rows_out, cols_out, row0, col0,
+                                  [&](int mi, int ni, int q) { return acc[mi][ni][q]; });
+  } else if (ROWWISE) {
+    // store_fragments asks only for rows below r_hi; columns past n are computed and dropped.
+    const float* sb = b_scale + (long long)e * n;
+    store_fragments<TOut, MI, NI>(out, r_hi, cols_out, row0, col0, [&](int mi, int ni, int q) {
+      const int row = row0 + 16 * mi + (lane >> 2) + 8 * (q >> 1), col = col0 + 8 * ni + 2 * (lane & 3) + (q & 1);
+      const float widened = FP8 ? 65536.0f : 1.0f;
+      return col < n ? acc[mi][ni][q] * widened * __ldg(a_scale + row) * __ldg(sb + col) : 0.0f;
+    });
+  } else {
+    store_fragments<TOut, MI, NI>(out, r_hi, cols_out, row0, col0, [&](int mi, int ni, int q) { return acc[mi][ni][q]; });
+  }
 }
 
 }  // namespace moe

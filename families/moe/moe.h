@@ -1,7 +1,7 @@
 // The MoE kernel families (families/moe/): routing (moe_topk), the counting sort by expert
 // (moe_sort), the gather into expert-sorted rows (moe_gather), the weighted combine back to token
-// order (moe_combine), and the grouped GEMM over experts (grouped_gemm). Their problems, and the
-// host forms of the rules their kernels and CPU references share.
+// order (moe_combine), and the grouped GEMM over experts (grouped_gemm, grouped_gemm_fp8). Their
+// problems, and the host forms of the rules their kernels and CPU references share.
 //
 // moe_topk: params dtype {f32, f16, bf16} (logits), scoring {softmax, sigmoid_group}. Problem
 //   MoeTopkProblem. Buffers: logits [tokens, experts], bias [experts] f32 (sigmoid_group; a
@@ -17,6 +17,9 @@
 // grouped_gemm: params path {mma, wgmma}, dtype {f16, bf16}, layout {contiguous, masked,
 //   kgrouped}, bm, bn, stages. Problem GroupedGemmProblem. Buffers: a, b, offs [experts] i32, out
 //   (families/moe/grouped_gemm.cuh has the layouts).
+// grouped_gemm_fp8: params path, out {f16, bf16}, layout {contiguous, masked}, bm, bn, stages.
+//   Problem GroupedGemmProblem (dtype: out's). Buffers: a u8, weight [experts, n, k] u8, offs,
+//   a_scale [rows of a] f32, b_scale [experts, n] f32, out.
 #pragma once
 
 #include <cstdint>

@@ -384,9 +384,84 @@ Status grouped_gemm_wgrad(const TensorView& a, const TensorView& b, const Tensor
   return run_grouped(op, a, b, offs, out, m::k_kgrouped, mm, n, k, experts, stream, runtime);
 }
 
+namespace {
+
+Status run_fp8(const char* op, const TensorView& a, const TensorView& weight, const TensorView& offs,
+               const TensorView& a_scale, const TensorView& b_scale, const TensorView& out, bool masked, Stream stream,
+               Runtime* runtime) {
+  for (const auto& [t, name] : {std::pair{&a, "a"}, {&weight, "weight"}, {&offs, masked ? "counts" : "offs"},
+                                {&a_scale, "a_scale"}, {&b_scale, "b_scale"}, {&out, "out"}})
+    KILN_TRY(client::check_view(*t, name));
+  KILN_TRY(want_dtype(op, "a", a, DType::u8));
+  KILN_TRY(want_dtype(op, "weight", weight, DType::u8));
+  KILN_TRY(want_dtype(op, masked ? "counts" : "offs", offs, DType::i32));
+  KILN_TRY(want_dtype(op, "a_scale", a_scale, DType::f32));
+  KILN_TRY(want_dtype(op, "b_scale", b_scale, DType::f32));
+  if (out.dtype != DType::f16 && out.dtype != DType::bf16)
+    return unsupported_dtype(std::string(op) + ": out has dtype " + dtype_name(out.dtype) + "; expected f16 or bf16");
+  if (a.rank != (masked ? 3 : 2) || weight.rank != 3)
+    return shape_mismatch(std::string(op) + ": a must be " + (masked ? "[experts, max_tokens, k]" : "[m, k]") +
+                          " and weight [experts, n, k], got " + shape_text(a) + " and " + shape_text(weight));
+  const std::int64_t experts = weight.shape[0], n = weight.shape[1], k = weight.shape[2];
+  const std::int64_t mm = masked ? a.shape[1] : a.shape[0];
+  if (a.shape[a.rank - 1] != k || (masked && a.shape[0] != experts))
+    return shape_mismatch(std::string(op) + ": a is " + shape_text(a) + " but weight is " + shape_text(weight));
+  KILN_TRY(want_shape(op, masked ? "counts" : "offs", offs, {experts}));
+  if (masked) {
+    KILN_TRY(want_shape(op, "a_scale", a_scale, {experts, mm}));
+    KILN_TRY(want_shape(op, "out", out, {experts, mm, n}));
+  } else {
+    KILN_TRY(want_shape(op, "a_scale", a_scale, {mm}));
+    KILN_TRY(want_shape(op, "out", out, {mm, n}));
+  }
+  KILN_TRY(want_shape(op, "b_scale", b_scale, {experts, n}));
+  for (const auto& [t, name] : {std::pair{&a, "a"}, {&weight, "weight"}, {&out, "out"}}) KILN_TRY(want_layout(op, name, *t, 16));
+  for (const auto& [t, name] : {std::pair{&offs, "offs"}, {&a_scale, "a_scale"}, {&b_scale, "b_scale"}})
+    KILN_TRY(want_layout(op, name, *t, 4));
+  if (experts < 1 || experts > m::k_max_experts)
+    return shape_mismatch(std::string(op) + ": experts must be in [1, " + std::to_string(m::k_max_experts) + "]");
+  if (k % 16) return shape_mismatch(std::string(op) + ": k = " + std::to_string(k) + " must be a multiple of 16");
+  KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&a, "a"}, {&weight, "weight"}, {&offs, "offs"},
+                                                             {&a_scale, "a_scale"}, {&b_scale, "b_scale"}, {&out, "out"}}));
+  if (where == DeviceKind::cpu) KILN_TRY(check_host_offsets(op, offs, mm, masked));
+  if (out.numel() == 0) return {};
+  if (k == 0) return write_zeros(out, where, stream);
+  if (mm == 0) return {};
+  const Problem p = Problem::of(out.dtype, 16, m::GroupedGemmProblem{.m = mm, .n = n, .k = k, .experts = experts,
+                                                                     .layout = masked ? m::k_masked : m::k_contiguous});
+  void* buffers[6] = {a.data, weight.data, offs.data, a_scale.data, b_scale.data, out.data};
+  return dispatch("grouped_gemm_fp8", p, buffers, where, stream, runtime);
+}
+
+}  // namespace
+
+Status grouped_gemm_fp8(const TensorView& a, const TensorView& weight, const TensorView& offs,
+                        const TensorView& a_scale, const TensorView& b_scale, const TensorView& out, Stream stream,
+                        Runtime* runtime) {
+  return run_fp8("grouped_gemm_fp8", a, weight, offs, a_scale, b_scale, out, false, stream, runtime);
+}
+
+Status grouped_gemm_fp8_masked(const TensorView& a, const TensorView& weight, const TensorView& counts,
+                               const TensorView& a_scale, const TensorView& b_scale, const TensorView& out,
+                               Stream stream, Runtime* runtime) {
+  return run_fp8("grouped_gemm_fp8_masked", a, weight, counts, a_scale, b_scale, out, true, stream, runtime);
+}
+
 }  // namespace kiln
 
 // ---- declarations (kiln/op.h) ----
+
+namespace {
+
+// An op's output_dtype choice (0 f16, 1 bf16) against the out tensor it was given.
+kiln::Status check_output_dtype(const char* op, const kiln::TensorView& out, std::int64_t choice) {
+  const kiln::DType want = choice == 0 ? kiln::DType::f16 : kiln::DType::bf16;
+  if (out.dtype == want) return {};
+  return kiln::unsupported_dtype(std::string(op) + ": out is " + kiln::dtype_name(out.dtype) + " but output_dtype is " +
+                                 kiln::dtype_name(want));
+}
+
+}  // namespace
 
 void kiln_register_ops_moe(kiln::Registry& r) {
   using namespace kiln;
@@ -567,6 +642,47 @@ void kiln_register_ops_moe(kiln::Registry& r) {
             out[0].shape[2] = c.tensor(1).shape[1];
             return Status{};
           });
+  const std::uint32_t u8 = dtype_bit(DType::u8);
+  for (bool masked : {false, true}) {
+    OpDecl op;
+    op.name = masked ? "grouped_gemm_fp8_masked" : "grouped_gemm_fp8";
+    op.doc = masked ? "The masked layout of grouped_gemm_fp8: a [experts, max_tokens, k], a_scale [experts, max_tokens], "
+                      "out [experts, max_tokens, n] for the first counts[e] rows of each expert."
+                    : "out [m, n] = (a x weight[e]^T) * a_scale[row] * b_scale[e, col] for expert e's rows [offs[e - 1], "
+                      "offs[e]): e4m3 codes (u8), rowwise f32 scales as torch._scaled_grouped_mm takes them, f16/bf16 "
+                      "out, k a multiple of 16; sm_90a.";
+    op.tensors = {{.name = "a", .dtypes = u8, .min_rank = masked ? 3 : 2, .max_rank = masked ? 3 : 2,
+                   .shape = masked ? "[experts, max_tokens, k]" : "[m, k]"},
+                  {.name = "weight", .dtypes = u8, .min_rank = 3, .max_rank = 3, .shape = "[experts, n, k]"},
+                  {.name = masked ? "counts" : "offs", .dtypes = i32, .max_rank = 1, .shape = "[experts]"},
+                  {.name = "a_scale", .dtypes = f32, .max_rank = 2, .shape = masked ? "[experts, max_tokens]" : "[m]"},
+                  {.name = "b_scale", .dtypes = f32, .min_rank = 2, .max_rank = 2, .shape = "[experts, n]"},
+                  {.name = "out", .role = TensorRole::output, .dtypes = k_half_dtypes, .min_rank = masked ? 3 : 2,
+                   .max_rank = masked ? 3 : 2, .shape = masked ? "[experts, max_tokens, n]" : "[m, n]"}};
+    op.scalars = {{.name = "output_dtype", .kind = ScalarKind::choice, .has_default = true, .default_value = 1,
+                   .choices = {"f16", "bf16"}, .doc = "the dtype of out when kiln allocates it"}};
+    op.cpu = true;
+    if (masked)
+      op.run = [](const OpCall& c) {
+        KILN_TRY(check_output_dtype("grouped_gemm_fp8_masked", c.tensor(5), c.i64(0)));
+        return grouped_gemm_fp8_masked(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.tensor(5),
+                                       c.stream, c.runtime);
+      };
+    else
+      op.run = [](const OpCall& c) {
+        KILN_TRY(check_output_dtype("grouped_gemm_fp8", c.tensor(5), c.i64(0)));
+        return grouped_gemm_fp8(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.tensor(5), c.stream,
+                                c.runtime);
+      };
+    op.infer = [masked](const OpCall& c, std::span<OutputShape> out) {
+      out[0].dtype = c.i64(0) == 0 ? DType::f16 : DType::bf16;
+      out[0].rank = masked ? 3 : 2;
+      for (int i = 0; i + 1 < out[0].rank; ++i) out[0].shape[i] = c.tensor(0).shape[i];
+      out[0].shape[out[0].rank - 1] = c.tensor(1).shape[1];
+      return Status{};
+    };
+    (void)r.add_op(std::move(op));
+  }
   grouped("grouped_gemm_wgrad",
           "out [experts, n, k]: out[e] = a_e^T b_e for a [m, n] and b [m, k] grouped by rows as grouped_gemm's offs "
           "(the weight gradient dW_e = dY_e^T X_e); experts without rows get zeros. n and k multiples of 8.",

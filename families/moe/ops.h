@@ -55,6 +55,18 @@ Status grouped_gemm(const TensorView& a, const TensorView& weight, const TensorV
 Status grouped_gemm_masked(const TensorView& a, const TensorView& weight, const TensorView& counts,
                            const TensorView& out, Stream stream = nullptr, Runtime* runtime = nullptr);
 
+// FP8 (sm_90a): out [m, n] = (a [m, k] x weight[e] [n, k]^T) * a_scale[row] * b_scale[e, col] for
+// the rows of expert e as in grouped_gemm: a and weight e4m3 codes (u8), a_scale [m] and b_scale
+// [experts, n] f32 (rowwise, as torch._scaled_grouped_mm takes them), out f16 or bf16, fp32
+// accumulation, k a multiple of 16. With `counts` instead of offsets (masked): a [experts,
+// max_tokens, k], a_scale [experts, max_tokens], out [experts, max_tokens, n].
+Status grouped_gemm_fp8(const TensorView& a, const TensorView& weight, const TensorView& offs,
+                        const TensorView& a_scale, const TensorView& b_scale, const TensorView& out,
+                        Stream stream = nullptr, Runtime* runtime = nullptr);
+Status grouped_gemm_fp8_masked(const TensorView& a, const TensorView& weight, const TensorView& counts,
+                               const TensorView& a_scale, const TensorView& b_scale, const TensorView& out,
+                               Stream stream = nullptr, Runtime* runtime = nullptr);
+
 // The K-grouped form (weight gradients): out[e] [n, k] = a_e^T b_e, a [m, n] and b [m, k] with
 // expert e's rows as in grouped_gemm; experts without rows get zeros. n and k multiples of 8.
 Status grouped_gemm_wgrad(const TensorView& a, const TensorView& b, const TensorView& offs, const TensorView& out,

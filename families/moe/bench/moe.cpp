@@ -13,6 +13,7 @@
 #include <numeric>
 
 #include "bench/gpu_harness.h"
+#include "common/fp8.h"
 #include "common/half.h"
 #include "families/moe/moe.h"
 #include "families/moe/ops.h"
@@ -30,12 +31,20 @@ struct Tiled {
   std::unique_ptr<DeviceBuffer> dev;
   std::vector<unsigned char> base;
   std::int64_t block;
-  double at(std::int64_t i, DType t) const { return load_as_double(base.data(), t, i % block); }
+  double at(std::int64_t i, DType t) const {
+    return t == DType::u8 ? double(e4m3_to_float(base[std::size_t(i % block)])) : load_as_double(base.data(), t, i % block);
+  }
 };
 Tiled tiled(Context& ctx, DType t, std::int64_t elements, float scale) {
   Tiled out;
   out.block = std::min<std::int64_t>(elements, 1000003);
-  out.base = random_values(t, out.block, ctx.rng, scale);
+  if (t == DType::u8) {  // e4m3 codes of normal values times scale (NaN codes never come out)
+    std::normal_distribution<float> d(0.0f, scale);
+    out.base.resize(std::size_t(out.block));
+    for (auto& v : out.base) v = float_to_e4m3(d(ctx.rng));
+  } else {
+    out.base = random_values(t, out.block, ctx.rng, scale);
+  }
   const std::size_t es = dtype_size(t), total = std::size_t(elements) * es;
   out.dev = std::make_unique<DeviceBuffer>(total);
   std::vector<unsigned char> first(out.base);
@@ -69,6 +78,80 @@ struct Case {
   std::int64_t experts, per_expert, n, k;
   m::Layout layout;
 };
+
+// grouped_gemm_fp8 (e4m3, rowwise scales, bf16 out) on one case: checked against fp64 on sampled
+// outputs, then timed; the row beside the bf16 one.
+Status fp8(Context& ctx, nlohmann::json& rows, const Case& c, bool zipf, const std::vector<std::int32_t>& counts,
+           const std::vector<std::int32_t>& offs, std::int64_t max_t) {
+  const bool masked = c.layout == m::k_masked;
+  const std::int64_t total = c.experts * c.per_expert, a_rows = masked ? c.experts * max_t : total;
+  const auto cuda = Device::cuda(0);
+  Tiled a = tiled(ctx, DType::u8, a_rows * c.k, 2.0f), b = tiled(ctx, DType::u8, c.experts * c.n * c.k, 0.5f);
+  std::vector<float> sa(static_cast<std::size_t>(a_rows)), sb(static_cast<std::size_t>(c.experts * c.n));
+  std::uniform_real_distribution<float> u(0.5f, 1.5f);
+  for (auto& v : sa) v = u(ctx.rng) / 16;
+  for (auto& v : sb) v = u(ctx.rng) / 16;
+  DeviceBuffer dsa(sa.size() * 4), dsb(sb.size() * 4), dout(std::size_t(a_rows * c.n) * 2), doffs(offs.size() * 4);
+  dsa.upload(sa.data());
+  dsb.upload(sb.data());
+  doffs.upload((masked ? counts : offs).data());
+  auto call = [&](int) {
+    const TensorView ov = TensorView::contiguous(doffs.get(), DType::i32, {c.experts}, cuda);
+    const TensorView bv = TensorView::contiguous(b.dev->get(), DType::u8, {c.experts, c.n, c.k}, cuda);
+    const TensorView sbv = TensorView::contiguous(dsb.get(), DType::f32, {c.experts, c.n}, cuda);
+    if (masked)
+      check(grouped_gemm_fp8_masked(TensorView::contiguous(a.dev->get(), DType::u8, {c.experts, max_t, c.k}, cuda), bv, ov,
+                                    TensorView::contiguous(dsa.get(), DType::f32, {c.experts, max_t}, cuda), sbv,
+                                    TensorView::contiguous(dout.get(), DType::bf16, {c.experts, max_t, c.n}, cuda),
+                                    nullptr, ctx.runtime),
+            "grouped_gemm_fp8_masked");
+    else
+      check(grouped_gemm_fp8(TensorView::contiguous(a.dev->get(), DType::u8, {total, c.k}, cuda), bv, ov,
+                             TensorView::contiguous(dsa.get(), DType::f32, {total}, cuda), sbv,
+                             TensorView::contiguous(dout.get(), DType::bf16, {total, c.n}, cuda), nullptr, ctx.runtime),
+            "grouped_gemm_fp8");
+  };
+  dout.poison();
+  call(0);
+  check(ctx.driver->ctx_synchronize(), "sync");
+  std::vector<unsigned char> got(std::size_t(a_rows * c.n) * 2);
+  dout.download(got.data());
+  std::uniform_int_distribution<std::int64_t> pick_e(0, c.experts - 1);
+  double num = 0, den = 0;
+  bool nan = false;
+  for (int s = 0; s < 256; ++s) {
+    const std::int64_t e = pick_e(ctx.rng), cnt = counts[e];
+    if (cnt == 0) continue;
+    const std::int64_t lo = masked ? e * max_t : (e ? offs[e - 1] : 0);
+    std::uniform_int_distribution<std::int64_t> pr(0, cnt - 1), pj(0, c.n - 1);
+    const std::int64_t r = lo + pr(ctx.rng), j = pj(ctx.rng);
+    double want = 0;
+    for (std::int64_t q = 0; q < c.k; ++q) want += a.at(r * c.k + q, DType::u8) * b.at((e * c.n + j) * c.k + q, DType::u8);
+    want *= double(sa[r]) * double(sb[e * c.n + j]);
+    const double g = load_as_double(got.data(), DType::bf16, r * c.n + j);
+    nan = nan || std::isnan(g);
+    num += (g - want) * (g - want);
+    den += want * want;
+  }
+  const double err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  if (nan || !(err < 1e-2))
+    return internal_error(std::string("FAILED against fp64: ") + c.name + (zipf ? " zipf" : " balanced") + ", rel err " +
+                          std::to_string(err) + (nan ? ", unwritten outputs" : ""));
+  const double ms = time_events(call, 5, ctx.quick ? 10 : 30);
+  const double tflops = 2.0 * double(total) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
+  Problem p = Problem::of(DType::bf16, 16,
+                          m::GroupedGemmProblem{.m = masked ? max_t : total, .n = c.n, .k = c.k, .experts = c.experts,
+                                                .layout = c.layout});
+  jit::set_device(p, *jit::device_info(0).value());
+  const std::string variant = Registry::global().find("grouped_gemm_fp8")->heuristic(p).canonical();
+  std::printf("%-20s %8s %8lld %6lld %6lld %8lld %10.1f %9.1f %9.2e  %s (fp8 rowwise)\n", c.name,
+              zipf ? "zipf" : "balanced", (long long)total, (long long)c.n, (long long)c.k, (long long)c.experts, ms * 1e3,
+              tflops, err, variant.c_str());
+  rows.push_back({{"kind", "grouped_gemm_fp8"}, {"shape", c.name}, {"routing", zipf ? "zipf" : "balanced"},
+                  {"rows", total}, {"n", c.n}, {"k", c.k}, {"experts", c.experts}, {"median_us", ms * 1e3},
+                  {"tflops", tflops}, {"rel_err", err}, {"variant", variant}});
+  return {};
+}
 
 int grouped(Context& ctx, nlohmann::json& rows) {
   std::vector<Case> cases = {{"mixtral_gate_up", 8, 4096, 28672, 4096, m::k_contiguous},
@@ -170,6 +253,11 @@ int grouped(Context& ctx, nlohmann::json& rows) {
       rows.push_back({{"kind", "grouped_gemm"}, {"shape", c.name}, {"routing", zipf ? "zipf" : "balanced"},
                       {"rows", total}, {"n", c.n}, {"k", c.k}, {"experts", c.experts}, {"median_us", ms * 1e3},
                       {"tflops", tflops}, {"rel_err", err}, {"variant", variant}});
+      if (!kg && jit::device_info(0).value()->compute_capability == 90) {
+        a.dev.reset();
+        b.dev.reset();
+        check(fp8(ctx, rows, c, zipf, counts, offs, max_t), "grouped_gemm_fp8");
+      }
     }
   return 0;
 }

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "common/fp8.h"
 #include "common/half.h"
 #include "families/moe/moe.h"
 #include "families/moe/ops.h"
@@ -370,6 +371,69 @@ TEST_F(MoeGpu, GroupedGemmMatchesTheReferenceOnEveryLayoutAndPath) {
                            params.canonical() + " " + routing_name(r) + " tokens " + std::to_string(c.tokens) +
                                " top_k " + std::to_string(c.top_k) + " seed " + std::to_string(seed_));
             }
+}
+
+TEST_F(MoeGpu, GroupedGemmFp8MatchesTheReference) {
+  const Family& f = *Registry::global().find("grouped_gemm_fp8");
+  const GroupedCase cases[] = {{333, 392, 272, 8, 2, 0}, {61, 264, 128, 6, 1, 3}};
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::uniform_real_distribution<float> u(0.25f, 2.0f);
+  for (const GroupedCase& c : cases)
+    for (Routing r : {Routing::balanced, Routing::zipf, Routing::one_expert, Routing::sparse})
+      for (DType t : {DType::bf16, DType::f16})
+        for (int layout : {m::k_contiguous, m::k_masked})
+          for (const std::string& path : paths(layout))
+          for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}, {128, 256}}) {
+            if (path == "mma" && bn > 128) continue;
+            if (path == "wgmma" && bn == 64) continue;
+            auto ids = route(r, c.tokens, c.top_k, c.experts);
+            std::vector<std::int32_t> counts(c.experts, 0), offs(c.experts);
+            for (auto e : ids) ++counts[e];
+            std::partial_sum(counts.begin(), counts.end(), offs.begin());
+            const std::int64_t rows = c.tokens * c.top_k;
+            const std::int64_t max_t = *std::max_element(counts.begin(), counts.end()) + 5;
+            const std::int64_t mm = layout == m::k_masked ? max_t : rows + 7;
+            const std::int64_t a_rows = layout == m::k_masked ? c.experts * max_t : mm;
+            std::vector<std::uint8_t> a(a_rows * c.k), b(c.experts * c.n * c.k);
+            for (auto& v : a) v = float_to_e4m3(d(rng_));
+            for (auto& v : b) v = float_to_e4m3(d(rng_) / 4);
+            std::vector<float> sa(a_rows), sb(c.experts * c.n);
+            for (auto& v : sa) v = u(rng_);
+            for (auto& v : sb) v = u(rng_) / 16;
+            const std::vector<std::int32_t>& o = layout == m::k_masked ? counts : offs;
+            std::vector<std::uint16_t> want(a_rows * c.n, 0xFFFF);
+            const Problem p = Problem::of(
+                t, 16, m::GroupedGemmProblem{.m = mm, .n = c.n, .k = c.k, .experts = c.experts, .layout = layout});
+            std::vector<void*> hb = {a.data(), b.data(), const_cast<std::int32_t*>(o.data()), sa.data(), sb.data(),
+                                     want.data()};
+            ASSERT_TRUE(f.cpu_reference(Params{}, p, hb).ok());
+            Problem pp = p;
+            pp.cc = std::uint8_t(cc_);
+            pp.sm_count = std::uint16_t(c.sms > 0 ? c.sms : sms_);
+            Params params = f.heuristic(pp);
+            params.set("path", path).set("bm", std::int64_t(bm)).set("bn", std::int64_t(bn));
+            bool fits = false;
+            for (std::int64_t s : {8, 6, 4, 3, 2}) {
+              params.set("stages", s);
+              if ((fits = f.validate(params).ok() && f.check_problem(params, pp).ok())) break;
+            }
+            if (!fits) continue;
+            Dev da = up(a.data(), a.size()), db = up(b.data(), b.size()), doffs = up(o.data(), o.size() * 4),
+                dsa = up(sa.data(), sa.size() * 4), dsb = up(sb.data(), sb.size() * 4);
+            Dev dout = poisoned(want.size() * 2);
+            auto k = rt_->kernel(KernelSpec{"grouped_gemm_fp8", params});
+            ASSERT_TRUE(k.ok()) << k.status().to_string();
+            std::vector<void*> ptrs = {da.buf->get(), db.buf->get(), doffs.buf->get(),
+                                       dsa.buf->get(), dsb.buf->get(), dout.buf->get()};
+            const Status st = c.sms > 0 ? jit::launch_candidate(f, params, pp, static_cast<CUfunction>((*k)->function), ptrs)
+                                        : rt_->launch(**k, pp, ptrs, nullptr);
+            ASSERT_TRUE(st.ok()) << st.to_string();
+            const auto got = down(dout);
+            std::vector<std::uint16_t> g16(want.size());
+            std::memcpy(g16.data(), got.data(), got.size());
+            compare_rows(g16, want, t, c.n,
+                         params.canonical() + " " + routing_name(r) + " seed " + std::to_string(seed_));
+          }
 }
 
 // The layer's forward as kiln.torch.fused_moe runs it (route, permute, grouped gate_up,

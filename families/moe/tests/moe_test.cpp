@@ -12,6 +12,7 @@
 #include <numeric>
 #include <random>
 
+#include "common/fp8.h"
 #include "common/half.h"
 #include "families/moe/moe.h"
 #include "families/moe/ops.h"
@@ -322,6 +323,53 @@ TEST_F(MoeOps, GroupedGemmWgradIsPerExpertTransposedProducts) {
       }
 }
 
+TEST_F(MoeOps, GroupedGemmFp8AppliesRowwiseScalesPerExpert) {
+  const std::int64_t experts = 3, n = 10, k = 32;
+  const std::vector<std::int32_t> offs = {4, 4, 9};
+  const std::int64_t mm = 11;
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::vector<std::uint8_t> a(mm * k), w(experts * n * k);
+  for (auto& v : a) v = float_to_e4m3(d(rng_));
+  for (auto& v : w) v = float_to_e4m3(d(rng_));
+  std::vector<float> sa(mm), sb(experts * n);
+  std::uniform_real_distribution<float> u(0.25f, 2.0f);
+  for (auto& v : sa) v = u(rng_);
+  for (auto& v : sb) v = u(rng_);
+  alignas(16) std::uint16_t out[mm * n];
+  std::fill(out, out + mm * n, std::uint16_t(0x7FC0));
+  ASSERT_TRUE(grouped_gemm_fp8(host(a.data(), DType::u8, {mm, k}), host(w.data(), DType::u8, {experts, n, k}),
+                               host((void*)offs.data(), DType::i32, {experts}), host(sa.data(), DType::f32, {mm}),
+                               host(sb.data(), DType::f32, {experts, n}), host(out, DType::bf16, {mm, n}), nullptr,
+                               rt_.get())
+                  .ok());
+  for (std::int64_t r = 0; r < mm; ++r) {
+    const std::int64_t e = r < 4 ? 0 : r < 9 ? 2 : -1;
+    for (std::int64_t j = 0; j < n; ++j) {
+      if (e < 0) {
+        EXPECT_EQ(out[r * n + j], 0x7FC0) << "row " << r << " belongs to no expert";
+        continue;
+      }
+      double s = 0;
+      for (std::int64_t x = 0; x < k; ++x) s += double(e4m3_to_float(a[r * k + x])) * e4m3_to_float(w[(e * n + j) * k + x]);
+      EXPECT_EQ(out[r * n + j], float_to_bf16(float(s * sa[r] * sb[e * n + j]))) << r << " " << j;
+    }
+  }
+  // k must be a multiple of 16; a must be u8; the masked a_scale is per expert and row.
+  expect(grouped_gemm_fp8(host(a.data(), DType::u8, {mm, 8}), host(w.data(), DType::u8, {experts, n, 8}),
+                          host((void*)offs.data(), DType::i32, {experts}), host(sa.data(), DType::f32, {mm}),
+                          host(sb.data(), DType::f32, {experts, n}), host(out, DType::bf16, {mm, n}), nullptr, rt_.get()),
+         Code::shape_mismatch, "k not a multiple of 16");
+  expect(grouped_gemm_fp8(host(out, DType::bf16, {mm, k}), host(w.data(), DType::u8, {experts, n, k}),
+                          host((void*)offs.data(), DType::i32, {experts}), host(sa.data(), DType::f32, {mm}),
+                          host(sb.data(), DType::f32, {experts, n}), host(out, DType::bf16, {mm, n}), nullptr, rt_.get()),
+         Code::unsupported_dtype, "bf16 a");
+  expect(grouped_gemm_fp8_masked(host(a.data(), DType::u8, {experts, 2, k}), host(w.data(), DType::u8, {experts, n, k}),
+                                 host((void*)offs.data(), DType::i32, {experts}), host(sa.data(), DType::f32, {experts * 2}),
+                                 host(sb.data(), DType::f32, {experts, n}), host(out, DType::bf16, {experts, 2, n}),
+                                 nullptr, rt_.get()),
+         Code::shape_mismatch, "masked a_scale shape");
+}
+
 TEST(MoeFamilies, ExpertRowsReadAnyOffsetsAsTheKernelsDo) {
   std::vector<std::int64_t> lo, hi;
   // Decreasing and out-of-range offsets: the running maximum clamped to [0, m].
@@ -362,8 +410,8 @@ TEST(MoeFamilies, HeuristicPicksCatalogVariantsForStandardShapes) {
   const Params big = g.heuristic(grouped_problem(8 * 4096, 28672, 4096, 8, m::k_contiguous, 90));
   EXPECT_EQ(*big.get_int("bm"), 128);
   EXPECT_EQ(*big.get_int("bn"), 256);
-  // Every routing family's heuristic is in its catalog.
-  for (const char* name : {"moe_topk", "moe_sort", "moe_gather", "moe_combine"}) {
+  // Every other family's heuristic is in its catalog (grouped_gemm_fp8: on sm_90a, its only arch).
+  for (const char* name : {"moe_topk", "moe_sort", "moe_gather", "moe_combine", "grouped_gemm_fp8"}) {
     const Family& f = fam(name);
     const auto cat = f.catalog();
     for (DType t : {DType::f32, DType::f16, DType::bf16})
@@ -410,7 +458,7 @@ TEST(MoeFamilies, GroupedGemmRulesAndGeometry) {
 
 TEST(MoeFamilies, OpsAreDeclared) {
   for (const char* name : {"moe_topk", "moe_permute", "moe_gather", "moe_combine", "grouped_gemm", "grouped_gemm_masked",
-                           "grouped_gemm_wgrad"}) {
+                           "grouped_gemm_wgrad", "grouped_gemm_fp8", "grouped_gemm_fp8_masked"}) {
     const OpDecl* op = Registry::global().find_op(name);
     ASSERT_NE(op, nullptr) << name;
     EXPECT_TRUE(op->check().ok()) << name << ": " << op->check().to_string();

@@ -168,3 +168,22 @@ def test_moe_module_compiles_whole_and_trains():
     compiled.float().square().mean().backward()
     assert x.grad is not None and moe.w_gate_up.grad is not None and moe.w_down.grad is not None
     assert moe.router.weight.grad is not None
+
+
+@pytest.mark.parametrize("pattern", ["balanced", "zipf", "one"])
+def test_grouped_gemm_fp8_rowwise_matches_the_dequantized_product(pattern):
+    experts, rows, n, k = 8, 777, 264, 272
+    counts = route_counts(experts, rows, pattern)
+    offs = torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32)
+    a8 = (torch.randn(rows, k, device=DEV) * 2).to(torch.float8_e4m3fn)
+    w8 = (torch.randn(experts, n, k, device=DEV) * 0.5).to(torch.float8_e4m3fn)
+    sa = torch.rand(rows, device=DEV) + 0.5
+    sb = (torch.rand(experts, n, device=DEV) + 0.5) / 16
+    out = kt.grouped_gemm_fp8(a8.view(torch.uint8), w8.view(torch.uint8), offs, sa, sb, "bf16")
+    want = torch.empty(rows, n, device=DEV, dtype=torch.float64)
+    start = 0
+    for e, c in enumerate(counts):
+        want[start:start + c] = (a8[start:start + c].double() @ w8[e].double().t()) * sa[start:start + c, None].double() \
+            * sb[e].double()
+        start += c
+    assert rel(out, want) < 1e-2
