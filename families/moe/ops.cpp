@@ -3,8 +3,10 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "client/validate.h"
+#include "client/workspace.h"
 #include "families/moe/moe.h"
 #include "jit/driver.h"
 #include "kiln/family.h"
@@ -447,6 +449,71 @@ Status grouped_gemm_fp8_masked(const TensorView& a, const TensorView& weight, co
   return run_fp8("grouped_gemm_fp8_masked", a, weight, counts, a_scale, b_scale, out, true, stream, runtime);
 }
 
+Status fused_moe(const TensorView& x, const TensorView& router_logits, const TensorView& w_gate_up,
+                 const TensorView& w_down, const TensorView& out, std::int64_t top_k, Activation act,
+                 bool renormalize, Stream stream, Runtime* runtime) {
+  constexpr const char* op = "fused_moe";
+  for (const auto& [t, name] : {std::pair{&x, "x"}, {&router_logits, "router_logits"}, {&w_gate_up, "w_gate_up"},
+                                {&w_down, "w_down"}, {&out, "out"}})
+    KILN_TRY(client::check_view(*t, name));
+  KILN_TRY(check_half(op, {{&x, "x"}, {&w_gate_up, "w_gate_up"}, {&w_down, "w_down"}, {&out, "out"}}));
+  KILN_TRY(client::check_float_dtype(router_logits, "router_logits"));
+  if (x.rank != 2 || router_logits.rank != 2 || w_gate_up.rank != 3 || w_down.rank != 3)
+    return shape_mismatch("fused_moe: x [tokens, hidden], router_logits [tokens, experts], w_gate_up [experts, 2 inter, "
+                          "hidden] and w_down [experts, hidden, inter] expected");
+  const std::int64_t tokens = x.shape[0], hidden = x.shape[1], experts = router_logits.shape[1];
+  const std::int64_t inter = w_down.shape[2];
+  KILN_TRY(want_shape(op, "router_logits", router_logits, {tokens, experts}));
+  KILN_TRY(want_shape(op, "w_gate_up", w_gate_up, {experts, 2 * inter, hidden}));
+  KILN_TRY(want_shape(op, "w_down", w_down, {experts, hidden, inter}));
+  KILN_TRY(want_shape(op, "out", out, {tokens, hidden}));
+  if (hidden % 8 || inter % 8)
+    return shape_mismatch("fused_moe: hidden and inter must be multiples of 8, got " + std::to_string(hidden) + " and " +
+                          std::to_string(inter));
+  if (top_k < 1 || top_k > std::min<std::int64_t>(experts, m::k_max_top_k))
+    return invalid_argument("fused_moe: top_k must be in [1, min(experts, 32)], got " + std::to_string(top_k));
+  if (act != Activation::silu && act != Activation::gelu && act != Activation::gelu_tanh)
+    return invalid_argument("fused_moe: unknown activation " + std::to_string(int(act)));
+  KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&x, "x"}, {&router_logits, "router_logits"},
+                                                             {&w_gate_up, "w_gate_up"}, {&w_down, "w_down"},
+                                                             {&out, "out"}}));
+  if (tokens == 0) return {};
+  // The intermediates, each 16-byte aligned in one block: weights, ids, offsets, row_of, src_of,
+  // x_sorted, gate_up, act, y_sorted.
+  const std::int64_t n = tokens * top_k, es = std::int64_t(dtype_size(x.dtype));
+  const std::int64_t sizes[9] = {n * 4, n * 4, (experts + 1) * 4, n * 4, n * 4, n * hidden * es, n * 2 * inter * es,
+                                 n * inter * es, n * hidden * es};
+  std::int64_t at[9], total = 0;
+  for (int i = 0; i < 9; ++i) {
+    at[i] = total;
+    total += (sizes[i] + 15) / 16 * 16;
+  }
+  std::vector<std::uint64_t> host;
+  char* base;
+  if (where == DeviceKind::cpu) {
+    host.resize(std::size_t(total / 8 + 2));
+    base = reinterpret_cast<char*>(host.data());
+  } else {
+    KILN_ASSIGN_OR_RETURN(void* ws, client::stream_workspace(x.device.index, stream, total / 4 + 4));
+    base = static_cast<char*>(ws);
+  }
+  auto view = [&](int i, DType t, std::initializer_list<std::int64_t> shape) {
+    return TensorView::contiguous(base + at[i], t, shape, x.device);
+  };
+  const TensorView weights = view(0, DType::f32, {tokens, top_k}), ids = view(1, DType::i32, {tokens, top_k});
+  const TensorView offsets = view(2, DType::i32, {experts + 1}), row_of = view(3, DType::i32, {tokens, top_k});
+  const TensorView src_of = view(4, DType::i32, {n}), xs = view(5, x.dtype, {n, hidden});
+  const TensorView h = view(6, x.dtype, {n, 2 * inter}), a = view(7, x.dtype, {n, inter});
+  const TensorView ys = view(8, x.dtype, {n, hidden});
+  const TensorView ends = TensorView::contiguous(base + at[2] + 4, DType::i32, {experts}, x.device);
+  KILN_TRY(moe_topk(router_logits, nullptr, weights, ids, MoeScoring::softmax, renormalize, 1, 1, 1.0, stream, runtime));
+  KILN_TRY(moe_permute(x, ids, xs, offsets, row_of, src_of, stream, runtime));
+  KILN_TRY(grouped_gemm(xs, w_gate_up, ends, h, stream, runtime));
+  KILN_TRY(act_and_mul(h, a, act, stream, runtime));
+  KILN_TRY(grouped_gemm(a, w_down, ends, ys, stream, runtime));
+  return moe_combine(ys, row_of, &weights, out, stream, runtime);
+}
+
 }  // namespace kiln
 
 // ---- declarations (kiln/op.h) ----
@@ -642,6 +709,35 @@ void kiln_register_ops_moe(kiln::Registry& r) {
             out[0].shape[2] = c.tensor(1).shape[1];
             return Status{};
           });
+  {
+    OpDecl op;
+    op.name = "fused_moe";
+    op.doc = "out [tokens, hidden]: the MoE layer's forward with softmax top-k routing: moe_topk, moe_permute, "
+             "grouped_gemm (w_gate_up [experts, 2 inter, hidden], gate rows first), act_and_mul, grouped_gemm "
+             "(w_down [experts, hidden, inter]), moe_combine. f16/bf16; intermediates in the stream's workspace "
+             "(not during CUDA-graph capture). kiln.torch.fused_moe adds the backward.";
+    op.tensors = {{.name = "x", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2, .shape = "[tokens, hidden]"},
+                  {.name = "router_logits", .min_rank = 2, .max_rank = 2, .shape = "[tokens, experts]"},
+                  {.name = "w_gate_up", .dtypes = k_half_dtypes, .min_rank = 3, .max_rank = 3,
+                   .shape = "[experts, 2 inter, hidden]"},
+                  {.name = "w_down", .dtypes = k_half_dtypes, .min_rank = 3, .max_rank = 3,
+                   .shape = "[experts, hidden, inter]"},
+                  {.name = "out", .role = TensorRole::output, .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2,
+                   .shape = "[tokens, hidden]"}};
+    op.scalars = {{.name = "top_k", .kind = ScalarKind::i64},
+                  {.name = "activation", .kind = ScalarKind::choice, .has_default = true, .default_value = 0,
+                   .choices = {"silu", "gelu", "gelu_tanh"}},
+                  {.name = "renormalize", .kind = ScalarKind::boolean, .has_default = true, .default_value = 1}};
+    op.run = [](const OpCall& c) {
+      return fused_moe(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.i64(0),
+                       static_cast<Activation>(c.i64(1)), c.i64(2) != 0, c.stream, c.runtime);
+    };
+    op.infer = [](const OpCall& c, std::span<OutputShape> out) {
+      out[0] = shape_like(c.tensor(0), c.tensor(0).dtype);
+      return Status{};
+    };
+    (void)r.add_op(std::move(op));
+  }
   const std::uint32_t u8 = dtype_bit(DType::u8);
   for (bool masked : {false, true}) {
     OpDecl op;

@@ -72,4 +72,16 @@ Status grouped_gemm_fp8_masked(const TensorView& a, const TensorView& weight, co
 Status grouped_gemm_wgrad(const TensorView& a, const TensorView& b, const TensorView& offs, const TensorView& out,
                           Stream stream = nullptr, Runtime* runtime = nullptr);
 
+// The MoE layer's forward: out [tokens, hidden] = sum over the top_k experts e of each token of
+// w * (act(x Wg_e^T) * (x Wu_e^T)) W_d,e^T, routed by softmax top-k (renormalized when asked):
+// moe_topk, moe_permute, grouped_gemm (w_gate_up [experts, 2 inter, hidden], gate rows first),
+// act_and_mul, grouped_gemm (w_down [experts, hidden, inter]) and moe_combine. x, the weights and
+// out f16/bf16 of one dtype, router_logits [tokens, experts] (f32/f16/bf16); hidden and inter
+// multiples of 8. The intermediates live in the stream's workspace (client/workspace.h: not
+// during CUDA-graph capture) or, for host tensors, in host memory. kiln.torch.fused_moe adds the
+// backward.
+Status fused_moe(const TensorView& x, const TensorView& router_logits, const TensorView& w_gate_up,
+                 const TensorView& w_down, const TensorView& out, std::int64_t top_k, Activation act,
+                 bool renormalize = true, Stream stream = nullptr, Runtime* runtime = nullptr);
+
 }  // namespace kiln

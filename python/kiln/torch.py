@@ -1511,4 +1511,4 @@ class MoE(torch.nn.Module):
                 f"activation={self.activation}, scoring={self.scoring}")
 
 
-__all__ += ["fused_moe", "MoE"]
+__all__ += [n for n in ("fused_moe", "MoE") if n not in __all__]

@@ -673,3 +673,41 @@ def test_declarations_say_which_tensors_take_strided_rows():
     assert marked["add_rms_norm_backward"] == {"dy", "dh", "h", "dx"}
     assert marked["layer_norm"] == {"x", "out"}
     assert marked["layer_norm_backward"] == {"dy", "x", "dx"}
+
+
+def test_moe_ops_on_host_arrays(rng):
+    """Routing, permute, the grouped GEMM and combine through their CPU fallbacks, against numpy."""
+    tokens, experts, hidden, inter, k = 11, 4, 16, 8, 2
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    w, ids = kiln.moe_topk(logits, None, k)
+    np.testing.assert_array_equal(ids, np.argsort(-logits, axis=1, kind="stable")[:, :k])
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    picked = np.take_along_axis(p, ids.astype(np.int64), 1)
+    np.testing.assert_allclose(w, picked / picked.sum(1, keepdims=True), rtol=1e-5)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float16)
+    xs, offsets, row_of, src_of = kiln.moe_permute(x, ids, experts)
+    flat = ids.reshape(-1)
+    perm = np.argsort(flat, kind="stable")
+    np.testing.assert_array_equal(src_of, perm)
+    np.testing.assert_array_equal(xs, x[perm // k])
+    np.testing.assert_array_equal(offsets, np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=experts))]))
+    weight = (rng.standard_normal((experts, inter, hidden)) * 0.3).astype(np.float16)
+    ends = offsets[1:].copy()
+    h = kiln.grouped_gemm(xs, weight, ends)
+    for e in range(experts):
+        rows = slice(offsets[e], offsets[e + 1])
+        np.testing.assert_allclose(h[rows].astype(np.float64), xs[rows].astype(np.float64) @
+                                   weight[e].astype(np.float64).T, rtol=2e-3, atol=2e-3)
+    dw = kiln.grouped_gemm_wgrad(h, xs, ends)
+    for e in range(experts):
+        rows = slice(offsets[e], offsets[e + 1])
+        np.testing.assert_allclose(dw[e].astype(np.float64), h[rows].astype(np.float64).T @
+                                   xs[rows].astype(np.float64), rtol=2e-3, atol=2e-3)
+    back = kiln.moe_combine(xs, row_of, w)
+    np.testing.assert_allclose(back.astype(np.float64), x.astype(np.float64) * w.sum(1, keepdims=True),
+                               rtol=2e-3, atol=2e-3)
+    with pytest.raises(kiln.InvalidArgumentError, match="not an expert"):
+        kiln.moe_permute(x, ids + experts, experts)
+    with pytest.raises(kiln.InvalidArgumentError, match="offsets"):
+        kiln.grouped_gemm(xs, weight, ends[::-1].copy())

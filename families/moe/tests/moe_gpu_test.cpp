@@ -506,6 +506,13 @@ TEST_F(MoeGpu, MoeForwardChainMatchesTheReference) {
     std::vector<std::uint16_t> g16(out.size());
     std::memcpy(g16.data(), got.data(), got.size());
     compare_rows(g16, out, DType::bf16, hidden, "moe forward, top_k " + std::to_string(k) + " seed " + std::to_string(seed_));
+    // The fused_moe op runs the same kernels on its workspace: the same bits.
+    Dev dfused = poisoned(tokens * hidden * 2);
+    ASSERT_TRUE(fused_moe(gpu(dx, DType::bf16, {tokens, hidden}), gpu(dl, DType::f32, {tokens, experts}),
+                          gpu(dgu, DType::bf16, {experts, 2 * inter, hidden}), gpu(ddn, DType::bf16, {experts, hidden, inter}),
+                          gpu(dfused, DType::bf16, {tokens, hidden}), k, Activation::silu, true, nullptr, rt_.get())
+                    .ok());
+    EXPECT_EQ(down(dfused), got) << "fused_moe differs from the chain of ops, top_k " << k;
   }
 }
 

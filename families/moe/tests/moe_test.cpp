@@ -370,6 +370,63 @@ TEST_F(MoeOps, GroupedGemmFp8AppliesRowwiseScalesPerExpert) {
          Code::shape_mismatch, "masked a_scale shape");
 }
 
+TEST_F(MoeOps, FusedMoeForwardMatchesAnFp64Layer) {
+  const std::int64_t tokens = 9, hidden = 16, inter = 8, experts = 4;
+  for (std::int64_t k : {1, 2, 4}) {
+    auto x = bf16s(std::size_t(tokens * hidden)), wgu = bf16s(std::size_t(experts * 2 * inter * hidden), 0.3f),
+         wd = bf16s(std::size_t(experts * hidden * inter), 0.3f);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    std::vector<float> logits(tokens * experts);
+    for (auto& v : logits) v = d(rng_);
+    std::vector<std::uint16_t> out(tokens * hidden + 8);
+    ASSERT_TRUE(fused_moe(host(x.data(), DType::bf16, {tokens, hidden}), host(logits.data(), DType::f32, {tokens, experts}),
+                          host(wgu.data(), DType::bf16, {experts, 2 * inter, hidden}),
+                          host(wd.data(), DType::bf16, {experts, hidden, inter}), host(out.data(), DType::bf16, {tokens, hidden}),
+                          k, Activation::silu, true, nullptr, rt_.get())
+                    .ok());
+    double num = 0, den = 0;
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const float* l = &logits[t * experts];
+      std::vector<int> order(experts);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+      double picked = 0;
+      for (std::int64_t j = 0; j < k; ++j) picked += std::exp(double(l[order[j]]));
+      for (std::int64_t c = 0; c < hidden; ++c) {
+        double want = 0;
+        for (std::int64_t j = 0; j < k; ++j) {
+          const std::int64_t e = order[j];
+          double y = 0;
+          for (std::int64_t i = 0; i < inter; ++i) {
+            double g = 0, u = 0;
+            for (std::int64_t q = 0; q < hidden; ++q) {
+              const double xv = bf16_to_float(x[t * hidden + q]);
+              g += xv * bf16_to_float(wgu[(e * 2 * inter + i) * hidden + q]);
+              u += xv * bf16_to_float(wgu[(e * 2 * inter + inter + i) * hidden + q]);
+            }
+            y += g / (1 + std::exp(-g)) * u * bf16_to_float(wd[(e * hidden + c) * inter + i]);
+          }
+          want += std::exp(double(l[e])) / picked * y;
+        }
+        const double got = bf16_to_float(out[t * hidden + c]);
+        num += (got - want) * (got - want);
+        den += want * want;
+      }
+    }
+    EXPECT_LT(std::sqrt(num / den), 2e-2) << "top_k " << k << " seed " << seed_;
+  }
+  std::vector<std::uint16_t> x(64), w(1024), out(64);
+  std::vector<float> l(16);
+  expect(fused_moe(host(x.data(), DType::bf16, {4, 16}), host(l.data(), DType::f32, {4, 4}),
+                   host(w.data(), DType::bf16, {4, 16, 16}), host(w.data(), DType::bf16, {4, 16, 4}),
+                   host(out.data(), DType::bf16, {4, 16}), 2, Activation::silu, true, nullptr, rt_.get()),
+         Code::shape_mismatch, "w_gate_up rows are not 2 inter");
+  expect(fused_moe(host(x.data(), DType::bf16, {4, 16}), host(l.data(), DType::f32, {4, 4}),
+                   host(w.data(), DType::bf16, {4, 16, 16}), host(w.data(), DType::bf16, {4, 16, 8}),
+                   host(out.data(), DType::bf16, {4, 16}), 5, Activation::silu, true, nullptr, rt_.get()),
+         Code::invalid_argument, "top_k > experts");
+}
+
 TEST(MoeFamilies, ExpertRowsReadAnyOffsetsAsTheKernelsDo) {
   std::vector<std::int64_t> lo, hi;
   // Decreasing and out-of-range offsets: the running maximum clamped to [0, m].
@@ -458,7 +515,7 @@ TEST(MoeFamilies, GroupedGemmRulesAndGeometry) {
 
 TEST(MoeFamilies, OpsAreDeclared) {
   for (const char* name : {"moe_topk", "moe_permute", "moe_gather", "moe_combine", "grouped_gemm", "grouped_gemm_masked",
-                           "grouped_gemm_wgrad", "grouped_gemm_fp8", "grouped_gemm_fp8_masked"}) {
+                           "grouped_gemm_wgrad", "grouped_gemm_fp8", "grouped_gemm_fp8_masked", "fused_moe"}) {
     const OpDecl* op = Registry::global().find_op(name);
     ASSERT_NE(op, nullptr) << name;
     EXPECT_TRUE(op->check().ok()) << name << ": " << op->check().to_string();
