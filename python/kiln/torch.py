@@ -1459,6 +1459,8 @@ def fused_moe(x: Tensor, router_logits: Tensor, w_gate_up: Tensor, w_down: Tenso
         raise ShapeMismatchError(f"fused_moe: x {tuple(x.shape)}, router_logits {tuple(router_logits.shape)}, w_gate_up "
                                  f"{tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} do not match ([tokens, "
                                  f"hidden], [tokens, experts], [experts, 2 inter, hidden], [experts, hidden, inter])")
+    if bias is not None:
+        bias = bias.float()  # kept f32 even where a module cast its buffers to the weights' dtype
     weights, ids = _moe_route(router_logits.reshape(-1, experts), top_k, renormalize, scoring, bias, n_group,
                               topk_group, routed_scaling)
     args = (x2.contiguous(), weights, ids, w_gate_up.contiguous(), w_down.contiguous(), activation, experts)
