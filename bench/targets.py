@@ -11,7 +11,7 @@ And the compute-bound targets of issue 8 (TFLOP/s beside cuBLAS in the same run)
   - fp8_gemm per tensor >= 1.0x torch._scaled_mm (tensorwise), block-scaled >= 0.9x it (and, with
     no target, block-scaled beside cuBLAS's own block-scaled _scaled_mm where it was measured);
   - fused gated MLP >= 1.10x PyTorch's eager silu(x @ Wg^T) * (x @ Wu^T).
-And the MoE targets of issue 25: the grouped GEMM >= 1.05x torch._grouped_mm (bf16) and
+And the MoE targets: the grouped GEMM >= 1.05x torch._grouped_mm (bf16) and
 torch._scaled_grouped_mm (fp8 rowwise) at each shape and routing; the whole layer forward +
 backward >= 1.3x a PyTorch layer from _grouped_mm with eager routing (measured by the anchor).
 Each memory-bound row also shows what a device-to-device copy of the same size reaches, as a share

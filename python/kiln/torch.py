@@ -1384,30 +1384,36 @@ def _moe_setup(ctx, inputs, output):
     ctx.save_for_backward(weights, w_gate_up, w_down, *output[1:])
 
 
-def _moe_grad(ctx, dout, *_unused):
-    # out = combine(y, w): dw[t, j] = <dout[t], y[row_of[t, j]]>, dy = gather(dout, w). Then through
-    # the down projection (dgrad with W_d^T per expert, wgrad dW_d[e] = dy_e^T a_e), act_and_mul,
-    # the gate_up projection (dW_gu[e] = dh_e^T x_e), and dx = the unweighted combine of dx_sorted.
-    weights, w_gate_up, w_down, x_sorted, h, a, y_sorted, offsets, row_of, src_of = ctx.saved_tensors
-    if dout is None:
-        return None, None, None, None, None, None, None
-    dout = dout.contiguous()
-    top_k = row_of.shape[1]
-    offs = offsets[1:]
-    dw = torch.einsum("tc,tjc->tj", dout.float(), y_sorted[row_of.long()].float())
-    dy = _DECLARED_IMPLS["moe_gather"](dout, src_of, weights, top_k)
-    da = _DECLARED_IMPLS["grouped_gemm"](dy, w_down.transpose(1, 2).contiguous(), offs)
-    dh = torch.ops.kiln.act_and_mul_backward(h, da, ctx.activation)
-    dxs = _DECLARED_IMPLS["grouped_gemm"](dh, w_gate_up.transpose(1, 2).contiguous(), offs)
-    dx = _DECLARED_IMPLS["moe_combine"](dxs, row_of, None)
-    d_w_down = _DECLARED_IMPLS["grouped_gemm_wgrad"](dy, a, offs)
-    d_w_gate_up = _DECLARED_IMPLS["grouped_gemm_wgrad"](dh, x_sorted, offs)
-    return dx, dw, None, d_w_gate_up, d_w_down, None, None
+def _moe_grad_with(op):
+    """The experts' backward, calling the declared ops through op(name): the custom ops where
+    autograd traces (torch.compile), their implementations in the eager Function."""
+
+    def grad(ctx, dout, *_unused):
+        # out = combine(y, w): dw[t, j] = <dout[t], y[row_of[t, j]]>, dy = gather(dout, w). Then
+        # through the down projection (dgrad with W_d^T per expert, wgrad dW_d[e] = dy_e^T a_e),
+        # act_and_mul, the gate_up projection (dW_gu[e] = dh_e^T x_e), and dx = the unweighted
+        # combine of dx_sorted.
+        weights, w_gate_up, w_down, x_sorted, h, a, y_sorted, offsets, row_of, src_of = ctx.saved_tensors
+        if dout is None:
+            return None, None, None, None, None, None, None
+        dout = dout.contiguous()
+        offs = offsets[1:]
+        dw = torch.einsum("tc,tjc->tj", dout.float(), y_sorted[row_of.long()].float())
+        dy = op("moe_gather")(dout, src_of, weights, row_of.shape[1])
+        da = op("grouped_gemm")(dy, w_down.transpose(1, 2).contiguous(), offs)
+        dh = torch.ops.kiln.act_and_mul_backward(h, da, ctx.activation)
+        dxs = op("grouped_gemm")(dh, w_gate_up.transpose(1, 2).contiguous(), offs)
+        dx = op("moe_combine")(dxs, row_of, None)
+        d_w_down = op("grouped_gemm_wgrad")(dy, a, offs)
+        d_w_gate_up = op("grouped_gemm_wgrad")(dh, x_sorted, offs)
+        return dx, dw, None, d_w_gate_up, d_w_down, None, None
+
+    return grad
 
 
-_moe_experts.register_autograd(_moe_grad, setup_context=_moe_setup)
-_MoeExpertsFunction = _eager_function("_MoeExpertsFunction", _moe_experts_impl, _moe_setup, _moe_grad,
-                                     materialize_grads=False)
+_moe_experts.register_autograd(_moe_grad_with(lambda name: getattr(torch.ops.kiln, name)), setup_context=_moe_setup)
+_MoeExpertsFunction = _eager_function("_MoeExpertsFunction", _moe_experts_impl, _moe_setup,
+                                     _moe_grad_with(lambda name: _DECLARED_IMPLS[name]), materialize_grads=False)
 
 
 def _moe_route(router_logits, top_k, renormalize, scoring, bias, n_group, topk_group, routed_scaling):

@@ -1,4 +1,4 @@
-// The MoE grouped GEMM (bf16) on the shapes, with balanced and Zipf-skewed routing: Mixtral
+// The MoE grouped GEMM (bf16, and FP8 rowwise on sm_90a) with balanced and Zipf-skewed routing: Mixtral
 // gate_up (8 experts x 4096 tokens, K 4096, N 28672) and down (K 14336, N 4096), DeepSeek-V3
 // gate_up (256 experts x 1024 tokens, K 7168, N 4096) and down (K 2048, N 7168), DeepSeek-V3 decode
 // (256 x 16 tokens, gate_up) contiguous and masked; the weight-gradient form (kgrouped) at Mixtral

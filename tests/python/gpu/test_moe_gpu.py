@@ -154,7 +154,7 @@ def test_fused_moe_forward_and_backward_against_fp64(top_k, scoring):
     for name, got, want in zip(("x", "logits", "w_gate_up", "w_down"), leaves, ref_leaves):
         if top_k == 1 and name == "logits":
             # One expert, renormalized: the weight is exactly 1 and the router gets no gradient.
-            assert got.grad is None or got.grad.abs().max() < 1e-6
+            assert got.grad is None or got.grad.abs().max() < 1e-4
             continue
         assert rel(got.grad, want.grad) < 3e-2, name
 
