@@ -353,11 +353,12 @@ class GroupedGemm final : public Family {
   }
 };
 
-// grouped_gemm_fp8: e4m3 operands (u8 codes), fp32 accumulation, rowwise scales (a_scale per row of
-// a, b_scale [experts, n] per expert and column, as torch._scaled_grouped_mm takes them), f16 or
-// bf16 out; contiguous and masked layouts. The same paths, tiles and heuristic as grouped_gemm's
-// (a stage is 128 bytes of K either way); the mma path widens e4m3 to f16 in registers (sm_80
-// has no fp8 tensor-core instruction).
+// grouped_gemm_fp8: e4m3 operands (u8 codes), fp32 accumulation, f16 or bf16 out; contiguous and
+// masked layouts. Scales rowwise (a_scale per row of a, b_scale [experts, n] per expert and column,
+// as torch._scaled_grouped_mm takes them) or DeepSeek-V3's blocks (a_scale [rows, ceil(k/128)],
+// b_scale [experts, ceil(n/128), ceil(k/128)], promoted every 128 of K; tiles at most 128 wide).
+// The same paths, tiles and heuristic as grouped_gemm's (a stage is 128 bytes of K either way);
+// the mma path widens e4m3 to f16 in registers (sm_80 has no fp8 tensor-core instruction).
 class GroupedGemmFp8 final : public Family {
  public:
   std::string_view name() const override { return "grouped_gemm_fp8"; }
@@ -368,32 +369,42 @@ class GroupedGemmFp8 final : public Family {
         {"path", {}, {"mma", "wgmma"}, "mma: mma.sync with e4m3 widened to f16 (sm_80 and later); wgmma: sm_90a"},
         {"out", {}, {"f16", "bf16"}, "output element type"},
         {"layout", {}, {"contiguous", "masked"}, "rows grouped by offsets, or per-expert counts"},
+        {"scaling", {}, {"rowwise", "block"}, "a per row and b per expert and column, or DeepSeek-V3's 1x128 / 128x128 blocks"},
         {"bm", {64, 128}, {}, "tile rows"},
         {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
         {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"}};
     return defs;
   }
   const std::vector<ProblemField>& problem_fields() const override {
-    static const std::vector<ProblemField> fields = problem_fields_of<GroupedGemmProblem>(
-        {bucketed(&GroupedGemmProblem::m, "m", "rows of a (masked: rows per expert)"),
-         key(&GroupedGemmProblem::n, "n", "columns of out"), key(&GroupedGemmProblem::k, "k", "the reduction"),
-         key(&GroupedGemmProblem::experts, "experts", "experts (groups)"),
-         key(&GroupedGemmProblem::layout, "layout", "0 contiguous, 1 masked")});
+    static const std::vector<ProblemField> fields = problem_fields_of<GroupedGemmFp8Problem>(
+        {bucketed(&GroupedGemmFp8Problem::m, "m", "rows of a (masked: rows per expert)"),
+         key(&GroupedGemmFp8Problem::n, "n", "columns of out"), key(&GroupedGemmFp8Problem::k, "k", "the reduction"),
+         key(&GroupedGemmFp8Problem::experts, "experts", "experts (groups)"),
+         key(&GroupedGemmFp8Problem::layout, "layout", "0 contiguous, 1 masked"),
+         key(&GroupedGemmFp8Problem::scaling, "scaling", "1 rowwise, 2 block (1x128 for a, 128x128 for b)")});
     return fields;
   }
   static Variant variant(const Params& p) {
     return {*p.get_str("path") == "wgmma", layout_index(*p.get_str("layout")), int(*p.get_int("bm")),
             int(*p.get_int("bn")), int(*p.get_int("stages"))};
   }
-  static Params make8(const Variant& v, const std::string& out) {
+  static Params make8(const Variant& v, const std::string& out, bool block) {
     return Params{{"path", v.wgmma ? "wgmma" : "mma"}, {"out", out},
-                  {"layout", k_layouts[v.layout]},        {"bm", std::int64_t(v.bm)},
-                  {"bn", std::int64_t(v.bn)},             {"stages", std::int64_t(v.stages)}};
+                  {"layout", k_layouts[v.layout]},        {"scaling", block ? "block" : "rowwise"},
+                  {"bm", std::int64_t(v.bm)},             {"bn", std::int64_t(v.bn)},
+                  {"stages", std::int64_t(v.stages)}};
+  }
+  static bool block_of(const Params& p) { return *p.get_str("scaling") == "block"; }
+  // GroupedGemmProblem's view of the problem (the shared helpers' type).
+  static GroupedGemmProblem dense(const GroupedGemmFp8Problem& q) {
+    return {.m = q.m, .n = q.n, .k = q.k, .experts = q.experts, .layout = q.layout};
   }
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     const Variant v = variant(params);
     if (!v.wgmma && v.bn > 128) return invalid_argument("grouped_gemm_fp8: the mma path takes bn <= 128");
+    if (block_of(params) && v.bn > 128)
+      return invalid_argument("grouped_gemm_fp8: block scales take bn <= 128 (one scale block per tile)");
     if (shared_bytes(v, k_max_experts) > 227 * 1024)
       return invalid_argument("grouped_gemm_fp8: " + std::to_string(shared_bytes(v, k_max_experts)) +
                               " bytes of shared memory exceed 227 KiB");
@@ -412,30 +423,33 @@ class GroupedGemmFp8 final : public Family {
     r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma" : "grouped_mma") +
                         "<kiln::gemm::u8, " + device_type(*params.get_str("out")) + ", " + std::to_string(v.layout) +
                         ", " + std::to_string(v.bm) + ", " + std::to_string(v.bn) + ", " + std::to_string(v.stages) +
-                        ", 1>";
+                        (block_of(params) ? ", 2>" : ", 1>");
     return r;
   }
+  // The heuristic's picks for both outputs, layouts and scalings (block: bn <= 128).
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* o : {"f16", "bf16"})
-      for (int layout : {k_contiguous, k_masked}) {
-        for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
-          Variant v{true, layout, bm, bn, 4};
-          v.stages = default_stages(v, 90);
-          out.push_back(make8(v, o));
-        }
-        for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
-          for (std::int64_t cc : {80, 86}) {
-            Variant v{false, layout, bm, bn, 4};
-            v.stages = default_stages(v, cc);
-            Params p = make8(v, o);
-            if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+      for (bool block : {false, true})
+        for (int layout : {k_contiguous, k_masked}) {
+          for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
+            if (block && bn > 128) continue;
+            Variant v{true, layout, bm, bn, 4};
+            v.stages = default_stages(v, 90);
+            out.push_back(make8(v, o, block));
           }
-      }
+          for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
+            for (std::int64_t cc : {80, 86}) {
+              Variant v{false, layout, bm, bn, 4};
+              v.stages = default_stages(v, cc);
+              Params p = make8(v, o, block);
+              if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+            }
+        }
     return out;
   }
   Status check_problem(const Params& params, const Problem& p) const override {
-    const auto q = p.as<GroupedGemmProblem>();
+    const auto q = p.as<GroupedGemmFp8Problem>();
     const Variant v = variant(params);
     const std::string f = "grouped_gemm_fp8";
     if (q.layout != k_contiguous && q.layout != k_masked)
@@ -443,6 +457,11 @@ class GroupedGemmFp8 final : public Family {
     if (q.layout != v.layout)
       return invalid_argument(f + ": kernel is for the " + k_layouts[v.layout] + " layout, the problem is " +
                               k_layouts[q.layout]);
+    if (q.scaling != k_fp8_rowwise && q.scaling != k_fp8_block)
+      return invalid_argument(f + ": unknown scaling " + std::to_string(q.scaling));
+    if ((q.scaling == k_fp8_block) != block_of(params))
+      return invalid_argument(f + ": kernel is for " + *params.get_str("scaling") + " scales, the problem asks for " +
+                              (q.scaling == k_fp8_block ? "block" : "rowwise"));
     const DType o = *parse_dtype(*params.get_str("out"));
     if (o != p.dtype)
       return unsupported_dtype(f + ": kernel writes " + dtype_name(o) + ", out is " + dtype_name(p.dtype));
@@ -451,7 +470,7 @@ class GroupedGemmFp8 final : public Family {
       return shape_mismatch(f + ": experts must be in [1, " + std::to_string(k_max_experts) + "]");
     const std::int64_t lim = std::int64_t(1) << 31;
     const std::int64_t rows_a = q.layout == k_masked ? q.experts * q.m : q.m;
-    if (rows_a >= lim || q.experts * q.n >= lim || q.k >= lim || unit_bound(v, q) >= lim)
+    if (rows_a >= lim || q.experts * q.n >= lim || q.k >= lim || unit_bound(v, dense(q)) >= lim)
       return shape_mismatch(f + ": rows, experts x n, k and the tile count must be below 2^31");
     if (q.k % 16) return shape_mismatch(f + ": k must be a multiple of 16 (rows are copied in 16-byte pieces)");
     if (p.alignment < 16) return invalid_argument(f + ": a, b and out need 16-byte aligned base addresses");
@@ -465,17 +484,17 @@ class GroupedGemmFp8 final : public Family {
     return {};
   }
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
-    const auto q = p.as<GroupedGemmProblem>();
+    const auto q = p.as<GroupedGemmFp8Problem>();
     const Variant v = variant(params);
     LaunchGeometry geo;
-    const std::int64_t units = unit_bound(v, q);
+    const std::int64_t units = unit_bound(v, dense(q));
     geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(units, g::device_sms(p)) : units, 1, 0x7fffffff));
     geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : 2 * v.bn);
     geo.shared_bytes = std::uint32_t(shared_bytes(v, q.experts));
     return geo;
   }
   Params heuristic(const Problem& p) const override {
-    const auto q = p.as<GroupedGemmProblem>();
+    const auto q = p.as<GroupedGemmFp8Problem>();
     const int layout = q.layout == k_masked ? k_masked : k_contiguous;
     const std::int64_t cc = g::device_cc(p);
     Variant v{cc == 90, layout, 128, 128, 4};
@@ -486,11 +505,13 @@ class GroupedGemmFp8 final : public Family {
       else if (q.n >= 1024)
         v.bn = 256;
     } else {
-      if (unit_bound(v, q) < g::device_sms(p)) v.bm = 64;
-      if (unit_bound(v, q) < g::device_sms(p)) v.bn = 64;
+      if (unit_bound(v, dense(q)) < g::device_sms(p)) v.bm = 64;
+      if (unit_bound(v, dense(q)) < g::device_sms(p)) v.bn = 64;
     }
+    const bool block = q.scaling == k_fp8_block;
+    if (block) v.bn = std::min(v.bn, 128);  // one 128-column scale block per tile
     v.stages = default_stages(v, cc);
-    return make8(v, p.dtype == DType::f16 ? "f16" : "bf16");
+    return make8(v, p.dtype == DType::f16 ? "f16" : "bf16", block);
   }
   std::vector<Params> tuning_space(const Problem& p) const override {
     const Params h = heuristic(p);
@@ -503,7 +524,7 @@ class GroupedGemmFp8 final : public Family {
         depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
         for (int s : depths) {
           v.stages = s;
-          Params c = make8(v, *h.get_str("out"));
+          Params c = make8(v, *h.get_str("out"), block_of(h));
           if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
         }
       }
@@ -511,36 +532,41 @@ class GroupedGemmFp8 final : public Family {
   }
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
-    return Family::problem_from_shape(dtype, with_defaults(shape, {{"layout", k_contiguous}}));
+    return Family::problem_from_shape(dtype, with_defaults(shape, {{"layout", k_contiguous}, {"scaling", k_fp8_rowwise}}));
   }
   // The bench's shapes (the problem's dtype is the output's) and small ragged ones.
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;
     if (dtype != DType::f16 && dtype != DType::bf16) return out;
-    auto add = [&](std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t e, Layout l) {
-      out.push_back(Problem::of(dtype, 16, GroupedGemmProblem{.m = m, .n = n, .k = k, .experts = e, .layout = l}));
-    };
-    add(8 * 4096, 28672, 4096, 8, k_contiguous);
-    add(8 * 4096, 4096, 14336, 8, k_contiguous);
-    add(256 * 1024, 4096, 7168, 256, k_contiguous);
-    add(256 * 1024, 7168, 2048, 256, k_contiguous);
-    add(16, 4096, 7168, 256, k_masked);
-    add(1000, 392, 272, 8, k_contiguous);
-    add(40, 392, 272, 8, k_masked);
+    for (std::int64_t sc : {k_fp8_rowwise, k_fp8_block}) {
+      auto add = [&](std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t e, Layout l) {
+        out.push_back(Problem::of(
+            dtype, 16, GroupedGemmFp8Problem{.m = m, .n = n, .k = k, .experts = e, .layout = l, .scaling = sc}));
+      };
+      add(8 * 4096, 28672, 4096, 8, k_contiguous);
+      add(8 * 4096, 4096, 14336, 8, k_contiguous);
+      add(256 * 1024, 4096, 7168, 256, k_contiguous);
+      add(256 * 1024, 7168, 2048, 256, k_contiguous);
+      add(16, 4096, 7168, 256, k_masked);
+      add(1000, 392, 272, 8, k_contiguous);
+      add(40, 392, 272, 8, k_masked);
+    }
     return out;
   }
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
-    const auto q = p.as<GroupedGemmProblem>();
+    const auto q = p.as<GroupedGemmFp8Problem>();
     const std::int64_t rows = q.layout == k_masked ? q.experts * q.m : q.m;
+    const bool block = q.scaling == k_fp8_block;
+    const std::int64_t kb = cdiv(q.k, 128);
     return {{"a", BufferRole::input, DType::u8, rows * q.k},
             {"b", BufferRole::input, DType::u8, q.experts * q.n * q.k},
             {"offs", BufferRole::input, DType::i32, q.experts, q.m + 1},
-            {"a_scale", BufferRole::input, DType::f32, rows},
-            {"b_scale", BufferRole::input, DType::f32, q.experts * q.n},
+            {"a_scale", BufferRole::input, DType::f32, block ? rows * kb : rows},
+            {"b_scale", BufferRole::input, DType::f32, block ? q.experts * cdiv(q.n, 128) * kb : q.experts * q.n},
             {"out", BufferRole::output, p.dtype, rows * q.n}};
   }
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
-    const auto q = p.as<GroupedGemmProblem>();
+    const auto q = p.as<GroupedGemmFp8Problem>();
     const Variant v = variant(params);
     for (int i = 0; i < 6; ++i) out.add(b[i]);
     out.add(int(q.experts));
@@ -555,9 +581,11 @@ class GroupedGemmFp8 final : public Family {
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 6)
       return invalid_argument("grouped_gemm_fp8: reference takes 6 buffers (a, b, offs, a_scale, b_scale, out)");
-    const auto q = p.as<GroupedGemmProblem>();
+    const auto q = p.as<GroupedGemmFp8Problem>();
     std::vector<std::int64_t> lo, hi;
     expert_rows(static_cast<const std::int32_t*>(b[2]), q.experts, q.m, Layout(q.layout), lo, hi);
+    const bool block = q.scaling == k_fp8_block;
+    const std::int64_t kb = cdiv(q.k, 128), nb = cdiv(q.n, 128);
     const auto* a = static_cast<const std::uint8_t*>(b[0]);
     const auto* w = static_cast<const std::uint8_t*>(b[1]);
     const auto* sa = static_cast<const float*>(b[3]);
@@ -567,10 +595,15 @@ class GroupedGemmFp8 final : public Family {
     for (std::int64_t e = 0; e < q.experts; ++e)
       for (std::int64_t r = lo[e]; r < hi[e]; ++r)
         for (std::int64_t j = 0; j < q.n; ++j) {
-          double s = 0;
           const std::uint8_t* wr = w + (e * q.n + j) * q.k;
-          for (std::int64_t x = 0; x < q.k; ++x) s += lut[a[r * q.k + x]] * lut[wr[x]];
-          store_from_double(b[5], p.dtype, r * q.n + j, s * double(sa[r]) * double(sb[e * q.n + j]));
+          double total = 0;
+          for (std::int64_t blk = 0; blk < kb; ++blk) {
+            double part = 0;
+            for (std::int64_t x = blk * 128; x < std::min(q.k, (blk + 1) * 128); ++x) part += lut[a[r * q.k + x]] * lut[wr[x]];
+            total += block ? part * double(sa[r * kb + blk]) * double(sb[(e * nb + j / 128) * kb + blk]) : part;
+          }
+          if (!block) total *= double(sa[r]) * double(sb[e * q.n + j]);
+          store_from_double(b[5], p.dtype, r * q.n + j, total);
         }
     return {};
   }

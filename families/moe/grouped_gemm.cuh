@@ -29,6 +29,9 @@ namespace kiln {
 namespace moe {
 
 enum Layout { k_contiguous = 0, k_masked = 1, k_kgrouped = 2 };
+// Scales of the e4m3 kernels (SCALING): none (f16/bf16), rowwise (a per row, b per expert and
+// column), or DeepSeek-V3's blocks (a 1x128 per row and 128 of K, b 128x128 per expert).
+enum Scaling { k_unscaled = 0, k_rowwise = 1, k_block = 2 };
 
 // The schedule in shared memory: lo[e], hi[e] (expert e's rows) and first[e] (its first unit),
 // first[experts] = the unit count; 3 (experts + 1) ints. Built by warp 0 (lane l takes a chunk of
@@ -100,9 +103,12 @@ __device__ __forceinline__ void unit_coords(int u, int experts, const int* lo, c
 // block scales, over the expert schedule. Warpgroups 0 .. BM/64 - 1 consume, the last produces
 // (one thread issues the TMA copies of A's rows at the expert's row and of B's rows e n + tn BN).
 // The grid is persistent: block i takes units i, i + grid, ... TIn is f16/bf16 (TOut the same), or
-// e4m3 codes (u8) with ROWWISE scales: out = acc * a_scale[row] * b_scale[e n + col] (a_scale per
-// row of a, b_scale per expert and output column, as torch._scaled_grouped_mm takes them).
-template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int ROWWISE>
+// e4m3 codes (u8) with SCALING rowwise, out = acc * a_scale[row] * b_scale[e n + col] (as
+// torch._scaled_grouped_mm takes them), or block, a_scale [rows, kblocks] and b_scale [experts,
+// ceil(n / 128), kblocks]: a stage is exactly one 128-wide k-block, issued into a partial-sum set,
+// waited for, released, and promoted (acc += part * a_scale * b_scale) as the dense core's
+// block-scaled loop does; BN <= 128 keeps a tile within one 128-column scale block.
+template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int SCALING>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     grouped_wgmma(const TIn* __restrict__ a, const TIn* __restrict__ b, const int* __restrict__ offs,
                   const float* __restrict__ a_scale, const float* __restrict__ b_scale, TOut* __restrict__ out,
@@ -157,23 +163,56 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMERS == 1 ? 240 : 224));
   const int warp_in_wg = (threadIdx.x / 32) % 4;
-  float acc[1][NI][4];
-  auto issue_stage = [&](unsigned st, int accumulate) {
+  static_assert(SCALING != k_block || BN <= k_scale_block, "block scales: one 128-column scale block per tile");
+  // part: a k-block's partial sums (block scales; compiled away otherwise), written by wgmma only,
+  // while acc then takes the promotions (a non-wgmma write to a wgmma accumulator would make
+  // ptxas serialize every wgmma).
+  float acc[1][NI][4], part[1][NI][4];
+  auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
     const unsigned long long da = smem_desc(st + wg * 64 * k_row_bytes), db = smem_desc(st + A_BYTES);
-    fence_fragments(acc);
+    fence_fragments(d);
     warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<TIn, BN>::run(acc, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
+    for (int kk = 0; kk < 4; ++kk) Wgmma<TIn, BN>::run(d, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
     wgmma_commit();
   };
   int it = 0;
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     int e, tm, tn;
     unit_coords<BM, 8>(u, experts, lo, hi, first, tiles_n, e, tm, tn);
+    if constexpr (SCALING == k_block) {
+      const int row0 = lo[e] + tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
+      const int kblocks = (k + k_scale_block - 1) / k_scale_block, nblocks = (n + k_scale_block - 1) / k_scale_block;
+      const int ra = row0 + (lane >> 2);
+      const bool ok0 = ra < hi[e], ok1 = ra + 8 < hi[e];
+      const float* sa0 = a_scale + (long long)(ok0 ? ra : 0) * kblocks;
+      const float* sa1 = a_scale + (long long)(ok1 ? ra + 8 : 0) * kblocks;
+      const float* sbp = b_scale + ((long long)e * nblocks + col0 / k_scale_block) * kblocks;
+      zero_fragments(acc);
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
+        issue_stage(part, base + s * STAGE_BYTES, 0);
+        const float sb = __ldg(sbp + kt);
+        const float sc0 = ok0 ? __ldg(sa0 + kt) * sb : 0.0f, sc1 = ok1 ? __ldg(sa1 + kt) * sb : 0.0f;
+        wgmma_wait<0>();
+        fence_fragments(part);
+        ptx::mbar_arrive(empty + 8 * s);
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          acc[0][ni][0] += part[0][ni][0] * sc0;
+          acc[0][ni][1] += part[0][ni][1] * sc0;
+          acc[0][ni][2] += part[0][ni][2] * sc1;
+          acc[0][ni][3] += part[0][ni][3] * sc1;
+        }
+      }
+      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) { return acc[0][ni][q]; });
+      continue;
+    }
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % STAGES;
       ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
-      issue_stage(base + s * STAGE_BYTES, kt > 0);
+      issue_stage(acc, base + s * STAGE_BYTES, kt > 0);
       wgmma_wait<1>();
       fence_fragments(acc);
       if (kt > 0) ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
@@ -182,7 +221,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     fence_fragments(acc);
     ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
     const int row0 = lo[e] + tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
-    if (ROWWISE) {
+    if (SCALING == k_rowwise) {
       // store_fragments asks only for rows below hi[e]; columns past n are computed and dropped.
       const float* sb = b_scale + (long long)e * n;
       const float sa[2] = {row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f,
@@ -226,9 +265,10 @@ __device__ __forceinline__ void load_rows_tile(unsigned dst, const T* src, int c
 // layout can have; blocks past the unit count return). Contiguous and masked stages hold 128-byte
 // K rows swizzled as the GEMM core's; kgrouped stages hold 64 reduction rows of a's and b's
 // columns (row pitch padded by 16 bytes: conflict-free), read by ldmatrix.trans. e4m3 operands
-// (TIn u8, contiguous and masked, ROWWISE scales as grouped_wgmma's) are widened to f16 in
-// registers as gemm_mma.cuh does (exact, 2^-8 per operand, restored in the epilogue).
-template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int ROWWISE>
+// (TIn u8, contiguous and masked, SCALING as grouped_wgmma's) are widened to f16 in registers as
+// gemm_mma.cuh does (exact, 2^-8 per operand, restored in the epilogue); block scales promote a
+// partial-sum set after each 128-wide k-block (one stage) with gemm_common.cuh's helpers.
+template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int SCALING>
 __global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a, const TIn* __restrict__ b,
                                                       const int* __restrict__ offs, const float* __restrict__ a_scale,
                                                       const float* __restrict__ b_scale, TOut* __restrict__ out,
@@ -284,8 +324,16 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a,
     }
   };
 
-  float acc[MI][NI][4];
+  constexpr bool BLOCK = SCALING == k_block;
+  static_assert(!BLOCK || BN <= k_scale_block, "block scales: one 128-column scale block per tile");
+  float acc[MI][NI][4], part[MI][NI][4];
   zero_fragments(acc);
+  zero_fragments(part);
+  float(*const dst)[NI][4] = BLOCK ? part : acc;
+  const int kblocks = (k + k_scale_block - 1) / k_scale_block;
+  const float* b_blocks =
+      BLOCK ? b_scale + ((long long)e * ((n + k_scale_block - 1) / k_scale_block) + row_b / k_scale_block) * kblocks
+            : b_scale;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ktiles) load_stage(s);
@@ -333,12 +381,18 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a,
             const unsigned* x = af[mi];
             const unsigned a_lo[4] = {e4m3x2_lo(x[0]), e4m3x2_lo(x[1]), e4m3x2_hi(x[0]), e4m3x2_hi(x[1])};
             const unsigned a_hi[4] = {e4m3x2_lo(x[2]), e4m3x2_lo(x[3]), e4m3x2_hi(x[2]), e4m3x2_hi(x[3])};
-            mma_16816<MmaT>(acc[mi][ni], a_lo, e4m3x2_lo(bq[0]), e4m3x2_hi(bq[0]));
-            mma_16816<MmaT>(acc[mi][ni], a_hi, e4m3x2_lo(bq[1]), e4m3x2_hi(bq[1]));
+            mma_16816<MmaT>(dst[mi][ni], a_lo, e4m3x2_lo(bq[0]), e4m3x2_hi(bq[0]));
+            mma_16816<MmaT>(dst[mi][ni], a_hi, e4m3x2_lo(bq[1]), e4m3x2_hi(bq[1]));
           } else {
             mma_16816<MmaT>(acc[mi][ni], af[mi], bq[0], bq[1]);
           }
         }
+    }
+    if constexpr (BLOCK) {
+      float sc[MI][2];
+      load_block_scales(sc, a_scale, r_hi, kblocks, kt, row_a + wm * (BM / 2));
+      promote_block(acc, part, sc, __ldg(b_blocks + kt));
+      zero_fragments(part);
     }
   }
   cp_async_wait<0>();
@@ -346,7 +400,10 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a,
   if (KG) {
     store_fragments<TOut, MI, NI>(out + (long long)e * n * k, rows_out, cols_out, row0, col0,
                                   [&](int mi, int ni, int q) { return acc[mi][ni][q]; });
-  } else if (ROWWISE) {
+  } else if (SCALING == k_block) {
+    store_fragments<TOut, MI, NI>(out, r_hi, cols_out, row0, col0,
+                                  [&](int mi, int ni, int q) { return acc[mi][ni][q] * 65536.0f; });
+  } else if (SCALING == k_rowwise) {
     // store_fragments asks only for rows below r_hi; columns past n are computed and dropped.
     const float* sb = b_scale + (long long)e * n;
     store_fragments<TOut, MI, NI>(out, r_hi, cols_out, row0, col0, [&](int mi, int ni, int q) {

@@ -17,9 +17,10 @@
 // grouped_gemm: params path {mma, wgmma}, dtype {f16, bf16}, layout {contiguous, masked,
 //   kgrouped}, bm, bn, stages. Problem GroupedGemmProblem. Buffers: a, b, offs [experts] i32, out
 //   (families/moe/grouped_gemm.cuh has the layouts).
-// grouped_gemm_fp8: params path, out {f16, bf16}, layout {contiguous, masked}, bm, bn, stages.
-//   Problem GroupedGemmProblem (dtype: out's). Buffers: a u8, weight [experts, n, k] u8, offs,
-//   a_scale [rows of a] f32, b_scale [experts, n] f32, out.
+// grouped_gemm_fp8: params path, out {f16, bf16}, layout {contiguous, masked}, scaling {rowwise,
+//   block}, bm, bn, stages. Problem GroupedGemmFp8Problem (dtype: out's). Buffers: a u8, weight
+//   [experts, n, k] u8, offs, a_scale f32 (rowwise: [rows of a]; block: [rows, ceil(k/128)]),
+//   b_scale f32 (rowwise: [experts, n]; block: [experts, ceil(n/128), ceil(k/128)]), out.
 #pragma once
 
 #include <cstdint>
@@ -74,6 +75,17 @@ struct GroupedGemmProblem {
   std::int64_t k = 0;        // key: the reduction (contiguous, masked); kgrouped: columns of b
   std::int64_t experts = 0;  // key
   std::int64_t layout = 0;   // key: Layout
+};
+
+// grouped_gemm_fp8's problem: GroupedGemmProblem's fields and the scaling.
+enum Fp8Scaling { k_fp8_rowwise = 1, k_fp8_block = 2 };
+struct GroupedGemmFp8Problem {
+  std::int64_t m = 0;        // bucketed key: rows of a (masked: rows per expert)
+  std::int64_t n = 0;        // key
+  std::int64_t k = 0;        // key
+  std::int64_t experts = 0;  // key
+  std::int64_t layout = 0;   // key: contiguous or masked
+  std::int64_t scaling = k_fp8_rowwise;  // key: Fp8Scaling
 };
 
 // Expert e's rows [lo[e], hi[e]) as the kernels read offs (grouped_gemm.cuh): for contiguous and

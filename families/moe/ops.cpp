@@ -409,14 +409,27 @@ Status run_fp8(const char* op, const TensorView& a, const TensorView& weight, co
   if (a.shape[a.rank - 1] != k || (masked && a.shape[0] != experts))
     return shape_mismatch(std::string(op) + ": a is " + shape_text(a) + " but weight is " + shape_text(weight));
   KILN_TRY(want_shape(op, masked ? "counts" : "offs", offs, {experts}));
-  if (masked) {
-    KILN_TRY(want_shape(op, "a_scale", a_scale, {experts, mm}));
+  if (masked)
     KILN_TRY(want_shape(op, "out", out, {experts, mm, n}));
-  } else {
-    KILN_TRY(want_shape(op, "a_scale", a_scale, {mm}));
+  else
     KILN_TRY(want_shape(op, "out", out, {mm, n}));
+  // Rowwise: a_scale has a's leading shape, b_scale [experts, n]; block: a_scale adds ceil(k/128)
+  // blocks per row, b_scale is [experts, ceil(n/128), ceil(k/128)].
+  const std::int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+  const bool block = a_scale.rank == a.rank;
+  if (block) {
+    if (masked)
+      KILN_TRY(want_shape(op, "a_scale", a_scale, {experts, mm, kb}));
+    else
+      KILN_TRY(want_shape(op, "a_scale", a_scale, {mm, kb}));
+    KILN_TRY(want_shape(op, "b_scale", b_scale, {experts, nb, kb}));
+  } else {
+    if (masked)
+      KILN_TRY(want_shape(op, "a_scale", a_scale, {experts, mm}));
+    else
+      KILN_TRY(want_shape(op, "a_scale", a_scale, {mm}));
+    KILN_TRY(want_shape(op, "b_scale", b_scale, {experts, n}));
   }
-  KILN_TRY(want_shape(op, "b_scale", b_scale, {experts, n}));
   for (const auto& [t, name] : {std::pair{&a, "a"}, {&weight, "weight"}, {&out, "out"}}) KILN_TRY(want_layout(op, name, *t, 16));
   for (const auto& [t, name] : {std::pair{&offs, "offs"}, {&a_scale, "a_scale"}, {&b_scale, "b_scale"}})
     KILN_TRY(want_layout(op, name, *t, 4));
@@ -429,8 +442,11 @@ Status run_fp8(const char* op, const TensorView& a, const TensorView& weight, co
   if (out.numel() == 0) return {};
   if (k == 0) return write_zeros(out, where, stream);
   if (mm == 0) return {};
-  const Problem p = Problem::of(out.dtype, 16, m::GroupedGemmProblem{.m = mm, .n = n, .k = k, .experts = experts,
-                                                                     .layout = masked ? m::k_masked : m::k_contiguous});
+  const Problem p = Problem::of(
+      out.dtype, 16,
+      m::GroupedGemmFp8Problem{.m = mm, .n = n, .k = k, .experts = experts,
+                               .layout = masked ? m::k_masked : m::k_contiguous,
+                               .scaling = block ? m::k_fp8_block : m::k_fp8_rowwise});
   void* buffers[6] = {a.data, weight.data, offs.data, a_scale.data, b_scale.data, out.data};
   return dispatch("grouped_gemm_fp8", p, buffers, where, stream, runtime);
 }
@@ -744,15 +760,18 @@ void kiln_register_ops_moe(kiln::Registry& r) {
     op.name = masked ? "grouped_gemm_fp8_masked" : "grouped_gemm_fp8";
     op.doc = masked ? "The masked layout of grouped_gemm_fp8: a [experts, max_tokens, k], a_scale [experts, max_tokens], "
                       "out [experts, max_tokens, n] for the first counts[e] rows of each expert."
-                    : "out [m, n] = (a x weight[e]^T) * a_scale[row] * b_scale[e, col] for expert e's rows [offs[e - 1], "
-                      "offs[e]): e4m3 codes (u8), rowwise f32 scales as torch._scaled_grouped_mm takes them, f16/bf16 "
-                      "out, k a multiple of 16; sm_90a.";
+                    : "out [m, n] = a x weight[e]^T with scales for expert e's rows [offs[e - 1], offs[e]): e4m3 "
+                      "codes (u8); rowwise f32 scales (a_scale [m], b_scale [experts, n], as "
+                      "torch._scaled_grouped_mm takes them) or DeepSeek-V3 blocks (a_scale [m, k/128], b_scale "
+                      "[experts, n/128, k/128]); f16/bf16 out, k a multiple of 16.";
     op.tensors = {{.name = "a", .dtypes = u8, .min_rank = masked ? 3 : 2, .max_rank = masked ? 3 : 2,
                    .shape = masked ? "[experts, max_tokens, k]" : "[m, k]"},
                   {.name = "weight", .dtypes = u8, .min_rank = 3, .max_rank = 3, .shape = "[experts, n, k]"},
                   {.name = masked ? "counts" : "offs", .dtypes = i32, .max_rank = 1, .shape = "[experts]"},
-                  {.name = "a_scale", .dtypes = f32, .max_rank = 2, .shape = masked ? "[experts, max_tokens]" : "[m]"},
-                  {.name = "b_scale", .dtypes = f32, .min_rank = 2, .max_rank = 2, .shape = "[experts, n]"},
+                  {.name = "a_scale", .dtypes = f32, .max_rank = 3,
+                   .shape = masked ? "[experts, max_tokens] or [experts, max_tokens, k/128]" : "[m] or [m, k/128]"},
+                  {.name = "b_scale", .dtypes = f32, .min_rank = 2, .max_rank = 3,
+                   .shape = "[experts, n] or [experts, n/128, k/128]"},
                   {.name = "out", .role = TensorRole::output, .dtypes = k_half_dtypes, .min_rank = masked ? 3 : 2,
                    .max_rank = masked ? 3 : 2, .shape = masked ? "[experts, max_tokens, n]" : "[m, n]"}};
     op.scalars = {{.name = "output_dtype", .kind = ScalarKind::choice, .has_default = true, .default_value = 1,

@@ -55,11 +55,13 @@ Status grouped_gemm(const TensorView& a, const TensorView& weight, const TensorV
 Status grouped_gemm_masked(const TensorView& a, const TensorView& weight, const TensorView& counts,
                            const TensorView& out, Stream stream = nullptr, Runtime* runtime = nullptr);
 
-// FP8 (sm_90a): out [m, n] = (a [m, k] x weight[e] [n, k]^T) * a_scale[row] * b_scale[e, col] for
-// the rows of expert e as in grouped_gemm: a and weight e4m3 codes (u8), a_scale [m] and b_scale
-// [experts, n] f32 (rowwise, as torch._scaled_grouped_mm takes them), out f16 or bf16, fp32
-// accumulation, k a multiple of 16. With `counts` instead of offsets (masked): a [experts,
-// max_tokens, k], a_scale [experts, max_tokens], out [experts, max_tokens, n].
+// FP8: out [m, n] = a [m, k] x weight[e] [n, k]^T with scales, for the rows of expert e as in
+// grouped_gemm: a and weight e4m3 codes (u8), out f16 or bf16, fp32 accumulation, k a multiple of
+// 16. Scales f32, rowwise (a_scale [m], b_scale [experts, n]: out = acc * a_scale[row] *
+// b_scale[e, col], as torch._scaled_grouped_mm takes them) or DeepSeek-V3's blocks (a_scale [m,
+// ceil(k/128)], b_scale [experts, ceil(n/128), ceil(k/128)], promoted every 128 of K), told apart
+// by a_scale's rank. With `counts` instead of offsets (masked): a [experts, max_tokens, k],
+// a_scale [experts, max_tokens(, k/128)], out [experts, max_tokens, n].
 Status grouped_gemm_fp8(const TensorView& a, const TensorView& weight, const TensorView& offs,
                         const TensorView& a_scale, const TensorView& b_scale, const TensorView& out,
                         Stream stream = nullptr, Runtime* runtime = nullptr);

@@ -1,4 +1,4 @@
-// The MoE grouped GEMM (bf16, and FP8 rowwise on sm_90a) with balanced and Zipf-skewed routing: Mixtral
+// The MoE grouped GEMM (bf16; FP8 rowwise and block-scaled on sm_90a), balanced and Zipf routing: Mixtral
 // gate_up (8 experts x 4096 tokens, K 4096, N 28672) and down (K 14336, N 4096), DeepSeek-V3
 // gate_up (256 experts x 1024 tokens, K 7168, N 4096) and down (K 2048, N 7168), DeepSeek-V3 decode
 // (256 x 16 tokens, gate_up) contiguous and masked; the weight-gradient form (kgrouped) at Mixtral
@@ -79,15 +79,17 @@ struct Case {
   m::Layout layout;
 };
 
-// grouped_gemm_fp8 (e4m3, rowwise scales, bf16 out) on one case: checked against fp64 on sampled
-// outputs, then timed; the row beside the bf16 one.
+// grouped_gemm_fp8 (e4m3, bf16 out; rowwise scales, or DeepSeek-V3's 1x128 / 128x128 blocks) on
+// one case: checked against fp64 on sampled outputs, then timed; the rows beside the bf16 one.
 Status fp8(Context& ctx, nlohmann::json& rows, const Case& c, bool zipf, const std::vector<std::int32_t>& counts,
-           const std::vector<std::int32_t>& offs, std::int64_t max_t) {
+           const std::vector<std::int32_t>& offs, std::int64_t max_t, bool block) {
   const bool masked = c.layout == m::k_masked;
   const std::int64_t total = c.experts * c.per_expert, a_rows = masked ? c.experts * max_t : total;
+  const std::int64_t kb = (c.k + 127) / 128, nb = (c.n + 127) / 128;
   const auto cuda = Device::cuda(0);
   Tiled a = tiled(ctx, DType::u8, a_rows * c.k, 2.0f), b = tiled(ctx, DType::u8, c.experts * c.n * c.k, 0.5f);
-  std::vector<float> sa(static_cast<std::size_t>(a_rows)), sb(static_cast<std::size_t>(c.experts * c.n));
+  std::vector<float> sa(static_cast<std::size_t>(block ? a_rows * kb : a_rows)),
+      sb(static_cast<std::size_t>(block ? c.experts * nb * kb : c.experts * c.n));
   std::uniform_real_distribution<float> u(0.5f, 1.5f);
   for (auto& v : sa) v = u(ctx.rng) / 16;
   for (auto& v : sb) v = u(ctx.rng) / 16;
@@ -98,16 +100,21 @@ Status fp8(Context& ctx, nlohmann::json& rows, const Case& c, bool zipf, const s
   auto call = [&](int) {
     const TensorView ov = TensorView::contiguous(doffs.get(), DType::i32, {c.experts}, cuda);
     const TensorView bv = TensorView::contiguous(b.dev->get(), DType::u8, {c.experts, c.n, c.k}, cuda);
-    const TensorView sbv = TensorView::contiguous(dsb.get(), DType::f32, {c.experts, c.n}, cuda);
+    const TensorView sbv = block ? TensorView::contiguous(dsb.get(), DType::f32, {c.experts, nb, kb}, cuda)
+                                 : TensorView::contiguous(dsb.get(), DType::f32, {c.experts, c.n}, cuda);
     if (masked)
       check(grouped_gemm_fp8_masked(TensorView::contiguous(a.dev->get(), DType::u8, {c.experts, max_t, c.k}, cuda), bv, ov,
-                                    TensorView::contiguous(dsa.get(), DType::f32, {c.experts, max_t}, cuda), sbv,
+                                    block ? TensorView::contiguous(dsa.get(), DType::f32, {c.experts, max_t, kb}, cuda)
+                                          : TensorView::contiguous(dsa.get(), DType::f32, {c.experts, max_t}, cuda),
+                                    sbv,
                                     TensorView::contiguous(dout.get(), DType::bf16, {c.experts, max_t, c.n}, cuda),
                                     nullptr, ctx.runtime),
             "grouped_gemm_fp8_masked");
     else
       check(grouped_gemm_fp8(TensorView::contiguous(a.dev->get(), DType::u8, {total, c.k}, cuda), bv, ov,
-                             TensorView::contiguous(dsa.get(), DType::f32, {total}, cuda), sbv,
+                             block ? TensorView::contiguous(dsa.get(), DType::f32, {total, kb}, cuda)
+                                   : TensorView::contiguous(dsa.get(), DType::f32, {total}, cuda),
+                             sbv,
                              TensorView::contiguous(dout.get(), DType::bf16, {total, c.n}, cuda), nullptr, ctx.runtime),
             "grouped_gemm_fp8");
   };
@@ -126,8 +133,13 @@ Status fp8(Context& ctx, nlohmann::json& rows, const Case& c, bool zipf, const s
     std::uniform_int_distribution<std::int64_t> pr(0, cnt - 1), pj(0, c.n - 1);
     const std::int64_t r = lo + pr(ctx.rng), j = pj(ctx.rng);
     double want = 0;
-    for (std::int64_t q = 0; q < c.k; ++q) want += a.at(r * c.k + q, DType::u8) * b.at((e * c.n + j) * c.k + q, DType::u8);
-    want *= double(sa[r]) * double(sb[e * c.n + j]);
+    for (std::int64_t blk = 0; blk < kb; ++blk) {
+      double part = 0;
+      for (std::int64_t q = blk * 128; q < std::min(c.k, (blk + 1) * 128); ++q)
+        part += a.at(r * c.k + q, DType::u8) * b.at((e * c.n + j) * c.k + q, DType::u8);
+      want += block ? part * double(sa[r * kb + blk]) * double(sb[(e * nb + j / 128) * kb + blk]) : part;
+    }
+    if (!block) want *= double(sa[r]) * double(sb[e * c.n + j]);
     const double g = load_as_double(got.data(), DType::bf16, r * c.n + j);
     nan = nan || std::isnan(g);
     num += (g - want) * (g - want);
@@ -140,14 +152,16 @@ Status fp8(Context& ctx, nlohmann::json& rows, const Case& c, bool zipf, const s
   const double ms = time_events(call, 5, ctx.quick ? 10 : 30);
   const double tflops = 2.0 * double(total) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
   Problem p = Problem::of(DType::bf16, 16,
-                          m::GroupedGemmProblem{.m = masked ? max_t : total, .n = c.n, .k = c.k, .experts = c.experts,
-                                                .layout = c.layout});
+                          m::GroupedGemmFp8Problem{.m = masked ? max_t : total, .n = c.n, .k = c.k,
+                                                   .experts = c.experts, .layout = c.layout,
+                                                   .scaling = block ? m::k_fp8_block : m::k_fp8_rowwise});
   jit::set_device(p, *jit::device_info(0).value());
   const std::string variant = Registry::global().find("grouped_gemm_fp8")->heuristic(p).canonical();
-  std::printf("%-20s %8s %8lld %6lld %6lld %8lld %10.1f %9.1f %9.2e  %s (fp8 rowwise)\n", c.name,
+  std::printf("%-20s %8s %8lld %6lld %6lld %8lld %10.1f %9.1f %9.2e  %s (fp8 %s)\n", c.name,
               zipf ? "zipf" : "balanced", (long long)total, (long long)c.n, (long long)c.k, (long long)c.experts, ms * 1e3,
-              tflops, err, variant.c_str());
-  rows.push_back({{"kind", "grouped_gemm_fp8"}, {"shape", c.name}, {"routing", zipf ? "zipf" : "balanced"},
+              tflops, err, variant.c_str(), block ? "block" : "rowwise");
+  rows.push_back({{"kind", block ? "grouped_gemm_fp8_block" : "grouped_gemm_fp8"}, {"shape", c.name},
+                  {"routing", zipf ? "zipf" : "balanced"},
                   {"rows", total}, {"n", c.n}, {"k", c.k}, {"experts", c.experts}, {"median_us", ms * 1e3},
                   {"tflops", tflops}, {"rel_err", err}, {"variant", variant}});
   return {};
@@ -256,7 +270,7 @@ int grouped(Context& ctx, nlohmann::json& rows) {
       if (!kg && jit::device_info(0).value()->compute_capability == 90) {
         a.dev.reset();
         b.dev.reset();
-        check(fp8(ctx, rows, c, zipf, counts, offs, max_t), "grouped_gemm_fp8");
+        for (bool block : {false, true}) check(fp8(ctx, rows, c, zipf, counts, offs, max_t, block), "grouped_gemm_fp8");
       }
     }
   return 0;

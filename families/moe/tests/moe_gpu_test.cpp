@@ -327,14 +327,15 @@ struct Grouping {
 
 // The catalog variants of `family` for a layout (and output type) that run on this device: the
 // kernels gpu_run.sh's prewarmed cache holds, every path and tile the heuristic can pick.
-std::vector<Params> device_variants(const Family& f, const char* type_key, const std::string& type, int layout, int cc) {
+std::vector<Params> device_variants(const Family& f, const char* type_key, const std::string& type, int layout, int cc,
+                                    const char* scaling = nullptr) {
   std::vector<Params> out;
   const GpuArch arch{cc, cc == 90 ? 'a' : '\0'};
   for (const Params& v : f.catalog())
     if (*v.get_str(type_key) == type && *v.get_str("layout") == (layout == m::k_contiguous ? "contiguous"
                                                                    : layout == m::k_masked  ? "masked"
                                                                                            : "kgrouped") &&
-        f.runs_on(v, arch))
+        (!scaling || *v.get_str("scaling") == scaling) && f.runs_on(v, arch))
       out.push_back(v);
   return out;
 }
@@ -400,25 +401,30 @@ TEST_F(MoeGpu, GroupedGemmFp8MatchesTheReference) {
         std::partial_sum(counts.begin(), counts.end(), offs.begin());
         const std::int64_t rows = c.tokens * c.top_k;
         const std::int64_t max_t = *std::max_element(counts.begin(), counts.end()) + 5;
-        for (int layout : {m::k_contiguous, m::k_masked}) {
+        for (int layout : {m::k_contiguous, m::k_masked})
+        for (bool block : {false, true}) {
           const std::int64_t mm = layout == m::k_masked ? max_t : rows + 7;
           const std::int64_t a_rows = layout == m::k_masked ? c.experts * max_t : mm;
+          const std::int64_t kb = (c.k + 127) / 128, nb = (c.n + 127) / 128;
           std::vector<std::uint8_t> a(static_cast<std::size_t>(a_rows * c.k)), b(static_cast<std::size_t>(c.experts * c.n * c.k));
           for (auto& v : a) v = float_to_e4m3(d(rng_));
           for (auto& v : b) v = float_to_e4m3(d(rng_) / 4);
-          std::vector<float> sa(static_cast<std::size_t>(a_rows)), sb(static_cast<std::size_t>(c.experts * c.n));
+          std::vector<float> sa(static_cast<std::size_t>(block ? a_rows * kb : a_rows)),
+              sb(static_cast<std::size_t>(block ? c.experts * nb * kb : c.experts * c.n));
           for (auto& v : sa) v = u(rng_);
           for (auto& v : sb) v = u(rng_) / 16;
           const std::vector<std::int32_t>& o = layout == m::k_masked ? counts : offs;
           std::vector<std::uint16_t> want(static_cast<std::size_t>(a_rows * c.n), 0xFFFF);
-          const Problem p = Problem::of(
-              t, 16, m::GroupedGemmProblem{.m = mm, .n = c.n, .k = c.k, .experts = c.experts, .layout = layout});
+          const Problem p = Problem::of(t, 16,
+                                        m::GroupedGemmFp8Problem{.m = mm, .n = c.n, .k = c.k, .experts = c.experts,
+                                                                 .layout = layout,
+                                                                 .scaling = block ? m::k_fp8_block : m::k_fp8_rowwise});
           std::vector<void*> hb = {a.data(), b.data(), const_cast<std::int32_t*>(o.data()), sa.data(), sb.data(),
                                    want.data()};
           ASSERT_TRUE(f.cpu_reference(Params{}, p, hb).ok());
           Dev da = up(a.data(), a.size()), db = up(b.data(), b.size()), doffs = up(o.data(), o.size() * 4),
               dsa = up(sa.data(), sa.size() * 4), dsb = up(sb.data(), sb.size() * 4);
-          for (const Params& params : device_variants(f, "out", dtype_name(t), layout, cc_)) {
+          for (const Params& params : device_variants(f, "out", dtype_name(t), layout, cc_, block ? "block" : "rowwise")) {
             Problem pp = p;
             pp.cc = std::uint8_t(cc_);
             pp.sm_count = std::uint16_t(c.sms > 0 ? c.sms : sms_);

@@ -354,6 +354,42 @@ TEST_F(MoeOps, GroupedGemmFp8AppliesRowwiseScalesPerExpert) {
       EXPECT_EQ(out[r * n + j], float_to_bf16(float(s * sa[r] * sb[e * n + j]))) << r << " " << j;
     }
   }
+  // Block scales: a_scale [m, k/128], b_scale [experts, n/128, k/128]; k = 160 spans two k-blocks,
+  // the second partial.
+  {
+    const std::int64_t kk = 160, kb = 2;
+    std::vector<std::uint8_t> a2(mm * kk), w2(experts * n * kk);
+    for (auto& v : a2) v = float_to_e4m3(d(rng_));
+    for (auto& v : w2) v = float_to_e4m3(d(rng_));
+    std::vector<float> sa2(mm * kb), sb2(experts * 1 * kb);
+    for (auto& v : sa2) v = u(rng_);
+    for (auto& v : sb2) v = u(rng_);
+    std::fill(out, out + mm * n, std::uint16_t(0x7FC0));
+    ASSERT_TRUE(grouped_gemm_fp8(host(a2.data(), DType::u8, {mm, kk}), host(w2.data(), DType::u8, {experts, n, kk}),
+                                 host((void*)offs.data(), DType::i32, {experts}), host(sa2.data(), DType::f32, {mm, kb}),
+                                 host(sb2.data(), DType::f32, {experts, 1, kb}), host(out, DType::bf16, {mm, n}),
+                                 nullptr, rt_.get())
+                    .ok());
+    for (std::int64_t r = 0; r < 9; ++r) {
+      const std::int64_t e = r < 4 ? 0 : 2;
+      for (std::int64_t j = 0; j < n; ++j) {
+        double s = 0;
+        for (std::int64_t blk = 0; blk < kb; ++blk) {
+          double part = 0;
+          for (std::int64_t x = blk * 128; x < std::min(kk, (blk + 1) * 128); ++x)
+            part += double(e4m3_to_float(a2[r * kk + x])) * e4m3_to_float(w2[(e * n + j) * kk + x]);
+          s += part * sa2[r * kb + blk] * sb2[e * kb + blk];
+        }
+        EXPECT_EQ(out[r * n + j], float_to_bf16(float(s))) << r << " " << j;
+      }
+    }
+    EXPECT_EQ(out[9 * n], 0x7FC0) << "rows past the last expert stay unwritten";
+    expect(grouped_gemm_fp8(host(a2.data(), DType::u8, {mm, kk}), host(w2.data(), DType::u8, {experts, n, kk}),
+                            host((void*)offs.data(), DType::i32, {experts}), host(sa2.data(), DType::f32, {mm, kb}),
+                            host(sb2.data(), DType::f32, {experts, kb}), host(out, DType::bf16, {mm, n}), nullptr,
+                            rt_.get()),
+           Code::shape_mismatch, "block b_scale without its n blocks");
+  }
   // k must be a multiple of 16; a must be u8; the masked a_scale is per expert and row.
   expect(grouped_gemm_fp8(host(a.data(), DType::u8, {mm, 8}), host(w.data(), DType::u8, {experts, n, 8}),
                           host((void*)offs.data(), DType::i32, {experts}), host(sa.data(), DType::f32, {mm}),
