@@ -711,3 +711,30 @@ def test_moe_ops_on_host_arrays(rng):
         kiln.moe_permute(x, ids + experts, experts)
     with pytest.raises(kiln.InvalidArgumentError, match="offsets"):
         kiln.grouped_gemm(xs, weight, ends[::-1].copy())
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_grouped_gemm_fp8_on_host_arrays(rng, block):
+    """The FP8 grouped GEMM's CPU fallback, rowwise and block-scaled, against the dequantized product."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    experts, rows, n, k = 3, 13, 24, 160
+    offs = np.array([5, 5, 11], np.int32)  # expert 1 empty; rows 11 and 12 belong to no expert
+    a8 = (rng.standard_normal((rows, k)) * 2).astype(ml_dtypes.float8_e4m3fn)
+    w8 = rng.standard_normal((experts, n, k)).astype(ml_dtypes.float8_e4m3fn)
+    kb, nb = 2, 1
+    sa = (rng.random((rows, kb) if block else rows) + 0.5).astype(np.float32)
+    sb = (rng.random((experts, nb, kb) if block else (experts, n)) + 0.5).astype(np.float32)
+    out = kiln.grouped_gemm_fp8(a8.view(np.uint8), w8.view(np.uint8), offs, sa, sb, "f16")
+    a, w = a8.astype(np.float64), w8.astype(np.float64)
+    start = 0
+    for e in range(experts):
+        rs = slice(start, offs[e])
+        if offs[e] == start:
+            continue
+        if block:
+            want = sum((a[rs, q * 128:(q + 1) * 128] * sa[rs, q:q + 1]) @ (w[e][:, q * 128:(q + 1) * 128].T * sb[e, 0, q])
+                       for q in range(kb))
+        else:
+            want = (a[rs] @ w[e].T) * sa[rs, None] * sb[e][None, :]
+        np.testing.assert_allclose(out[rs].astype(np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+        start = offs[e]
