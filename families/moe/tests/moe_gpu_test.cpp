@@ -367,7 +367,10 @@ TEST_F(MoeGpu, GroupedGemmMatchesTheReferenceOnEveryLayoutAndPath) {
           const Problem p = Problem::of(
               t, 16, m::GroupedGemmProblem{.m = mm, .n = c.n, .k = c.k, .experts = c.experts, .layout = layout});
           std::vector<void*> hb = {a.data(), b.data(), const_cast<std::int32_t*>(o.data()), want.data()};
-          ASSERT_TRUE(f.cpu_reference(Params{}, p, hb).ok());
+          {
+            const Status rs = f.cpu_reference(f.heuristic(p), p, hb);
+            ASSERT_TRUE(rs.ok()) << rs.to_string();
+          }
           Dev da = up(a.data(), a.size() * 2), db = up(b.data(), b.size() * 2), doffs = up(o.data(), o.size() * 4);
           for (const Params& params : device_variants(f, "dtype", dtype_name(t), layout, cc_)) {
             Problem pp = p;
@@ -421,7 +424,10 @@ TEST_F(MoeGpu, GroupedGemmFp8MatchesTheReference) {
                                                                  .scaling = block ? m::k_fp8_block : m::k_fp8_rowwise});
           std::vector<void*> hb = {a.data(), b.data(), const_cast<std::int32_t*>(o.data()), sa.data(), sb.data(),
                                    want.data()};
-          ASSERT_TRUE(f.cpu_reference(Params{}, p, hb).ok());
+          {
+            const Status rs = f.cpu_reference(f.heuristic(p), p, hb);
+            ASSERT_TRUE(rs.ok()) << rs.to_string();
+          }
           Dev da = up(a.data(), a.size()), db = up(b.data(), b.size()), doffs = up(o.data(), o.size() * 4),
               dsa = up(sa.data(), sa.size() * 4), dsb = up(sb.data(), sb.size() * 4);
           for (const Params& params : device_variants(f, "out", dtype_name(t), layout, cc_, block ? "block" : "rowwise")) {
