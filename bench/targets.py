@@ -11,6 +11,10 @@ And the compute-bound targets of issue 8 (TFLOP/s beside cuBLAS in the same run)
   - fp8_gemm per tensor >= 1.0x torch._scaled_mm (tensorwise), block-scaled >= 0.9x it (and, with
     no target, block-scaled beside cuBLAS's own block-scaled _scaled_mm where it was measured);
   - fused gated MLP >= 1.10x PyTorch's eager silu(x @ Wg^T) * (x @ Wu^T).
+And the MoE targets: the grouped GEMM >= 1.05x torch._grouped_mm (bf16) and
+torch._scaled_grouped_mm (fp8 rowwise) at each shape and routing, block-scaled FP8 >= 0.95x kiln's
+rowwise FP8, and the whole layer forward + backward >= 1.3x a PyTorch layer from _grouped_mm with
+eager routing (measured by the anchor).
 Each memory-bound row also shows what a device-to-device copy of the same size reaches, as a share
 of the 1 GiB figure (kiln_bench_gpu measures copies of 4 .. 256 MiB in the same run; the shape's
 bytes are taken as n read + n written and interpolated between those sizes). Where that share is
@@ -150,6 +154,7 @@ def main():
     print(f"\n{met} of {total} shapes meet their targets (copy: {copy:.0f} GB/s, 1 GiB cuMemcpyDtoD); of the "
           f"{total - met} missed, {copy_misses} have a floor above what a copy of the same size reaches.")
     gemm_targets(bench, torch)
+    moe_targets(bench, torch)
     host = bench.get("host_us", {})
     gpu = bench.get("gpu_us", {})
     if host or gpu:
@@ -191,6 +196,53 @@ def gemm_targets(bench, torch):
                        f"{a['scaled_mm_blockwise_us'] / r['median_us']:.2f}x | "
                        f"{a['scaled_mm_tensorwise_us'] / a['scaled_mm_blockwise_us']:.2f}x |")
         print("\n".join(out))
+
+
+def moe_targets(bench, torch):
+    """The grouped GEMM beside its PyTorch anchor per shape and routing (>= 1.05x), and the layer's
+    forward + backward (>= 1.3x), as the anchor measured both."""
+    anchors = {(r["shape"], r["routing"]): r for r in torch.get("moe", []) if r.get("kind") == "grouped_gemm"}
+    lines = ["", "| MoE kernel | shape | routing | kiln µs | kiln TFLOP/s | PyTorch anchor | its TFLOP/s | ratio | "
+             "target | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    met = total = 0
+    for r in bench.get("moe", []):
+        if r.get("kind") not in ("grouped_gemm", "grouped_gemm_fp8"):
+            continue
+        what = "scaled_grouped_mm_fp8_rowwise" if r["kind"] == "grouped_gemm_fp8" else "grouped_mm_bf16"
+        anchor = anchors.get((r["shape"].replace("_masked", ""), r["routing"]))
+        total += 1
+        if not anchor or what + "_us" not in anchor:
+            lines.append(f"| {r['kind']} | {r['shape']} | {r['routing']} | {r['median_us']:.1f} | {r['tflops']:.1f} | "
+                         f"(not measured) | | | 1.05x | MISSED |")
+            continue
+        ratio = anchor[what + "_us"] / r["median_us"]
+        met += ratio >= 1.05
+        lines.append(f"| {r['kind']} | {r['shape']} | {r['routing']} | {r['median_us']:.1f} | {r['tflops']:.1f} | "
+                     f"{what} | {anchor[what + '_tflops']:.1f} | {ratio:.2f}x | 1.05x | "
+                     f"{'met' if ratio >= 1.05 else 'MISSED'} |")
+    # Block-scaled FP8 against kiln's own rowwise FP8 on the same shape and routing (>= 0.95x).
+    rowwise = {(r["shape"], r["routing"]): r for r in bench.get("moe", []) if r.get("kind") == "grouped_gemm_fp8"}
+    for r in bench.get("moe", []):
+        base = rowwise.get((r["shape"], r["routing"])) if r.get("kind") == "grouped_gemm_fp8_block" else None
+        if not base:
+            continue
+        total += 1
+        ratio = base["median_us"] / r["median_us"]
+        met += ratio >= 0.95
+        lines.append(f"| grouped_gemm_fp8_block | {r['shape']} | {r['routing']} | {r['median_us']:.1f} | "
+                     f"{r['tflops']:.1f} | kiln fp8 rowwise | {base['tflops']:.1f} | {ratio:.2f}x | 0.95x | "
+                     f"{'met' if ratio >= 0.95 else 'MISSED'} |")
+    for a in torch.get("moe", []):
+        if a.get("kind") != "layer" or "kiln_over_torch" not in a:
+            continue
+        total += 1
+        met += a["kiln_over_torch"] >= 1.3
+        lines.append(f"| fused_moe fwd+bwd | {a['shape']} | {a['routing']} | {a['kiln_fused_moe_fwd_bwd_us']:.1f} | "
+                     f"{a['kiln_fused_moe_fwd_bwd_tflops']:.1f} | torch layer | {a['torch_layer_fwd_bwd_tflops']:.1f} | "
+                     f"{a['kiln_over_torch']:.2f}x | 1.30x | {'met' if a['kiln_over_torch'] >= 1.3 else 'MISSED'} |")
+    if total:
+        print("\n".join(lines))
+        print(f"\n{met} of {total} MoE rows meet their targets.")
 
 
 def verdict(ok, ratio, need, copy_short):

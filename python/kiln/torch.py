@@ -1646,3 +1646,181 @@ class BatchDecodeWithSharedPrefixPagedKVCache(torch.nn.Module):
 
 
 __all__ += ["BatchDecodeWithPagedKVCache", "BatchPrefillWithPagedKVCache", "BatchDecodeWithSharedPrefixPagedKVCache"]
+
+
+# --- mixture of experts ---
+
+MOE_SCORINGS = ("softmax", "sigmoid_group")
+
+
+def _moe_experts_impl(x: Tensor, weights: Tensor, ids: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: str,
+                      num_experts: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The experts of an MoE layer: (out, x_sorted, h, a, y_sorted, offsets, row_of, src_of), out the
+    routing-weighted sum of every token's experts. Permute by expert, gate_up = x_sorted W_gu[e]^T
+    (grouped GEMM), a = act_and_mul(gate_up), y_sorted = a W_d[e]^T (grouped GEMM), combine. The
+    intermediates are what the backward reads."""
+    x_sorted, offsets, row_of, src_of = _DECLARED_IMPLS["moe_permute"](x, ids, num_experts)
+    offs = offsets[1:]
+    h = _DECLARED_IMPLS["grouped_gemm"](x_sorted, w_gate_up, offs)
+    a = _act_and_mul_impl(h, activation)
+    y_sorted = _DECLARED_IMPLS["grouped_gemm"](a, w_down, offs)
+    out = _DECLARED_IMPLS["moe_combine"](y_sorted, row_of, weights)
+    return out, x_sorted, h, a, y_sorted, offsets, row_of, src_of
+
+
+_moe_experts = torch.library.custom_op("kiln::moe_experts", _moe_experts_impl, mutates_args=())
+
+
+@_moe_experts.register_fake
+def _(x, weights, ids, w_gate_up, w_down, activation, num_experts):
+    tokens, hidden = x.shape
+    n = tokens * ids.shape[1]
+    two_inter = w_gate_up.shape[1]
+    i32 = torch.int32
+    return (x.new_empty((tokens, hidden)), x.new_empty((n, hidden)), x.new_empty((n, two_inter)),
+            x.new_empty((n, two_inter // 2)), x.new_empty((n, hidden)), x.new_empty((num_experts + 1,), dtype=i32),
+            x.new_empty(ids.shape, dtype=i32), x.new_empty((n,), dtype=i32))
+
+
+def _moe_setup(ctx, inputs, output):
+    x, weights, ids, w_gate_up, w_down, activation, num_experts = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(weights, w_gate_up, w_down, *output[1:])
+
+
+def _moe_grad_with(op):
+    """The experts' backward, calling the declared ops through op(name): the custom ops where
+    autograd traces (torch.compile), their implementations in the eager Function."""
+
+    def grad(ctx, dout, *_unused):
+        # out = combine(y, w): dw[t, j] = <dout[t], y[row_of[t, j]]>, dy = gather(dout, w). Then
+        # through the down projection (dgrad with W_d^T per expert, wgrad dW_d[e] = dy_e^T a_e),
+        # act_and_mul, the gate_up projection (dW_gu[e] = dh_e^T x_e), and dx = the unweighted
+        # combine of dx_sorted.
+        weights, w_gate_up, w_down, x_sorted, h, a, y_sorted, offsets, row_of, src_of = ctx.saved_tensors
+        if dout is None:
+            return None, None, None, None, None, None, None
+        dout = dout.contiguous()
+        offs = offsets[1:]
+        dw = torch.einsum("tc,tjc->tj", dout.float(), y_sorted[row_of.long()].float())
+        dy = op("moe_gather")(dout, src_of, weights, row_of.shape[1])
+        da = op("grouped_gemm")(dy, w_down.transpose(1, 2).contiguous(), offs)
+        dh = torch.ops.kiln.act_and_mul_backward(h, da, ctx.activation)
+        dxs = op("grouped_gemm")(dh, w_gate_up.transpose(1, 2).contiguous(), offs)
+        dx = op("moe_combine")(dxs, row_of, None)
+        d_w_down = op("grouped_gemm_wgrad")(dy, a, offs)
+        d_w_gate_up = op("grouped_gemm_wgrad")(dh, x_sorted, offs)
+        return dx, dw, None, d_w_gate_up, d_w_down, None, None
+
+    return grad
+
+
+_moe_experts.register_autograd(_moe_grad_with(lambda name: getattr(torch.ops.kiln, name)), setup_context=_moe_setup)
+_MoeExpertsFunction = _eager_function("_MoeExpertsFunction", _moe_experts_impl, _moe_setup,
+                                     _moe_grad_with(lambda name: _DECLARED_IMPLS[name]), materialize_grads=False)
+
+
+def _moe_route(router_logits, top_k, renormalize, scoring, bias, n_group, topk_group, routed_scaling):
+    """(weights f32, ids i32) [tokens, top_k]: kiln's top-k picks the experts; where the logits
+    need a gradient the weights are recomputed from them with torch (a [tokens, top_k] gather, the
+    same formula), so autograd reaches the router."""
+    logits = router_logits.contiguous()
+    weights, ids = torch.ops.kiln.moe_topk(logits, bias, top_k, scoring, renormalize, n_group, topk_group,
+                                           routed_scaling) if not _eager() else \
+        _DECLARED_IMPLS["moe_topk"](logits, bias, top_k, scoring, renormalize, n_group, topk_group, routed_scaling)
+    if not _needs_grad(router_logits):
+        return weights, ids
+    idx = ids.long()
+    if scoring == "softmax":
+        w = torch.softmax(router_logits.float(), dim=-1).gather(1, idx)
+    else:
+        w = torch.sigmoid(router_logits.float()).gather(1, idx)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    if scoring != "softmax":
+        w = w * routed_scaling
+    return w, ids
+
+
+def fused_moe(x: Tensor, router_logits: Tensor, w_gate_up: Tensor, w_down: Tensor, top_k: int,
+              activation: str = "silu", renormalize: bool = True, scoring: str = "softmax",
+              bias: Optional[Tensor] = None, n_group: int = 1, topk_group: int = 1,
+              routed_scaling: float = 1.0) -> Tensor:
+    """A mixture-of-experts layer: route (kiln's top-k: softmax, or DeepSeek-V3's sigmoid + bias with
+    group-limited top-k), permute tokens by expert, grouped gate_up GEMM, act_and_mul, grouped down
+    GEMM, weighted combine back to token order. x [..., hidden] f16/bf16; router_logits [tokens,
+    experts]; w_gate_up [experts, 2 inter, hidden] (gate rows, then up rows); w_down [experts,
+    hidden, inter]. Differentiable in x, router_logits (through the routing weights) and both
+    weights; experts with no tokens and skewed routing are ordinary inputs."""
+    if activation not in _ops.ACTIVATIONS:
+        raise InvalidArgumentError(f"fused_moe: activation must be one of {', '.join(_ops.ACTIVATIONS)} "
+                                   f"(got {activation!r})")
+    if scoring not in MOE_SCORINGS:
+        raise InvalidArgumentError(f"fused_moe: scoring must be softmax or sigmoid_group (got {scoring!r})")
+    if x.dtype not in (torch.float16, torch.bfloat16) or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise UnsupportedDtypeError(f"fused_moe takes f16 or bf16 x and weights of its dtype (got {x.dtype}, "
+                                    f"{w_gate_up.dtype}, {w_down.dtype})")
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    experts = router_logits.shape[-1]
+    if (w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.shape[0] != experts or w_down.shape[0] != experts
+            or w_gate_up.shape[2] != hidden or w_gate_up.shape[1] % 2 or w_down.shape[1] != hidden
+            or w_down.shape[2] * 2 != w_gate_up.shape[1] or router_logits.reshape(-1, experts).shape[0] != x2.shape[0]):
+        raise ShapeMismatchError(f"fused_moe: x {tuple(x.shape)}, router_logits {tuple(router_logits.shape)}, w_gate_up "
+                                 f"{tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} do not match ([tokens, "
+                                 f"hidden], [tokens, experts], [experts, 2 inter, hidden], [experts, hidden, inter])")
+    if bias is not None:
+        bias = bias.float()  # kept f32 even where a module cast its buffers to the weights' dtype
+    weights, ids = _moe_route(router_logits.reshape(-1, experts), top_k, renormalize, scoring, bias, n_group,
+                              topk_group, routed_scaling)
+    args = (x2.contiguous(), weights, ids, w_gate_up.contiguous(), w_down.contiguous(), activation, experts)
+    if _eager():
+        out = _MoeExpertsFunction.apply(*args)[0] if _needs_grad(x, weights, w_gate_up, w_down) else \
+            _moe_experts_impl(*args)[0]
+    else:
+        out = torch.ops.kiln.moe_experts(*args)[0]
+    return out.reshape(x.shape)
+
+
+class MoE(torch.nn.Module):
+    """A mixture-of-experts MLP on kiln's kernels: a router (nn.Linear(hidden, experts) without bias),
+    experts' gate_up [experts, 2 intermediate, hidden] and down [experts, hidden, intermediate]
+    weights, top-k routing (softmax, or DeepSeek-V3's sigmoid with the e_score_correction_bias
+    buffer and group-limited top-k) and fused_moe for the rest, with autograd."""
+
+    def __init__(self, hidden_dim: int, intermediate_dim: int, num_experts: int, top_k: int,
+                 activation: str = "silu", renormalize: bool = True, scoring: str = "softmax", n_group: int = 1,
+                 topk_group: int = 1, routed_scaling: float = 1.0, device=None, dtype=None):
+        super().__init__()
+        if scoring not in MOE_SCORINGS:
+            raise InvalidArgumentError(f"MoE: scoring must be softmax or sigmoid_group (got {scoring!r})")
+        self.hidden_dim, self.intermediate_dim, self.num_experts, self.top_k = hidden_dim, intermediate_dim, num_experts, top_k
+        self.activation, self.renormalize, self.scoring = activation, renormalize, scoring
+        self.n_group, self.topk_group, self.routed_scaling = n_group, topk_group, routed_scaling
+        self.router = torch.nn.Linear(hidden_dim, num_experts, bias=False, device=device, dtype=dtype)
+        self.w_gate_up = torch.nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, hidden_dim, device=device,
+                                                        dtype=dtype))
+        self.w_down = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, intermediate_dim, device=device,
+                                                     dtype=dtype))
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(num_experts, device=device, dtype=torch.float32)
+                             if scoring == "sigmoid_group" else None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # Each expert's projections as nn.Linear initialises them.
+        for w in (self.w_gate_up, self.w_down):
+            bound = 1.0 / math.sqrt(w.shape[2])
+            torch.nn.init.uniform_(w, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.router(x.reshape(-1, self.hidden_dim))
+        return fused_moe(x, logits, self.w_gate_up, self.w_down, self.top_k, self.activation, self.renormalize,
+                         self.scoring, self.e_score_correction_bias, self.n_group, self.topk_group, self.routed_scaling)
+
+    def extra_repr(self):
+        return (f"{self.hidden_dim}, {self.intermediate_dim}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"activation={self.activation}, scoring={self.scoring}")
+
+
+__all__ += [n for n in ("fused_moe", "MoE") if n not in __all__]

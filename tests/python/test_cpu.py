@@ -673,3 +673,68 @@ def test_declarations_say_which_tensors_take_strided_rows():
     assert marked["add_rms_norm_backward"] == {"dy", "dh", "h", "dx"}
     assert marked["layer_norm"] == {"x", "out"}
     assert marked["layer_norm_backward"] == {"dy", "x", "dx"}
+
+
+def test_moe_ops_on_host_arrays(rng):
+    """Routing, permute, the grouped GEMM and combine through their CPU fallbacks, against numpy."""
+    tokens, experts, hidden, inter, k = 11, 4, 16, 8, 2
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    w, ids = kiln.moe_topk(logits, None, k)
+    np.testing.assert_array_equal(ids, np.argsort(-logits, axis=1, kind="stable")[:, :k])
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    picked = np.take_along_axis(p, ids.astype(np.int64), 1)
+    np.testing.assert_allclose(w, picked / picked.sum(1, keepdims=True), rtol=1e-5)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float16)
+    xs, offsets, row_of, src_of = kiln.moe_permute(x, ids, experts)
+    flat = ids.reshape(-1)
+    perm = np.argsort(flat, kind="stable")
+    np.testing.assert_array_equal(src_of, perm)
+    np.testing.assert_array_equal(xs, x[perm // k])
+    np.testing.assert_array_equal(offsets, np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=experts))]))
+    weight = (rng.standard_normal((experts, inter, hidden)) * 0.3).astype(np.float16)
+    ends = offsets[1:].copy()
+    h = kiln.grouped_gemm(xs, weight, ends)
+    for e in range(experts):
+        rows = slice(offsets[e], offsets[e + 1])
+        np.testing.assert_allclose(h[rows].astype(np.float64), xs[rows].astype(np.float64) @
+                                   weight[e].astype(np.float64).T, rtol=2e-3, atol=2e-3)
+    dw = kiln.grouped_gemm_wgrad(h, xs, ends)
+    for e in range(experts):
+        rows = slice(offsets[e], offsets[e + 1])
+        np.testing.assert_allclose(dw[e].astype(np.float64), h[rows].astype(np.float64).T @
+                                   xs[rows].astype(np.float64), rtol=2e-3, atol=2e-3)
+    back = kiln.moe_combine(xs, row_of, w)
+    np.testing.assert_allclose(back.astype(np.float64), x.astype(np.float64) * w.sum(1, keepdims=True),
+                               rtol=2e-3, atol=2e-3)
+    with pytest.raises(kiln.InvalidArgumentError, match="not an expert"):
+        kiln.moe_permute(x, ids + experts, experts)
+    with pytest.raises(kiln.InvalidArgumentError, match="offsets"):
+        kiln.grouped_gemm(xs, weight, ends[::-1].copy())
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_grouped_gemm_fp8_on_host_arrays(rng, block):
+    """The FP8 grouped GEMM's CPU fallback, rowwise and block-scaled, against the dequantized product."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    experts, rows, n, k = 3, 13, 24, 160
+    offs = np.array([5, 5, 11], np.int32)  # expert 1 empty; rows 11 and 12 belong to no expert
+    a8 = (rng.standard_normal((rows, k)) * 2).astype(ml_dtypes.float8_e4m3fn)
+    w8 = rng.standard_normal((experts, n, k)).astype(ml_dtypes.float8_e4m3fn)
+    kb, nb = 2, 1
+    sa = (rng.random((rows, kb) if block else rows) + 0.5).astype(np.float32)
+    sb = (rng.random((experts, nb, kb) if block else (experts, n)) + 0.5).astype(np.float32)
+    out = kiln.grouped_gemm_fp8(a8.view(np.uint8), w8.view(np.uint8), offs, sa, sb, "f16")
+    a, w = a8.astype(np.float64), w8.astype(np.float64)
+    start = 0
+    for e in range(experts):
+        rs = slice(start, offs[e])
+        if offs[e] == start:
+            continue
+        if block:
+            want = sum((a[rs, q * 128:(q + 1) * 128] * sa[rs, q:q + 1]) @ (w[e][:, q * 128:(q + 1) * 128].T * sb[e, 0, q])
+                       for q in range(kb))
+        else:
+            want = (a[rs] @ w[e].T) * sa[rs, None] * sb[e][None, :]
+        np.testing.assert_allclose(out[rs].astype(np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+        start = offs[e]

@@ -424,3 +424,70 @@ def test_declared_ops_take_strided_rows_where_declared(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "contiguous", counting)
     kt.quantize_fp8(x)
     assert copies == [(6, 96)]
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_fused_moe_gradients_on_host_tensors(top_k):
+    # The CPU fallbacks of every MoE op (routing, permute, grouped GEMM and its weight-gradient form,
+    # combine) against fp64 autograd of the same layer written with torch ops.
+    tokens, hidden, inter, experts = 13, 16, 8, 4
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts)
+    wgu = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) * 0.3
+    wd = torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.3
+    leaves = [t.clone().requires_grad_() for t in (x, logits, wgu, wd)]
+    out = kt.fused_moe(*leaves, top_k)
+    ref_leaves = [t.double().requires_grad_() for t in (x, logits, wgu, wd)]
+    rx, rl, rgu, rd = ref_leaves
+    p = torch.softmax(rl, -1)
+    w, ids = torch.topk(p, top_k, -1)
+    w = w / w.sum(-1, keepdim=True)
+    ref = torch.zeros_like(rx)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            h = rgu[e] @ rx[t]
+            ref[t] = ref[t] + w[t, j] * (rd[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
+    dout = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for got, want in zip(leaves, ref_leaves):
+        if top_k == 1 and got is leaves[1]:
+            continue  # renormalized single expert: weight 1, no router gradient
+        assert ((got.grad.double() - want.grad).norm() / want.grad.norm()).item() < 3e-2
+
+
+def test_moe_custom_ops_opcheck_and_the_module_compiles():
+    tokens, hidden, inter, experts, k = 7, 16, 8, 4, 2
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts)
+    w, ids = torch.ops.kiln.moe_topk(logits, None, k, "softmax", True, 1, 1, 1.0)
+    wgu = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) * 0.3
+    wd = torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.3
+    offs = torch.tensor([2, 2, 7, 10], dtype=torch.int32)
+    cases = [
+        (torch.ops.kiln.moe_topk.default, (logits, None, k, "softmax", True, 1, 1, 1.0)),
+        (torch.ops.kiln.moe_permute.default, (x, ids, experts)),
+        (torch.ops.kiln.grouped_gemm.default, (torch.randn(10, hidden, dtype=torch.bfloat16), wgu, offs)),
+        (torch.ops.kiln.grouped_gemm_wgrad.default, (torch.randn(10, 16, dtype=torch.bfloat16),
+                                                      torch.randn(10, 8, dtype=torch.bfloat16), offs)),
+        (torch.ops.kiln.moe_experts.default, (x.clone().requires_grad_(), w.clone().requires_grad_(), ids,
+                                              wgu.clone().requires_grad_(), wd.clone().requires_grad_(), "silu",
+                                              experts)),
+        (torch.ops.kiln.fused_moe.default, (x, logits, wgu, wd, k, "silu", True)),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)
+    moe = kt.MoE(hidden, inter, num_experts=experts, top_k=k, dtype=torch.bfloat16)
+    xx = torch.randn(2, 5, hidden, dtype=torch.bfloat16, requires_grad=True)
+    eager = moe(xx)
+    compiled = torch.compile(moe, fullgraph=True)(xx)
+    assert torch.equal(eager, compiled)
+    compiled.float().square().mean().backward()
+    assert xx.grad is not None and moe.w_gate_up.grad is not None and moe.router.weight.grad is not None
+    # A sigmoid_group module cast to bf16 keeps routing: the bias is read as f32.
+    deepseek = kt.MoE(hidden, inter, num_experts=8, top_k=2, scoring="sigmoid_group", n_group=4, topk_group=2,
+                      routed_scaling=2.5).bfloat16()
+    assert deepseek(xx).shape == xx.shape
