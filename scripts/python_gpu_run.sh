@@ -5,13 +5,15 @@
 # graphs, training, daemon and embedded), the side-by-side benchmark and the training-step
 # benchmark (bench/python/train_step.py, against eager, torch.compile and Liger). Logs and JSON go
 # to $OUT.
-#   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench|train]...  (default: tests bench)
+#   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench|train|anchors]...  (default: tests bench)
+# anchors: bench/torch_anchors.py with kiln importable, so the families' anchors that also time
+# kiln's Python layer (the MoE layer, say) do; TORCH_ARGS narrows it (e.g. "--only moe").
 # --host-only: the benchmark times only the host cost per call (side_by_side.py --host-only).
 # Env: PYTEST_K, a pytest -k expression that narrows the tests (e.g. "launch or describe").
 set -uo pipefail
 quick="" host="" what=""
 for a in "$@"; do
-  case "$a" in --quick) quick=--quick ;; --host-only) host=--host-only ;; tests|bench|train) what="$what $a " ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
+  case "$a" in --quick) quick=--quick ;; --host-only) host=--host-only ;; tests|bench|train|anchors) what="$what $a " ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
 done
 what=${what:- tests bench }
 root=$PWD
@@ -58,6 +60,11 @@ fi
 if [[ "$what" == *" train "* ]]; then
   PYTHONPATH="$PYTHONPATH:$peers" PYTHONUNBUFFERED=1 timeout -k 5 300 "$py" "$root/bench/python/train_step.py" $quick \
     --json "$out/train_step.json" 2>&1 | tee "$out/train_step.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+if [[ "$what" == *" anchors "* ]]; then
+  PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" "$root/bench/torch_anchors.py" $quick ${TORCH_ARGS:-} \
+    --json "$out/anchors_with_kiln.json" 2>&1 | tee "$out/anchors_with_kiln.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 echo "python_gpu_run exit $rc"

@@ -144,7 +144,7 @@ TEST(Soak, MixedLoadKeepsMemoryAndDescriptorsFlatWithoutErrors) {
   EXPECT_EQ(errors, 0) << first_error;
   // Load did happen: an idle machine serves hundreds of requests in 15 s, far fewer when the cpu
   // suite compiles catalogs on its cores beside it; the bound only rules out a stalled run.
-  EXPECT_GT(requests, 30);
+  EXPECT_GT(requests, 10);
   // The ±5% of docs/reliability.md is for the long soak; the 15 s CI run has a 4 s warm-up in which
   // SQLite's page cache and malloc's arenas are still filling, so it only guards against gross
   // leaks (±10%).
