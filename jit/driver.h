@@ -43,6 +43,8 @@ namespace kiln::jit {
   X(memcpy_dtod_async, cuMemcpyDtoDAsync)                  \
   X(memset_d8, cuMemsetD8)                                 \
   X(memset_d8_async, cuMemsetD8Async)                      \
+  X(mem_host_alloc, cuMemHostAlloc)                        \
+  X(mem_free_host, cuMemFreeHost)                          \
   X(pointer_get_attributes, cuPointerGetAttributes)        \
   X(stream_synchronize, cuStreamSynchronize)               \
   X(stream_create, cuStreamCreate)                         \

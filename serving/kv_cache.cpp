@@ -43,6 +43,7 @@ Status KVCacheConfig::validate() const {
   if (std::int64_t(num_blocks) * page_size > (std::int64_t(1) << 40))
     return invalid_argument("kv cache: num_blocks * page_size is too large");
   if (int(dtype) > int(KVDType::fp8_e5m2)) return invalid_argument("kv cache: unknown KV dtype");
+  if (num_host_blocks < 0) return invalid_argument("kv cache: num_host_blocks must not be negative");
   if (num_layers <= 0 || num_kv_heads <= 0 || head_dim <= 0)
     return invalid_argument("kv cache: num_layers, num_kv_heads and head_dim must be positive");
   if (std::int64_t(num_layers) * num_kv_heads * head_dim > (std::int64_t(1) << 32))
@@ -115,6 +116,7 @@ KVCacheManager::KVCacheManager(const KVCacheConfig& config) : config_(config) {
   }
   num_free_ = config.num_blocks;
   if (config.enable_prefix_caching) index_.reserve(n);
+  (void)enable_swap(config.num_host_blocks);
 }
 
 void KVCacheManager::list_remove(std::int32_t b) {
@@ -213,7 +215,14 @@ Admission KVCacheManager::admission(std::int32_t needed) const {
 }
 
 Admission KVCacheManager::can_allocate(RequestId request, std::int64_t num_new_tokens) const {
-  if (const Request* r = find(request)) return admission(blocks_needed_to_grow(*r, num_new_tokens));
+  if (const Request* r = find(request)) {
+    // Swapped out: its blocks come back as new ones, then it grows.
+    if (r->swapped) {
+      Request fresh;
+      return admission(blocks_needed_to_grow(fresh, r->num_tokens + num_new_tokens));
+    }
+    return admission(blocks_needed_to_grow(*r, num_new_tokens));
+  }
   Request empty;
   return admission(blocks_needed_to_grow(empty, num_new_tokens));
 }
@@ -221,6 +230,7 @@ Admission KVCacheManager::can_allocate(RequestId request, std::int64_t num_new_t
 std::int32_t KVCacheManager::blocks_short(RequestId request, std::int64_t num_new_tokens) const {
   Request empty;
   const Request* r = find(request);
+  if (r && r->swapped) return std::max(0, blocks_needed_to_grow(empty, r->num_tokens + num_new_tokens) - num_free_);
   std::int32_t needed = blocks_needed_to_grow(r ? *r : empty, num_new_tokens);
   return std::max(0, needed - num_free_);
 }
@@ -342,6 +352,8 @@ Status KVCacheManager::append_slots(RequestId request, std::span<const std::int3
   if (it == requests_.end())
     return not_found("kv cache: request " + std::to_string(request) + " is not allocated (never added or already freed)");
   Request& r = it->second;
+  if (r.swapped)
+    return invalid_argument("kv cache: request " + std::to_string(request) + " is swapped out; swap_in before appending");
   if (tokens.empty()) return {};
   const std::int32_t needed = blocks_needed_to_grow(r, std::int64_t(tokens.size()));
   if (needed > num_free_)
@@ -368,6 +380,8 @@ Status KVCacheManager::fork(RequestId parent, RequestId child) {
     return not_found("kv cache: fork: parent request " + std::to_string(parent) + " is not allocated");
   if (requests_.count(child))
     return invalid_argument("kv cache: fork: child request " + std::to_string(child) + " is already allocated");
+  if (it->second.swapped)
+    return invalid_argument("kv cache: fork: parent request " + std::to_string(parent) + " is swapped out");
   Request copy = it->second;
   for (std::int32_t b : copy.blocks) add_ref(b);
   requests_.emplace(child, std::move(copy));
@@ -378,10 +392,88 @@ Status KVCacheManager::free(RequestId request) {
   auto it = requests_.find(request);
   if (it == requests_.end())
     return not_found("kv cache: free: request " + std::to_string(request) + " is not allocated (never added or already freed)");
-  // Last blocks first: of one request's cached blocks, its prefix is evicted last.
   const auto& blocks = it->second.blocks;
+  if (it->second.swapped) {
+    for (std::int32_t h : blocks) {
+      host_swapped_[std::size_t(h)] = 0;
+      host_free_.push_back(h);
+    }
+    requests_.erase(it);
+    return {};
+  }
+  // Last blocks first: of one request's cached blocks, its prefix is evicted last.
   for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) drop_ref(*b);
   requests_.erase(it);
+  return {};
+}
+
+Status KVCacheManager::enable_swap(std::int32_t n) {
+  if (n < 0) return invalid_argument("kv cache: enable_swap: the host pool size must not be negative");
+  for (const auto& [id, r] : requests_)
+    if (r.swapped)
+      return invalid_argument("kv cache: enable_swap: request " + std::to_string(id) +
+                              " is swapped out; the host pool can change only with none");
+  host_swapped_.assign(std::size_t(n), 0);
+  host_free_.resize(std::size_t(n));
+  // Block 0 on top of the stack: the lowest ids are handed out first.
+  for (std::int32_t h = 0; h < n; ++h) host_free_[std::size_t(h)] = n - 1 - h;
+  config_.num_host_blocks = n;
+  return {};
+}
+
+bool KVCacheManager::is_swapped(RequestId request) const {
+  const Request* r = find(request);
+  return r && r->swapped;
+}
+
+Status KVCacheManager::swap_out(RequestId request, std::vector<BlockCopy>& copies) {
+  auto it = requests_.find(request);
+  if (it == requests_.end()) return not_found("kv cache: swap_out: request " + std::to_string(request) + " is not allocated");
+  Request& r = it->second;
+  if (host_swapped_.empty()) return invalid_argument("kv cache: swap_out: no host pool (num_host_blocks is 0)");
+  if (r.swapped) return invalid_argument("kv cache: swap_out: request " + std::to_string(request) + " is already swapped out");
+  if (r.blocks.size() > host_free_.size())
+    return unavailable("kv cache: swap_out: request " + std::to_string(request) + " needs " +
+                       std::to_string(r.blocks.size()) + " host blocks, " + std::to_string(host_free_.size()) +
+                       " are free");
+  copies.reserve(copies.size() + r.blocks.size());
+  for (std::int32_t& b : r.blocks) {
+    const std::int32_t h = host_free_.back();
+    host_free_.pop_back();
+    host_swapped_[std::size_t(h)] = 1;
+    copies.push_back({b, h});
+  }
+  // Last blocks first, as free does: of its cached blocks, the prefix is evicted last.
+  for (std::size_t i = r.blocks.size(); i-- > 0;) drop_ref(r.blocks[i]);
+  for (std::size_t i = 0; i < r.blocks.size(); ++i) r.blocks[i] = copies[copies.size() - r.blocks.size() + i].dst;
+  r.swapped = true;
+  return {};
+}
+
+Result<Admission> KVCacheManager::can_swap_in(RequestId request) const {
+  const Request* r = find(request);
+  if (!r) return not_found("kv cache: can_swap_in: request " + std::to_string(request) + " is not allocated");
+  if (!r->swapped) return invalid_argument("kv cache: can_swap_in: request " + std::to_string(request) + " is not swapped out");
+  return admission(std::int32_t(r->blocks.size()));
+}
+
+Status KVCacheManager::swap_in(RequestId request, std::vector<BlockCopy>& copies) {
+  auto it = requests_.find(request);
+  if (it == requests_.end()) return not_found("kv cache: swap_in: request " + std::to_string(request) + " is not allocated");
+  Request& r = it->second;
+  if (!r.swapped) return invalid_argument("kv cache: swap_in: request " + std::to_string(request) + " is not swapped out");
+  if (std::int64_t(r.blocks.size()) > num_free_)
+    return unavailable("kv cache: swap_in: request " + std::to_string(request) + " needs " +
+                       std::to_string(r.blocks.size()) + " free blocks, " + std::to_string(num_free_) + " are free");
+  copies.reserve(copies.size() + r.blocks.size());
+  for (std::int32_t& h : r.blocks) {
+    const std::int32_t b = take_free_block();
+    copies.push_back({h, b});
+    host_swapped_[std::size_t(h)] = 0;
+    host_free_.push_back(h);
+    h = b;
+  }
+  r.swapped = false;
   return {};
 }
 
@@ -448,6 +540,7 @@ Status KVCacheManager::build_batch(std::span<const RequestId> requests, PagedBat
   for (RequestId id : requests) {
     const Request* r = find(id);
     if (!r) return not_found("kv cache: build_batch: request " + std::to_string(id) + " is not allocated");
+    if (r->swapped) return invalid_argument("kv cache: build_batch: request " + std::to_string(id) + " is swapped out");
     out.indices.insert(out.indices.end(), r->blocks.begin(), r->blocks.end());
     out.indptr.push_back(std::int32_t(out.indices.size()));
     const std::int64_t page = config_.page_size;
@@ -490,15 +583,22 @@ void KVCacheManager::reset_prefix_cache() {
 
 Status KVCacheManager::check_invariants() const {
   auto fail = [](std::string m) { return internal_error("kv cache invariant: " + std::move(m)); };
-  std::vector<std::int32_t> refs(blocks_.size(), 0);
+  std::vector<std::int32_t> refs(blocks_.size(), 0), host_refs(host_swapped_.size(), 0);
   for (const auto& [id, r] : requests_) {
     const std::int64_t page = config_.page_size;
     if (std::int64_t(r.blocks.size()) != (r.num_tokens + page - 1) / page)
       return fail("request " + std::to_string(id) + " has " + std::to_string(r.blocks.size()) + " blocks for " +
                   std::to_string(r.num_tokens) + " tokens");
-    for (std::int32_t b : r.blocks) {
-      if (b < 0 || b >= config_.num_blocks) return fail("request " + std::to_string(id) + " holds block " + std::to_string(b) + " outside the pool");
-      ++refs[std::size_t(b)];
+    if (r.swapped) {
+      for (std::int32_t h : r.blocks) {
+        if (h < 0 || h >= num_host_blocks()) return fail("swapped request " + std::to_string(id) + " holds host block " + std::to_string(h) + " outside the host pool");
+        if (++host_refs[std::size_t(h)] > 1 || !host_swapped_[std::size_t(h)]) return fail("host block " + std::to_string(h) + " is held twice or not marked");
+      }
+    } else {
+      for (std::int32_t b : r.blocks) {
+        if (b < 0 || b >= config_.num_blocks) return fail("request " + std::to_string(id) + " holds block " + std::to_string(b) + " outside the pool");
+        ++refs[std::size_t(b)];
+      }
     }
     if (config_.enable_prefix_caching && std::int64_t(r.partial.size()) != r.num_tokens % page)
       return fail("request " + std::to_string(id) + " keeps " + std::to_string(r.partial.size()) + " partial tokens");
@@ -539,6 +639,19 @@ Status KVCacheManager::check_invariants() const {
     prev = b;
   }
   if (prev != tail_) return fail("the free list's tail");
+  // The host pool: every block either on the free stack once or held by one swapped request.
+  std::int64_t held = 0;
+  for (std::size_t h = 0; h < host_swapped_.size(); ++h) {
+    if (host_swapped_[h] && !host_refs[h]) return fail("host block " + std::to_string(h) + " is marked but no request holds it");
+    held += host_refs[h];
+  }
+  std::vector<char> on_stack(host_swapped_.size(), 0);
+  for (std::int32_t h : host_free_) {
+    if (h < 0 || std::size_t(h) >= host_swapped_.size() || on_stack[std::size_t(h)]++ || host_swapped_[std::size_t(h)])
+      return fail("the host free stack holds block " + std::to_string(h) + " twice, out of range or in use");
+  }
+  if (held + std::int64_t(host_free_.size()) != std::int64_t(host_swapped_.size()))
+    return fail("host pool: " + std::to_string(held) + " held and " + std::to_string(host_free_.size()) + " free of " + std::to_string(host_swapped_.size()));
   if (listed != num_free_) return fail("the free list holds " + std::to_string(listed) + " blocks, " + std::to_string(num_free_) + " are free");
   return {};
 }

@@ -162,6 +162,83 @@ def case_layer_norm(t, h):
     return f"layer_norm {t}x{h}", [x, w, bias], [torch.randn(t, h, device=DEV, dtype=DT)], c
 
 
+def _cudnn_first(f):
+    """f with SDPA preferring cuDNN's kernels (then flash, memory-efficient, math): the attention a
+    PyTorch training stack on Hopper gets at its best."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+    def g(*args):
+        with sdpa_kernel(order, set_priority=True):
+            return f(*args)
+    return g
+
+
+def case_llama_layer(b, s, hidden, heads, kv_heads, inter):
+    """A Llama decoder layer, forward + backward: RMSNorm, QKV projection, RoPE, causal GQA
+    attention, output projection, residual add + RMSNorm, SwiGLU MLP, residual. kiln: its norms,
+    RoPE, attention and gated MLP, with cuBLAS (torch.matmul) for the other projections; the peers:
+    eager PyTorch with SDPA on cuDNN, torch.compile of it, and Liger's norm, RoPE and SwiGLU with
+    the same SDPA."""
+    d, t, eps = hidden // heads, b * s, 1e-5
+    sc = hidden ** -0.5
+    x = rnd(t, hidden)
+    params = [rnd(hidden), rnd((heads + 2 * kv_heads) * d, hidden) * sc, rnd(hidden, heads * d) * sc, rnd(hidden),
+              rnd(inter, hidden) * sc, rnd(inter, hidden) * sc, rnd(hidden, inter) * inter ** -0.5]
+    params = [p.detach().requires_grad_() for p in params]
+    rope = kt.RotaryEmbedding(d, max_positions=s)
+    cos_h, sin_h = rope.cos_sin(DEV)
+    pos = torch.arange(s, device=DEV).repeat(b)
+    cos, sin = torch.cat([cos_h, cos_h], -1)[pos].to(DT), torch.cat([sin_h, sin_h], -1)[pos].to(DT)
+    split = [heads * d, kv_heads * d, kv_heads * d]
+
+    def torch_layer(x, n1, wqkv, wo, n2, wg, wu, wd, norm=None, add_norm=None, rot=None, swiglu=None):
+        h = norm(x, n1) if norm else F.rms_norm(x, (hidden,), n1, eps)
+        q, k, v = (h @ wqkv.t()).split(split, -1)
+        q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
+        if rot:
+            q, k = rot(q, k)
+        else:
+            c, sn = cos[:, None, :], sin[:, None, :]
+            q, k = q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn
+        heads_first = lambda y, n: y.view(b, s, n, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(heads_first(q, heads), heads_first(k, kv_heads), heads_first(v, kv_heads),
+                                           is_causal=True, enable_gqa=True)
+        a = o.transpose(1, 2).reshape(t, heads * d) @ wo.t()
+        if add_norm:
+            h2, r = add_norm(a, x, n2)
+        else:
+            r = a + x
+            h2 = F.rms_norm(r, (hidden,), n2, eps)
+        m = swiglu(h2 @ wg.t(), h2 @ wu.t()) if swiglu else F.silu(h2 @ wg.t()) * (h2 @ wu.t())
+        return r + m @ wd.t()
+
+    def kiln_layer(x, n1, wqkv, wo, n2, wg, wu, wd):
+        h = kt.rms_norm(x, [hidden], n1, eps)
+        q, k, v = (h @ wqkv.t()).split(split, -1)
+        q, k = rope(q.reshape(t, heads, d), k.reshape(t, kv_heads, d), pos)
+        o = kt.flash_attn_func(q.view(b, s, heads, d), k.view(b, s, kv_heads, d), v.reshape(b, s, kv_heads, d),
+                               causal=True)
+        a = o.reshape(t, heads * d) @ wo.t()
+        h2, r = kt.add_rms_norm(a, x, n2, eps)
+        return r + kt.fused_gated_mlp(h2, wg, wu, "silu") @ wd.t()
+
+    c = {"kiln": kiln_layer, "eager": _cudnn_first(torch_layer), "compile": _cudnn_first(torch.compile(torch_layer))}
+    if all(n in LIGER for n in ("rms_norm", "add_rms_norm", "rope", "silu_mul")):
+        def liger_layer(x, n1, wqkv, wo, n2, wg, wu, wd):
+            def rot(q, k):
+                qo, ko = LIGER["rope"].apply(q.view(b, s, heads, d).transpose(1, 2), k.view(b, s, kv_heads, d).transpose(1, 2),
+                                             cos.view(b, s, d)[:1], sin.view(b, s, d)[:1])
+                return qo.transpose(1, 2).reshape(t, heads, d), ko.transpose(1, 2).reshape(t, kv_heads, d)
+            return torch_layer(x, n1, wqkv, wo, n2, wg, wu, wd,
+                               norm=lambda y, w: LIGER["rms_norm"].apply(y, w, eps, 0.0, "llama", True),
+                               add_norm=lambda y, r, w: LIGER["add_rms_norm"].apply(y, r, w, eps, 0.0, "llama", False),
+                               rot=rot, swiglu=lambda g, u: LIGER["silu_mul"].apply(torch.cat([g, u], -1)))
+        c["liger"] = _cudnn_first(liger_layer)
+    return (f"llama_layer {b}x{s} h{hidden} {heads}/{kv_heads}x{d} i{inter}", [x] + params,
+            [torch.randn(t, hidden, device=DEV, dtype=DT)], c)
+
+
 def cases(quick):
     out = [case_rms_norm(8192, 5120), case_rms_norm(4096, 2880)]
     if quick:
@@ -172,7 +249,8 @@ def cases(quick):
             case_rope(8192, 32, 8, 128), case_rope(4096, 64, 8, 64),
             case_rms_norm_rope(4, 2047, 28, 128),
             case_layer_norm(8192, 4096),
-            case_gated_mlp(8192, 4096, 14336)]
+            case_gated_mlp(8192, 4096, 14336),
+            case_llama_layer(1, 8192, 4096, 32, 8, 14336)]
     return out
 
 
@@ -214,6 +292,16 @@ def kernel_us(step, steps):
     return total / steps
 
 
+def peak_mib(step):
+    """Memory one step allocates at its peak beyond what was allocated before it, MiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def check(name, contenders, inputs, grads):
     """kiln's outputs and gradients against eager's in fp32 on the same inputs (relative L2)."""
     ref_in = [t.detach().float().requires_grad_() for t in inputs]
@@ -252,6 +340,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--only", help="run only the cases whose name contains this")
     ap.add_argument("--markdown", metavar="FILE", help="print the table of a run's JSON and exit (no GPU)")
     args = ap.parse_args()
     if args.markdown:
@@ -261,7 +350,9 @@ def main():
     steps, trials = (30, 5) if args.quick else (50, 7)
     rows, failed = [], False
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    for name, inputs, grads, contenders in cases(args.quick):
+    for name, inputs, grads, contenders in cases(args.quick and not args.only):
+        if args.only and args.only not in name:
+            continue
         err, ok = check(name, contenders, inputs, grads)
         failed |= not ok
         row = {"case": name, "rel_err": err, "wall_us": {}, "kernel_us": {}}
@@ -272,11 +363,13 @@ def main():
                     step()
                 row["wall_us"][who] = wall_us(step, steps, trials)
                 row["kernel_us"][who] = kernel_us(step, 10)
+                row.setdefault("peak_mib", {})[who] = peak_mib(step)
             except Exception as e:  # a peer that cannot run this case
                 row.setdefault("errors", {})[who] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         k = row["wall_us"]["kiln"]
-        parts = [f"{who} {w:8.1f} ({row['kernel_us'][who]:7.1f} gpu, {w / row['kernel_us'][who]:.2f}x)"
+        parts = [f"{who} {w:8.1f} ({row['kernel_us'][who]:7.1f} gpu, {w / row['kernel_us'][who]:.2f}x, "
+                 f"{row['peak_mib'][who]:.0f} MiB)"
                  for who, w in row["wall_us"].items()]
         print(f"{name:40s} " + "  ".join(parts), flush=True)
         speed = {who: w / k for who, w in row["wall_us"].items() if who != "kiln"}

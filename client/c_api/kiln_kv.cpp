@@ -238,6 +238,66 @@ kiln_code kiln_kv_check(kiln_kv_manager* m) {
   });
 }
 
+kiln_code kiln_kv_enable_swap(kiln_kv_manager* m, int32_t num_host_blocks) {
+  return guarded([&]() -> kiln::Status {
+    KILN_TRY(need(m, "manager"));
+    return m->m->enable_swap(num_host_blocks);
+  });
+}
+
+namespace {
+
+kiln::Status swap_pairs(kiln_kv_manager* m, int64_t request, int32_t* pairs, int64_t capacity, int64_t* num_pairs,
+                        bool out) {
+  KILN_TRY(need(m, "manager"));
+  KILN_TRY(need(num_pairs, "num_pairs"));
+  KILN_ASSIGN_OR_RETURN(std::span<const int32_t> table, m->m->block_table(request));
+  if (capacity < int64_t(table.size()))
+    return kiln::invalid_argument("kv cache: " + std::string(out ? "swap_out" : "swap_in") + ": room for " +
+                                  std::to_string(capacity) + " pairs, the request has " +
+                                  std::to_string(table.size()) + " blocks");
+  if (!table.empty()) KILN_TRY(need(pairs, "pairs"));
+  std::vector<kiln::BlockCopy> copies;
+  KILN_TRY(out ? m->m->swap_out(request, copies) : m->m->swap_in(request, copies));
+  for (std::size_t i = 0; i < copies.size(); ++i) {
+    pairs[2 * i] = copies[i].src;
+    pairs[2 * i + 1] = copies[i].dst;
+  }
+  *num_pairs = int64_t(copies.size());
+  return {};
+}
+
+}  // namespace
+
+kiln_code kiln_kv_swap_out(kiln_kv_manager* m, int64_t request, int32_t* pairs, int64_t capacity, int64_t* num_pairs) {
+  return guarded([&]() { return swap_pairs(m, request, pairs, capacity, num_pairs, true); });
+}
+
+kiln_code kiln_kv_swap_in(kiln_kv_manager* m, int64_t request, int32_t* pairs, int64_t capacity, int64_t* num_pairs) {
+  return guarded([&]() { return swap_pairs(m, request, pairs, capacity, num_pairs, false); });
+}
+
+kiln_code kiln_kv_can_swap_in(kiln_kv_manager* m, int64_t request, int32_t* out) {
+  return guarded([&]() -> kiln::Status {
+    KILN_TRY(need(m, "manager"));
+    KILN_TRY(need(out, "out"));
+    KILN_ASSIGN_OR_RETURN(kiln::Admission a, m->m->can_swap_in(request));
+    *out = int32_t(a);
+    return {};
+  });
+}
+
+kiln_code kiln_kv_swap_state(kiln_kv_manager* m, int64_t request, int32_t* swapped, int32_t* host_blocks,
+                             int32_t* free_host_blocks) {
+  return guarded([&]() -> kiln::Status {
+    KILN_TRY(need(m, "manager"));
+    if (swapped) *swapped = m->m->is_swapped(request) ? 1 : 0;
+    if (host_blocks) *host_blocks = m->m->num_host_blocks();
+    if (free_host_blocks) *free_host_blocks = m->m->num_free_host_blocks();
+    return {};
+  });
+}
+
 kiln_code kiln_kv_validate_block_table(const int32_t* table, int64_t table_len, int64_t context_len, int32_t num_blocks,
                                        int32_t page_size) {
   return guarded([&]() -> kiln::Status {

@@ -149,7 +149,51 @@ Status reshape_and_cache(const TensorView& key, const TensorView& value, const T
   return launch(f, "reshape_and_cache", p, buffers, stream, runtime);
 }
 
-// ---- copy_blocks ----
+// ---- copy_blocks and swap_blocks ----
+
+namespace {
+
+// The pairs' host-side checks: every id inside its pool, no destination twice, and (one pool) no
+// block both a source and a destination, since the copies run in parallel.
+Status check_pairs(const char* op, const TensorView& pairs, std::int64_t src_blocks, std::int64_t dst_blocks,
+                   bool one_pool) {
+  const std::int64_t n = pairs.shape[0];
+  std::vector<char> dst(std::size_t(dst_blocks), 0), src(one_pool ? std::size_t(src_blocks) : 0, 0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t s = index_at(pairs, 2 * i), d = index_at(pairs, 2 * i + 1);
+    if (s < 0 || s >= src_blocks || d < 0 || d >= dst_blocks)
+      return invalid_argument(std::string(op) + ": pair " + std::to_string(i) + " (" + std::to_string(s) + ", " +
+                              std::to_string(d) + ") names a block outside its pool (" + std::to_string(src_blocks) +
+                              " source, " + std::to_string(dst_blocks) + " destination blocks)");
+    if (dst[std::size_t(d)]++)
+      return invalid_argument(std::string(op) + ": block " + std::to_string(d) + " is a destination twice");
+    if (one_pool) src[std::size_t(s)] = 1;
+  }
+  if (one_pool)
+    for (std::int64_t i = 0; i < n; ++i)
+      if (src[std::size_t(index_at(pairs, 2 * i + 1))])
+        return invalid_argument(std::string(op) + ": block " + std::to_string(index_at(pairs, 2 * i + 1)) +
+                                " is both a source and a destination (the copies run in parallel)");
+  return {};
+}
+
+// The address a kernel reaches `t` at: its own for GPU memory; for host memory, the device mapping
+// of its page-locked pages (invalid_argument for pageable memory, which the GPU cannot reach).
+Result<void*> kernel_address(const char* op, const TensorView& t, const char* name) {
+  if (t.device.kind == DeviceKind::cuda) return t.data;
+  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
+  KILN_TRY(jit::current_context(0).status());
+  CUdeviceptr mapped = 0;
+  CUpointer_attribute attr = CU_POINTER_ATTRIBUTE_DEVICE_POINTER;
+  void* values[1] = {&mapped};
+  // For memory the driver does not know, cuPointerGetAttributes succeeds and leaves it null.
+  if (d->pointer_get_attributes(1, &attr, values, reinterpret_cast<CUdeviceptr>(t.data)) != CUDA_SUCCESS || !mapped)
+    return invalid_argument(std::string(op) + ": " + name + " is host memory the GPU cannot reach; allocate it " +
+                            "page-locked (torch's pin_memory(), cuMemHostAlloc)");
+  return reinterpret_cast<void*>(mapped);
+}
+
+}  // namespace
 
 Status copy_blocks(const TensorView& key_cache, const TensorView& value_cache, const TensorView& pairs, Stream stream,
                    Runtime* runtime) {
@@ -167,32 +211,79 @@ Status copy_blocks(const TensorView& key_cache, const TensorView& value_cache, c
   families::CopyBlocksProblem a{.pairs = pairs.shape[0],
                                 .block_bytes = block_bytes,
                                 .num_blocks = num_blocks,
-                                .pairs_i64 = pairs.dtype == DType::i64 ? 1 : 0};
-  void* buffers[3] = {key_cache.data, value_cache.data, pairs.data};
+                                .pairs_i64 = pairs.dtype == DType::i64 ? 1 : 0,
+                                .src_blocks = num_blocks};
+  void* buffers[5] = {key_cache.data, value_cache.data, key_cache.data, value_cache.data, pairs.data};
   const Problem p = Problem::of(DType::f16, client::common_alignment({address(key_cache), address(value_cache)}, {}), a);
   static const Family* f = family("copy_blocks");
   if (!f) return internal_error("the copy_blocks family is not registered");
   if (key_cache.device.kind == DeviceKind::cpu) {
-    std::vector<char> dst(std::size_t(num_blocks), 0), src(std::size_t(num_blocks), 0);
-    for (std::int64_t i = 0; i < a.pairs; ++i) {
-      const std::int64_t s = index_at(pairs, 2 * i), d = index_at(pairs, 2 * i + 1);
-      if (s < 0 || s >= num_blocks || d < 0 || d >= num_blocks)
-        return invalid_argument("copy_blocks: pair " + std::to_string(i) + " (" + std::to_string(s) + ", " +
-                                std::to_string(d) + ") names a block outside the " + std::to_string(num_blocks) +
-                                "-block cache");
-      if (dst[std::size_t(d)]++) return invalid_argument("copy_blocks: block " + std::to_string(d) + " is a destination twice");
-      src[std::size_t(s)] = 1;
-    }
-    for (std::int64_t i = 0; i < a.pairs; ++i)
-      if (src[std::size_t(index_at(pairs, 2 * i + 1))])
-        return invalid_argument("copy_blocks: block " + std::to_string(index_at(pairs, 2 * i + 1)) +
-                                " is both a source and a destination (the copies run in parallel)");
+    KILN_TRY(check_pairs(op, pairs, num_blocks, num_blocks, true));
     return f->cpu_reference(Params{{"vec_bytes", std::int64_t(16)}}, p, buffers);
   }
   if (a.pairs == 0) {
     return f->check_problem(f->heuristic(p), p);
   }
   return launch(f, "copy_blocks", p, buffers, stream, runtime);
+}
+
+Status swap_blocks(const TensorView& src_key, const TensorView& src_value, const TensorView& dst_key,
+                   const TensorView& dst_value, const TensorView& pairs, Stream stream, Runtime* runtime) {
+  const char* op = "swap_blocks";
+  const TensorView* all[5] = {&src_key, &src_value, &dst_key, &dst_value, &pairs};
+  const char* names[5] = {"src_key", "src_value", "dst_key", "dst_value", "pairs"};
+  for (int i = 0; i < 5; ++i) {
+    KILN_TRY(client::check_view(*all[i], names[i]));
+    if (!all[i]->is_contiguous()) return shape_mismatch(std::string(op) + ": " + names[i] + " must be contiguous");
+  }
+  KILN_TRY(check_cache_pair(op, src_key, src_value));
+  KILN_TRY(check_cache_pair(op, dst_key, dst_value));
+  for (int i = 1; i < 4; ++i)
+    if (src_key.shape[i] != dst_key.shape[i] || src_key.dtype != dst_key.dtype)
+      return shape_mismatch(std::string(op) + ": the pools' blocks differ: source " + dims(src_key) + " " +
+                            dtype_name(src_key.dtype) + ", destination " + dims(dst_key) + " " +
+                            dtype_name(dst_key.dtype) + " (the first dimension may differ)");
+  if (src_key.device.kind != src_value.device.kind || dst_key.device.kind != dst_value.device.kind)
+    return device_error("swap_blocks: a pool's K and V must live on the same side (both GPU or both host)");
+  if (!is_index(pairs.dtype)) return unsupported_dtype("swap_blocks: pairs must be int32 or int64");
+  if (pairs.rank != 2 || pairs.shape[1] != 2)
+    return shape_mismatch("swap_blocks: pairs must be [n, 2] (src, dst), got " + dims(pairs));
+  // GPU tensors: real device memory, all on one GPU.
+  int gpu = -1;
+  for (int i = 0; i < 5; ++i) {
+    if (all[i]->device.kind != DeviceKind::cuda) continue;
+    KILN_TRY(client::check_device(*all[i], names[i], DeviceKind::cuda));
+    if (gpu >= 0 && all[i]->device.index != gpu)
+      return device_error(std::string(op) + ": " + names[i] + " is on another GPU than the other GPU tensors");
+    gpu = all[i]->device.index;
+  }
+  const bool one_pool = src_key.data == dst_key.data;
+  if (one_pool && (src_value.data != dst_value.data || src_key.shape[0] != dst_key.shape[0]))
+    return invalid_argument("swap_blocks: src_key is dst_key but the values' pools differ");
+  const std::int64_t block_bytes =
+      src_key.shape[1] * src_key.shape[2] * src_key.shape[3] * std::int64_t(dtype_size(src_key.dtype));
+  families::CopyBlocksProblem a{.pairs = pairs.shape[0],
+                                .block_bytes = block_bytes,
+                                .num_blocks = dst_key.shape[0],
+                                .pairs_i64 = pairs.dtype == DType::i64 ? 1 : 0,
+                                .src_blocks = src_key.shape[0]};
+  if (pairs.device.kind == DeviceKind::cpu) KILN_TRY(check_pairs(op, pairs, a.src_blocks, a.num_blocks, one_pool));
+  static const Family* f = family("copy_blocks");
+  if (!f) return internal_error("the copy_blocks family is not registered");
+  const Problem p = Problem::of(
+      DType::f16,
+      client::common_alignment({address(src_key), address(src_value), address(dst_key), address(dst_value)}, {}), a);
+  if (gpu < 0) {
+    void* buffers[5] = {src_key.data, src_value.data, dst_key.data, dst_value.data, pairs.data};
+    KILN_TRY(f->check_problem(f->heuristic(p), p));
+    return f->cpu_reference(f->heuristic(p), p, buffers);
+  }
+  void* buffers[5];
+  for (int i = 0; i < 5; ++i) {
+    KILN_ASSIGN_OR_RETURN(buffers[i], kernel_address(op, *all[i], names[i]));
+  }
+  if (a.pairs == 0) return f->check_problem(f->heuristic(p), p);
+  return launch(f, op, p, buffers, stream, runtime);
 }
 
 // ---- merge_state ----
@@ -729,6 +820,29 @@ void kiln_register_ops_paged_attention(kiln::Registry& r) {
     op.run = [](const OpCall& c) { return copy_blocks(c.tensor(1), c.tensor(2), c.tensor(0), c.stream, c.runtime); };
     op.infer = [](const OpCall&, std::span<OutputShape>) {
       return invalid_argument("copy_blocks writes into the caches it is given: pass key_cache and value_cache");
+    };
+    (void)r.add_op(std::move(op));
+  }
+  {
+    OpDecl op;
+    op.name = "swap_blocks";
+    op.doc = "For each (src, dst) row of pairs, block dst of the destination pool (dst_key, dst_value) becomes a copy "
+             "of block src of the source pool: GPU to pinned host memory (swap out), back (swap in), or between two "
+             "GPU pools; stream-ordered, one launch. Host pools must be page-locked.";
+    op.tensors = {{.name = "pairs", .dtypes = index, .min_rank = 2, .max_rank = 2, .shape = "[n, 2]"},
+                  {.name = "src_key", .dtypes = cache, .min_rank = 4, .max_rank = 4,
+                   .shape = "[src_blocks, page_size, kv_heads, head_dim]"},
+                  {.name = "src_value", .dtypes = cache, .min_rank = 4, .max_rank = 4,
+                   .shape = "[src_blocks, page_size, kv_heads, head_dim]"},
+                  {.name = "dst_key", .role = TensorRole::output, .dtypes = cache, .min_rank = 4, .max_rank = 4,
+                   .shape = "[num_blocks, page_size, kv_heads, head_dim]"},
+                  {.name = "dst_value", .role = TensorRole::output, .dtypes = cache, .min_rank = 4, .max_rank = 4,
+                   .shape = "[num_blocks, page_size, kv_heads, head_dim]"}};
+    op.run = [](const OpCall& c) {
+      return swap_blocks(c.tensor(1), c.tensor(2), c.tensor(3), c.tensor(4), c.tensor(0), c.stream, c.runtime);
+    };
+    op.infer = [](const OpCall&, std::span<OutputShape>) {
+      return invalid_argument("swap_blocks writes into the pool it is given: pass dst_key and dst_value");
     };
     (void)r.add_op(std::move(op));
   }

@@ -1,5 +1,5 @@
 // The paged KV cache's typed ops (C++). From C and Python they are the declared ops
-// "reshape_and_cache", "copy_blocks", "merge_state", "merge_state_in_place" and "paged_decode"
+// "reshape_and_cache", "copy_blocks", "swap_blocks", "merge_state", "merge_state_in_place" and "paged_decode"
 // (kiln_op_call, kiln.<name>, torch.ops.kiln.<name>; kiln.torch adds BatchDecodeWithPagedKVCache
 // and the cascade wrapper). README.md in this folder and docs/serving.md describe them.
 //
@@ -40,6 +40,19 @@ Status reshape_and_cache(const TensorView& key, const TensorView& value, const T
 // multiple of 16 bytes.
 Status copy_blocks(const TensorView& key_cache, const TensorView& value_cache, const TensorView& pairs,
                    Stream stream = nullptr, Runtime* runtime = nullptr);
+
+// Swapping: for each row (src, dst) of pairs, block dst of the destination pool (dst_key,
+// dst_value) becomes a copy of block src of the source pool, in one launch on `stream`: a GPU pool
+// to page-locked host memory (KVCacheManager::swap_out's pairs), host back to the GPU (swap_in's),
+// or one GPU pool to another. The pools' blocks have one shape and dtype ([blocks, page_size,
+// kv_heads, head_dim], their first dimensions may differ); each pool's K and V sit on one side.
+// Host memory must be page-locked (the kernel reaches it over the bus), else invalid_argument; the
+// copy is asynchronous: host memory is read or written when the stream gets there. Pairs on the
+// host are checked (ids inside their pools, no destination twice; invalid_argument); pairs in
+// device memory are the caller's to get right. Both pools on the host: a plain copy now.
+Status swap_blocks(const TensorView& src_key, const TensorView& src_value, const TensorView& dst_key,
+                   const TensorView& dst_value, const TensorView& pairs, Stream stream = nullptr,
+                   Runtime* runtime = nullptr);
 
 // Merges two attention states over disjoint key sets: v [tokens, heads, head_dim] (f16, bf16; f32
 // on the host), s [tokens, heads] f32 (natural-log lse, -inf for none). s_out = log(exp(s_a) +

@@ -199,7 +199,7 @@ class ReshapeAndCache final : public Family {
 class CopyBlocks final : public Family {
  public:
   std::string_view name() const override { return "copy_blocks"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {{"vec_bytes", {16}, {}, "bytes each thread copies per step"}};
     return defs;
@@ -209,8 +209,9 @@ class CopyBlocks final : public Family {
     static const std::vector<ProblemField> fields = problem_fields_of<P>({
         bucketed(&P::pairs, "pairs", "(src, dst) block pairs"),
         key(&P::block_bytes, "block_bytes", "bytes of one block of one cache"),
-        value(&P::num_blocks, "num_blocks", "blocks of each cache"),
-        value(&P::pairs_i64, "pairs_i64", "1: pairs is int64")});
+        value(&P::num_blocks, "num_blocks", "blocks of each destination cache"),
+        value(&P::pairs_i64, "pairs_i64", "1: pairs is int64"),
+        value(&P::src_blocks, "src_blocks", "blocks of each source cache")});
     return fields;
   }
   Result<Rendered> render(const Params& params) const override {
@@ -223,7 +224,7 @@ class CopyBlocks final : public Family {
   std::vector<Params> catalog() const override { return {Params{{"vec_bytes", std::int64_t(16)}}}; }
   Status check_problem(const Params&, const Problem& p) const override {
     const auto a = p.as<CopyBlocksProblem>();
-    if (a.pairs < 0 || a.num_blocks < 0 || a.block_bytes <= 0 || a.block_bytes % 16)
+    if (a.pairs < 0 || a.num_blocks < 0 || a.src_blocks < 0 || a.block_bytes <= 0 || a.block_bytes % 16)
       return shape_mismatch("copy_blocks: a block must be a positive multiple of 16 bytes");
     if (p.alignment < 16) return invalid_argument("copy_blocks: the caches must be 16-byte aligned");
     if (a.pairs > 0x7fffffff) return invalid_argument("copy_blocks: at most 2^31 - 1 pairs");
@@ -243,34 +244,37 @@ class CopyBlocks final : public Family {
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     if (dtype != DType::f16) return {};  // the caches are bytes; the problem's dtype is unused
     // One pair: random pairs could chain or repeat a destination.
-    return {Problem::of(DType::f16, 16, CopyBlocksProblem{.pairs = 1, .block_bytes = 16 * 8 * 128 * 2, .num_blocks = 64, .pairs_i64 = 1}),
-            Problem::of(DType::f16, 16, CopyBlocksProblem{.pairs = 1, .block_bytes = 1 * 2 * 64 * 2, .num_blocks = 512, .pairs_i64 = 0})};
+    return {Problem::of(DType::f16, 16, CopyBlocksProblem{.pairs = 1, .block_bytes = 16 * 8 * 128 * 2, .num_blocks = 64, .pairs_i64 = 1, .src_blocks = 64}),
+            Problem::of(DType::f16, 16, CopyBlocksProblem{.pairs = 1, .block_bytes = 1 * 2 * 64 * 2, .num_blocks = 512, .pairs_i64 = 0, .src_blocks = 96})};
   }
   std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
     const auto a = p.as<CopyBlocksProblem>();
-    return {{"key_cache", BufferRole::output, DType::u8, a.num_blocks * a.block_bytes},
-            {"value_cache", BufferRole::output, DType::u8, a.num_blocks * a.block_bytes},
+    return {{"src_key", BufferRole::input, DType::u8, a.src_blocks * a.block_bytes},
+            {"src_value", BufferRole::input, DType::u8, a.src_blocks * a.block_bytes},
+            {"dst_key", BufferRole::output, DType::u8, a.num_blocks * a.block_bytes},
+            {"dst_value", BufferRole::output, DType::u8, a.num_blocks * a.block_bytes},
             {"pairs", BufferRole::input, a.pairs_i64 ? DType::i64 : DType::i32, 2 * a.pairs,
-             std::max<std::int64_t>(a.num_blocks, 1)}};
+             std::max<std::int64_t>(std::min(a.num_blocks, a.src_blocks), 1)}};
   }
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto a = p.as<CopyBlocksProblem>();
-    for (std::size_t i = 0; i < 3; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
+    for (std::size_t i = 0; i < 5; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
     out.add(int(a.pairs));
     out.add(static_cast<long long>(a.block_bytes));
     out.add(int(a.pairs_i64));
   }
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
-    if (b.size() != 3 || !b[0] || !b[1] || !b[2])
-      return invalid_argument("copy_blocks: the reference takes key_cache, value_cache, pairs");
+    if (b.size() != 5 || !b[0] || !b[1] || !b[2] || !b[3] || !b[4])
+      return invalid_argument("copy_blocks: the reference takes src_key, src_value, dst_key, dst_value, pairs");
     const auto a = p.as<CopyBlocksProblem>();
     for (std::int64_t i = 0; i < a.pairs; ++i) {
-      const std::int64_t src = read_index(b[2], a.pairs_i64 != 0, 2 * i), dst = read_index(b[2], a.pairs_i64 != 0, 2 * i + 1);
-      if (src < 0 || src >= a.num_blocks || dst < 0 || dst >= a.num_blocks)
-        return invalid_argument("copy_blocks: pair " + std::to_string(i) + " names a block outside the cache");
+      const std::int64_t src = read_index(b[4], a.pairs_i64 != 0, 2 * i), dst = read_index(b[4], a.pairs_i64 != 0, 2 * i + 1);
+      if (src < 0 || src >= a.src_blocks || dst < 0 || dst >= a.num_blocks)
+        return invalid_argument("copy_blocks: pair " + std::to_string(i) + " names a block outside its pool");
       for (int c = 0; c < 2; ++c) {
-        auto* cache = static_cast<unsigned char*>(b[std::size_t(c)]);
-        std::memmove(cache + dst * a.block_bytes, cache + src * a.block_bytes, std::size_t(a.block_bytes));
+        const auto* from = static_cast<const unsigned char*>(b[std::size_t(c)]);
+        auto* to = static_cast<unsigned char*>(b[std::size_t(c) + 2]);
+        std::memmove(to + dst * a.block_bytes, from + src * a.block_bytes, std::size_t(a.block_bytes));
       }
     }
     return {};

@@ -7,8 +7,10 @@
 // heuristic's cache is the problem's fp8 field.
 //
 // copy_blocks (paged_cache.cuh). Params: vec_bytes {16}. Problem: CopyBlocksProblem. Buffers:
-// key_cache, value_cache (u8 bytes, read and written), pairs (i32 or i64 [pairs, 2]). Grid:
-// (pair, key or value, chunk of 256 x 16 bytes).
+// src_key, src_value (u8 bytes of the source pool, src_blocks blocks), dst_key, dst_value (the
+// destination pool, num_blocks blocks; the same memory as the source for copy-on-write, another
+// pool, pinned host memory included, for swapping), pairs (i32 or i64 [pairs, 2]). Grid: (pair,
+// key or value, chunk of 256 x 16 bytes).
 //
 // merge_state (paged_cache.cuh). Params: dtype {f16, bf16}. Problem: MergeStateProblem. Buffers:
 // v_a, s_a, v_b, s_b, v_out, s_out (v_out and s_out may be v_a and s_a). Grid: 4 rows a block.
@@ -45,8 +47,9 @@ struct ReshapeAndCacheProblem {
 struct CopyBlocksProblem {
   std::int64_t pairs = 0;        // (src, dst) pairs
   std::int64_t block_bytes = 0;  // bytes of one block of one cache (K or V)
-  std::int64_t num_blocks = 0;
+  std::int64_t num_blocks = 0;   // blocks of the destination pool
   std::int64_t pairs_i64 = 0;    // 1: pairs is int64, 0: int32
+  std::int64_t src_blocks = 0;   // blocks of the source pool (num_blocks when it is the same pool)
 };
 
 struct MergeStateProblem {

@@ -11,8 +11,10 @@
 // and the host's common/fp8.h, so the three agree bit for bit. One warp per token, 8 elements a
 // lane per step (16-byte loads; 16- or 8-byte stores).
 //
-// copy_blocks: pairs[i] = (src, dst) block ids (int32 or int64); block dst of both caches becomes
-// a copy of block src, 16 bytes a thread. Blocks (blockIdx.x: pair, blockIdx.y: key or value,
+// copy_blocks: pairs[i] = (src, dst) block ids (int32 or int64); block dst of the destination
+// pool's K and V becomes a copy of block src of the source pool's, 16 bytes a thread. The pools
+// are one for copy-on-write and two for swapping, where one side is pinned host memory the
+// kernel reads or writes over the bus (its device-mapped address). Blocks (blockIdx.x: pair, blockIdx.y: key or value,
 // blockIdx.z: the chunk of the block) are independent: the caller's pairs must not chain (a dst
 // that is another pair's src) or repeat a dst, as KVCacheManager's copy lists never do.
 //
@@ -68,14 +70,16 @@ __global__ void __launch_bounds__(128)
 }
 
 __global__ void __launch_bounds__(256)
-    copy_blocks(unsigned char* __restrict__ key_cache, unsigned char* __restrict__ value_cache,
-                const void* __restrict__ pairs, int num_pairs, long long block_bytes, int pairs_i64) {
+    copy_blocks(const unsigned char* src_key, const unsigned char* src_value, unsigned char* dst_key,
+                unsigned char* dst_value, const void* __restrict__ pairs, int num_pairs, long long block_bytes,
+                int pairs_i64) {
   const int pair = blockIdx.x;
   if (pair >= num_pairs) return;
-  unsigned char* cache = blockIdx.y ? value_cache : key_cache;
+  const unsigned char* from = blockIdx.y ? src_value : src_key;
+  unsigned char* to = blockIdx.y ? dst_value : dst_key;
   const long long src = index_at(pairs, pairs_i64, 2ll * pair), dst = index_at(pairs, pairs_i64, 2ll * pair + 1);
-  const uint4* s = reinterpret_cast<const uint4*>(cache + src * block_bytes);
-  uint4* d = reinterpret_cast<uint4*>(cache + dst * block_bytes);
+  const uint4* s = reinterpret_cast<const uint4*>(from + src * block_bytes);
+  uint4* d = reinterpret_cast<uint4*>(to + dst * block_bytes);
   const long long n = block_bytes / 16;
   for (long long i = (long long)blockIdx.z * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.z * blockDim.x)
     d[i] = s[i];

@@ -14,7 +14,9 @@
  * untyped dims and scalars, is gone. Version 6: the paged KV cache's host bookkeeping (kiln_kv_*,
  * kiln_radix_*). Version 7: kiln_paged_decode_plan and kiln_paged_cascade_decode_plan (the paged
  * kernels themselves are declared ops: reshape_and_cache, copy_blocks, merge_state,
- * merge_state_in_place, paged_decode, paged_cascade_decode).
+ * merge_state_in_place, paged_decode, paged_cascade_decode). Version 8: swapping in the KV cache
+ * manager (kiln_kv_enable_swap, kiln_kv_swap_out, kiln_kv_swap_in, kiln_kv_can_swap_in,
+ * kiln_kv_swap_state; the copies are the declared op swap_blocks).
  *
  * Each op is the C++ op of the same name in kiln/ops.h, with that contract: it validates every
  * tensor and returns KILN_DEVICE_ERROR, KILN_SHAPE_MISMATCH, KILN_UNSUPPORTED_DTYPE or
@@ -31,7 +33,7 @@
 extern "C" {
 #endif
 
-#define KILN_ABI_VERSION 7
+#define KILN_ABI_VERSION 8
 
 /* Same values as kiln::Code. */
 typedef enum kiln_code {
@@ -313,6 +315,22 @@ kiln_code kiln_kv_check(kiln_kv_manager* m);
 /* KVCacheManager::validate_block_table: what a paged kernel checks before launch. */
 kiln_code kiln_kv_validate_block_table(const int32_t* table, int64_t table_len, int64_t context_len, int32_t num_blocks,
                                        int32_t page_size);
+
+/* --- ABI version 8: swapping (KVCacheManager::enable_swap, swap_out, swap_in; kiln/kv_cache.h) --- */
+
+/* Sets the host pool to num_host_blocks blocks (KILN_INVALID_ARGUMENT while a request is swapped out). */
+kiln_code kiln_kv_enable_swap(kiln_kv_manager* m, int32_t num_host_blocks);
+/* Moves request to the host pool (swap_out) or back into new device blocks (swap_in). pairs
+ * receives (src, dst) block pairs, 2 * capacity int32s: (device, host) for swap_out, (host,
+ * device) for swap_in; *num_pairs how many. A capacity below the request's block count is
+ * KILN_INVALID_ARGUMENT and changes nothing (kiln_kv_block_table gives the count). */
+kiln_code kiln_kv_swap_out(kiln_kv_manager* m, int64_t request, int32_t* pairs, int64_t capacity, int64_t* num_pairs);
+kiln_code kiln_kv_swap_in(kiln_kv_manager* m, int64_t request, int32_t* pairs, int64_t capacity, int64_t* num_pairs);
+/* *out: a kiln_kv_admission for swap_in of request. */
+kiln_code kiln_kv_can_swap_in(kiln_kv_manager* m, int64_t request, int32_t* out);
+/* *swapped: 1 when request is swapped out (0 for an unknown request); the host pool's size and free blocks. */
+kiln_code kiln_kv_swap_state(kiln_kv_manager* m, int64_t request, int32_t* swapped, int32_t* host_blocks,
+                             int32_t* free_host_blocks);
 
 /* The host plan of a paged decode batch (kiln::plan_paged_decode, families/paged_attention/ops.h):
  * seq_lens [batch]; cu_seqlens_q [batch + 1] or NULL (one query per request); block_tables [batch *

@@ -17,6 +17,13 @@
 //   unavailable       not enough free blocks for the call now (can_allocate says whether waiting
 //                     helps);
 //   shape_mismatch    a context length past its block table (validate_block_table).
+//
+// Swapping (num_host_blocks > 0): swap_out moves a live request's blocks to the host pool and
+// returns the (device block, host block) pairs to copy; the request keeps its tokens but holds
+// host blocks, takes no appends and is in no batch until swap_in brings it back into new device
+// blocks with (host block, device block) pairs. The blocks one call releases may be handed out by
+// the next: run each call's copies (swap_blocks) in call order on one stream, and make the stream
+// that writes the cache next wait for them.
 #pragma once
 
 #include <array>
@@ -45,6 +52,9 @@ struct KVCacheConfig {
   // Full blocks are registered under their prefix hash and reused by later requests with the same
   // prefix; freed ones stay cached until their block is needed (LRU).
   bool enable_prefix_caching = true;
+  // Blocks of the host pool that swap_out moves requests into (0: no swapping; enable_swap sets
+  // it later). The caller allocates it page-locked, bytes_per_block() each.
+  std::int32_t num_host_blocks = 0;
 
   // K and V of every layer for one block: 2 * layers * kv_heads * head_dim * page_size * size.
   std::uint64_t bytes_per_block() const;
@@ -177,6 +187,24 @@ class KVCacheManager {
   // ones stay cached until evicted).
   Status free(RequestId request);
 
+  // Swapping. swap_out: invalid_argument without a host pool or for a request already swapped
+  // out, unavailable when the host pool has too few free blocks. The request's device blocks lose
+  // its reference (blocks shared with other requests or cached stay theirs); each gets a host
+  // block of its own, and `copies` gains (device, host) pairs in table order.
+  Status swap_out(RequestId request, std::vector<BlockCopy>& copies);
+  // Into fresh device blocks (unavailable when too few are free now; can_swap_in says whether
+  // waiting helps), `copies` gaining (host, device) pairs; the host blocks become free. The
+  // blocks are not registered in the prefix cache again; appends go on hashing where they were.
+  Status swap_in(RequestId request, std::vector<BlockCopy>& copies);
+  // now / later / never for swap_in (never: more blocks than the device pool). not_found and
+  // invalid_argument (not swapped out) as swap_in.
+  Result<Admission> can_swap_in(RequestId request) const;
+  bool is_swapped(RequestId request) const;
+  // Sets the host pool's size: invalid_argument while a request is swapped out, or for n < 0.
+  Status enable_swap(std::int32_t num_host_blocks);
+  std::int32_t num_host_blocks() const { return std::int32_t(host_swapped_.size()); }
+  std::int32_t num_free_host_blocks() const { return std::int32_t(host_free_.size()); }
+
   // External references (the radix cache's): each listed block gains / loses one. invalid_argument
   // for a block outside the pool, a free block (retain) or one with no external reference left
   // (release); nothing changes then.
@@ -185,7 +213,7 @@ class KVCacheManager {
 
   bool contains(RequestId request) const { return requests_.count(request) != 0; }
   // not_found for an unknown request. The span is valid until the next call that changes the
-  // manager.
+  // manager. A swapped-out request's table holds host pool blocks.
   Result<std::span<const std::int32_t>> block_table(RequestId request) const;
   Result<std::int64_t> num_tokens(RequestId request) const;
   // The CSR block tables of `requests`, in that order (appended to `out`, which is cleared first).
@@ -217,6 +245,8 @@ class KVCacheManager {
     // (the chain root before the first).
     std::vector<std::int32_t> partial;
     BlockHash last_hash{};
+    // Swapped out: `blocks` are host pool blocks.
+    bool swapped = false;
   };
   struct HashOfHash {
     std::size_t operator()(const BlockHash& h) const;
@@ -250,6 +280,9 @@ class KVCacheManager {
   std::vector<BlockHash> scratch_hashes_;
   mutable std::vector<std::int32_t> scratch_counts_;
   std::int64_t queried_ = 0, hits_ = 0, evictions_ = 0, cow_ = 0;
+  // The host pool: free blocks (a stack) and, per block, whether a swapped request holds it.
+  std::vector<std::int32_t> host_free_;
+  std::vector<char> host_swapped_;
 };
 
 }  // namespace kiln

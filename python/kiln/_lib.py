@@ -4,7 +4,7 @@ import os
 
 from ._errors import error_for
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _P = ctypes.c_void_p
 

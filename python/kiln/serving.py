@@ -62,6 +62,11 @@ _PROTOTYPES = {
     "kiln_kv_block_info": (_P, _I32, _P, _P, _P),
     "kiln_kv_get_stats": (_P, ctypes.POINTER(_Stats)),
     "kiln_kv_check": (_P,),
+    "kiln_kv_enable_swap": (_P, _I32),
+    "kiln_kv_swap_out": (_P, _I64, _I32P, _I64, _P),
+    "kiln_kv_swap_in": (_P, _I64, _I32P, _I64, _P),
+    "kiln_kv_can_swap_in": (_P, _I64, _P),
+    "kiln_kv_swap_state": (_P, _I64, _P, _P, _P),
     "kiln_kv_validate_block_table": (_I32P, _I64, _I64, _I32, _I32),
     "kiln_paged_decode_plan": (_I32P, _I64, _I32P, _I32P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P),
     "kiln_paged_cascade_decode_plan": (_I32P, _I64, _I64, _I32P, _I64, _I32P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
@@ -130,10 +135,11 @@ class SlotPlan:
 class KVCacheManager:
     """Blocks of page_size tokens in a pool of num_blocks (the caller allocates the device memory:
     bytes_per_block each), per-request block tables, reference counts, prefix caching (full blocks
-    keyed by a SHA-256 chain over the tokens and the adapter / salt) and copy-on-write fork."""
+    keyed by a SHA-256 chain over the tokens and the adapter / salt), copy-on-write fork, and
+    swapping requests to a host pool of num_host_blocks blocks (swap_out / swap_in)."""
 
     def __init__(self, num_blocks, page_size=16, dtype="bf16", num_layers=1, num_kv_heads=1, head_dim=128,
-                 prefix_caching=True):
+                 prefix_caching=True, num_host_blocks=0):
         if dtype not in KV_DTYPES:
             raise ValueError(f"kv cache: dtype must be one of {KV_DTYPES}, not {dtype!r}")
         cfg = _Config(num_blocks, page_size, KV_DTYPES.index(dtype), num_layers, num_kv_heads, head_dim,
@@ -146,6 +152,8 @@ class KVCacheManager:
         self.dtype = dtype
         self._radixes = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, lib.kiln_kv_manager_destroy, h)
+        if num_host_blocks:
+            self.enable_swap(num_host_blocks)
 
     def close(self):
         """Destroys the manager (and its radix caches first)."""
@@ -219,6 +227,47 @@ class KVCacheManager:
     def check(self):
         """Raises InternalError naming the first broken invariant."""
         check(lib.kiln_kv_check(self._h))
+
+    # Swapping: the manager's side (kiln/kv_cache.h). The copies are kiln.torch.swap_blocks_to_cpu /
+    # swap_blocks_from_cpu (or the op swap_blocks) over the pairs these return.
+
+    def enable_swap(self, num_host_blocks):
+        """Sets the host pool (page-locked, allocated by the caller, bytes_per_block each) to
+        num_host_blocks blocks; InvalidArgumentError while a request is swapped out."""
+        check(lib.kiln_kv_enable_swap(self._h, num_host_blocks))
+
+    def _swap(self, fn, request):
+        n = len(self.block_table(request))
+        arr = (ctypes.c_int32 * max(2 * n, 2))()
+        got = _I64()
+        check(fn(self._h, request, ctypes.cast(arr, _I32P), n, ctypes.byref(got)))
+        return [(arr[2 * i], arr[2 * i + 1]) for i in range(got.value)]
+
+    def swap_out(self, request):
+        """Moves request's blocks to the host pool: [(device block, host block)] to copy, in table
+        order. UnavailableError when the host pool has too few free blocks."""
+        return self._swap(lib.kiln_kv_swap_out, request)
+
+    def swap_in(self, request):
+        """Brings a swapped-out request back into new device blocks: [(host block, device block)].
+        UnavailableError when too few device blocks are free (can_swap_in says whether waiting helps)."""
+        return self._swap(lib.kiln_kv_swap_in, request)
+
+    def can_swap_in(self, request):
+        out = _I32()
+        check(lib.kiln_kv_can_swap_in(self._h, request, ctypes.byref(out)))
+        return ADMISSIONS[out.value]
+
+    def is_swapped(self, request):
+        out = _I32()
+        check(lib.kiln_kv_swap_state(self._h, request, ctypes.byref(out), None, None))
+        return bool(out.value)
+
+    def host_blocks(self):
+        """(host pool blocks, free host blocks)."""
+        total, free = _I32(), _I32()
+        check(lib.kiln_kv_swap_state(self._h, 0, None, ctypes.byref(total), ctypes.byref(free)))
+        return total.value, free.value
 
 
 class RadixCache:

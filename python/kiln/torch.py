@@ -1283,6 +1283,19 @@ def _(key_cache, value_cache, pairs):
     return None
 
 
+@torch.library.custom_op("kiln::swap_blocks", mutates_args=("dst_key", "dst_value"))
+def _swap_blocks(src_key: Tensor, src_value: Tensor, dst_key: Tensor, dst_value: Tensor, pairs: Tensor) -> None:
+    if pairs.shape[0] == 0:
+        return
+    _ops.swap_blocks(pairs.contiguous(), _as_cache(src_key), _as_cache(src_value), dst_key=_as_cache(dst_key),
+                     dst_value=_as_cache(dst_value))
+
+
+@_swap_blocks.register_fake
+def _(src_key, src_value, dst_key, dst_value, pairs):
+    return None
+
+
 @torch.library.custom_op("kiln::merge_state_in_place", mutates_args=("v", "s"))
 def _merge_state_in_place(v: Tensor, s: Tensor, v_other: Tensor, s_other: Tensor) -> None:
     if v.numel() == 0:
@@ -1358,7 +1371,82 @@ def merge_state_in_place(v: Tensor, s: Tensor, v_other: Tensor, s_other: Tensor)
     torch.ops.kiln.merge_state_in_place(v, s, v_other, s_other)
 
 
-__all__ += ["reshape_and_cache", "copy_blocks", "merge_state_in_place"]
+def swap_blocks(src_key: Tensor, src_value: Tensor, dst_key: Tensor, dst_value: Tensor, pairs: Tensor) -> None:
+    """For each (src, dst) row of pairs (int32 or int64 [n, 2]), block dst of (dst_key, dst_value)
+    becomes a copy of block src of (src_key, src_value), in one launch on the current stream: a GPU
+    pool to a pinned host pool, back, or between GPU pools. Host pools must be pinned
+    (pin_memory()); the first dimensions (block counts) may differ."""
+    torch.ops.kiln.swap_blocks(src_key, src_value, dst_key, dst_value, pairs)
+
+
+_SWAP_STREAMS = {}
+
+
+def _swap_layers(src_caches, dst_caches, pairs, stream):
+    src_caches, dst_caches = list(src_caches), list(dst_caches)
+    if len(src_caches) != len(dst_caches):
+        raise ShapeMismatchError(f"swap: {len(src_caches)} source layers, {len(dst_caches)} destination layers")
+    pairs_host = torch.as_tensor(pairs, dtype=torch.int32).reshape(-1, 2)
+    if not src_caches or pairs_host.shape[0] == 0:
+        return None
+    device = next((t.device for layer in src_caches + dst_caches for t in layer if t.is_cuda), None)
+    if device is None:
+        raise InvalidArgumentError("swap: one of the pools must be on a GPU")
+    # Every layer is checked before the first launch, so a bad one leaves nothing half copied.
+    for i, ((sk, sv), (dk, dv)) in enumerate(zip(src_caches, dst_caches)):
+        if sk.shape != sv.shape or dk.shape != dv.shape or sk.shape[1:] != dk.shape[1:] or \
+                len({sk.dtype, sv.dtype, dk.dtype, dv.dtype}) != 1:
+            raise ShapeMismatchError(f"swap: layer {i}: the pools' K and V must have one block shape and dtype, got "
+                                     f"{tuple(sk.shape)} {sk.dtype} -> {tuple(dk.shape)} {dk.dtype}")
+        for name, t in (("source", sk), ("source", sv), ("destination", dk), ("destination", dv)):
+            if t.is_cuda and t.device != device:
+                raise InvalidArgumentError(f"swap: layer {i}: the {name} pool is on {t.device}, not {device}")
+            if not t.is_cuda and not t.is_pinned():
+                raise InvalidArgumentError(f"swap: layer {i}: the {name} pool is pageable host memory; allocate it "
+                                           "with pin_memory=True")
+    side = stream if stream is not None else _SWAP_STREAMS.get(device.index)
+    if side is None:
+        side = _SWAP_STREAMS[device.index] = torch.cuda.Stream(device)
+    # The copies read what earlier work on the current stream wrote.
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        # Checked on the host (ids inside their pools, no destination twice), then read by the
+        # kernels from the GPU.
+        sk0, dk0 = src_caches[0][0], dst_caches[0][0]
+        if int(pairs_host[:, 0].min()) < 0 or int(pairs_host[:, 0].max()) >= sk0.shape[0] or \
+                int(pairs_host[:, 1].min()) < 0 or int(pairs_host[:, 1].max()) >= dk0.shape[0]:
+            raise InvalidArgumentError(f"swap: a pair names a block outside its pool ({sk0.shape[0]} source, "
+                                       f"{dk0.shape[0]} destination blocks)")
+        if torch.unique(pairs_host[:, 1]).numel() != pairs_host.shape[0]:
+            raise InvalidArgumentError("swap: a destination block appears twice")
+        pairs_dev = pairs_host.to(device)
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
+            torch.ops.kiln.swap_blocks(sk, sv, dk, dv, pairs_dev)
+        pairs_dev.record_stream(side)
+        event = torch.cuda.Event()
+        event.record(side)
+    return event
+
+
+def swap_blocks_to_cpu(gpu_caches, cpu_caches, pairs, stream=None):
+    """Swap out (KVCacheManager.swap_out's pairs: (device block, host block)): for every layer's
+    (key_cache, value_cache) in gpu_caches, the listed blocks are copied into the same layer of
+    cpu_caches (pinned host tensors of the same block shape). The copies run on a side stream
+    (`stream`, or one kiln keeps per device) after the work queued so far on the current stream;
+    returns the torch.cuda.Event recorded after them (None when there is nothing to copy): wait on
+    it (current_stream().wait_event) before the freed device blocks are written again, and
+    synchronize it before the host reads the copies."""
+    return _swap_layers(gpu_caches, cpu_caches, pairs, stream)
+
+
+def swap_blocks_from_cpu(cpu_caches, gpu_caches, pairs, stream=None):
+    """Swap in (KVCacheManager.swap_in's pairs: (host block, device block)), as swap_blocks_to_cpu
+    the other way: wait on the returned event before attention reads the blocks."""
+    return _swap_layers(cpu_caches, gpu_caches, pairs, stream)
+
+
+__all__ += ["reshape_and_cache", "copy_blocks", "merge_state_in_place", "swap_blocks", "swap_blocks_to_cpu",
+            "swap_blocks_from_cpu"]
 
 
 # Hand-written ops whose torch signature is their declaration's (inputs, scalars and outputs in

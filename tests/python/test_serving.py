@@ -84,6 +84,40 @@ def test_admission_and_prefix_caching():
     m.check()
 
 
+def test_swap_out_and_in():
+    m = KVCacheManager(8, page_size=16, num_layers=2, num_kv_heads=8, head_dim=128, prefix_caching=False,
+                       num_host_blocks=4)
+    assert m.host_blocks() == (4, 4)
+    plan = SlotPlan()
+    m.allocate(1, range(40), plan)
+    device_table = m.block_table(1)
+    pairs = m.swap_out(1)
+    assert [p[0] for p in pairs] == device_table
+    assert [p[1] for p in pairs] == m.block_table(1)
+    assert m.is_swapped(1) and m.host_blocks() == (4, 1)
+    assert m.stats()["free_blocks"] == 8
+    with pytest.raises(kiln.InvalidArgumentError):
+        m.append_slots(1, [5], plan)
+    with pytest.raises(kiln.InvalidArgumentError):
+        m.swap_out(1)
+    with pytest.raises(kiln.InvalidArgumentError):
+        m.enable_swap(16)
+    m.allocate(2, range(16 * 6), plan)  # 6 of 8 blocks: 2 free, 3 needed
+    assert m.can_swap_in(1) == "later"
+    with pytest.raises(kiln.UnavailableError):
+        m.swap_in(1)
+    m.free(2)
+    back = m.swap_in(1)
+    assert [p[0] for p in back] == [p[1] for p in pairs]
+    assert [p[1] for p in back] == m.block_table(1)
+    assert not m.is_swapped(1) and m.host_blocks() == (4, 4)
+    m.append_slots(1, [5], plan)
+    assert m.num_tokens(1) == 41
+    m.check()
+    with pytest.raises(kiln.NotFoundError):
+        m.swap_out(99)
+
+
 def test_radix_cache():
     m = KVCacheManager(32, page_size=1, prefix_caching=False)
     tree = RadixCache(m)

@@ -89,6 +89,47 @@ TEST(CApiKV, ManagerLifeCycleAndErrors) {
   kiln_kv_manager_destroy(m);
 }
 
+TEST(CApiKV, Swap) {
+  EXPECT_GE(kiln_abi_version(), 8);
+  kiln_kv_config cfg{8, 16, KILN_KV_BF16, 2, 8, 128, 0};
+  kiln_kv_manager* m = nullptr;
+  ASSERT_EQ(kiln_kv_manager_create(&cfg, &m), KILN_OK) << kiln_last_error();
+  kiln_kv_plan* plan = nullptr;
+  ASSERT_EQ(kiln_kv_plan_create(&plan), KILN_OK);
+  std::vector<int32_t> prompt(40, 7);
+  int64_t cached = -1;
+  ASSERT_EQ(kiln_kv_allocate(m, 1, prompt.data(), 40, nullptr, nullptr, nullptr, 0, plan, &cached), KILN_OK);
+  int32_t pairs[8] = {};
+  int64_t n = -1;
+  EXPECT_EQ(kiln_kv_swap_out(m, 1, pairs, 3, &n), KILN_INVALID_ARGUMENT) << "no host pool yet";
+  ASSERT_EQ(kiln_kv_enable_swap(m, 4), KILN_OK);
+  EXPECT_EQ(kiln_kv_swap_out(m, 1, pairs, 2, &n), KILN_INVALID_ARGUMENT) << "room for 2 pairs, 3 blocks";
+  int32_t swapped = -1, host = -1, host_free = -1;
+  ASSERT_EQ(kiln_kv_swap_state(m, 1, &swapped, &host, &host_free), KILN_OK);
+  EXPECT_EQ(swapped, 0);
+  EXPECT_EQ(host_free, 4) << "the refused call changed nothing";
+  ASSERT_EQ(kiln_kv_swap_out(m, 1, pairs, 4, &n), KILN_OK) << kiln_last_error();
+  EXPECT_EQ(n, 3);
+  ASSERT_EQ(kiln_kv_swap_state(m, 1, &swapped, &host, &host_free), KILN_OK);
+  EXPECT_EQ(swapped, 1);
+  EXPECT_EQ(host, 4);
+  EXPECT_EQ(host_free, 1);
+  const int32_t* table = nullptr;
+  int64_t nb = 0, nt = 0;
+  ASSERT_EQ(kiln_kv_block_table(m, 1, &table, &nb, &nt), KILN_OK);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(table[i], pairs[2 * i + 1]);
+  int32_t adm = -1;
+  ASSERT_EQ(kiln_kv_can_swap_in(m, 1, &adm), KILN_OK);
+  EXPECT_EQ(adm, KILN_KV_NOW);
+  ASSERT_EQ(kiln_kv_swap_in(m, 1, pairs, 4, &n), KILN_OK) << kiln_last_error();
+  EXPECT_EQ(n, 3);
+  EXPECT_EQ(kiln_kv_can_swap_in(m, 1, &adm), KILN_INVALID_ARGUMENT);
+  EXPECT_EQ(kiln_kv_swap_in(m, 42, pairs, 4, &n), KILN_NOT_FOUND);
+  EXPECT_EQ(kiln_kv_check(m), KILN_OK);
+  kiln_kv_plan_destroy(plan);
+  kiln_kv_manager_destroy(m);
+}
+
 TEST(CApiKV, Radix) {
   kiln_kv_config cfg{16, 1, KILN_KV_F16, 1, 1, 64, 0};
   kiln_kv_manager* m = nullptr;

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <map>
+#include <random>
 #include <numeric>
 #include <thread>
 
@@ -388,6 +390,162 @@ TEST(KVCacheManager, EmptyPromptThenAppend) {
   EXPECT_EQ(m.block_table(1)->size(), 2u);
   ASSERT_TRUE(m.append_slots(1, {}, plan).ok());
   expect_ok(m);
+}
+
+TEST(KVCacheManager, SwapOutAndInTypedErrors) {
+  auto m = make(8, 16, false);
+  SlotPlan plan;
+  std::vector<BlockCopy> copies;
+  ASSERT_TRUE(m.allocate(1, iota_tokens(40), plan).ok());  // 3 blocks
+  EXPECT_EQ(m.swap_out(1, copies).code(), Code::invalid_argument) << "no host pool";
+  ASSERT_TRUE(m.enable_swap(4).ok());
+  EXPECT_EQ(m.swap_out(9, copies).code(), Code::not_found);
+  EXPECT_EQ(m.swap_in(1, copies).code(), Code::invalid_argument) << "not swapped out";
+  EXPECT_EQ(m.can_swap_in(1).status().code(), Code::invalid_argument);
+  const auto before = std::vector<std::int32_t>(m.block_table(1)->begin(), m.block_table(1)->end());
+  ASSERT_TRUE(m.swap_out(1, copies).ok());
+  ASSERT_EQ(copies.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(copies[i].src, before[i]);
+    EXPECT_EQ(copies[i].dst, (*m.block_table(1))[i]) << "the table holds the host blocks";
+  }
+  EXPECT_TRUE(m.is_swapped(1));
+  EXPECT_EQ(m.num_free_blocks(), 8);
+  EXPECT_EQ(m.num_free_host_blocks(), 1);
+  expect_ok(m);
+  EXPECT_EQ(m.swap_out(1, copies).code(), Code::invalid_argument) << "already swapped out";
+  EXPECT_EQ(m.append_slots(1, iota_tokens(1), plan).code(), Code::invalid_argument);
+  EXPECT_EQ(m.fork(1, 2).code(), Code::invalid_argument);
+  PagedBatch batch;
+  const RequestId one[] = {1};
+  EXPECT_EQ(m.build_batch(one, batch).code(), Code::invalid_argument);
+  EXPECT_EQ(m.enable_swap(8).code(), Code::invalid_argument) << "the host pool cannot change under a swapped request";
+  // Another request too large for the host pool's free blocks: unavailable, nothing changes.
+  ASSERT_TRUE(m.allocate(2, iota_tokens(20), plan).ok());  // 2 blocks, 1 host block free
+  copies.clear();
+  EXPECT_EQ(m.swap_out(2, copies).code(), Code::unavailable);
+  EXPECT_TRUE(copies.empty());
+  EXPECT_FALSE(m.is_swapped(2));
+  // Swap in needs 3 free device blocks: fill the pool so it must wait.
+  ASSERT_TRUE(m.allocate(3, iota_tokens(16 * 5), plan).ok());  // 5 blocks: 1 left
+  EXPECT_EQ(*m.can_swap_in(1), Admission::later);
+  EXPECT_EQ(m.swap_in(1, copies).code(), Code::unavailable);
+  EXPECT_EQ(m.can_allocate(1, 1), Admission::later) << "a swapped request's growth counts its blocks coming back";
+  ASSERT_TRUE(m.free(3).ok());
+  EXPECT_EQ(*m.can_swap_in(1), Admission::now);
+  copies.clear();
+  ASSERT_TRUE(m.swap_in(1, copies).ok());
+  ASSERT_EQ(copies.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(copies[i].dst, (*m.block_table(1))[i]);
+  EXPECT_FALSE(m.is_swapped(1));
+  EXPECT_EQ(m.num_free_host_blocks(), 4);
+  ASSERT_TRUE(m.append_slots(1, iota_tokens(9), plan).ok());
+  EXPECT_EQ(*m.num_tokens(1), 49);
+  expect_ok(m);
+  // Freeing a swapped-out request returns its host blocks.
+  copies.clear();
+  ASSERT_TRUE(m.swap_out(2, copies).ok());
+  ASSERT_TRUE(m.free(2).ok());
+  EXPECT_EQ(m.num_free_host_blocks(), 4);
+  expect_ok(m);
+}
+
+std::vector<RequestId> live_all(const std::map<RequestId, std::vector<std::int32_t>>& want) {
+  std::vector<RequestId> ids;
+  for (auto& [id, t] : want) ids.push_back(id);
+  return ids;
+}
+
+// Swapping against a model of the memory: a device pool and a host pool of token ids, written at
+// each plan's slots (after its copy-on-write copies) and copied by the swap pairs in call order.
+// Under random allocations (with prefix caching), appends, forks, swaps and frees, every live
+// request's table must read back exactly its tokens.
+TEST(KVCacheManager, SwappedRequestsKeepTheirTokens) {
+  for (std::int32_t page : {1, 16}) {
+    SCOPED_TRACE(page);
+    KVCacheConfig c = config(48, page, true);
+    c.num_host_blocks = 40;
+    auto made = KVCacheManager::create(c);
+    ASSERT_TRUE(made.ok());
+    KVCacheManager m = std::move(made).value();
+    std::vector<std::int32_t> dev(std::size_t(48 * page), -1), host(std::size_t(40 * page), -1);
+    std::map<RequestId, std::vector<std::int32_t>> want;
+    std::mt19937 rng(1234 + page);
+    auto write = [&](const SlotPlan& plan, const std::vector<std::int32_t>& tokens) {
+      for (const BlockCopy& cp : plan.copies)
+        std::copy_n(dev.begin() + std::ptrdiff_t(cp.src) * page, page, dev.begin() + std::ptrdiff_t(cp.dst) * page);
+      ASSERT_EQ(plan.slot_mapping.size(), tokens.size());
+      for (std::size_t i = 0; i < tokens.size(); ++i) dev[std::size_t(plan.slot_mapping[i])] = tokens[i];
+    };
+    auto copy = [&](const std::vector<BlockCopy>& pairs, const std::vector<std::int32_t>& from, std::vector<std::int32_t>& to) {
+      for (const BlockCopy& cp : pairs)
+        std::copy_n(from.begin() + std::ptrdiff_t(cp.src) * page, page, to.begin() + std::ptrdiff_t(cp.dst) * page);
+    };
+    RequestId next = 1;
+    int swaps = 0, swap_ins = 0;
+    for (int step = 0; step < 3000; ++step) {
+      const int what = int(rng() % 6);
+      std::vector<RequestId> resident, swapped_out;
+      for (auto& [id, t] : want) (m.is_swapped(id) ? swapped_out : resident).push_back(id);
+      // Swap-ins and frees pick from the requests they apply to; the rest from the resident ones.
+      const std::vector<RequestId>& from = what == 4 ? swapped_out : what == 5 ? live_all(want) : resident;
+      const RequestId pick = from.empty() ? -1 : from[rng() % from.size()];
+      SlotPlan plan;
+      if (what == 0 || pick < 0) {
+        // Prompts from a few shared prefixes, so the prefix cache hits.
+        std::vector<std::int32_t> prompt = iota_tokens(std::int32_t(rng() % (3 * page) + page), 100 * std::int32_t(rng() % 3));
+        for (int i = 0; i < int(rng() % 5); ++i) prompt.push_back(std::int32_t(rng() % 1000));
+        if (m.can_allocate(prompt) != Admission::now) {
+          // Full: the oldest request finishes.
+          if (!want.empty()) {
+            ASSERT_TRUE(m.free(want.begin()->first).ok());
+            want.erase(want.begin());
+          }
+          continue;
+        }
+        auto cached = m.allocate(next, prompt, plan);
+        ASSERT_TRUE(cached.ok()) << cached.status().to_string();
+        write(plan, std::vector<std::int32_t>(prompt.begin() + *cached, prompt.end()));
+        want[next++] = prompt;
+      } else if (what == 1) {
+        std::vector<std::int32_t> more{std::int32_t(rng() % 1000), std::int32_t(rng() % 1000)};
+        if (m.can_allocate(pick, 2) != Admission::now) continue;
+        ASSERT_TRUE(m.append_slots(pick, more, plan).ok());
+        write(plan, more);
+        want[pick].insert(want[pick].end(), more.begin(), more.end());
+      } else if (what == 2) {
+        ASSERT_TRUE(m.fork(pick, next).ok());
+        want[next++] = want[pick];
+      } else if (what == 3) {
+        std::vector<BlockCopy> pairs;
+        if (m.swap_out(pick, pairs).ok()) {
+          copy(pairs, dev, host);
+          ++swaps;
+        }
+      } else if (what == 4) {
+        std::vector<BlockCopy> pairs;
+        if (*m.can_swap_in(pick) != Admission::now) continue;
+        ASSERT_TRUE(m.swap_in(pick, pairs).ok());
+        copy(pairs, host, dev);
+        ++swap_ins;
+      } else if (what == 5 && rng() % 2 == 0) {
+        ASSERT_TRUE(m.free(pick).ok());
+        want.erase(pick);
+      }
+      for (auto& [id, tokens] : want) {
+        const auto table = *m.block_table(id);
+        const std::vector<std::int32_t>& pool = m.is_swapped(id) ? host : dev;
+        ASSERT_EQ(*m.num_tokens(id), std::int64_t(tokens.size()));
+        for (std::size_t i = 0; i < tokens.size(); ++i)
+          ASSERT_EQ(pool[std::size_t(table[i / std::size_t(page)]) * std::size_t(page) + i % std::size_t(page)], tokens[i])
+              << "request " << id << " token " << i << " at step " << step;
+      }
+      ASSERT_TRUE(m.check_invariants().ok()) << m.check_invariants().to_string();
+    }
+    // The mix did exercise both directions many times.
+    EXPECT_GT(swaps, 30);
+    EXPECT_GT(swap_ins, 20);
+  }
 }
 
 // The manager is not thread-safe: it keeps no global state, so managers on different threads are

@@ -1,6 +1,7 @@
 // The paged cache's kernels on the GPU against the host references (the same ops on host tensors,
 // fp64) with fresh random data and poisoned outputs: reshape_and_cache (f16, bf16, fp8 e4m3, int32
-// and int64 slots, skipped slots, rows at a stride), copy_blocks, merge_state (and in place),
+// and int64 slots, skipped slots, rows at a stride), copy_blocks, swap_blocks (to pinned host
+// memory and back, pairs on the GPU or pinned), merge_state (and in place),
 // paged_decode over every page size, batch sizes 1 to 33, GQA groups 1, 4 and 8, odd context
 // lengths (empty ones included), 1 to 16 queries with causal and window masks, chunked prefill
 // (up to 200 causal queries over paged contexts), softcap, split
@@ -159,6 +160,132 @@ TEST_F(PagedAttentionGpu, CopyBlocksMatchesTheHost) {
     EXPECT_TRUE(kc.down() == kc.host);
     EXPECT_TRUE(vc.down() == vc.host);
   }
+}
+
+// Page-locked host memory, mapped for the GPU (cuMemHostAlloc).
+struct PinnedBuffer {
+  void* p = nullptr;
+  std::size_t bytes;
+  explicit PinnedBuffer(std::size_t n) : bytes(n) {
+    const jit::Driver* d = jit::Driver::get().value();
+    EXPECT_EQ(d->mem_host_alloc(&p, n, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP), CUDA_SUCCESS);
+  }
+  ~PinnedBuffer() {
+    if (p) jit::Driver::get().value()->mem_free_host(p);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+};
+
+TEST_F(PagedAttentionGpu, SwapBlocksToPinnedHostMemoryAndBack) {
+  for (std::int64_t page : {1, 16, 128}) {
+    SCOPED_TRACE("page " + std::to_string(page) + " seed " + std::to_string(seed_));
+    const std::int64_t blocks = 40, host_blocks = 24, heads = 2, d = 64;
+    const std::size_t block_bytes = std::size_t(page * heads * d * 2);
+    Pair kc(DType::bf16, {blocks, page, heads, d}), vc(DType::bf16, {blocks, page, heads, d});
+    Pair kc2(DType::bf16, {blocks, page, heads, d}), vc2(DType::bf16, {blocks, page, heads, d});
+    randomize(kc, rng_);
+    randomize(vc, rng_);
+    for (Pair* p : {&kc, &vc, &kc2, &vc2}) p->up();
+    PinnedBuffer hk(host_blocks * block_bytes), hv(host_blocks * block_bytes), hpairs(64);
+    ASSERT_TRUE(hk.p && hv.p && hpairs.p);
+    std::memset(hk.p, 0xAB, hk.bytes);
+    std::memset(hv.p, 0xAB, hv.bytes);
+    const TensorView hkv = view(hk.p, DType::bf16, {host_blocks, page, heads, d}, Device::cpu());
+    const TensorView hvv = view(hv.p, DType::bf16, {host_blocks, page, heads, d}, Device::cpu());
+    // Out: device blocks -> host blocks, pairs in device memory.
+    const std::int32_t out_pairs[8] = {0, 5, 17, 0, 39, 23, 8, 11};
+    Pair pairs(DType::i32, {4, 2});
+    std::memcpy(pairs.host.data(), out_pairs, sizeof(out_pairs));
+    pairs.up();
+    Status s = swap_blocks(kc.d(), vc.d(), hkv, hvv, pairs.d(), nullptr, rt_.get());
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    sync();
+    for (int i = 0; i < 4; ++i) {
+      const std::size_t src = std::size_t(out_pairs[2 * i]), dst = std::size_t(out_pairs[2 * i + 1]);
+      EXPECT_EQ(std::memcmp(static_cast<unsigned char*>(hk.p) + dst * block_bytes, kc.host.data() + src * block_bytes,
+                            block_bytes), 0) << "key block " << src << " -> host " << dst;
+      EXPECT_EQ(std::memcmp(static_cast<unsigned char*>(hv.p) + dst * block_bytes, vc.host.data() + src * block_bytes,
+                            block_bytes), 0) << "value block " << src << " -> host " << dst;
+    }
+    EXPECT_EQ(static_cast<unsigned char*>(hk.p)[1 * block_bytes], 0xAB) << "host block 1 was not a destination";
+    // In: host blocks -> another device pool, pairs in pinned host memory (checked on the host).
+    const std::int32_t in_pairs[8] = {5, 30, 0, 2, 23, 3, 11, 39};
+    std::memcpy(hpairs.p, in_pairs, sizeof(in_pairs));
+    s = swap_blocks(hkv, hvv, kc2.d(), vc2.d(), view(hpairs.p, DType::i32, {4, 2}, Device::cpu()), nullptr, rt_.get());
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    sync();
+    const auto k2 = kc2.down(), v2 = vc2.down();
+    for (int i = 0; i < 4; ++i) {
+      const std::size_t orig = std::size_t(out_pairs[2 * i]), dst = std::size_t(in_pairs[2 * i + 1]);
+      EXPECT_EQ(std::memcmp(k2.data() + dst * block_bytes, kc.host.data() + orig * block_bytes, block_bytes), 0)
+          << "key block " << orig << " back as " << dst;
+      EXPECT_EQ(std::memcmp(v2.data() + dst * block_bytes, vc.host.data() + orig * block_bytes, block_bytes), 0);
+    }
+    EXPECT_TRUE(std::equal(k2.begin(), k2.begin() + std::ptrdiff_t(block_bytes), kc2.host.begin()))
+        << "device block 0 was not a destination";
+    // Typed errors before any launch: pageable host memory, a host pair past its pool, a repeated
+    // destination.
+    std::vector<unsigned char> pageable(std::size_t(host_blocks) * block_bytes);
+    const TensorView pv = view(pageable.data(), DType::bf16, {host_blocks, page, heads, d}, Device::cpu());
+    EXPECT_EQ(swap_blocks(kc.d(), vc.d(), pv, pv, pairs.d(), nullptr, rt_.get()).code(), Code::invalid_argument);
+    const std::int32_t bad[4] = {0, 24, 1, 2};
+    std::memcpy(hpairs.p, bad, sizeof(bad));
+    EXPECT_EQ(swap_blocks(kc.d(), vc.d(), hkv, hvv, view(hpairs.p, DType::i32, {2, 2}, Device::cpu()), nullptr, rt_.get())
+                  .code(),
+              Code::invalid_argument);
+    const std::int32_t twice[4] = {0, 2, 1, 2};
+    std::memcpy(hpairs.p, twice, sizeof(twice));
+    EXPECT_EQ(swap_blocks(kc.d(), vc.d(), hkv, hvv, view(hpairs.p, DType::i32, {2, 2}, Device::cpu()), nullptr, rt_.get())
+                  .code(),
+              Code::invalid_argument);
+  }
+}
+
+// What a swap costs: 256 blocks of 16 tokens x 8 heads x 128 (bf16, 32 KiB per block and cache)
+// out to pinned memory and back, against the bus. Prints; asserts only that the copies landed.
+TEST_F(PagedAttentionGpu, SwapBlocksBandwidth) {
+  const std::int64_t blocks = 512, moved = 256, page = 16, heads = 8, d = 128;
+  const std::size_t block_bytes = std::size_t(page * heads * d * 2);
+  Pair kc(DType::bf16, {blocks, page, heads, d}), vc(DType::bf16, {blocks, page, heads, d}), pairs(DType::i32, {moved, 2});
+  randomize(kc, rng_);
+  randomize(vc, rng_);
+  for (std::int64_t i = 0; i < moved; ++i) {
+    pairs.as<std::int32_t>()[2 * i] = std::int32_t(2 * i);
+    pairs.as<std::int32_t>()[2 * i + 1] = std::int32_t(i);
+  }
+  for (Pair* p : {&kc, &vc, &pairs}) p->up();
+  PinnedBuffer hk(std::size_t(moved) * block_bytes), hv(std::size_t(moved) * block_bytes);
+  const TensorView hkv = view(hk.p, DType::bf16, {moved, page, heads, d}, Device::cpu());
+  const TensorView hvv = view(hv.p, DType::bf16, {moved, page, heads, d}, Device::cpu());
+  const jit::Driver* drv = jit::Driver::get().value();
+  CUevent e0, e1;
+  ASSERT_EQ(drv->event_create(&e0, CU_EVENT_DEFAULT), CUDA_SUCCESS);
+  ASSERT_EQ(drv->event_create(&e1, CU_EVENT_DEFAULT), CUDA_SUCCESS);
+  for (int dir = 0; dir < 2; ++dir) {
+    std::vector<float> ms;
+    for (int rep = 0; rep < 6; ++rep) {
+      drv->event_record(e0, nullptr);
+      const Status s = dir == 0 ? swap_blocks(kc.d(), vc.d(), hkv, hvv, pairs.d(), nullptr, rt_.get())
+                                : swap_blocks(hkv, hvv, kc.d(), vc.d(), pairs.d(), nullptr, rt_.get());
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      drv->event_record(e1, nullptr);
+      ASSERT_EQ(drv->event_synchronize(e1), CUDA_SUCCESS);
+      float t = 0;
+      drv->event_elapsed_time(&t, e0, e1);
+      if (rep > 0) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double bytes = 2.0 * double(moved) * double(block_bytes);
+    std::printf("swap_blocks %s: %lld blocks x 2 caches x %zu KiB = %.1f MiB in %.3f ms (median), %.1f GB/s\n",
+                dir == 0 ? "GPU -> pinned host" : "pinned host -> GPU", static_cast<long long>(moved), block_bytes / 1024,
+                bytes / 1048576.0, ms[ms.size() / 2], bytes / (ms[ms.size() / 2] * 1e-3) / 1e9);
+  }
+  // Out then in: block 2i was written back from host block i, which holds block 2i.
+  const auto k = kc.down();
+  EXPECT_TRUE(k == kc.host);
+  drv->event_destroy(e0);
+  drv->event_destroy(e1);
 }
 
 TEST_F(PagedAttentionGpu, MergeStateMatchesTheHost) {

@@ -141,3 +141,50 @@ def test_prefill_module_appends_causally(device, dtype):
     for b, (k, v) in enumerate(keys):
         want, _ = attend(q[cu[b]:cu[b + 1]].numpy(), k, v, causal=True)
         np.testing.assert_allclose(out[cu[b]:cu[b + 1]].float().cpu().numpy(), want, atol=TOL[dtype])
+
+
+def test_swap_errors_before_any_launch():
+    kc = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(kiln.InvalidArgumentError):
+        kt.swap_blocks_to_cpu([(kc, kc)], [(kc.clone(), kc.clone())], [(0, 1)])  # no GPU side
+    assert kt.swap_blocks_to_cpu([(kc, kc)], [(kc, kc)], []) is None  # nothing to copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_swap_a_request_out_and_back_with_the_manager():
+    from kiln.serving import KVCacheManager, SlotPlan
+    torch.manual_seed(9)
+    dev = torch.device("cuda")
+    layers, blocks, page, hk, d = 3, 12, 16, 2, 64
+    m = KVCacheManager(blocks, page_size=page, num_layers=layers, num_kv_heads=hk, head_dim=d, prefix_caching=False,
+                       num_host_blocks=8)
+    gpu = [(torch.zeros(blocks, page, hk, d, device=dev, dtype=torch.bfloat16),
+            torch.zeros(blocks, page, hk, d, device=dev, dtype=torch.bfloat16)) for _ in range(layers)]
+    cpu = [(torch.zeros(8, page, hk, d, dtype=torch.bfloat16).pin_memory(),
+            torch.zeros(8, page, hk, d, dtype=torch.bfloat16).pin_memory()) for _ in range(layers)]
+    plan = SlotPlan()
+    m.allocate(1, range(50), plan)
+    slots = torch.tensor(plan.slot_mapping, device=dev)
+    rows = [(torch.randn(50, hk, d, device=dev, dtype=torch.bfloat16),
+             torch.randn(50, hk, d, device=dev, dtype=torch.bfloat16)) for _ in range(layers)]
+    for (k, v), (kc, vc) in zip(rows, gpu):
+        kt.reshape_and_cache(k, v, kc, vc, slots)
+    event = kt.swap_blocks_to_cpu(gpu, cpu, m.swap_out(1))
+    # The freed blocks are written by another request after the event: the host copy must be whole.
+    torch.cuda.current_stream().wait_event(event)
+    plan2 = SlotPlan()
+    m.allocate(2, range(16 * blocks), plan2)
+    for kc, vc in gpu:
+        kc.fill_(7.0)
+        vc.fill_(7.0)
+    m.free(2)
+    event = kt.swap_blocks_from_cpu(cpu, gpu, m.swap_in(1))
+    torch.cuda.current_stream().wait_event(event)
+    table = m.block_table(1)
+    for (k, v), (kc, vc) in zip(rows, gpu):
+        got_k = torch.stack([kc[table[i // page], i % page] for i in range(50)])
+        got_v = torch.stack([vc[table[i // page], i % page] for i in range(50)])
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    with pytest.raises(kiln.InvalidArgumentError):  # pageable host memory
+        kt.swap_blocks_to_cpu(gpu, [(torch.zeros(8, page, hk, d, dtype=torch.bfloat16),) * 2] * layers, [(0, 0)])
+    m.check()
