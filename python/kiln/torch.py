@@ -15,6 +15,7 @@ RoPE is CUDA only: DeviceError). Errors are kiln's exceptions, raised before any
 """
 import math
 import os
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -1912,3 +1913,258 @@ class MoE(torch.nn.Module):
 
 
 __all__ += [n for n in ("fused_moe", "MoE") if n not in __all__]
+
+
+# --- LoRA ---
+# lora_linear: x W^T + scale (x A^T) B^T + bias with the low-rank product accumulated in the base
+# GEMM (kiln's lora_linear op). The sliced form covers merged projections whose output columns
+# split into slices (gate_up: 2, QKV: 3), each with its own adapter: A stacks the slices' A rows,
+# B the slices' B rows in output order; one shrink computes x A^T for every slice at once. The
+# backward (frozen base weight unless it requires grad): dx = dy W + scale sum_s (dy_s B_s) A_s as
+# one fused lora_linear over W^T (the transposed copy of a frozen weight is cached in eager mode),
+# dA_s = scale (dy_s B_s)^T x, dB_s = scale dy_s^T (x A_s^T), dbias = sum of dy (torch matmuls:
+# the adapters' products are rank-sized).
+
+_TRANSPOSED = {}
+
+
+def _transposed(w):
+    """w.t().contiguous(), kept for a frozen weight between eager calls (its data pointer and
+    version unchanged)."""
+    if not _eager() or w.requires_grad:
+        return w.t().contiguous()
+    key = id(w)
+    hit = _TRANSPOSED.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == (w.data_ptr(), w._version, tuple(w.shape)):
+        return hit[2]
+    wt = w.t().contiguous()
+    if len(_TRANSPOSED) > 64:
+        _TRANSPOSED.clear()
+    _TRANSPOSED[key] = (weakref.ref(w), (w.data_ptr(), w._version, tuple(w.shape)), wt)
+    return wt
+
+
+def _slice_bounds(n, slices, end0, end1):
+    if slices == 1:
+        return [0, n]
+    if slices == 2:
+        return [0, end0 or n // 2, n]
+    if end0 == 0 and end1 == 0:
+        end0, end1 = n // 3, 2 * n // 3
+    return [0, end0, end1, n]
+
+
+def _lora_sliced_impl(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, bias: Optional[Tensor],
+                      scale: float, slices: int, end0: int, end1: int) -> Tensor:
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    if slices == 1:
+        out = _DECLARED_IMPLS["lora_linear"](x2, weight.contiguous(), lora_a.contiguous(), lora_b.contiguous(),
+                                            None if bias is None else bias.contiguous(), scale)
+    else:
+        idx = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
+        r = lora_b.shape[-1]
+        ranks = torch.full((1,), r, dtype=torch.int32, device=x.device)
+        scales = torch.full((1,), scale, dtype=torch.float32, device=x.device)
+        out = _DECLARED_IMPLS["lora_linear_multi"](x2, weight.contiguous(), lora_a.contiguous()[None],
+                                                  lora_b.contiguous()[None], idx, ranks, scales,
+                                                  None if bias is None else bias.contiguous(), end0, end1)
+    return out.reshape(*x.shape[:-1], n)
+
+
+_lora_sliced = torch.library.custom_op("kiln::lora_sliced", _lora_sliced_impl, mutates_args=())
+
+
+@_lora_sliced.register_fake
+def _(x, weight, lora_a, lora_b, bias, scale, slices, end0, end1):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _lora_setup(ctx, inputs, output):
+    x, weight, lora_a, lora_b, bias, scale, slices, end0, end1 = inputs
+    ctx.scale, ctx.slices, ctx.ends = scale, slices, (end0, end1)
+    ctx.needs = (x.requires_grad, weight.requires_grad, lora_a.requires_grad, lora_b.requires_grad,
+                 bias is not None and bias.requires_grad)
+    ctx.save_for_backward(x, weight, lora_a, lora_b)
+
+
+def _lora_grad_with(fused):
+    """The sliced LoRA's backward; fused(name) is the lora_linear op (the custom op where autograd
+    traces, its implementation in the eager Function)."""
+
+    def grad(ctx, dout):
+        x, weight, lora_a, lora_b = ctx.saved_tensors
+        s, slices = ctx.scale, ctx.slices
+        k, n, r = x.shape[-1], weight.shape[0], lora_b.shape[-1]
+        x2 = x.reshape(-1, k)
+        dy = dout.reshape(-1, n).contiguous()
+        bounds = _slice_bounds(n, slices, *ctx.ends)
+        # t_blk [rows, slices r]: slice j's dy_j B_j in columns [j r, j r + r).
+        blk = torch.zeros(slices * r, n, dtype=lora_b.dtype, device=lora_b.device)
+        for j in range(slices):
+            blk[j * r:(j + 1) * r, bounds[j]:bounds[j + 1]] = lora_b[bounds[j]:bounds[j + 1]].t()
+        dx = None
+        if ctx.needs[0]:
+            if n % 8 == 0 and slices * r <= 128 and dy.shape[0] > 0:
+                dx = fused("lora_linear")(dy, _transposed(weight), blk, lora_a.t().contiguous(), None, s)
+            else:
+                dx = dy @ weight + s * ((dy @ blk.t()) @ lora_a)
+            dx = dx.reshape(x.shape)
+        da = db = None
+        if ctx.needs[2]:
+            da = s * ((dy @ blk.t()).t() @ x2)
+        if ctx.needs[3]:
+            xa = x2 @ lora_a.t()
+            db = torch.cat([s * (dy[:, bounds[j]:bounds[j + 1]].t() @ xa[:, j * r:(j + 1) * r]) for j in range(slices)])
+        dw = dy.t() @ x2 if ctx.needs[1] else None
+        dbias = dy.sum(0) if ctx.needs[4] else None
+        return dx, dw, da, db, dbias, None, None, None, None
+
+    return grad
+
+
+_lora_sliced.register_autograd(_lora_grad_with(lambda name: getattr(torch.ops.kiln, name)), setup_context=_lora_setup)
+_LoraSlicedFunction = _eager_function("_LoraSlicedFunction", _lora_sliced_impl, _lora_setup,
+                                      _lora_grad_with(lambda name: _DECLARED_IMPLS[name]))
+
+
+def _lora_apply(x, weight, lora_a, lora_b, bias, scale, slices=1, end0=0, end1=0):
+    if x.dtype not in (torch.float16, torch.bfloat16) or any(
+            t is not None and t.dtype != x.dtype for t in (weight, lora_a, lora_b, bias)):
+        raise UnsupportedDtypeError(f"lora_linear takes f16 or bf16 x and weights, adapters and bias of its dtype "
+                                    f"(got {x.dtype}, {weight.dtype}, {lora_a.dtype}, {lora_b.dtype})")
+    args = (x, weight, lora_a, lora_b, bias, float(scale), int(slices), int(end0), int(end1))
+    if _eager():
+        if _needs_grad(x, weight, lora_a, lora_b, bias):
+            return _LoraSlicedFunction.apply(*args)
+        return _lora_sliced_impl(*args)
+    return torch.ops.kiln.lora_sliced(*args)
+
+
+def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, bias: Optional[Tensor] = None,
+                scale: float = 1.0) -> Tensor:
+    """x W^T + scale (x A^T) B^T + bias (PEFT's LoRA Linear: weight [out, in], lora_a [r, in],
+    lora_b [out, r], scale = alpha / r) in one GEMM whose accumulators take the low-rank product;
+    differentiable in x, the adapters, the bias (and the weight when it requires grad)."""
+    if lora_a.dim() != 2 or lora_b.dim() != 2:
+        raise ShapeMismatchError(f"lora_linear: lora_a must be [r, in] and lora_b [out, r] (got "
+                                 f"{tuple(lora_a.shape)}, {tuple(lora_b.shape)})")
+    return _lora_apply(x, weight, lora_a, lora_b, bias, scale)
+
+
+def lora_linear_sliced(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, slice_ends: List[int],
+                       bias: Optional[Tensor] = None, scale: float = 1.0) -> Tensor:
+    """A merged projection (weight [n, in]) whose output columns split at slice_ends (1 or 2 ends:
+    gate_up, QKV) into slices with their own adapters: lora_a [slices r, in] (slice j's A in rows
+    [j r, j r + r)), lora_b [n, r] (slice j's B in its columns' rows). x A^T is computed once for
+    every slice; differentiable as lora_linear."""
+    slices = len(slice_ends) + 1
+    if slices not in (2, 3) or lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != slices * lora_b.shape[1]:
+        raise ShapeMismatchError(f"lora_linear_sliced: 1 or 2 slice ends, lora_a [slices r, in], lora_b [n, r] (got "
+                                 f"{list(slice_ends)}, {tuple(lora_a.shape)}, {tuple(lora_b.shape)})")
+    ends = list(slice_ends) + [0]
+    return _lora_apply(x, weight, lora_a, lora_b, bias, scale, slices, ends[0], ends[1])
+
+
+def _lora_init(a, b):
+    # PEFT's default: A as nn.Linear's weight (Kaiming uniform, a = sqrt(5)), B zeros.
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    torch.nn.init.zeros_(b)
+
+
+class LoRALinear(torch.nn.Module):
+    """nn.Linear with a frozen weight and a trainable LoRA adapter (rank r, scale alpha / r)
+    through lora_linear."""
+
+    def __init__(self, in_features: int, out_features: int, r: int, alpha: float = 1.0, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.in_features, self.out_features, self.r, self.scale = in_features, out_features, r, alpha / r
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+        self.lora_A = torch.nn.Parameter(torch.empty(r, in_features, **kw))
+        self.lora_B = torch.nn.Parameter(torch.empty(out_features, r, **kw))
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        _lora_init(self.lora_A, self.lora_B)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return lora_linear(x, self.weight, self.lora_A, self.lora_B, self.bias, self.scale)
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, r={self.r}, scale={self.scale}"
+
+
+class LoRA_MLP(torch.nn.Module):
+    """A gated MLP (SwiGLU with activation "silu", GeGLU with "gelu" or "gelu_tanh") with frozen
+    gate, up and down weights and a LoRA adapter on each: gate and up are one merged projection
+    (gate_up_weight [2 inter, hidden], gate rows first) whose adapters share one x A^T pass, then
+    kiln's act_and_mul, then the down projection. Differentiable (adapters, x) with kiln's kernels
+    forward and the fused lora_linear for the input gradients."""
+
+    def __init__(self, hidden_dim: int, intermediate_dim: int, r: int, alpha: float = 1.0, activation: str = "silu",
+                 device=None, dtype=None):
+        super().__init__()
+        if activation not in _ops.ACTIVATIONS:
+            raise InvalidArgumentError(f"LoRA_MLP: activation must be one of {', '.join(_ops.ACTIVATIONS)}")
+        kw = dict(device=device, dtype=dtype)
+        self.hidden_dim, self.intermediate_dim, self.r, self.scale = hidden_dim, intermediate_dim, r, alpha / r
+        self.activation = activation
+        self.gate_up_weight = torch.nn.Parameter(torch.empty(2 * intermediate_dim, hidden_dim, **kw),
+                                                 requires_grad=False)
+        self.down_weight = torch.nn.Parameter(torch.empty(hidden_dim, intermediate_dim, **kw), requires_grad=False)
+        self.lora_A_gate = torch.nn.Parameter(torch.empty(r, hidden_dim, **kw))
+        self.lora_A_up = torch.nn.Parameter(torch.empty(r, hidden_dim, **kw))
+        self.lora_B_gate = torch.nn.Parameter(torch.empty(intermediate_dim, r, **kw))
+        self.lora_B_up = torch.nn.Parameter(torch.empty(intermediate_dim, r, **kw))
+        self.lora_A_down = torch.nn.Parameter(torch.empty(r, intermediate_dim, **kw))
+        self.lora_B_down = torch.nn.Parameter(torch.empty(hidden_dim, r, **kw))
+        for w in (self.gate_up_weight, self.down_weight):
+            torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        for a, b in ((self.lora_A_gate, self.lora_B_gate), (self.lora_A_up, self.lora_B_up),
+                     (self.lora_A_down, self.lora_B_down)):
+            _lora_init(a, b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.cat([self.lora_A_gate, self.lora_A_up])
+        b = torch.cat([self.lora_B_gate, self.lora_B_up])
+        h = lora_linear_sliced(x, self.gate_up_weight, a, b, [self.intermediate_dim], None, self.scale)
+        return lora_linear(act_and_mul(h, self.activation), self.down_weight, self.lora_A_down, self.lora_B_down,
+                           None, self.scale)
+
+    def extra_repr(self):
+        return f"{self.hidden_dim}, {self.intermediate_dim}, r={self.r}, activation={self.activation}"
+
+
+class LoRA_QKV(torch.nn.Module):
+    """A merged QKV projection (qkv_weight [q + 2 kv, hidden], frozen) with one LoRA adapter per
+    slice: forward(x) -> (q, k, v), one shrink for the three x A^T and one fused GEMM."""
+
+    def __init__(self, hidden_dim: int, q_dim: int, kv_dim: int, r: int, alpha: float = 1.0, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.hidden_dim, self.q_dim, self.kv_dim, self.r, self.scale = hidden_dim, q_dim, kv_dim, r, alpha / r
+        n = q_dim + 2 * kv_dim
+        self.qkv_weight = torch.nn.Parameter(torch.empty(n, hidden_dim, **kw), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(n, **kw)) if bias else None
+        self.lora_A = torch.nn.ParameterList([torch.nn.Parameter(torch.empty(r, hidden_dim, **kw)) for _ in range(3)])
+        self.lora_B = torch.nn.ParameterList([torch.nn.Parameter(torch.empty(d, r, **kw))
+                                              for d in (q_dim, kv_dim, kv_dim)])
+        torch.nn.init.kaiming_uniform_(self.qkv_weight, a=math.sqrt(5))
+        for a, b in zip(self.lora_A, self.lora_B):
+            _lora_init(a, b)
+
+    def forward(self, x: Tensor):
+        out = lora_linear_sliced(x, self.qkv_weight, torch.cat(list(self.lora_A)), torch.cat(list(self.lora_B)),
+                                 [self.q_dim, self.q_dim + self.kv_dim], self.bias, self.scale)
+        return out.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+
+    def extra_repr(self):
+        return f"{self.hidden_dim}, q={self.q_dim}, kv={self.kv_dim}, r={self.r}"
+
+
+__all__ += [n for n in ("lora_linear", "lora_linear_sliced", "LoRALinear", "LoRA_MLP", "LoRA_QKV")
+            if n not in __all__]

@@ -738,3 +738,59 @@ def test_grouped_gemm_fp8_on_host_arrays(rng, block):
             want = (a[rs] @ w[e].T) * sa[rs, None] * sb[e][None, :]
         np.testing.assert_allclose(out[rs].astype(np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
         start = offs[e]
+
+
+def _ref_lora(x, w, a, b, scale, bias=None):
+    x64 = x.astype(np.float64)
+    out = x64 @ w.astype(np.float64).T + scale * (x64 @ a.astype(np.float64).T) @ b.astype(np.float64).T
+    return out if bias is None else out + bias.astype(np.float64)
+
+
+@pytest.mark.parametrize("rank", [1, 8, 64, 128])
+def test_lora_linear_on_host_arrays(rng, rank):
+    """lora_linear's CPU fallback (the two kernels' references) against numpy in fp64: k and n
+    not multiples of any tile, with and without a bias, and scale 0 giving the base GEMM."""
+    m, n, k = 7, 72, 136
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
+    a = (rng.standard_normal((rank, k)) / np.sqrt(k)).astype(np.float16)
+    b = (rng.standard_normal((n, rank)) / np.sqrt(rank)).astype(np.float16)
+    bias = rng.standard_normal(n).astype(np.float16)
+    out = kiln.lora_linear(x, w, a, b, bias, 2.0)
+    assert out.shape == (m, n) and out.dtype == np.float16
+    np.testing.assert_allclose(out.astype(np.float64), _ref_lora(x, w, a, b, 2.0, bias), rtol=5e-3, atol=5e-3)
+    base = kiln.lora_linear(x, w, a, b, None, 0.0)
+    np.testing.assert_allclose(base.astype(np.float64), x.astype(np.float64) @ w.astype(np.float64).T, rtol=2e-3,
+                               atol=2e-3)
+
+
+def test_lora_linear_multi_on_host_arrays(rng):
+    """Three adapters of ranks 8, 16 and 4 (stack rank 16) over merged-QKV slices, rows in any
+    order, some with index -1 (the base GEMM alone)."""
+    m, k, r, adapters = 9, 64, 16, 3
+    ends = (40, 56)
+    n = 72
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    w = (rng.standard_normal((n, k)) / 8).astype(np.float16)
+    a = (rng.standard_normal((adapters, 3 * r, k)) / 8).astype(np.float16)
+    b = (rng.standard_normal((adapters, n, r)) / 4).astype(np.float16)
+    idx = np.array([2, -1, 0, 1, 1, -1, 0, 2, 2], dtype=np.int32)
+    ranks = np.array([8, 16, 4], dtype=np.int32)
+    scales = np.array([0.5, 1.0, 2.0], dtype=np.float32)
+    out = kiln.lora_linear_multi(x, w, a, b, idx, ranks, scales, None, ends[0], ends[1])
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    bounds = [0, ends[0], ends[1], n]
+    for i in range(m):
+        e = idx[i]
+        if e < 0:
+            continue
+        for s in range(3):
+            cols = slice(bounds[s], bounds[s + 1])
+            rows = slice(s * r, s * r + ranks[e])
+            t = x[i].astype(np.float64) @ a[e, rows].astype(np.float64).T
+            want[i, cols] += scales[e] * b[e, cols, :ranks[e]].astype(np.float64) @ t
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=5e-3, atol=5e-3)
+    with pytest.raises(kiln.ShapeMismatchError, match="indices"):
+        kiln.lora_linear_multi(x, w, a, b, idx[:4], ranks, scales)
+    with pytest.raises(kiln.UnsupportedDtypeError):
+        kiln.lora_linear(x.astype(np.float32), w, a[0, :r], b[0])

@@ -1,0 +1,461 @@
+// The lora_shrink and lora_gemm families (families/lora/lora.cuh).
+//
+// Heuristic and why:
+//  - lora_gemm: wgmma on compute capability 9.0, else mma. wgmma tiles as the grouped GEMM's:
+//    64 x 128 for at most 64 rows (decode: W streams once either way, and a 128-row tile would be
+//    half empty), 128 x 256 where n reaches 1024, 128 x 128 below. mma: 128 x 128, halved to
+//    64 x 128 and 64 x 64 while fewer tiles than SMs. Stages: at least 96 KiB of loads in flight
+//    (4 to 6), 8 for the 64 x 128 wgmma tile (decode is bound by bytes in flight), within the
+//    device's shared memory.
+//  - lora_shrink: one 64 x 64 mma tile (the rank side is at most 3 x 128 columns; the cost is
+//    reading x and A once), 4 stages; the K splits (shrink_splits) are part of the problem because
+//    lora_gemm reads that many partial sums.
+#include "families/lora/lora.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/half.h"
+#include "families/common/family_util.h"
+#include "families/common/gemm/gemm_util.h"
+
+namespace kiln::families::lora {
+namespace {
+
+namespace g = gemm;
+
+std::int64_t cdiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// Elements of K per 128-byte stage (f16/bf16).
+constexpr std::int64_t k_step = 64;
+
+struct Variant {
+  bool wgmma;
+  int bm, bn, stages;
+};
+
+Variant variant_of(const Params& p) {
+  const auto path = p.get_str("path");
+  const auto bn = p.get_int("bn");
+  return {path && *path == "wgmma", int(*p.get_int("bm")), bn ? int(*bn) : 64, int(*p.get_int("stages"))};
+}
+
+std::int64_t stage_bytes(const Variant& v) { return std::int64_t(v.bm + v.bn) * 128; }
+std::int64_t shared_bytes(const Variant& v) { return 1024 + v.stages * (stage_bytes(v) + (v.wgmma ? 16 : 0)); }
+
+int default_stages(Variant v, std::int64_t cc) {
+  const std::int64_t stage = stage_bytes(v);
+  v.stages = int(std::clamp<std::int64_t>((96 * 1024 + stage - 1) / stage, 4, 6));
+  if (v.wgmma && stage <= 24 * 1024) v.stages = 8;
+  while (v.stages > 2 && shared_bytes(v) > g::max_shared_bytes(cc)) --v.stages;
+  return v.stages;
+}
+
+std::string dtype_of(const Problem& p) { return p.dtype == DType::f16 ? "f16" : "bf16"; }
+
+// Adapter of row `row` as the kernels read idx (none: -1), and an adapter's rank and scale.
+std::int64_t adapter_at(const std::int32_t* idx, std::int64_t row, std::int64_t adapters) {
+  if (!idx) return 0;
+  const std::int64_t a = idx[row];
+  return a >= 0 && a < adapters ? a : -1;
+}
+std::int64_t rank_at(const std::int32_t* ranks, std::int64_t a, std::int64_t r) {
+  return ranks ? std::clamp<std::int64_t>(ranks[a], 0, r) : r;
+}
+
+Status check_common(const std::string& f, DType kernel, const Problem& p, std::int64_t m, std::int64_t k,
+                    std::int64_t r, std::int64_t adapters, std::int64_t slices, std::int64_t splits) {
+  if (kernel != p.dtype)
+    return unsupported_dtype(f + ": kernel is for " + dtype_name(kernel) + ", tensors are " + dtype_name(p.dtype));
+  if (m < 1 || k < 1) return shape_mismatch(f + ": m and k must be positive");
+  if (k % 8) return shape_mismatch(f + ": k must be a multiple of 8 (rows are copied in 16-byte pieces)");
+  if (r < 1 || r > k_max_rank) return shape_mismatch(f + ": rank must be in [1, 128], got " + std::to_string(r));
+  if (slices < 1 || slices > k_max_slices) return shape_mismatch(f + ": slices must be 1, 2 or 3");
+  if (adapters < 1) return shape_mismatch(f + ": adapters must be positive");
+  if (splits < 1 || splits > std::max<std::int64_t>(1, cdiv(k, k_step)) || splits > 16)
+    return invalid_argument(f + ": splits must be in [1, min(16, k / 64 rounded up)], got " + std::to_string(splits));
+  const std::int64_t lim = std::int64_t(1) << 31;
+  if (m >= lim || k >= lim || adapters * slices * r * k >= (std::int64_t(1) << 40) ||
+      splits * m * slices * rank_pitch(r) >= lim)
+    return shape_mismatch(f + ": sizes must be below 2^31");
+  if (p.alignment < 16) return invalid_argument(f + ": tensors need 16-byte aligned base addresses");
+  return {};
+}
+
+class LoraShrink final : public Family {
+ public:
+  std::string_view name() const override { return "lora_shrink"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {{"dtype", {}, {"f16", "bf16"}, "element type of x and A"},
+                                               {"bm", {64}, {}, "tile rows"},
+                                               {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"}};
+    return defs;
+  }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<LoraShrinkProblem>(
+        {bucketed(&LoraShrinkProblem::m, "m", "rows of x (tokens)"),
+         key(&LoraShrinkProblem::k, "k", "columns of x and of A"),
+         key(&LoraShrinkProblem::r, "r", "rank per slice"),
+         key(&LoraShrinkProblem::adapters, "adapters", "adapters in A's stack"),
+         key(&LoraShrinkProblem::slices, "slices", "output slices (merged QKV: 3, gate_up: 2)"),
+         key(&LoraShrinkProblem::splits, "splits", "partial sums over ranges of K"),
+         key(&LoraShrinkProblem::multi, "multi", "1: per-row adapter indices and per-adapter ranks")});
+    return fields;
+  }
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    Rendered out;
+    out.source = "#include \"lora/lora.cuh\"\n";
+    out.name_expression = std::string("kiln::lora::lora_shrink_mma<") + device_type(*params.get_str("dtype")) + ", " +
+                          std::to_string(*params.get_int("bm")) + ", 64, " + std::to_string(*params.get_int("stages")) +
+                          ">";
+    return out;
+  }
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    return arch.capability >= 80 && shared_bytes(variant_of(params)) <= g::max_shared_bytes(arch.capability);
+  }
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* d : {"f16", "bf16"}) out.push_back(Params{{"dtype", d}, {"bm", std::int64_t(64)}, {"stages", std::int64_t(4)}});
+    return out;
+  }
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto q = p.as<LoraShrinkProblem>();
+    KILN_TRY(check_common("lora_shrink", *parse_dtype(*params.get_str("dtype")), p, q.m, q.k, q.r, q.adapters, q.slices,
+                          q.splits));
+    const std::int64_t cc = g::device_cc(p);
+    if (cc < 80) return invalid_argument("lora_shrink: needs compute capability 8.0 or later");
+    if (shared_bytes(variant_of(params)) > g::max_shared_bytes(cc))
+      return invalid_argument("lora_shrink: the variant needs more shared memory than the device grants");
+    return {};
+  }
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    const auto q = p.as<LoraShrinkProblem>();
+    const Variant v = variant_of(params);
+    LaunchGeometry geo;
+    geo.grid.x = std::uint32_t(std::max<std::int64_t>(1, cdiv(q.m, v.bm) * cdiv(q.slices * rank_pitch(q.r), 64)));
+    geo.grid.y = std::uint32_t(q.splits);
+    geo.block.x = 128;
+    geo.shared_bytes = std::uint32_t(shared_bytes(v));
+    return geo;
+  }
+  Params heuristic(const Problem& p) const override {
+    return Params{{"dtype", dtype_of(p)}, {"bm", std::int64_t(64)}, {"stages", std::int64_t(4)}};
+  }
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    std::vector<Params> out;
+    for (std::int64_t s : {2, 3, 4, 5, 6}) {
+      Params c{{"dtype", dtype_of(p)}, {"bm", std::int64_t(64)}, {"stages", s}};
+      if (check_problem(c, p).ok()) out.push_back(c);
+    }
+    return out;
+  }
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    return Family::problem_from_shape(
+        dtype, with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}}));
+  }
+  // Llama hidden 4096 at ranks 16 and 64: prefill (one split) and decode (16 splits, 16 adapters),
+  // and a small ragged multi-adapter case with merged QKV slices.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    if (dtype != DType::f16 && dtype != DType::bf16) return out;
+    auto add = [&](LoraShrinkProblem q) { out.push_back(Problem::of(dtype, 16, q)); };
+    add({.m = 8192, .k = 4096, .r = 16, .splits = shrink_splits(8192, 4096, 16, 1, g::k_reference_sms)});
+    add({.m = 8192, .k = 4096, .r = 64, .splits = shrink_splits(8192, 4096, 64, 1, g::k_reference_sms)});
+    add({.m = 16, .k = 4096, .r = 16, .adapters = 16, .splits = shrink_splits(16, 4096, 16, 1, g::k_reference_sms),
+         .multi = 1});
+    add({.m = 100, .k = 264, .r = 24, .adapters = 3, .slices = 3, .splits = 2, .multi = 1});
+    return out;
+  }
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto q = p.as<LoraShrinkProblem>();
+    return {{"x", BufferRole::input, p.dtype, q.m * q.k},
+            {"a", BufferRole::input, p.dtype, q.adapters * q.slices * q.r * q.k},
+            {"idx", BufferRole::input, DType::i32, q.multi ? q.m : 1, q.adapters},
+            {"ranks", BufferRole::input, DType::i32, q.multi ? q.adapters : 1, q.r + 1},
+            {"u", BufferRole::output, DType::f32, q.splits * q.m * q.slices * rank_pitch(q.r)}};
+  }
+  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<LoraShrinkProblem>();
+    out.add(b[0]);
+    out.add(b[1]);
+    out.add(q.multi ? b[2] : static_cast<void*>(nullptr));
+    out.add(q.multi ? b[3] : static_cast<void*>(nullptr));
+    out.add(b[4]);
+    for (std::int64_t v : {q.m, q.k, q.r, q.adapters, q.slices, q.splits}) out.add(int(v));
+  }
+  // fp64 sums over each split's K range (the kernel's: split z takes 64-column steps [z s / splits,
+  // (z + 1) s / splits) of the s steps), stored f32.
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 5) return invalid_argument("lora_shrink: reference takes 5 buffers (x, a, idx, ranks, u)");
+    const auto q = p.as<LoraShrinkProblem>();
+    const auto* idx = q.multi ? static_cast<const std::int32_t*>(b[2]) : nullptr;
+    const auto* ranks = q.multi ? static_cast<const std::int32_t*>(b[3]) : nullptr;
+    auto* u = static_cast<float*>(b[4]);
+    const std::int64_t rp = rank_pitch(q.r), ucols = q.slices * rp, steps = cdiv(q.k, k_step);
+    for (std::int64_t z = 0; z < q.splits; ++z) {
+      const std::int64_t k0 = steps * z / q.splits * k_step, k1 = std::min(q.k, steps * (z + 1) / q.splits * k_step);
+      for (std::int64_t row = 0; row < q.m; ++row) {
+        const std::int64_t a = adapter_at(idx, row, q.adapters);
+        const std::int64_t rank = a < 0 ? 0 : rank_at(ranks, a, q.r);
+        for (std::int64_t c = 0; c < ucols; ++c) {
+          const std::int64_t s = c / rp, rr = c % rp;
+          double sum = 0;
+          if (rr < rank) {
+            const std::int64_t arow = (a * q.slices + s) * q.r + rr;
+            for (std::int64_t x = k0; x < k1; ++x)
+              sum += load_as_double(b[0], p.dtype, row * q.k + x) * load_as_double(b[1], p.dtype, arow * q.k + x);
+          }
+          u[(z * q.m + row) * ucols + c] = float(sum);
+        }
+      }
+    }
+    return {};
+  }
+};
+
+class LoraGemm final : public Family {
+ public:
+  std::string_view name() const override { return "lora_gemm"; }
+  int version() const override { return 1; }
+
+  const std::vector<ParamDef>& schema() const override {
+    static const std::vector<ParamDef> defs = {
+        {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
+        {"dtype", {}, {"f16", "bf16"}, "element type of x, W, B, bias and out"},
+        {"bm", {64, 128}, {}, "tile rows"},
+        {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
+        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"}};
+    return defs;
+  }
+  const std::vector<ProblemField>& problem_fields() const override {
+    static const std::vector<ProblemField> fields = problem_fields_of<LoraGemmProblem>(
+        {bucketed(&LoraGemmProblem::m, "m", "rows of x and out (tokens)"),
+         key(&LoraGemmProblem::n, "n", "columns of out"), key(&LoraGemmProblem::k, "k", "columns of x and of W"),
+         key(&LoraGemmProblem::r, "r", "rank per slice"),
+         key(&LoraGemmProblem::adapters, "adapters", "adapters in B's stack"),
+         key(&LoraGemmProblem::slices, "slices", "output slices"),
+         key(&LoraGemmProblem::splits, "splits", "lora_shrink's partial sums"),
+         key(&LoraGemmProblem::multi, "multi", "1: per-row adapter indices, per-adapter ranks and scales"),
+         key(&LoraGemmProblem::bias, "bias", "1: a bias [n]"),
+         value(&LoraGemmProblem::n1, "n1", "end of slice 0"), value(&LoraGemmProblem::n2, "n2", "end of slice 1"),
+         value(&LoraGemmProblem::scale, "scale", "the adapter's scale without multi")});
+    return fields;
+  }
+  static Params make(const Variant& v, const std::string& dtype) {
+    return Params{{"path", v.wgmma ? "wgmma" : "mma"}, {"dtype", dtype}, {"bm", std::int64_t(v.bm)},
+                  {"bn", std::int64_t(v.bn)}, {"stages", std::int64_t(v.stages)}};
+  }
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    const Variant v = variant_of(params);
+    if (!v.wgmma && v.bn > 128) return invalid_argument("lora_gemm: the mma path takes bn <= 128");
+    if (shared_bytes(v) > 227 * 1024) return invalid_argument("lora_gemm: the stages exceed 227 KiB of shared memory");
+    return {};
+  }
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    const Variant v = variant_of(params);
+    if (v.wgmma ? !(arch.capability == 90 && arch.suffix == 'a') : arch.capability < 80) return false;
+    return shared_bytes(v) <= g::max_shared_bytes(arch.capability);
+  }
+  Result<Rendered> render(const Params& params) const override {
+    KILN_TRY(validate(params));
+    const Variant v = variant_of(params);
+    Rendered out;
+    out.source = "#include \"lora/lora.cuh\"\n";
+    out.name_expression = std::string("kiln::lora::") + (v.wgmma ? "lora_gemm_wgmma<" : "lora_gemm_mma<") +
+                          device_type(*params.get_str("dtype")) + ", " + std::to_string(v.bm) + ", " +
+                          std::to_string(v.bn) + ", " + std::to_string(v.stages) + ">";
+    return out;
+  }
+  // The heuristic's picks: wgmma's three tiles (sm_90a), mma's three at the stages of sm_80 and
+  // sm_86, both dtypes.
+  std::vector<Params> catalog() const override {
+    std::vector<Params> out;
+    for (const char* d : {"f16", "bf16"}) {
+      for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
+        Variant v{true, bm, bn, 4};
+        v.stages = default_stages(v, 90);
+        out.push_back(make(v, d));
+      }
+      for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
+        for (std::int64_t cc : {80, 86}) {
+          Variant v{false, bm, bn, 4};
+          v.stages = default_stages(v, cc);
+          Params p = make(v, d);
+          if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+        }
+    }
+    return out;
+  }
+  Status check_problem(const Params& params, const Problem& p) const override {
+    const auto q = p.as<LoraGemmProblem>();
+    const Variant v = variant_of(params);
+    const std::string f = "lora_gemm";
+    KILN_TRY(check_common(f, *parse_dtype(*params.get_str("dtype")), p, q.m, q.k, q.r, q.adapters, q.slices, q.splits));
+    if (q.n < 1 || q.n >= (std::int64_t(1) << 31)) return shape_mismatch(f + ": n must be in [1, 2^31)");
+    if (q.adapters * q.n * q.r >= (std::int64_t(1) << 40)) return shape_mismatch(f + ": B's stack is too large");
+    if (cdiv(q.m, v.bm) * cdiv(q.n, v.bn) >= (std::int64_t(1) << 31)) return shape_mismatch(f + ": too many tiles");
+    if (q.slices >= 2 && !(0 <= q.n1 && q.n1 <= q.n && (q.slices < 3 || (q.n1 <= q.n2 && q.n2 <= q.n))))
+      return invalid_argument(f + ": slice ends must be non-decreasing within [0, n]");
+    if (!std::isfinite(q.scale)) return invalid_argument(f + ": scale must be finite");
+    const std::int64_t cc = g::device_cc(p);
+    if (v.wgmma && cc != 90)
+      return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
+                              std::to_string(cc / 10) + "." + std::to_string(cc % 10));
+    if (!v.wgmma && cc < 80) return invalid_argument(f + ": needs compute capability 8.0 or later");
+    if (shared_bytes(v) > g::max_shared_bytes(cc))
+      return invalid_argument(f + ": the variant needs more shared memory than the device grants");
+    return {};
+  }
+  LaunchGeometry geometry(const Params& params, const Problem& p) const override {
+    const auto q = p.as<LoraGemmProblem>();
+    const Variant v = variant_of(params);
+    const std::int64_t tiles = cdiv(q.m, v.bm) * cdiv(q.n, v.bn);
+    LaunchGeometry geo;
+    geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(tiles, g::device_sms(p)) : tiles, 1, 0x7fffffff));
+    geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : 2 * v.bn);
+    geo.shared_bytes = std::uint32_t(shared_bytes(v));
+    return geo;
+  }
+  Params heuristic(const Problem& p) const override {
+    const auto q = p.as<LoraGemmProblem>();
+    const std::int64_t cc = g::device_cc(p);
+    Variant v{cc == 90, 128, 128, 4};
+    if (v.wgmma) {
+      if (q.m <= 64)
+        v.bm = 64;
+      else if (q.n >= 1024)
+        v.bn = 256;
+    } else {
+      const std::int64_t sms = g::device_sms(p);
+      if (cdiv(q.m, v.bm) * cdiv(q.n, v.bn) < sms) v.bm = 64;
+      if (cdiv(q.m, v.bm) * cdiv(q.n, v.bn) < sms) v.bn = 64;
+    }
+    v.stages = default_stages(v, cc);
+    return make(v, dtype_of(p));
+  }
+  std::vector<Params> tuning_space(const Problem& p) const override {
+    const Variant base = variant_of(heuristic(p));
+    std::vector<Params> out;
+    for (int bm : {64, 128})
+      for (int bn : {64, 128, 256}) {
+        Variant v{base.wgmma, bm, bn, 4};
+        std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
+        std::sort(depths.begin(), depths.end());
+        depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
+        for (int s : depths) {
+          v.stages = s;
+          Params c = make(v, dtype_of(p));
+          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+        }
+      }
+    return out;
+  }
+  Result<Problem> problem_from_shape(DType dtype,
+                                     const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
+    return Family::problem_from_shape(
+        dtype, with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}, {"bias", 0}}));
+  }
+  // The shapes (M 8192 and 16, K 4096, N 4096 rank 16, N 14336 rank 64), decode over 16
+  // adapters, and a small ragged merged-QKV case with a bias.
+  std::vector<Problem> benchmark_problems(DType dtype) const override {
+    std::vector<Problem> out;
+    if (dtype != DType::f16 && dtype != DType::bf16) return out;
+    auto add = [&](LoraGemmProblem q) {
+      q.splits = shrink_splits(q.m, q.k, q.r, q.slices, g::k_reference_sms);
+      out.push_back(Problem::of(dtype, 16, q));
+    };
+    add({.m = 8192, .n = 4096, .k = 4096, .r = 16});
+    add({.m = 8192, .n = 14336, .k = 4096, .r = 64});
+    add({.m = 16, .n = 4096, .k = 4096, .r = 16});
+    add({.m = 16, .n = 4096, .k = 4096, .r = 16, .adapters = 16, .multi = 1});
+    add({.m = 100, .n = 200, .k = 264, .r = 24, .adapters = 3, .slices = 3, .multi = 1, .bias = 1, .n1 = 136,
+         .n2 = 168});
+    return out;
+  }
+  std::vector<BufferSpec> buffers(const Params&, const Problem& p) const override {
+    const auto q = p.as<LoraGemmProblem>();
+    return {{"x", BufferRole::input, p.dtype, q.m * q.k},
+            {"w", BufferRole::input, p.dtype, q.n * q.k},
+            {"b", BufferRole::input, p.dtype, q.adapters * q.n * q.r},
+            {"u", BufferRole::input, DType::f32, q.splits * q.m * q.slices * rank_pitch(q.r)},
+            {"idx", BufferRole::input, DType::i32, q.multi ? q.m : 1, q.adapters},
+            {"ranks", BufferRole::input, DType::i32, q.multi ? q.adapters : 1, q.r + 1},
+            {"scales", BufferRole::input, DType::f32, q.multi ? q.adapters : 1},
+            {"bias", BufferRole::input, p.dtype, q.bias ? q.n : 1},
+            {"out", BufferRole::output, p.dtype, q.m * q.n}};
+  }
+  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+    const auto q = p.as<LoraGemmProblem>();
+    const Variant v = variant_of(params);
+    void* const none = nullptr;
+    for (int i = 0; i < 4; ++i) out.add(b[i]);
+    for (int i = 4; i < 7; ++i) out.add(q.multi ? b[i] : none);
+    out.add(q.bias ? b[7] : none);
+    out.add(b[8]);
+    for (std::int64_t x : {q.m, q.n, q.k, q.r, q.adapters, q.slices, q.n1, q.n2, q.splits}) out.add(int(x));
+    out.add(float(q.scale));
+    if (!v.wgmma) return;
+    const std::uint64_t row_bytes = std::uint64_t(q.k) * dtype_size(p.dtype);
+    out.add_tensor_map({b[0], row_bytes, std::uint64_t(q.m), std::uint32_t(v.bm), 0});
+    out.add_tensor_map({b[1], row_bytes, std::uint64_t(q.n), std::uint32_t(v.bn), 0});
+  }
+  // fp64 sums; the low-rank operand is t = scale * (u's partials summed in split order, fp32),
+  // rounded to the operand type as the kernel rounds it.
+  Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
+    if (b.size() != 9)
+      return invalid_argument("lora_gemm: reference takes 9 buffers (x, w, b, u, idx, ranks, scales, bias, out)");
+    const auto q = p.as<LoraGemmProblem>();
+    const auto* u = static_cast<const float*>(b[3]);
+    const auto* idx = q.multi ? static_cast<const std::int32_t*>(b[4]) : nullptr;
+    const auto* ranks = q.multi ? static_cast<const std::int32_t*>(b[5]) : nullptr;
+    const auto* scales = q.multi ? static_cast<const float*>(b[6]) : nullptr;
+    const std::int64_t rp = rank_pitch(q.r), ucols = q.slices * rp;
+    std::vector<double> t(std::size_t(q.slices * q.r));
+    for (std::int64_t row = 0; row < q.m; ++row) {
+      const std::int64_t a = adapter_at(idx, row, q.adapters);
+      const std::int64_t rank = a < 0 ? 0 : rank_at(ranks, a, q.r);
+      const float sc = a < 0 ? 0.0f : scales ? scales[a] : float(q.scale);
+      for (std::int64_t s = 0; s < q.slices; ++s)
+        for (std::int64_t rr = 0; rr < q.r; ++rr) {
+          float v = 0.0f;
+          for (std::int64_t z = 0; z < q.splits && rr < rank; ++z) v += u[(z * q.m + row) * ucols + s * rp + rr];
+          v = rr < rank ? v * sc : 0.0f;
+          t[s * q.r + rr] = round_to(p.dtype, double(v));
+        }
+      for (std::int64_t col = 0; col < q.n; ++col) {
+        double sum = 0;
+        for (std::int64_t x = 0; x < q.k; ++x)
+          sum += load_as_double(b[0], p.dtype, row * q.k + x) * load_as_double(b[1], p.dtype, col * q.k + x);
+        std::int64_t s = 0;
+        while (s + 1 < q.slices && col >= slice_hi(q, s)) ++s;
+        if (a >= 0 && col >= slice_lo(q, s) && col < slice_hi(q, s))
+          for (std::int64_t rr = 0; rr < rank; ++rr)
+            sum += t[s * q.r + rr] * load_as_double(b[2], p.dtype, (a * q.n + col) * q.r + rr);
+        if (q.bias) sum += load_as_double(b[7], p.dtype, col);
+        store_from_double(b[8], p.dtype, row * q.n + col, sum);
+      }
+    }
+    return {};
+  }
+
+ private:
+  static double round_to(DType t, double v) {
+    unsigned char buf[4];
+    store_from_double(buf, t, 0, v);
+    return load_as_double(buf, t, 0);
+  }
+};
+
+}  // namespace
+}  // namespace kiln::families::lora
+
+void kiln_register_family_lora(kiln::Registry& r) {
+  (void)r.add(std::make_shared<kiln::families::lora::LoraShrink>());
+  (void)r.add(std::make_shared<kiln::families::lora::LoraGemm>());
+}
