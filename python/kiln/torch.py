@@ -15,7 +15,6 @@ RoPE is CUDA only: DeviceError). Errors are kiln's exceptions, raised before any
 """
 import math
 import os
-import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -1920,29 +1919,9 @@ __all__ += [n for n in ("fused_moe", "MoE") if n not in __all__]
 # GEMM (kiln's lora_linear op). The sliced form covers merged projections whose output columns
 # split into slices (gate_up: 2, QKV: 3), each with its own adapter: A stacks the slices' A rows,
 # B the slices' B rows in output order; one shrink computes x A^T for every slice at once. The
-# backward (frozen base weight unless it requires grad): dx = dy W + scale sum_s (dy_s B_s) A_s as
-# one fused lora_linear over W^T (the transposed copy of a frozen weight is cached in eager mode),
-# dA_s = scale (dy_s B_s)^T x, dB_s = scale dy_s^T (x A_s^T), dbias = sum of dy (torch matmuls:
+# backward (frozen base weight unless it requires grad): dx = dy W + scale sum_s (dy_s B_s) A_s
+# (cuBLAS over W as it is, the rank-sized term added in place), dA_s = scale (dy_s B_s)^T x, dB_s = scale dy_s^T (x A_s^T), dbias = sum of dy (torch matmuls:
 # the adapters' products are rank-sized).
-
-_TRANSPOSED = {}
-
-
-def _transposed(w):
-    """w.t().contiguous(), kept for a frozen weight between eager calls (its data pointer and
-    version unchanged)."""
-    if not _eager() or w.requires_grad:
-        return w.t().contiguous()
-    key = id(w)
-    hit = _TRANSPOSED.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == (w.data_ptr(), w._version, tuple(w.shape)):
-        return hit[2]
-    wt = w.t().contiguous()
-    if len(_TRANSPOSED) > 64:
-        _TRANSPOSED.clear()
-    _TRANSPOSED[key] = (weakref.ref(w), (w.data_ptr(), w._version, tuple(w.shape)), wt)
-    return wt
-
 
 def _slice_bounds(n, slices, end0, end1):
     if slices == 1:
@@ -1990,44 +1969,36 @@ def _lora_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, lora_a, lora_b)
 
 
-def _lora_grad_with(fused):
-    """The sliced LoRA's backward; fused(name) is the lora_linear op (the custom op where autograd
-    traces, its implementation in the eager Function)."""
-
-    def grad(ctx, dout):
-        x, weight, lora_a, lora_b = ctx.saved_tensors
-        s, slices = ctx.scale, ctx.slices
-        k, n, r = x.shape[-1], weight.shape[0], lora_b.shape[-1]
-        x2 = x.reshape(-1, k)
-        dy = dout.reshape(-1, n).contiguous()
-        bounds = _slice_bounds(n, slices, *ctx.ends)
-        # t_blk [rows, slices r]: slice j's dy_j B_j in columns [j r, j r + r).
-        blk = torch.zeros(slices * r, n, dtype=lora_b.dtype, device=lora_b.device)
-        for j in range(slices):
-            blk[j * r:(j + 1) * r, bounds[j]:bounds[j + 1]] = lora_b[bounds[j]:bounds[j + 1]].t()
-        dx = None
-        if ctx.needs[0]:
-            if n % 8 == 0 and slices * r <= 128 and dy.shape[0] > 0:
-                dx = fused("lora_linear")(dy, _transposed(weight), blk, lora_a.t().contiguous(), None, s)
-            else:
-                dx = dy @ weight + s * ((dy @ blk.t()) @ lora_a)
-            dx = dx.reshape(x.shape)
-        da = db = None
-        if ctx.needs[2]:
-            da = s * ((dy @ blk.t()).t() @ x2)
-        if ctx.needs[3]:
-            xa = x2 @ lora_a.t()
-            db = torch.cat([s * (dy[:, bounds[j]:bounds[j + 1]].t() @ xa[:, j * r:(j + 1) * r]) for j in range(slices)])
-        dw = dy.t() @ x2 if ctx.needs[1] else None
-        dbias = dy.sum(0) if ctx.needs[4] else None
-        return dx, dw, da, db, dbias, None, None, None, None
-
-    return grad
+def _lora_grad(ctx, dout):
+    """The sliced LoRA's backward (torch matmuls: cuBLAS for dy W and the dense weight gradient, the
+    rest rank-sized)."""
+    x, weight, lora_a, lora_b = ctx.saved_tensors
+    s, slices = ctx.scale, ctx.slices
+    k, n, r = x.shape[-1], weight.shape[0], lora_b.shape[-1]
+    x2 = x.reshape(-1, k)
+    dy = dout.reshape(-1, n).contiguous()
+    bounds = _slice_bounds(n, slices, *ctx.ends)
+    # blk [slices r, n]: slice j's B_j^T in rows [j r, j r + r) and its own columns, so dy blk^T
+    # holds every slice's dy_j B_j side by side.
+    blk = torch.zeros(slices * r, n, dtype=lora_b.dtype, device=lora_b.device)
+    for j in range(slices):
+        blk[j * r:(j + 1) * r, bounds[j]:bounds[j + 1]] = lora_b[bounds[j]:bounds[j + 1]].t()
+    dyb = dy @ blk.t() if ctx.needs[0] or ctx.needs[2] else None
+    # cuBLAS reads W as it is (no transposed copy of a frozen weight is kept); the rank-sized term
+    # is added in place.
+    dx = (dy @ weight).addmm_(dyb, lora_a, alpha=s).reshape(x.shape) if ctx.needs[0] else None
+    da = s * (dyb.t() @ x2) if ctx.needs[2] else None
+    db = None
+    if ctx.needs[3]:
+        xa = x2 @ lora_a.t()
+        db = torch.cat([s * (dy[:, bounds[j]:bounds[j + 1]].t() @ xa[:, j * r:(j + 1) * r]) for j in range(slices)])
+    dw = dy.t() @ x2 if ctx.needs[1] else None
+    dbias = dy.sum(0) if ctx.needs[4] else None
+    return dx, dw, da, db, dbias, None, None, None, None
 
 
-_lora_sliced.register_autograd(_lora_grad_with(lambda name: getattr(torch.ops.kiln, name)), setup_context=_lora_setup)
-_LoraSlicedFunction = _eager_function("_LoraSlicedFunction", _lora_sliced_impl, _lora_setup,
-                                      _lora_grad_with(lambda name: _DECLARED_IMPLS[name]))
+_lora_sliced.register_autograd(_lora_grad, setup_context=_lora_setup)
+_LoraSlicedFunction = _eager_function("_LoraSlicedFunction", _lora_sliced_impl, _lora_setup, _lora_grad)
 
 
 def _lora_apply(x, weight, lora_a, lora_b, bias, scale, slices=1, end0=0, end1=0):
