@@ -9,7 +9,8 @@
 # anchors: bench/torch_anchors.py with kiln importable, so the families' anchors that also time
 # kiln's Python layer (the MoE layer, say) do; TORCH_ARGS narrows it (e.g. "--only moe").
 # --host-only: the benchmark times only the host cost per call (side_by_side.py --host-only).
-# Env: PYTEST_K, a pytest -k expression that narrows the tests (e.g. "launch or describe").
+# Env: PYTEST_K, a pytest -k expression that narrows the tests (e.g. "launch or describe");
+# TRAIN_ARGS, extra arguments of train_step.py (e.g. "--only llama_layer").
 set -uo pipefail
 quick="" host="" what=""
 for a in "$@"; do
@@ -58,7 +59,7 @@ if [[ "$what" == *" bench "* ]]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [[ "$what" == *" train "* ]]; then
-  PYTHONPATH="$PYTHONPATH:$peers" PYTHONUNBUFFERED=1 timeout -k 5 300 "$py" "$root/bench/python/train_step.py" $quick \
+  PYTHONPATH="$PYTHONPATH:$peers" PYTHONUNBUFFERED=1 timeout -k 5 300 "$py" "$root/bench/python/train_step.py" $quick ${TRAIN_ARGS:-} \
     --json "$out/train_step.json" 2>&1 | tee "$out/train_step.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

@@ -140,66 +140,88 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
 
 // Writes tail stage `it` into the swizzled tiles at dst_a (ROWS_A rows of t) and dst_b (ROWS_B rows
 // of B), NT threads sharing the work with plain loads and shared stores (a rank need not make
-// 16-byte rows, and t is summed from fp32 partials on the way).
+// 16-byte rows, and t is summed from fp32 partials on the way). Each thread keeps several chunks'
+// loads in flight before it stores them: the loads, not the stores, are what a tail stage waits on.
 template <class T, int ROWS_A, int ROWS_B, int NT>
 __device__ __forceinline__ void load_tail(unsigned dst_a, unsigned dst_b, const Tail<T>& t, const TailIter& it,
                                           int row0, int col0, int tid) {
+  constexpr int BATCH = 4, BATCH_A = 2;  // t's chunks hold 8 floats each while they sum
   const int rank = t.rank(it.a), rp = t.rp();
   const float sc = t.scale(it.a);
   const int ucols = t.slices * rp;
   const long long split_stride = (long long)t.m * ucols;
 #pragma unroll 1
-  for (int i = tid; i < ROWS_A * 8; i += NT) {
-    const int r = i >> 3, c = i & 7;
-    const int row = row0 + r, rr = it.r0 + 8 * c;
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (row < t.m && rr < rank && adapter_of(t.idx, row, t.adapters) == it.a) {
-      const float* p = t.u + (long long)row * ucols + it.s * rp + rr;
-#pragma unroll 1
-      for (int z = 0; z < t.splits; ++z, p += split_stride) {
-        const float4 lo = __ldg(reinterpret_cast<const float4*>(p)), hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
-        v[0] += lo.x;
-        v[1] += lo.y;
-        v[2] += lo.z;
-        v[3] += lo.w;
-        v[4] += hi.x;
-        v[5] += hi.y;
-        v[6] += hi.z;
-        v[7] += hi.w;
-      }
+  for (int i0 = tid; i0 < ROWS_A * 8; i0 += BATCH_A * NT) {
+    float v[BATCH_A][8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = rr + e < rank ? v[e] * sc : 0.0f;
+    for (int q = 0; q < BATCH_A; ++q) {
+      const int i = i0 + q * NT, r = i >> 3, c = i & 7;
+      const int row = row0 + r, rr = it.r0 + 8 * c;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[q][e] = 0.0f;
+      if (i < ROWS_A * 8 && row < t.m && rr < rank && adapter_of(t.idx, row, t.adapters) == it.a) {
+        const float* p = t.u + (long long)row * ucols + it.s * rp + rr;
+#pragma unroll 1
+        for (int z = 0; z < t.splits; ++z, p += split_stride) {
+          const float4 lo = __ldg(reinterpret_cast<const float4*>(p)), hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
+          v[q][0] += lo.x;
+          v[q][1] += lo.y;
+          v[q][2] += lo.z;
+          v[q][3] += lo.w;
+          v[q][4] += hi.x;
+          v[q][5] += hi.y;
+          v[q][6] += hi.z;
+          v[q][7] += hi.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[q][e] = rr + e < rank ? v[q][e] * sc : 0.0f;
+      }
     }
-    st_shared_v4(dst_a + r * gemm::k_row_bytes + ((c ^ (r & 7)) << 4), pack8<T>(v));
+#pragma unroll
+    for (int q = 0; q < BATCH_A; ++q) {
+      const int i = i0 + q * NT, r = i >> 3, c = i & 7;
+      if (i < ROWS_A * 8) st_shared_v4(dst_a + r * gemm::k_row_bytes + ((c ^ (r & 7)) << 4), pack8<T>(v[q]));
+    }
   }
   const int lo = t.lo(it.s), hi = t.hi(it.s);
   const bool vec = (t.r & 7) == 0;
   const T* bb = t.b + (long long)it.a * t.n * t.r;
 #pragma unroll 1
-  for (int i = tid; i < ROWS_B * 8; i += NT) {
-    const int r = i >> 3, c = i & 7;
-    const int col = col0 + r, rr = it.r0 + 8 * c;
-    uint4 w = make_uint4(0u, 0u, 0u, 0u);
-    if (col >= lo && col < hi && rr < rank) {
-      const T* p = bb + (long long)col * t.r + rr;
-      if (vec) {
-        w = __ldg(reinterpret_cast<const uint4*>(p));
-        // Elements past the rank (a rank that is not a multiple of 8) read as zeros.
-        const int keep = rank - rr;
-        if (keep < 8) {
-          w.x = keep >= 2 ? w.x : keep == 1 ? (w.x & 0xffffu) : 0u;
-          w.y = keep >= 4 ? w.y : keep == 3 ? (w.y & 0xffffu) : 0u;
-          w.z = keep >= 6 ? w.z : keep == 5 ? (w.z & 0xffffu) : 0u;
-          w.w = keep == 7 ? (w.w & 0xffffu) : 0u;
-        }
-      } else {
-        unsigned short e8[8];
+  for (int i0 = tid; i0 < ROWS_B * 8; i0 += BATCH * NT) {
+    uint4 w[BATCH];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) e8[e] = rr + e < rank ? p[e].bits : (unsigned short)0;
-        w = make_uint4(pair_bits(e8[0], e8[1]), pair_bits(e8[2], e8[3]), pair_bits(e8[4], e8[5]), pair_bits(e8[6], e8[7]));
+    for (int q = 0; q < BATCH; ++q) {
+      const int i = i0 + q * NT, r = i >> 3, c = i & 7;
+      const int col = col0 + r, rr = it.r0 + 8 * c;
+      w[q] = make_uint4(0u, 0u, 0u, 0u);
+      if (i < ROWS_B * 8 && col >= lo && col < hi && rr < rank) {
+        const T* p = bb + (long long)col * t.r + rr;
+        if (vec) {
+          w[q] = __ldg(reinterpret_cast<const uint4*>(p));
+        } else {
+          unsigned short e8[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) e8[e] = rr + e < rank ? p[e].bits : (unsigned short)0;
+          w[q] = make_uint4(pair_bits(e8[0], e8[1]), pair_bits(e8[2], e8[3]), pair_bits(e8[4], e8[5]),
+                            pair_bits(e8[6], e8[7]));
+        }
       }
     }
-    st_shared_v4(dst_b + r * gemm::k_row_bytes + ((c ^ (r & 7)) << 4), w);
+#pragma unroll
+    for (int q = 0; q < BATCH; ++q) {
+      const int i = i0 + q * NT, r = i >> 3, c = i & 7;
+      if (i >= ROWS_B * 8) continue;
+      // Elements past the rank (a rank that is not a multiple of 8) read as zeros.
+      const int keep = rank - (it.r0 + 8 * c);
+      uint4 x = w[q];
+      if (vec && keep < 8) {
+        x.x = keep >= 2 ? x.x : keep == 1 ? (x.x & 0xffffu) : 0u;
+        x.y = keep >= 4 ? x.y : keep == 3 ? (x.y & 0xffffu) : 0u;
+        x.z = keep >= 6 ? x.z : keep == 5 ? (x.z & 0xffffu) : 0u;
+        x.w = keep == 7 ? (x.w & 0xffffu) : 0u;
+      }
+      st_shared_v4(dst_b + r * gemm::k_row_bytes + ((c ^ (r & 7)) << 4), x);
+    }
   }
 }
 
@@ -413,7 +435,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // sm_90a: grouped_wgmma's warp-specialized ring (persistent grid, TMA for x and W, one `full` and
 // one `empty` mbarrier per stage), the ring running on from a tile's K loop into its tail stages.
-// The producer warp writes each tail stage with load_tail (32 lanes), makes the writes visible to
+// The producer warpgroup writes each tail stage with load_tail (128 threads), makes the writes visible to
 // wgmma (fence.proxy.async), and arrives on the stage's `full` barrier without a byte count. The
 // consumers count the tile's tail stages with the same iterator.
 template <class T, int BM, int BN, int STAGES>
@@ -442,12 +464,15 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
   if (wg == CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
-    if ((threadIdx.x / 32) % 4 == 0) {
-      int it = 0;
-      for (int uu = blockIdx.x; uu < units; uu += gridDim.x) {
-        int tm, tn;
-        tile_coords<8>(uu, tiles_m, tiles_n, tm, tn);
-        const int row0 = tm * BM, col0 = tn * BN;
+    // Warp 0 issues the K loop's copies; the tail stages are written by the whole warpgroup, which
+    // then meets at named barrier 2 before one thread marks the stage full.
+    const int ptid = threadIdx.x - CONSUMERS * 128;
+    int it = 0;
+    for (int uu = blockIdx.x; uu < units; uu += gridDim.x) {
+      int tm, tn;
+      tile_coords<8>(uu, tiles_m, tiles_n, tm, tn);
+      const int row0 = tm * BM, col0 = tn * BN;
+      if (ptid < 32) {
         for (int kt = 0; kt < ktiles; ++kt, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) ptx::mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
@@ -459,17 +484,23 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           }
           __syncwarp();
         }
-        TailIter ti;
-        while (tail_next(ti, tail, row0, BM, col0, BN)) {
-          const int s = it % STAGES;
-          if (it >= STAGES) ptx::mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
-          const unsigned st = base + s * STAGE_BYTES;
-          load_tail<T, BM, BN, 32>(st, st + A_BYTES, tail, ti, row0, col0, lane);
-          fence_proxy_async();
-          __syncwarp();
-          if (lane == 0) ptx::mbar_arrive(full + 8 * s);
-          ++it;
-        }
+      } else {
+        it += ktiles;
+      }
+      // The other warps wait here for warp 0 to have issued the K loop: having waited on those
+      // stages' `empty` barriers, it leaves each barrier at most one phase behind the tail's wait,
+      // which the parity test needs (warps that ran ahead could read an older phase as complete).
+      ptx::bar_sync<2, 128>();
+      TailIter ti;
+      while (tail_next(ti, tail, row0, BM, col0, BN)) {
+        const int s = it % STAGES;
+        if (it >= STAGES) ptx::mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
+        const unsigned st = base + s * STAGE_BYTES;
+        load_tail<T, BM, BN, 128>(st, st + A_BYTES, tail, ti, row0, col0, ptid);
+        fence_proxy_async();
+        ptx::bar_sync<2, 128>();
+        if (ptid == 0) ptx::mbar_arrive(full + 8 * s);
+        ++it;
       }
     }
     return;

@@ -81,7 +81,7 @@ int linear(Context& ctx, nlohmann::json& rows) {
       std::printf("lora_linear %s: relative error %.3g against fp64\n", sh.name, err);
       return 1;
     }
-    const double sec = time_events(call, 5, ctx.quick ? 20 : 50);
+    const double sec = time_events(call, 5, ctx.quick ? 20 : 50) * 1e-3;  // time_events: milliseconds
     const double tflops = 2.0 * double(sh.m) * double(sh.n) * double(sh.k) / sec / 1e12;
     std::printf("%-20s %6lld %6lld %6lld %4lld %10.1f %9.1f %9.2g\n", sh.name, (long long)sh.m, (long long)sh.n,
                 (long long)sh.k, (long long)sh.r, sec * 1e6, tflops, err);
@@ -127,7 +127,8 @@ int multi(Context& ctx, nlohmann::json& rows) {
             "lora_linear_multi");
     };
   };
-  const double t16 = time_events(call(dspread), 5, 50), t1 = time_events(call(done), 5, 50);
+  // time_events: milliseconds.
+  const double t16 = time_events(call(dspread), 5, 50) * 1e-3, t1 = time_events(call(done), 5, 50) * 1e-3;
   std::printf("\nlora_linear_multi decode (16 rows, K 4096, N 4096, rank 64)\n16 adapters %8.1f us, one adapter %8.1f us, "
               "ratio %.2f\n",
               t16 * 1e6, t1 * 1e6, t16 / t1);

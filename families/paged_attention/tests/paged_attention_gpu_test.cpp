@@ -247,14 +247,16 @@ TEST_F(PagedAttentionGpu, SwapBlocksToPinnedHostMemoryAndBack) {
 TEST_F(PagedAttentionGpu, SwapBlocksBandwidth) {
   const std::int64_t blocks = 512, moved = 256, page = 16, heads = 8, d = 128;
   const std::size_t block_bytes = std::size_t(page * heads * d * 2);
-  Pair kc(DType::bf16, {blocks, page, heads, d}), vc(DType::bf16, {blocks, page, heads, d}), pairs(DType::i32, {moved, 2});
+  Pair kc(DType::bf16, {blocks, page, heads, d}), vc(DType::bf16, {blocks, page, heads, d});
+  Pair out_pairs(DType::i32, {moved, 2}), in_pairs(DType::i32, {moved, 2});
   randomize(kc, rng_);
   randomize(vc, rng_);
+  // Out: device block 2i -> host block i; in: host block i -> device block 2i.
   for (std::int64_t i = 0; i < moved; ++i) {
-    pairs.as<std::int32_t>()[2 * i] = std::int32_t(2 * i);
-    pairs.as<std::int32_t>()[2 * i + 1] = std::int32_t(i);
+    out_pairs.as<std::int32_t>()[2 * i] = in_pairs.as<std::int32_t>()[2 * i + 1] = std::int32_t(2 * i);
+    out_pairs.as<std::int32_t>()[2 * i + 1] = in_pairs.as<std::int32_t>()[2 * i] = std::int32_t(i);
   }
-  for (Pair* p : {&kc, &vc, &pairs}) p->up();
+  for (Pair* p : {&kc, &vc, &out_pairs, &in_pairs}) p->up();
   PinnedBuffer hk(std::size_t(moved) * block_bytes), hv(std::size_t(moved) * block_bytes);
   const TensorView hkv = view(hk.p, DType::bf16, {moved, page, heads, d}, Device::cpu());
   const TensorView hvv = view(hv.p, DType::bf16, {moved, page, heads, d}, Device::cpu());
@@ -266,8 +268,8 @@ TEST_F(PagedAttentionGpu, SwapBlocksBandwidth) {
     std::vector<float> ms;
     for (int rep = 0; rep < 6; ++rep) {
       drv->event_record(e0, nullptr);
-      const Status s = dir == 0 ? swap_blocks(kc.d(), vc.d(), hkv, hvv, pairs.d(), nullptr, rt_.get())
-                                : swap_blocks(hkv, hvv, kc.d(), vc.d(), pairs.d(), nullptr, rt_.get());
+      const Status s = dir == 0 ? swap_blocks(kc.d(), vc.d(), hkv, hvv, out_pairs.d(), nullptr, rt_.get())
+                                : swap_blocks(hkv, hvv, kc.d(), vc.d(), in_pairs.d(), nullptr, rt_.get());
       ASSERT_TRUE(s.ok()) << s.to_string();
       drv->event_record(e1, nullptr);
       ASSERT_EQ(drv->event_synchronize(e1), CUDA_SUCCESS);
