@@ -106,7 +106,8 @@ void remote_series(Writer& w, const json& r) {
         num(r, "rejected"));
   w.family("kiln_remote_errors_total", "counter", "Remote tier failures by kind.");
   w.sample("kiln_remote_errors_total", num(r, "timeouts"), "kind=\"timeout\"");
-  w.sample("kiln_remote_errors_total", num(r, "errors"), "kind=\"connection\"");
+  w.sample("kiln_remote_errors_total", num(r, "errors") - num(r, "tls_errors"), "kind=\"connection\"");
+  w.sample("kiln_remote_errors_total", num(r, "tls_errors"), "kind=\"tls\"");
   w.sample("kiln_remote_errors_total", num(r, "write_errors"), "kind=\"write\"");
   w.sample("kiln_remote_errors_total", num(r, "full"), "kind=\"full\"");
   w.one("kiln_remote_skipped_total", "counter", "Reads not sent because the remote tier was backing off.",

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "remote/signed.h"
+#include "remote/tls.h"
 
 namespace kiln::remote {
 namespace {
@@ -67,6 +68,7 @@ void Tier::failed(const Status& s) {
   std::lock_guard lock(mu_);
   if (s.code() == Code::timeout) ++counters_.timeouts;
   else ++counters_.errors;
+  if (is_tls_failure(s)) ++counters_.tls_errors;
   const bool was_up = counters_.up;
   if (!was_up) backoff_ = std::min(backoff_ * 2, config_.backoff_max);
   counters_.up = false;

@@ -44,6 +44,7 @@ struct Counters {
   std::int64_t connects = 0;        // connections opened
   std::int64_t outages = 0;         // times the tier went local-only
   std::int64_t pending_writes = 0;  // queued now
+  std::int64_t tls_errors = 0;      // failed TLS handshakes or sessions (counted in errors too)
   bool up = true;                   // false while backing off
 };
 
