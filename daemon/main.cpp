@@ -24,7 +24,7 @@ constexpr const char* k_usage =
     "usage: kilnd [--socket PATH] [--cache-dir DIR] [--jobs N] [--no-pch] [--autotune] [--foreground]\n"
     "             [--idle-timeout-ms MS] [--frame-timeout-ms MS] [--max-connections N]\n"
     "             [--compile-timeout-ms MS] [--remote URL --fleet-key-file FILE\n"
-    "             [--remote-password-file FILE] [--remote-timeout-ms MS]\n"
+    "             [--remote-password-file FILE] [--remote-timeout-ms MS] [--remote-lock-ms MS]\n"
     "             [--remote-ca-file FILE] [--remote-cert-file FILE --remote-key-file FILE]\n"
     "             [--remote-tls-name NAME]] [--metrics-listen HOST:PORT]\n"
     "\n"
@@ -54,6 +54,9 @@ constexpr const char* k_usage =
     "  --remote-password-file FILE  Redis AUTH password (with the URL's user), mode 0600\n"
     "                         (default: $KILN_REMOTE_PASSWORD_FILE)\n"
     "  --remote-timeout-ms MS how long a miss waits for the remote (default: $KILN_REMOTE_TIMEOUT_MS, else 50)\n"
+    "  --remote-lock-ms MS    hosts missing the same kernel: one compiles under a lock this long, the\n"
+    "                         others wait at most this long for its record (default:\n"
+    "                         $KILN_REMOTE_LOCK_MS, else 30000; 0: every host compiles)\n"
     "  --remote-ca-file FILE  rediss://: the CA certificates (PEM) the server's must chain to\n"
     "                         (default: $KILN_REMOTE_CA_FILE, else the system's)\n"
     "  --remote-cert-file FILE, --remote-key-file FILE  rediss://: a client certificate (PEM) and its\n"
@@ -164,6 +167,12 @@ int main(int argc, char** argv) {
       auto n = parse_positive(v, 60'000);
       if (!n) return bad_usage("--remote-timeout-ms must be 1..60000, not '" + v + "'");
       remote.timeout_ms = *n;
+      remote_flags = true;
+    } else if (arg == "--remote-lock-ms") {
+      if (!value(v)) return bad_usage("--remote-lock-ms needs a number of milliseconds");
+      auto n = v == "0" ? std::optional<long long>(0) : parse_positive(v, 600'000);
+      if (!n) return bad_usage("--remote-lock-ms must be 0..600000, not '" + v + "'");
+      remote.lock_ms = *n;
       remote_flags = true;
     } else if (arg == "--metrics-listen") {
       if (!value(v) || v.empty()) return bad_usage("--metrics-listen needs HOST:PORT");

@@ -144,6 +144,11 @@ Result<Config> make_config(const Settings& s) {
       return invalid_argument("the remote timeout must be 1..60000 ms, not " + std::to_string(*s.timeout_ms));
     c.read_timeout = std::chrono::milliseconds(*s.timeout_ms);
   }
+  if (s.lock_ms) {
+    if (*s.lock_ms < 0 || *s.lock_ms > 600'000)
+      return invalid_argument("the remote lock time must be 0..600000 ms, not " + std::to_string(*s.lock_ms));
+    c.lock_ttl = c.lock_wait = std::chrono::milliseconds(*s.lock_ms);
+  }
   const bool tls_options =
       !s.tls_ca_file.empty() || !s.tls_cert_file.empty() || !s.tls_key_file.empty() || !s.tls_name.empty();
   if (!tls) {
@@ -196,6 +201,7 @@ Result<Settings> settings_from_env() {
   s.tls_key_file = env("KILN_REMOTE_KEY_FILE");
   s.tls_name = env("KILN_REMOTE_TLS_NAME");
   KILN_TRY(number("KILN_REMOTE_TIMEOUT_MS", 1, 60'000, s.timeout_ms));
+  KILN_TRY(number("KILN_REMOTE_LOCK_MS", 0, 600'000, s.lock_ms));
   return s;
 }
 

@@ -41,6 +41,8 @@ struct Settings {
   std::filesystem::path tls_cert_file;
   std::filesystem::path tls_key_file;
   std::string tls_name;
+  // How long a compile lock lives and a host waits for another's compile (0: no coordination).
+  std::optional<long long> lock_ms;
 };
 
 struct Config {
@@ -62,12 +64,18 @@ struct Config {
   std::chrono::milliseconds backoff_initial{100};
   std::chrono::milliseconds backoff_max{2000};
   std::size_t max_pending_writes = 512;  // write-backs queued beyond this are dropped and counted
+  // Compile coordination (Tier::claim): a host that misses a kernel takes a lock for it in Redis
+  // that lives lock_ttl, and a host that finds it taken waits at most lock_wait for the record,
+  // asking every lock_poll. lock_ttl 0: no locks, every host compiles what it misses.
+  std::chrono::milliseconds lock_ttl{30'000};
+  std::chrono::milliseconds lock_wait{30'000};
+  std::chrono::milliseconds lock_poll{20};
 };
 
 // The shortest fleet key accepted, in bytes (after trailing whitespace is removed).
 inline constexpr std::size_t k_min_fleet_key_bytes = 16;
 
-// Parses the URL and reads the files. invalid_argument for a malformed URL or timeout,
+// Parses the URL and reads the files. invalid_argument for a malformed URL, timeout or lock time,
 // a password inside the URL, a key file that is missing, not a regular file, not owned by this
 // user, open to group or others, or shorter than k_min_fleet_key_bytes; TLS options without a
 // rediss:// URL; a CA file, client certificate or key that cannot be read or used (the key file
@@ -80,7 +88,7 @@ Result<std::string> read_secret_file(const std::filesystem::path& file, const st
 
 // The settings in the environment: KILN_REMOTE (the URL; unset or empty: no remote tier),
 // KILN_FLEET_KEY_FILE, KILN_REMOTE_PASSWORD_FILE, KILN_REMOTE_TIMEOUT_MS, KILN_REMOTE_CA_FILE,
-// KILN_REMOTE_CERT_FILE, KILN_REMOTE_KEY_FILE, KILN_REMOTE_TLS_NAME.
+// KILN_REMOTE_CERT_FILE, KILN_REMOTE_KEY_FILE, KILN_REMOTE_TLS_NAME, KILN_REMOTE_LOCK_MS.
 // invalid_argument for a number out of range.
 Result<Settings> settings_from_env();
 // make_config(settings_from_env()); nullopt without KILN_REMOTE.

@@ -1,11 +1,13 @@
 // Two kilnd "hosts" (two cache directories, two sockets) and one real redis-server: what one host
-// compiled the other is served from Redis without compiling; a flipped byte in Redis or another
+// compiled the other is served from Redis without compiling; two hosts asked for the same new
+// kernel at the same moment compile it once between them; a flipped byte in Redis or another
 // fleet's key is rejected and the kernel compiled locally; Redis killed during a run of requests
 // loses none, and restarted it is used again; the same over TLS, where a host that cannot verify
 // the server compiles locally. Kernels are real NVRTC compiles (no GPU needed).
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <latch>
 #include <thread>
 
 #include "kiln/family.h"
@@ -210,6 +212,40 @@ TEST_F(Fleet, RedisKilledDuringARunLosesNoRequestAndIsUsedAgainAfterARestart) {
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->source, jit::ArtifactSource::remote);
   EXPECT_TRUE(b.stats()["daemon"]["remote"].value("up", false));
+}
+
+// Both hosts are asked for the same new kernel at the same moment, three kernels in turn: one
+// host takes the compile lock and compiles, the other waits for its record. Without the lock
+// both would compile every kernel.
+TEST_F(Fleet, TwoHostsAskedForTheSameNewKernelAtOnceCompileItOnce) {
+  Host a(redis->url(), key), b(redis->url(), key);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const auto s = specs(3, 20);
+  for (const auto& spec : s) {
+    std::latch start(2);
+    std::vector<std::thread> ts;
+    for (Host* h : {&a, &b})
+      ts.emplace_back([&, h] {
+        auto c = client::DaemonClient::connect(h->env.socket());
+        ASSERT_TRUE(c.ok());
+        start.arrive_and_wait();
+        auto r = (*c)->get_kernel(spec, k_arch);
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+      });
+    for (auto& t : ts) t.join();
+  }
+  const std::int64_t compiles = a.builder("compiles") + b.builder("compiles");
+  const std::int64_t won = a.remote("locks_won") + b.remote("locks_won");
+  const std::int64_t waited = a.remote("lock_wait_hits") + b.remote("lock_wait_hits");
+  EXPECT_EQ(compiles, 3) << "each kernel compiled once in the fleet";
+  EXPECT_EQ(won, 3);
+  EXPECT_EQ(a.builder("remote_hits") + b.builder("remote_hits"), 3) << "the other host got each from Redis";
+  // Each wait proves that both hosts missed at once; a host slowed past the other's whole compile
+  // finds the record without waiting, which a loaded test machine may do now and then.
+  EXPECT_GE(waited, 1) << "the hosts never missed at the same moment: the test proves nothing";
+  EXPECT_EQ(a.remote("lock_timeouts") + b.remote("lock_timeouts"), 0);
+  std::printf("[ figures  ] 3 kernels asked of 2 hosts at once: %lld compiles, %lld locks won, %lld waits served\n",
+              static_cast<long long>(compiles), static_cast<long long>(won), static_cast<long long>(waited));
 }
 
 class FleetTls : public ::testing::Test {

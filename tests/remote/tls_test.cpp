@@ -275,12 +275,16 @@ TEST_F(WithPki, TlsSettingsFromTheEnvironment) {
   ScopedEnv cert("KILN_REMOTE_CERT_FILE", pki.client_cert.string());
   ScopedEnv ckey("KILN_REMOTE_KEY_FILE", pki.client_key.string());
   ScopedEnv name("KILN_REMOTE_TLS_NAME", "redis.kiln.test");
+  ScopedEnv lock("KILN_REMOTE_LOCK_MS", "0");
   auto c = remote::config_from_env();
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   ASSERT_TRUE(c->has_value());
   EXPECT_TRUE((*c)->tls);
   EXPECT_TRUE((*c)->tls->has_client_certificate());
   EXPECT_EQ((*c)->tls_name, "redis.kiln.test");
+  EXPECT_EQ((*c)->lock_ttl.count(), 0);
+  ScopedEnv bad_lock("KILN_REMOTE_LOCK_MS", "-1");
+  EXPECT_EQ(remote::config_from_env().status().code(), Code::invalid_argument);
 }
 
 }  // namespace
