@@ -181,6 +181,10 @@ Result<std::unique_ptr<Connection>> Connection::open(const Config& config, Clock
   if (config.tls) {
     KILN_ASSIGN_OR_RETURN(c->tls_, TlsSession::create(*config.tls, config.tls_name));
     KILN_TRY(c->handshake(deadline));
+    if (!config.tls->has_client_certificate())
+      c->no_client_cert_hint_ =
+          " right after the TLS handshake (a server that requires client certificates closes such "
+          "connections: see --remote-cert-file)";
   }
   if (!config.password.empty()) {
     std::vector<std::string_view> auth{"AUTH"};
@@ -274,17 +278,25 @@ Status Connection::fill(Clock::time_point deadline) {
 }
 
 Result<Reply> Connection::command(const std::vector<std::string_view>& args, Clock::time_point deadline) {
-  KILN_TRY(send_all(encode_command(args), deadline));
+  // With TLS 1.3 the server judges the client's certificate after the client's handshake is done:
+  // a server that requires one sends an alert and closes, and the close may arrive first.
+  auto explained = [&](Status s) {
+    if (!tls_ || answered_ || no_client_cert_hint_.empty() || s.code() != Code::unavailable || is_tls_failure(s))
+      return s;
+    return Status(s.code(), s.message() + no_client_cert_hint_, s.details());
+  };
+  if (Status s = send_all(encode_command(args), deadline); !s.ok()) return explained(s);
   for (;;) {
     Reply r;
     std::size_t used = 0;
     const int p = parse_reply(in_, r, used);
     if (p == 1) {
       in_.erase(0, used);
+      answered_ = true;
       return r;
     }
     if (p < 0) return Status(Code::corruption, "the remote cache sent a malformed reply");
-    KILN_TRY(fill(deadline));
+    if (Status s = fill(deadline); !s.ok()) return explained(s);
   }
 }
 

@@ -56,6 +56,8 @@ class Connection {
 
   int fd_ = -1;
   std::unique_ptr<TlsSession> tls_;  // set: bytes on the socket are TLS records
+  std::string no_client_cert_hint_;  // added to a close before the first reply (TLS, no certificate)
+  bool answered_ = false;            // a reply has been read
   std::string in_;  // bytes received (decrypted) and not yet parsed
 };
 

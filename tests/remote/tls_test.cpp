@@ -124,14 +124,16 @@ TEST_F(Tls, AServerCertificateFromAnotherCaIsRefusedAndTheTierGoesLocalOnly) {
   const auto t0 = Clock::now();
   EXPECT_FALSE(t->get_entry(entry(3).key, {})) << "never served over an unverified connection";
   for (int i = 0; i < 100; ++i) EXPECT_FALSE(t->get_entry(entry(3).key, {}));
-  EXPECT_LT(ms_since(t0), 200) << "one refused handshake, then local only";
+  EXPECT_LT(ms_since(t0), 50 + 150) << "one refused handshake, then local only";
   const remote::Counters k = t->counters();
-  EXPECT_EQ(k.tls_errors, 1);
-  EXPECT_EQ(k.errors, 1);
+  // One handshake, or two on a machine slow enough for the 100 ms back-off to end meanwhile.
+  EXPECT_GE(k.tls_errors, 1);
+  EXPECT_LE(k.tls_errors, 2);
+  EXPECT_EQ(k.errors, k.tls_errors);
   EXPECT_EQ(k.hits, 0);
   EXPECT_FALSE(k.up);
   EXPECT_EQ(k.outages, 1);
-  EXPECT_EQ(k.skipped, 100);
+  EXPECT_EQ(k.skipped, 101 - k.tls_errors);
 }
 
 TEST_F(Tls, AServerCertificateForAnotherNameIsRefused) {
@@ -188,11 +190,23 @@ TEST_F(Tls, ClientCertificatesWhenTheServerAsksForThem) {
   EXPECT_EQ(with_cert->counters().writes, 1);
   EXPECT_TRUE(with_cert->get_entry(entry(6).key, {}));
 
-  auto without = tier(settings(strict->url()));
+  remote::Settings no_cert = settings(strict->url());
+  auto without = tier(no_cert);
   ASSERT_TRUE(without);
   EXPECT_FALSE(without->get_entry(entry(6).key, {}));
-  EXPECT_EQ(without->counters().tls_errors, 1) << "the server's alert is a TLS failure";
-  EXPECT_FALSE(without->counters().up);
+  // TLS 1.3: the server's verdict comes after the client's handshake, as an alert (a TLS failure)
+  // or, when the close overtakes it, a reset connection; either way nothing is served.
+  const remote::Counters c = without->counters();
+  EXPECT_EQ(c.errors, 1);
+  EXPECT_EQ(c.hits, 0);
+  EXPECT_FALSE(c.up);
+  auto conn = remote::Connection::open(*remote::make_config(no_cert), remote::Clock::now() + 2s);
+  ASSERT_TRUE(conn.ok()) << "the client's side of the handshake succeeds";
+  auto r = (*conn)->command({"PING"}, remote::Clock::now() + 2s);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(remote::is_tls_failure(r.status()) ||
+              r.status().message().find("requires client certificates") != std::string::npos)
+      << r.status().message();
 }
 
 TEST_F(WithPki, TlsSettingsParse) {
