@@ -2,7 +2,9 @@
 
 #include <sys/random.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <random>
 
 #include "remote/signed.h"
 #include "remote/tls.h"
@@ -28,6 +30,11 @@ std::string random_token() {
   while (got < sizeof b) {
     const ssize_t n = ::getrandom(b + got, sizeof b - got, 0);
     if (n > 0) got += std::size_t(n);
+    else if (n < 0 && errno != EINTR) break;
+  }
+  if (got < sizeof b) {
+    std::random_device rd;
+    for (; got < sizeof b; ++got) b[got] = static_cast<unsigned char>(rd());
   }
   static const char* d = "0123456789abcdef";
   std::string out;
