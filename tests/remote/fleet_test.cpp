@@ -295,7 +295,11 @@ TEST_F(FleetTls, AHostThatCannotVerifyTheServerCompilesLocallyAndCountsIt) {
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->source, jit::ArtifactSource::compiled);
   EXPECT_EQ(b.builder("compiles"), 1);
-  EXPECT_EQ(b.remote("tls_errors"), 1);
+  // The lookup's handshake fails; the write-back after the compile may probe again once the
+  // back-off has passed, and fail the same way.
+  EXPECT_GE(b.remote("tls_errors"), 1);
+  EXPECT_EQ(b.remote("tls_errors"), b.remote("errors")) << "every failure was the certificate";
+  EXPECT_EQ(b.remote("hits"), 0);
   EXPECT_FALSE(b.stats()["daemon"]["remote"].value("up", true));
   EXPECT_NE(b.kilnd->log().find("does not verify"), std::string::npos) << b.kilnd->log();
 }
