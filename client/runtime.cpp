@@ -10,15 +10,13 @@
 #include <unordered_map>
 
 #include "cache/store.h"
-#include "cache/tuning.h"
 #include "client/daemon_client.h"
+#include "client/embedded_tuning.h"
 #include "common/paths.h"
-#include "jit/autotune.h"
 #include "jit/autotune_mode.h"
 #include "jit/builder.h"
 #include "jit/device_info.h"
 #include "jit/driver.h"
-#include "jit/tuning_setup.h"
 #include "remote/config.h"
 #include "remote/tier.h"
 
@@ -283,25 +281,9 @@ class RuntimeImpl final : public Runtime {
     KILN_TRY(open_embedded());
     if (!store_) return unavailable("no cache file, so no tuning table");
     if (!tuning_) {
-      KILN_ASSIGN_OR_RETURN(tuning_, cache::TuningTable::open(*store_));
+      KILN_ASSIGN_OR_RETURN(tuning_, client::EmbeddedTuning::open(*store_, *builder_, remote_.get()));
     }
-    KILN_ASSIGN_OR_RETURN(cache::Setup setup,
-                          jit::tuning_setup(family, problem, dev->arch, dev->name, dev->driver_version));
-    KILN_ASSIGN_OR_RETURN(auto found, tuning_->lookup(std::string(family.name()), family.signature(problem), setup));
-    if (found) {
-      KILN_ASSIGN_OR_RETURN(Params p, Params::parse(found->winner));
-      return std::optional<Params>(std::move(p));
-    }
-    // Embedded clients never tune in the background: timing next to the caller's own kernels would
-    // measure both. `wait` tunes here, now, holding the GPU lock like kilnd does.
-    if (autotune_ != jit::AutotuneMode::wait) return std::optional<Params>();
-    jit::TuneOptions o;
-    o.device = dev->ordinal;
-    jit::Tuner tuner(builder_.get(), tuning_.get());
-    KILN_ASSIGN_OR_RETURN(cache::TuningRecord rec, tuner.tune(family, problem, o));
-    if (rec.winner.empty()) return std::optional<Params>();
-    KILN_ASSIGN_OR_RETURN(Params p, Params::parse(rec.winner));
-    return std::optional<Params>(std::move(p));
+    return tuning_->winner(family, problem, *dev, autotune_);
   }
 
   // The device of the current context `ctx`, remembered per context so that a call needs no
@@ -394,7 +376,7 @@ class RuntimeImpl final : public Runtime {
   std::unique_ptr<cache::Store> store_;
   std::unique_ptr<remote::Tier> remote_;  // outlives builder_
   std::unique_ptr<jit::Builder> builder_;
-  std::unique_ptr<cache::TuningTable> tuning_;
+  std::unique_ptr<client::EmbeddedTuning> tuning_;  // the tuned winners without a daemon
   std::unique_ptr<client::DaemonClient> daemon_;
   std::unordered_map<CUcontext, const jit::DeviceInfo*> device_by_ctx_;
   std::unordered_map<std::string, TunedMemo> tuned_memo_;  // under mu_

@@ -24,7 +24,9 @@ constexpr const char* k_usage =
     "usage: kilnd [--socket PATH] [--cache-dir DIR] [--jobs N] [--no-pch] [--autotune] [--foreground]\n"
     "             [--idle-timeout-ms MS] [--frame-timeout-ms MS] [--max-connections N]\n"
     "             [--compile-timeout-ms MS] [--remote URL --fleet-key-file FILE\n"
-    "             [--remote-password-file FILE] [--remote-timeout-ms MS]] [--metrics-listen HOST:PORT]\n"
+    "             [--remote-password-file FILE] [--remote-timeout-ms MS] [--remote-lock-ms MS]\n"
+    "             [--remote-ca-file FILE] [--remote-cert-file FILE --remote-key-file FILE]\n"
+    "             [--remote-tls-name NAME]] [--metrics-listen HOST:PORT]\n"
     "\n"
     "Serves compiled CUDA kernels to kiln clients over a Unix socket.\n"
     "\n"
@@ -44,13 +46,23 @@ constexpr const char* k_usage =
     "                         daemon's own process, without a deadline)\n"
     "  --max-connections N    open connections at most; at the cap the longest-waiting one that\n"
     "                         is not being served is closed for a new one (default 256)\n"
-    "  --remote URL           a Redis server shared by a fleet: redis://[user@]host[:port][/db] or\n"
-    "                         unix:///path/redis.sock; asked on a local cache miss before compiling,\n"
-    "                         given what is compiled and tuned here (default: $KILN_REMOTE; none)\n"
+    "  --remote URL           a Redis server shared by a fleet: redis://[user@]host[:port][/db],\n"
+    "                         rediss://... (TLS) or unix:///path/redis.sock; asked on a local cache\n"
+    "                         miss before compiling, given what is compiled and tuned here\n"
+    "                         (default: $KILN_REMOTE; none)\n"
     "  --fleet-key-file FILE  the key entries are signed with, mode 0600 (default: $KILN_FLEET_KEY_FILE)\n"
     "  --remote-password-file FILE  Redis AUTH password (with the URL's user), mode 0600\n"
     "                         (default: $KILN_REMOTE_PASSWORD_FILE)\n"
     "  --remote-timeout-ms MS how long a miss waits for the remote (default: $KILN_REMOTE_TIMEOUT_MS, else 50)\n"
+    "  --remote-lock-ms MS    hosts missing the same kernel: one compiles under a lock this long, the\n"
+    "                         others wait at most this long for its record (default:\n"
+    "                         $KILN_REMOTE_LOCK_MS, else 30000; 0: every host compiles)\n"
+    "  --remote-ca-file FILE  rediss://: the CA certificates (PEM) the server's must chain to\n"
+    "                         (default: $KILN_REMOTE_CA_FILE, else the system's)\n"
+    "  --remote-cert-file FILE, --remote-key-file FILE  rediss://: a client certificate (PEM) and its\n"
+    "                         key, mode 0600 (default: $KILN_REMOTE_CERT_FILE, $KILN_REMOTE_KEY_FILE)\n"
+    "  --remote-tls-name NAME rediss://: the name the server's certificate must carry (default:\n"
+    "                         $KILN_REMOTE_TLS_NAME, else the URL's host)\n"
     "  --metrics-listen HOST:PORT  also serve GET /metrics (Prometheus text) over HTTP there, e.g.\n"
     "                         127.0.0.1:9464 (port 0: any free port; see kiln stats)\n"
     "  --help, --version\n";
@@ -75,7 +87,10 @@ int main(int argc, char** argv) {
   if (argc == 2 && std::string_view(argv[1]) == "--compile-worker") return run_compile_worker();
   ServerOptions options;
   std::string socket_flag, cache_dir_flag;
-  kiln::remote::Settings remote;
+  // The remote tier: the environment, each setting overridden by its flag.
+  auto remote_env = kiln::remote::settings_from_env();
+  if (!remote_env.ok()) return bad_usage(remote_env.status().message());
+  kiln::remote::Settings remote = std::move(remote_env).value();
   bool remote_flags = false;
 
   for (int i = 1; i < argc; ++i) {
@@ -134,15 +149,30 @@ int main(int argc, char** argv) {
     } else if (arg == "--remote") {
       if (!value(v) || v.empty()) return bad_usage("--remote needs a URL");
       remote.url = v;
-    } else if (arg == "--fleet-key-file" || arg == "--remote-password-file") {
+    } else if (arg == "--fleet-key-file" || arg == "--remote-password-file" || arg == "--remote-ca-file" ||
+               arg == "--remote-cert-file" || arg == "--remote-key-file") {
       if (!value(v) || v.empty()) return bad_usage(arg + " needs a file");
-      (arg == "--fleet-key-file" ? remote.key_file : remote.password_file) = v;
+      (arg == "--fleet-key-file"         ? remote.key_file
+       : arg == "--remote-password-file" ? remote.password_file
+       : arg == "--remote-ca-file"       ? remote.tls_ca_file
+       : arg == "--remote-cert-file"     ? remote.tls_cert_file
+                                         : remote.tls_key_file) = v;
+      remote_flags = true;
+    } else if (arg == "--remote-tls-name") {
+      if (!value(v) || v.empty()) return bad_usage("--remote-tls-name needs a host name or IP address");
+      remote.tls_name = v;
       remote_flags = true;
     } else if (arg == "--remote-timeout-ms") {
       if (!value(v)) return bad_usage("--remote-timeout-ms needs a number of milliseconds");
       auto n = parse_positive(v, 60'000);
       if (!n) return bad_usage("--remote-timeout-ms must be 1..60000, not '" + v + "'");
       remote.timeout_ms = *n;
+      remote_flags = true;
+    } else if (arg == "--remote-lock-ms") {
+      if (!value(v)) return bad_usage("--remote-lock-ms needs a number of milliseconds");
+      auto n = v == "0" ? std::optional<long long>(0) : parse_positive(v, 600'000);
+      if (!n) return bad_usage("--remote-lock-ms must be 0..600000, not '" + v + "'");
+      remote.lock_ms = *n;
       remote_flags = true;
     } else if (arg == "--metrics-listen") {
       if (!value(v) || v.empty()) return bad_usage("--metrics-listen needs HOST:PORT");
@@ -167,18 +197,14 @@ int main(int argc, char** argv) {
   options.cache_file = cache_dir_flag.empty() ? kiln::cache_file()
                                               : std::filesystem::path(cache_dir_flag) / "kernels.sqlite";
 
-  // The remote tier: the flags, else the environment. A bad URL or an unsafe key file stops
-  // kilnd here, before it serves anything.
+  // A bad URL, an unsafe key file or an unusable certificate stops kilnd here, before it serves
+  // anything.
   if (!remote.url.empty()) {
     auto c = kiln::remote::make_config(remote);
     if (!c.ok()) return bad_usage(c.status().message() + (c.status().details().empty() ? "" : " (" + c.status().details() + ")"));
     options.remote = std::move(c).value();
   } else if (remote_flags) {
-    return bad_usage("--fleet-key-file, --remote-password-file and --remote-timeout-ms need --remote");
-  } else {
-    auto c = kiln::remote::config_from_env();
-    if (!c.ok()) return bad_usage(c.status().message() + (c.status().details().empty() ? "" : " (" + c.status().details() + ")"));
-    options.remote = std::move(c).value();
+    return bad_usage("the --remote-* and --fleet-key-file flags need --remote (or KILN_REMOTE)");
   }
 
   // Plugins load now, once: a skipped one is in the log from the start, and none can surprise a

@@ -106,7 +106,8 @@ void remote_series(Writer& w, const json& r) {
         num(r, "rejected"));
   w.family("kiln_remote_errors_total", "counter", "Remote tier failures by kind.");
   w.sample("kiln_remote_errors_total", num(r, "timeouts"), "kind=\"timeout\"");
-  w.sample("kiln_remote_errors_total", num(r, "errors"), "kind=\"connection\"");
+  w.sample("kiln_remote_errors_total", num(r, "errors") - num(r, "tls_errors"), "kind=\"connection\"");
+  w.sample("kiln_remote_errors_total", num(r, "tls_errors"), "kind=\"tls\"");
   w.sample("kiln_remote_errors_total", num(r, "write_errors"), "kind=\"write\"");
   w.sample("kiln_remote_errors_total", num(r, "full"), "kind=\"full\"");
   w.one("kiln_remote_skipped_total", "counter", "Reads not sent because the remote tier was backing off.",
@@ -116,6 +117,14 @@ void remote_series(Writer& w, const json& r) {
   w.one("kiln_remote_writes_dropped_total", "counter", "Write-backs dropped (queue full, backing off).",
         num(r, "writes_dropped"));
   w.one("kiln_remote_pending_writes", "gauge", "Write-backs queued now.", num(r, "pending_writes"));
+  w.one("kiln_remote_locks_won_total", "counter", "Compile locks this host took: it compiled for the fleet.",
+        num(r, "locks_won"));
+  w.one("kiln_remote_lock_waits_total", "counter", "Misses that waited for another host's compile.",
+        num(r, "locks_waited"));
+  w.one("kiln_remote_lock_wait_hits_total", "counter", "Waits that ended with the other host's kernel.",
+        num(r, "lock_wait_hits"));
+  w.one("kiln_remote_lock_timeouts_total", "counter", "Waits that ran out; the kernel was compiled here.",
+        num(r, "lock_timeouts"));
 }
 
 }  // namespace

@@ -237,6 +237,9 @@ nlohmann::json remote_counters_to_json(const remote::Tier& tier) {
       {"write_errors", c.write_errors}, {"writes_dropped", c.writes_dropped},
       {"full", c.full},                {"connects", c.connects},
       {"outages", c.outages},          {"pending_writes", c.pending_writes},
+      {"tls", tier.config().tls != nullptr}, {"tls_errors", c.tls_errors},
+      {"locks_won", c.locks_won},      {"locks_waited", c.locks_waited},
+      {"lock_wait_hits", c.lock_wait_hits}, {"lock_timeouts", c.lock_timeouts},
   };
 }
 

@@ -14,6 +14,7 @@
 #include "jit/autotune_mode.h"
 #include "jit/device_info.h"
 #include "jit/tuning_setup.h"
+#include "remote/tuning.h"
 
 namespace kiln::daemon {
 
@@ -125,9 +126,7 @@ TuningService::TuneOutcome TuningService::tune_now(const Family& family, const P
     return o;
   }
   o.record = std::move(r).value();
-  if (remote_ && !o.record.winner.empty())
-    remote_->put_record(remote::tuning_name(o.record.family, o.record.signature, o.record.setup),
-                        dump_json(tuning_record_to_json(o.record)));
+  if (remote_) remote::share_winner(*remote_, o.record);
   log_info("tuned " + o.record.family + " " + o.record.signature + ": " +
            (o.record.winner.empty() ? std::string("no candidate ran ok") : o.record.winner + " " +
             format_ms(o.record.winner_ms * 1000.0) + " us (heuristic " + format_ms(o.record.heuristic_ms * 1000.0) +
@@ -207,16 +206,9 @@ awaitable<json> TuningService::resolve(const json& req) {
 // A winner another host tuned for exactly this family, signature and setup, kept in the table.
 std::optional<cache::TuningRecord> TuningService::remote_winner(const std::string& family, const std::string& signature,
                                                                 const cache::Setup& setup) {
-  auto payload = remote_->get_record(remote::tuning_name(family, signature, setup));
-  if (!payload) return std::nullopt;
-  auto j = parse_json(*payload);
-  if (!j.ok()) return std::nullopt;
-  auto rec = tuning_record_from_json(*j);
-  // The name hashes these fields, so a mismatch means a collision or a bug: not used.
-  if (!rec.ok() || rec->family != family || rec->signature != signature || !(rec->setup == setup)) return std::nullopt;
-  if (Status s = table_->put(*rec); !s.ok()) log_warn("storing a remote tuning record failed: " + s.to_string());
-  ++remote_hits_;
-  return std::move(rec).value();
+  auto rec = remote::fetch_winner(*remote_, *table_, family, signature, setup);
+  if (rec) ++remote_hits_;
+  return rec;
 }
 
 // The setup's fingerprint and the table row for problem's signature, on the cache pool.

@@ -121,8 +121,18 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
       std::lock_guard lock(mu_);
       ++stats_.cache_misses;
     }
+    // Held while this host compiles the key for the fleet; released after the write-back, or at
+    // once on any return without one.
+    remote::CompileLock fleet_lock;
     if (options_.remote) {
-      auto entry = options_.remote->get_entry(key, cache::Expected{arch, prepared.key.toolchain});
+      const cache::Expected expected{arch, prepared.key.toolchain};
+      auto entry = options_.remote->get_entry(key, expected);
+      if (!entry) {
+        // Other hosts may be missing it now too: one compiles, the rest wait for its record.
+        remote::Claim claim = options_.remote->claim(key, expected);
+        entry = std::move(claim.entry);
+        fleet_lock = std::move(claim.lock);
+      }
       std::lock_guard lock(mu_);
       if (entry) {
         ++stats_.remote_hits;
@@ -194,7 +204,7 @@ Result<Artifact> Builder::get(const KernelSpec& spec, const std::string& arch) {
                        key.c_str(), s.to_string().c_str());
       }
     }
-    if (options_.remote) options_.remote->put_entry(e);
+    if (options_.remote) options_.remote->put_entry(e, std::move(fleet_lock));
     return Artifact{std::move(e), ArtifactSource::compiled};
   }();
 

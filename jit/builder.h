@@ -48,8 +48,9 @@ struct BuilderOptions {
   // under a deadline (daemon/compile_workers.h); a worker compiles against TemplateSet::active(),
   // so it is not combined with `templates`.
   std::function<Result<CompileOutput>(const CompileRequest&)> compiler = nullptr;
-  // The fleet's remote tier (remote/tier.h), asked after a local miss and before compiling, and
-  // given every kernel compiled here; null: none. Not owned.
+  // The fleet's remote tier (remote/tier.h), asked after a local miss and before compiling (where
+  // it may wait for another host compiling the same key: Tier::claim), and given every kernel
+  // compiled here; null: none. Not owned.
   remote::Tier* remote = nullptr;
 };
 

@@ -11,6 +11,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "remote/tls.h"
+
 namespace kiln::remote {
 namespace {
 
@@ -23,10 +25,11 @@ std::optional<long long> parse_int(std::string_view s, long long lo, long long h
 
 Status bad_url(const std::string& url, const std::string& why) {
   return invalid_argument("bad remote URL '" + url + "': " + why,
-                          "expected redis://[user@]host[:port][/db] or unix:///path/to/redis.sock[?db=N]");
+                          "expected redis://[user@]host[:port][/db], rediss://... (TLS) or "
+                          "unix:///path/to/redis.sock[?db=N]");
 }
 
-Status parse_url(const std::string& url, Config& c) {
+Status parse_url(const std::string& url, Config& c, bool& tls) {
   std::string_view rest(url);
   if (rest.starts_with("unix://")) {
     rest.remove_prefix(7);
@@ -45,12 +48,14 @@ Status parse_url(const std::string& url, Config& c) {
     }
     return {};
   }
-  if (!rest.starts_with("redis://")) {
-    if (rest.starts_with("rediss://"))
-      return bad_url(url, "TLS (rediss://) is not supported; reach a TLS server through a local tunnel");
-    return bad_url(url, "the scheme must be redis:// or unix://");
+  if (rest.starts_with("rediss://")) {
+    tls = true;
+    rest.remove_prefix(9);
+  } else if (rest.starts_with("redis://")) {
+    rest.remove_prefix(8);
+  } else {
+    return bad_url(url, "the scheme must be redis://, rediss:// or unix://");
   }
-  rest.remove_prefix(8);
   if (auto at = rest.rfind('@'); at != std::string_view::npos) {
     std::string_view userinfo = rest.substr(0, at);
     if (userinfo.find(':') != std::string_view::npos)
@@ -132,11 +137,28 @@ Result<std::string> read_secret_file(const std::filesystem::path& file, const st
 Result<Config> make_config(const Settings& s) {
   Config c;
   c.url = s.url;
-  KILN_TRY(parse_url(s.url, c));
+  bool tls = false;
+  KILN_TRY(parse_url(s.url, c, tls));
   if (s.timeout_ms) {
     if (*s.timeout_ms < 1 || *s.timeout_ms > 60'000)
       return invalid_argument("the remote timeout must be 1..60000 ms, not " + std::to_string(*s.timeout_ms));
     c.read_timeout = std::chrono::milliseconds(*s.timeout_ms);
+  }
+  if (s.lock_ms) {
+    if (*s.lock_ms < 0 || *s.lock_ms > 600'000)
+      return invalid_argument("the remote lock time must be 0..600000 ms, not " + std::to_string(*s.lock_ms));
+    c.lock_ttl = c.lock_wait = std::chrono::milliseconds(*s.lock_ms);
+  }
+  const bool tls_options =
+      !s.tls_ca_file.empty() || !s.tls_cert_file.empty() || !s.tls_key_file.empty() || !s.tls_name.empty();
+  if (!tls) {
+    if (tls_options)
+      return invalid_argument("TLS options (CA file, client certificate or key, TLS name) are given but the remote URL '" +
+                                  s.url + "' does not use TLS",
+                              "name the server with rediss://host:port");
+  } else {
+    c.tls_name = s.tls_name.empty() ? c.endpoint.host : s.tls_name;
+    KILN_ASSIGN_OR_RETURN(c.tls, TlsContext::create({s.tls_ca_file, s.tls_cert_file, s.tls_key_file}));
   }
   if (s.key_file.empty())
     return invalid_argument("a remote cache needs a fleet key file (KILN_FLEET_KEY_FILE or --fleet-key-file)",
@@ -155,18 +177,37 @@ Result<Config> make_config(const Settings& s) {
   return c;
 }
 
-Result<std::optional<Config>> config_from_env() {
-  const char* url = std::getenv("KILN_REMOTE");
-  if (!url || !*url) return std::optional<Config>();
+Result<Settings> settings_from_env() {
   Settings s;
-  s.url = url;
-  if (const char* k = std::getenv("KILN_FLEET_KEY_FILE")) s.key_file = k;
-  if (const char* p = std::getenv("KILN_REMOTE_PASSWORD_FILE")) s.password_file = p;
-  if (const char* t = std::getenv("KILN_REMOTE_TIMEOUT_MS"); t && *t) {
-    auto v = parse_int(t, 1, 60'000);
-    if (!v) return invalid_argument(std::string("KILN_REMOTE_TIMEOUT_MS must be 1..60000, not '") + t + "'");
-    s.timeout_ms = *v;
-  }
+  auto env = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v ? v : "";
+  };
+  auto number = [&](const char* name, long long lo, long long hi, std::optional<long long>& out) -> Status {
+    const std::string t = env(name);
+    if (t.empty()) return {};
+    auto v = parse_int(t, lo, hi);
+    if (!v)
+      return invalid_argument(std::string(name) + " must be " + std::to_string(lo) + ".." + std::to_string(hi) +
+                              ", not '" + t + "'");
+    out = *v;
+    return {};
+  };
+  s.url = env("KILN_REMOTE");
+  s.key_file = env("KILN_FLEET_KEY_FILE");
+  s.password_file = env("KILN_REMOTE_PASSWORD_FILE");
+  s.tls_ca_file = env("KILN_REMOTE_CA_FILE");
+  s.tls_cert_file = env("KILN_REMOTE_CERT_FILE");
+  s.tls_key_file = env("KILN_REMOTE_KEY_FILE");
+  s.tls_name = env("KILN_REMOTE_TLS_NAME");
+  KILN_TRY(number("KILN_REMOTE_TIMEOUT_MS", 1, 60'000, s.timeout_ms));
+  KILN_TRY(number("KILN_REMOTE_LOCK_MS", 0, 600'000, s.lock_ms));
+  return s;
+}
+
+Result<std::optional<Config>> config_from_env() {
+  KILN_ASSIGN_OR_RETURN(Settings s, settings_from_env());
+  if (s.url.empty()) return std::optional<Config>();
   KILN_ASSIGN_OR_RETURN(Config c, make_config(s));
   return std::optional<Config>(std::move(c));
 }

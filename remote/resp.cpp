@@ -13,6 +13,8 @@
 #include <charconv>
 #include <cstring>
 
+#include "remote/tls.h"
+
 namespace kiln::remote {
 namespace {
 
@@ -176,6 +178,14 @@ int parse_reply(std::string_view buf, Reply& out, std::size_t& used, int depth) 
 Result<std::unique_ptr<Connection>> Connection::open(const Config& config, Clock::time_point deadline) {
   KILN_ASSIGN_OR_RETURN(int fd, connect_endpoint(config.endpoint, deadline));
   std::unique_ptr<Connection> c(new Connection(fd));
+  if (config.tls) {
+    KILN_ASSIGN_OR_RETURN(c->tls_, TlsSession::create(*config.tls, config.tls_name));
+    KILN_TRY(c->handshake(deadline));
+    if (!config.tls->has_client_certificate())
+      c->no_client_cert_hint_ =
+          " right after the TLS handshake (a server that requires client certificates closes such "
+          "connections: see --remote-cert-file)";
+  }
   if (!config.password.empty()) {
     std::vector<std::string_view> auth{"AUTH"};
     if (!config.user.empty()) auth.push_back(config.user);
@@ -191,11 +201,24 @@ Result<std::unique_ptr<Connection>> Connection::open(const Config& config, Clock
   return c;
 }
 
+Connection::Connection(int fd) : fd_(fd) {}
+
 Connection::~Connection() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-Status Connection::send_all(const std::string& bytes, Clock::time_point deadline) {
+Status Connection::handshake(Clock::time_point deadline) {
+  for (;;) {
+    KILN_ASSIGN_OR_RETURN(bool done, tls_->handshake());
+    KILN_TRY(send_raw(tls_->take_output(), deadline));
+    if (done) return {};
+    std::string got;
+    KILN_TRY(recv_raw(got, deadline));
+    tls_->give_input(got);
+  }
+}
+
+Status Connection::send_raw(const std::string& bytes, Clock::time_point deadline) {
   std::size_t off = 0;
   while (off < bytes.size()) {
     ssize_t n = ::send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
@@ -213,12 +236,12 @@ Status Connection::send_all(const std::string& bytes, Clock::time_point deadline
   return {};
 }
 
-Status Connection::fill(Clock::time_point deadline) {
+Status Connection::recv_raw(std::string& out, Clock::time_point deadline) {
   char buf[64 * 1024];
   for (;;) {
     ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
     if (n > 0) {
-      in_.append(buf, std::size_t(n));
+      out.append(buf, std::size_t(n));
       return {};
     }
     if (n == 0) return unavailable("the remote cache closed the connection");
@@ -231,18 +254,49 @@ Status Connection::fill(Clock::time_point deadline) {
   }
 }
 
+Status Connection::send_all(const std::string& bytes, Clock::time_point deadline) {
+  if (!tls_) return send_raw(bytes, deadline);
+  KILN_TRY(tls_->write(bytes));
+  return send_raw(tls_->take_output(), deadline);
+}
+
+Status Connection::fill(Clock::time_point deadline) {
+  if (!tls_) return recv_raw(in_, deadline);
+  char buf[16 * 1024];
+  for (;;) {
+    KILN_ASSIGN_OR_RETURN(std::size_t n, tls_->read(buf, sizeof buf));
+    // Reading may produce records to send (a TLS 1.3 key update's answer, an alert).
+    KILN_TRY(send_raw(tls_->take_output(), deadline));
+    if (n > 0) {
+      in_.append(buf, n);
+      return {};
+    }
+    std::string got;
+    KILN_TRY(recv_raw(got, deadline));
+    tls_->give_input(got);
+  }
+}
+
 Result<Reply> Connection::command(const std::vector<std::string_view>& args, Clock::time_point deadline) {
-  KILN_TRY(send_all(encode_command(args), deadline));
+  // With TLS 1.3 the server judges the client's certificate after the client's handshake is done:
+  // a server that requires one sends an alert and closes, and the close may arrive first.
+  auto explained = [&](Status s) {
+    if (!tls_ || answered_ || no_client_cert_hint_.empty() || s.code() != Code::unavailable || is_tls_failure(s))
+      return s;
+    return Status(s.code(), s.message() + no_client_cert_hint_, s.details());
+  };
+  if (Status s = send_all(encode_command(args), deadline); !s.ok()) return explained(s);
   for (;;) {
     Reply r;
     std::size_t used = 0;
     const int p = parse_reply(in_, r, used);
     if (p == 1) {
       in_.erase(0, used);
+      answered_ = true;
       return r;
     }
     if (p < 0) return Status(Code::corruption, "the remote cache sent a malformed reply");
-    KILN_TRY(fill(deadline));
+    if (Status s = fill(deadline); !s.ok()) return explained(s);
   }
 }
 

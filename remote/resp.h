@@ -1,5 +1,5 @@
-// A minimal Redis client: RESP2 over a TCP or Unix socket, one command at a time, every step under
-// a deadline.
+// A minimal Redis client: RESP2 over a TCP or Unix socket, or TLS over TCP (remote/tls.h), one
+// command at a time, every step under a deadline.
 //
 // A Connection is not thread-safe; the tier keeps a pool of them. After any error other than an
 // error reply (a timeout, a closed socket, a malformed reply) the stream may be out of step and
@@ -17,6 +17,7 @@
 
 namespace kiln::remote {
 
+class TlsSession;
 using Clock = std::chrono::steady_clock;
 
 struct Reply {
@@ -33,8 +34,9 @@ inline constexpr std::size_t k_max_bulk_bytes = 256u << 20;
 
 class Connection {
  public:
-  // Connects (and AUTHs and SELECTs when the config says so) before `deadline`. timeout when the
-  // deadline passes, unavailable when the server cannot be reached or refuses the credentials.
+  // Connects (with the TLS handshake, and AUTHs and SELECTs when the config says so) before
+  // `deadline`. timeout when the deadline passes, unavailable when the server cannot be reached,
+  // its certificate does not verify (is_tls_failure) or it refuses the credentials.
   static Result<std::unique_ptr<Connection>> open(const Config& config, Clock::time_point deadline);
   ~Connection();
   Connection(const Connection&) = delete;
@@ -44,12 +46,19 @@ class Connection {
   Result<Reply> command(const std::vector<std::string_view>& args, Clock::time_point deadline);
 
  private:
-  explicit Connection(int fd) : fd_(fd) {}
+  explicit Connection(int fd);
+  Status handshake(Clock::time_point deadline);
   Status send_all(const std::string& bytes, Clock::time_point deadline);
   Status fill(Clock::time_point deadline);
+  // The socket itself: every byte of `bytes`; what one recv returns, appended to `out`.
+  Status send_raw(const std::string& bytes, Clock::time_point deadline);
+  Status recv_raw(std::string& out, Clock::time_point deadline);
 
   int fd_ = -1;
-  std::string in_;  // bytes received and not yet parsed
+  std::unique_ptr<TlsSession> tls_;  // set: bytes on the socket are TLS records
+  std::string no_client_cert_hint_;  // added to a close before the first reply (TLS, no certificate)
+  bool answered_ = false;            // a reply has been read
+  std::string in_;  // bytes received (decrypted) and not yet parsed
 };
 
 // Parses one reply from the front of `buf`. 1: parsed (consumed bytes in `used`), 0: incomplete,

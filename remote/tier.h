@@ -10,6 +10,13 @@
 // skipped (local only, counted) for Config::backoff_initial, doubling up to backoff_max while the
 // server keeps failing; after each interval one request probes it, and the first success makes it
 // used again. Nothing connects before the first request. Thread-safe.
+//
+// Compile coordination: after a miss, claim() takes a short-lived lock for the key in Redis
+// (SET NX PX with a random token). The host that gets it compiles; the others wait, asking for
+// the record every Config::lock_poll, at most Config::lock_wait, and compile themselves when the
+// wait runs out or the lock goes away without a record (its holder failed, or died and the lock
+// expired: then one of them takes it). The holder's lock is released (compare-and-delete: only
+// its own token) right after its write-back lands, or at once when it compiled nothing.
 #pragma once
 
 #include <condition_variable>
@@ -44,7 +51,37 @@ struct Counters {
   std::int64_t connects = 0;        // connections opened
   std::int64_t outages = 0;         // times the tier went local-only
   std::int64_t pending_writes = 0;  // queued now
+  std::int64_t tls_errors = 0;      // failed TLS handshakes or sessions (counted in errors too)
+  std::int64_t locks_won = 0;       // compile locks taken: this host compiled for the fleet
+  std::int64_t locks_waited = 0;    // claims that found another host's lock and waited
+  std::int64_t lock_wait_hits = 0;  // waits that ended with the other host's record (counted in hits)
+  std::int64_t lock_timeouts = 0;   // waits that ran out: compiled here
   bool up = true;                   // false while backing off
+};
+
+class Tier;
+
+// This host's lock on compiling one key for the fleet (Tier::claim). Move-only. Handed to
+// Tier::put_entry with the compiled entry, it is released after the write-back; destroyed
+// otherwise (no entry to share), it is released at once so that waiting hosts stop waiting.
+class CompileLock {
+ public:
+  CompileLock() = default;
+  CompileLock(CompileLock&& o) noexcept { *this = std::move(o); }
+  CompileLock& operator=(CompileLock&& o) noexcept;
+  ~CompileLock();
+  bool held() const { return tier_ != nullptr; }
+
+ private:
+  friend class Tier;
+  Tier* tier_ = nullptr;
+  std::string name_;   // the lock's Redis key
+  std::string token_;  // this holder's random value
+};
+
+struct Claim {
+  std::optional<cache::Entry> entry;  // another host compiled it meanwhile (verified): use this
+  CompileLock lock;                   // otherwise compile; held when this host took the lock
 };
 
 class Tier {
@@ -58,8 +95,13 @@ class Tier {
 
   // The verified entry for `key`, or nullopt: not there, rejected, or the server did not answer.
   std::optional<cache::Entry> get_entry(const std::string& key, const cache::Expected& expected);
-  // Queues the entry's write-back.
-  void put_entry(const cache::Entry& e);
+  // Queues the entry's write-back; `lock`, if held, is released once the record is written.
+  void put_entry(const cache::Entry& e, CompileLock lock = {});
+
+  // After get_entry missed `key`: the lock to compile it (or none: coordination is off, the
+  // server failed, or a wait ran out), or the entry another host compiled while this one waited.
+  // Waits at most Config::lock_wait, plus one read timeout.
+  Claim claim(const std::string& key, const cache::Expected& expected);
 
   // Any signed record by name (tuning rows): the verified payload, or nullopt as for get_entry.
   std::optional<std::string> get_record(const std::string& name);
@@ -73,9 +115,23 @@ class Tier {
   std::string describe() const { return config_.endpoint.describe(); }
 
  private:
+  friend class CompileLock;
+  // One queued write: a record to SET, a lock to release after it, or both.
+  struct Write {
+    std::string name, sealed;  // name empty: none
+    std::string lock_name, token;  // lock_name empty: none
+  };
+
   explicit Tier(Config config);
+  // One command on a pooled connection under the read timeout; nullopt when the tier is backing
+  // off (`skipped` set) or the server failed (counted, back-off begun).
+  std::optional<Reply> round_trip(const std::vector<std::string_view>& args, bool& skipped);
   // The raw value stored under `name`: nullopt when absent or the server failed (counted).
   std::optional<std::string> fetch(const std::string& name);
+  // Verifies a kernel record; counts and logs a rejected one unless told not to.
+  std::optional<cache::Entry> open_checked(const std::string& key, const std::string& raw,
+                                           const cache::Expected& expected, bool count_rejected = true);
+  void release(CompileLock& lock);
   // A pooled connection (reused = true) unless `fresh`, else a new one; null with `error` set.
   std::unique_ptr<Connection> take_connection(Clock::time_point deadline, Status& error, bool& reused,
                                               bool fresh = false);
@@ -87,7 +143,9 @@ class Tier {
   // the server now, so it does not end a back-off.
   void succeeded(Clock::time_point sent);
   void write_loop();
-  void enqueue(std::string name, std::string sealed);
+  // Sends one queued write on `conn` (opened or reopened as needed).
+  void send_write(const Write& w, std::unique_ptr<Connection>& conn);
+  void enqueue(Write w);
 
   const Config config_;
   mutable std::mutex mu_;  // counters_, the back-off state and idle_
@@ -96,10 +154,11 @@ class Tier {
   Clock::time_point failed_at_{};  // the last failure
   std::chrono::milliseconds backoff_;
   std::vector<std::unique_ptr<Connection>> idle_;
+  bool warned_release_ = false;
 
   mutable std::mutex queue_mu_;
   std::condition_variable queue_cv_;
-  std::deque<std::pair<std::string, std::string>> queue_;
+  std::deque<Write> queue_;
   bool writing_ = false;
   bool stop_ = false;
   std::thread writer_;

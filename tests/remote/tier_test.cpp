@@ -1,7 +1,7 @@
 // The remote tier against real redis-server processes: hits, misses and write-backs, rejected
 // records, a server that stops answering, one killed during a run of reads and restarted, a full
-// one, and an ACL user. Entries here are made up (no compile): the tier checks signatures and
-// checksums, not what a cubin does.
+// one, an ACL user, and the compile locks hosts coordinate with. Entries here are made up (no
+// compile): the tier checks signatures and checksums, not what a cubin does.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -282,6 +282,192 @@ TEST(TierWithoutServer, NothingListeningIsLocalOnlyAtOnce) {
   EXPECT_EQ(r.errors, 1) << "one refused connection, then back-off";
   EXPECT_EQ(r.skipped, 999);
   EXPECT_EQ(r.writes_dropped, 1);
+}
+
+}  // namespace
+}  // namespace kiln::testing
+
+namespace kiln::testing {
+namespace {
+
+// Compile coordination between hosts (Tier::claim): each test is two or more tiers, as two hosts
+// would have, on one server.
+class Locks : public Tier {
+ protected:
+  remote::Config config(std::chrono::milliseconds wait = 5s) {
+    remote::Config c = config_for(*redis);
+    c.lock_wait = wait;
+    return c;
+  }
+  bool lock_exists(const std::string& key) {
+    auto r = redis->command({"EXISTS", "kiln:v1:l/" + key});
+    return r.ok() && r->integer == 1;
+  }
+};
+
+TEST_F(Locks, OneHostCompilesTheOtherWaitsForItsRecord) {
+  auto a = remote::Tier::create(config()), b = remote::Tier::create(config());
+  const cache::Entry e = entry(20);
+  ASSERT_FALSE(a->get_entry(e.key, {}));
+  remote::Claim ca = a->claim(e.key, {});
+  ASSERT_TRUE(ca.lock.held());
+  EXPECT_FALSE(ca.entry);
+  EXPECT_TRUE(lock_exists(e.key));
+
+  std::optional<remote::Claim> cb;
+  double waited_ms = 0;
+  std::thread t([&] {
+    const auto t0 = Clock::now();
+    cb = b->claim(e.key, {});
+    waited_ms = ms_since(t0);
+  });
+  std::this_thread::sleep_for(300ms);  // A "compiles"
+  a->put_entry(e, std::move(ca.lock));
+  t.join();
+  ASSERT_TRUE(cb);
+  ASSERT_TRUE(cb->entry) << "B got A's record instead of compiling";
+  EXPECT_EQ(cb->entry->cubin, e.cubin);
+  EXPECT_FALSE(cb->lock.held());
+  EXPECT_GE(waited_ms, 250);
+  EXPECT_LT(waited_ms, 300 + 500) << "B saw the record within a few polls";
+  ASSERT_TRUE(a->flush(5s));
+  EXPECT_FALSE(lock_exists(e.key)) << "released after the write-back";
+  EXPECT_EQ(a->counters().locks_won, 1);
+  const remote::Counters c = b->counters();
+  EXPECT_EQ(c.locks_won, 0);
+  EXPECT_EQ(c.locks_waited, 1);
+  EXPECT_EQ(c.lock_wait_hits, 1);
+  EXPECT_EQ(c.lock_timeouts, 0);
+  EXPECT_EQ(c.hits, 1);
+}
+
+TEST_F(Locks, ManyHostsAtOnceOneWins) {
+  constexpr int k_hosts = 8;
+  std::vector<std::unique_ptr<remote::Tier>> hosts;
+  for (int i = 0; i < k_hosts; ++i) hosts.push_back(remote::Tier::create(config()));
+  const cache::Entry e = entry(21);
+  std::atomic<int> won{0}, served{0}, other{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < k_hosts; ++i)
+    ts.emplace_back([&, i] {
+      remote::Claim c = hosts[std::size_t(i)]->claim(e.key, {});
+      if (c.lock.held()) {
+        ++won;
+        std::this_thread::sleep_for(200ms);
+        hosts[std::size_t(i)]->put_entry(e, std::move(c.lock));
+      } else if (c.entry) {
+        ++served;
+      } else {
+        ++other;
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(won.load(), 1);
+  EXPECT_EQ(served.load(), k_hosts - 1);
+  EXPECT_EQ(other.load(), 0);
+}
+
+TEST_F(Locks, AHostThatCompiledNothingReleasesAtOnceAndAWaiterTakesOver) {
+  auto a = remote::Tier::create(config()), b = remote::Tier::create(config());
+  const cache::Entry e = entry(22);
+  std::optional<remote::Claim> ca(a->claim(e.key, {}));
+  ASSERT_TRUE(ca->lock.held());
+  std::optional<remote::Claim> cb;
+  double waited_ms = 0;
+  std::thread t([&] {
+    const auto t0 = Clock::now();
+    cb = b->claim(e.key, {});
+    waited_ms = ms_since(t0);
+  });
+  std::this_thread::sleep_for(200ms);
+  ca.reset();  // A's compile failed: no entry, the lock goes
+  t.join();
+  ASSERT_TRUE(cb);
+  EXPECT_FALSE(cb->entry);
+  EXPECT_TRUE(cb->lock.held()) << "B took the lock over and compiles";
+  EXPECT_LT(waited_ms, 200 + 500);
+  EXPECT_EQ(b->counters().locks_waited, 1);
+  EXPECT_EQ(b->counters().locks_won, 1);
+  EXPECT_EQ(b->counters().lock_timeouts, 0);
+}
+
+TEST_F(Locks, ADeadHoldersLockExpiresAndAWaiterTakesOver) {
+  auto b = remote::Tier::create(config());
+  const cache::Entry e = entry(23);
+  // A holder that died after taking the lock: nobody releases it, its TTL (400 ms) ends it.
+  ASSERT_TRUE(redis->command({"SET", "kiln:v1:l/" + e.key, "dead-host", "NX", "PX", "400"}).ok());
+  const auto t0 = Clock::now();
+  remote::Claim cb = b->claim(e.key, {});
+  const double waited_ms = ms_since(t0);
+  EXPECT_TRUE(cb.lock.held());
+  EXPECT_GE(waited_ms, 300);
+  EXPECT_LT(waited_ms, 400 + 500);
+  EXPECT_EQ(b->counters().locks_waited, 1);
+  EXPECT_EQ(b->counters().lock_timeouts, 0);
+}
+
+TEST_F(Locks, AWaitRunsOutAfterLockWaitAndTheHostCompiles) {
+  auto b = remote::Tier::create(config(300ms));
+  const cache::Entry e = entry(24);
+  ASSERT_TRUE(redis->command({"SET", "kiln:v1:l/" + e.key, "slow-host", "NX", "PX", "60000"}).ok());
+  const auto t0 = Clock::now();
+  remote::Claim cb = b->claim(e.key, {});
+  const double waited_ms = ms_since(t0);
+  EXPECT_FALSE(cb.entry);
+  EXPECT_FALSE(cb.lock.held()) << "compiles without the lock: the other host still holds it";
+  EXPECT_GE(waited_ms, 250);
+  EXPECT_LT(waited_ms, 300 + k_slack_ms + 100);
+  EXPECT_EQ(b->counters().lock_timeouts, 1);
+  EXPECT_TRUE(lock_exists(e.key)) << "another host's lock is left alone";
+}
+
+TEST_F(Locks, AReleaseNeverDeletesAnotherHostsLock) {
+  remote::Config short_lived = config();
+  short_lived.lock_ttl = 200ms;
+  auto a = remote::Tier::create(short_lived), b = remote::Tier::create(config());
+  const cache::Entry e = entry(25);
+  std::optional<remote::Claim> ca(a->claim(e.key, {}));
+  ASSERT_TRUE(ca->lock.held());
+  std::this_thread::sleep_for(300ms);  // A's lock expired: A compiles for longer than its TTL
+  remote::Claim cb = b->claim(e.key, {});
+  ASSERT_TRUE(cb.lock.held());
+  ca.reset();  // A gives up late: its release must not free B's lock
+  ASSERT_TRUE(a->flush(5s));
+  EXPECT_TRUE(lock_exists(e.key));
+  EXPECT_EQ(a->counters().write_errors, 0);
+}
+
+TEST_F(Locks, RedisKilledDuringAWaitCostsOneTimeoutAtMost) {
+  auto b = remote::Tier::create(config());
+  const cache::Entry e = entry(26);
+  ASSERT_TRUE(redis->command({"SET", "kiln:v1:l/" + e.key, "other-host", "NX", "PX", "60000"}).ok());
+  double waited_ms = 0;
+  std::optional<remote::Claim> cb;
+  std::thread t([&] {
+    const auto t0 = Clock::now();
+    cb = b->claim(e.key, {});
+    waited_ms = ms_since(t0);
+  });
+  std::this_thread::sleep_for(150ms);
+  redis->kill();
+  t.join();
+  ASSERT_TRUE(cb);
+  EXPECT_FALSE(cb->entry);
+  EXPECT_FALSE(cb->lock.held());
+  EXPECT_LT(waited_ms, 150 + 20 + 50 + k_slack_ms) << "one poll, one timeout at most";
+  EXPECT_FALSE(b->counters().up);
+}
+
+TEST_F(Locks, LockTimeZeroTurnsCoordinationOff) {
+  remote::Config off = config();
+  off.lock_ttl = 0ms;
+  auto a = remote::Tier::create(off);
+  const cache::Entry e = entry(27);
+  remote::Claim c = a->claim(e.key, {});
+  EXPECT_FALSE(c.lock.held());
+  EXPECT_FALSE(c.entry);
+  EXPECT_FALSE(lock_exists(e.key));
+  EXPECT_EQ(a->counters().locks_won, 0);
 }
 
 }  // namespace
