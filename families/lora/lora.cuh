@@ -140,12 +140,13 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
 
 // Writes tail stage `it` into the swizzled tiles at dst_a (ROWS_A rows of t) and dst_b (ROWS_B rows
 // of B), NT threads sharing the work with plain loads and shared stores (a rank need not make
-// 16-byte rows, and t is summed from fp32 partials on the way). Each thread keeps several chunks'
-// loads in flight before it stores them: the loads, not the stores, are what a tail stage waits on.
+// 16-byte rows, and t is summed from fp32 partials on the way). Loads are batched ahead of their
+// stores (BATCH chunks of B, BATCH_A of t a thread): the loads, not the stores, are what a tail
+// stage waits on. Deeper batches spill in the wgmma producer's 56 registers.
 template <class T, int ROWS_A, int ROWS_B, int NT>
 __device__ __forceinline__ void load_tail(unsigned dst_a, unsigned dst_b, const Tail<T>& t, const TailIter& it,
                                           int row0, int col0, int tid) {
-  constexpr int BATCH = 4, BATCH_A = 2;  // t's chunks hold 8 floats each while they sum
+  constexpr int BATCH = 2, BATCH_A = 1;
   const int rank = t.rank(it.a), rp = t.rp();
   const float sc = t.scale(it.a);
   const int ucols = t.slices * rp;
