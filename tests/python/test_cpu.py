@@ -30,7 +30,7 @@ def test_import_does_not_import_torch():
 
 
 def test_library_ships_inside_the_package():
-    assert kiln.abi_version() >= kiln.ABI_VERSION == 7
+    assert kiln.abi_version() >= kiln.ABI_VERSION == 8
     if "KILN_LIBRARY" not in os.environ:
         assert os.path.dirname(kiln.library_path) == os.path.dirname(kiln.__file__)
         assert os.path.isfile(kiln.library_path)
