@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks kiln's GPU benchmark against the memory-bound targets of issue 3, shape by shape.
+"""Checks kiln's GPU benchmark against the memory-bound targets (docs/benchmarks.md, "Targets"), shape by shape.
 
 Reads the JSON of one `scripts/gpu_run.sh` call (kiln_bench_gpu's and bench/torch_anchors.py's,
 measured in the same command) and prints a Markdown table: kiln's time and share of the 1 GiB copy
@@ -7,7 +7,7 @@ bandwidth, the fastest PyTorch variant on the same shape, their ratio, and the t
   - tokens >= 4096: >= 95% of the copy (90% at hidden 16384, 85% at 65536), never slower than the
     fastest PyTorch variant, and >= 1.10x it where that one is under 86% of the copy;
   - RMSNorm backward: >= 85% of the copy and faster than torch.compile's backward.
-And the compute-bound targets of issue 8 (TFLOP/s beside cuBLAS in the same run):
+And the compute-bound targets (TFLOP/s beside cuBLAS in the same run):
   - fp8_gemm per tensor >= 1.0x torch._scaled_mm (tensorwise), block-scaled >= 0.9x it (and, with
     no target, block-scaled beside cuBLAS's own block-scaled _scaled_mm where it was measured);
   - fused gated MLP >= 1.10x PyTorch's eager silu(x @ Wg^T) * (x @ Wu^T).

@@ -361,7 +361,7 @@ class LoraGemm final : public Family {
     return Family::problem_from_shape(
         dtype, with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}, {"bias", 0}}));
   }
-  // The shapes (M 8192 and 16, K 4096, N 4096 rank 16, N 14336 rank 64), decode over 16
+  // Llama projection shapes (M 8192 and 16, K 4096, N 4096 rank 16, N 14336 rank 64), decode over 16
   // adapters, and a small ragged merged-QKV case with a bias.
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;

@@ -1,4 +1,4 @@
-// Fused LoRA (bf16): lora_linear at the shapes (M 8192 and 16, K 4096, N 4096 rank 16; N
+// Fused LoRA (bf16): lora_linear at LLM projection shapes (M 8192 and 16, K 4096, N 4096 rank 16; N
 // 14336 rank 64; M 4096), and lora_linear_multi for a decode batch of 16 rows over 16 adapters
 // against the same batch on one adapter. Sampled outputs are checked against fp64 first (outputs
 // poisoned before the first call), then timed; TFLOP/s counts the base GEMM's 2 M N K. The cuBLAS

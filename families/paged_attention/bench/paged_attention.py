@@ -3,7 +3,7 @@ families/paged_attention/bench/paged_attention.cpp times: torch's SDPA over a co
 and flash backends, enable_gqa, or K/V repeated per head where a backend refuses GQA) for batch
 {1, 8, 64, 256} x context {512, 2k, 8k, 32k} (B256 at 32k left out, as in kiln's section), and the
 cascade shape without sharing (32 requests x 4352 keys). GB/s counts the K and V bytes of the KV
-heads once; kiln's paged rows are to be read against these (the issue's target: paged at page 16
+heads once; kiln's paged rows are to be read against these (the target: paged at page 16
 at least 0.92x the contiguous SDPA of the same run).
 """
 import torch
