@@ -193,43 +193,11 @@ Result<void*> kernel_address(const char* op, const TensorView& t, const char* na
   return reinterpret_cast<void*>(mapped);
 }
 
-}  // namespace
-
-Status copy_blocks(const TensorView& key_cache, const TensorView& value_cache, const TensorView& pairs, Stream stream,
-                   Runtime* runtime) {
-  const char* op = "copy_blocks";
-  KILN_TRY(check_tensor(op, key_cache, "key_cache", key_cache));
-  KILN_TRY(check_tensor(op, value_cache, "value_cache", key_cache));
-  KILN_TRY(check_tensor(op, pairs, "pairs", key_cache));
-  KILN_TRY(check_cache_pair(op, key_cache, value_cache));
-  if (!is_index(pairs.dtype)) return unsupported_dtype("copy_blocks: pairs must be int32 or int64");
-  if (pairs.rank != 2 || pairs.shape[1] != 2)
-    return shape_mismatch("copy_blocks: pairs must be [n, 2] (src, dst), got " + dims(pairs));
-  const std::int64_t num_blocks = key_cache.shape[0];
-  const std::int64_t block_bytes =
-      key_cache.shape[1] * key_cache.shape[2] * key_cache.shape[3] * std::int64_t(dtype_size(key_cache.dtype));
-  families::CopyBlocksProblem a{.pairs = pairs.shape[0],
-                                .block_bytes = block_bytes,
-                                .num_blocks = num_blocks,
-                                .pairs_i64 = pairs.dtype == DType::i64 ? 1 : 0,
-                                .src_blocks = num_blocks};
-  void* buffers[5] = {key_cache.data, value_cache.data, key_cache.data, value_cache.data, pairs.data};
-  const Problem p = Problem::of(DType::f16, client::common_alignment({address(key_cache), address(value_cache)}, {}), a);
-  static const Family* f = family("copy_blocks");
-  if (!f) return internal_error("the copy_blocks family is not registered");
-  if (key_cache.device.kind == DeviceKind::cpu) {
-    KILN_TRY(check_pairs(op, pairs, num_blocks, num_blocks, true));
-    return f->cpu_reference(Params{{"vec_bytes", std::int64_t(16)}}, p, buffers);
-  }
-  if (a.pairs == 0) {
-    return f->check_problem(f->heuristic(p), p);
-  }
-  return launch(f, "copy_blocks", p, buffers, stream, runtime);
-}
-
-Status swap_blocks(const TensorView& src_key, const TensorView& src_value, const TensorView& dst_key,
-                   const TensorView& dst_value, const TensorView& pairs, Stream stream, Runtime* runtime) {
-  const char* op = "swap_blocks";
+// copy_blocks and swap_blocks: one kernel, from a source pool to a destination pool (the same
+// memory for copy-on-write).
+Status copy_pool_blocks(const char* op, const TensorView& src_key, const TensorView& src_value,
+                        const TensorView& dst_key, const TensorView& dst_value, const TensorView& pairs, Stream stream,
+                        Runtime* runtime) {
   const TensorView* all[5] = {&src_key, &src_value, &dst_key, &dst_value, &pairs};
   const char* names[5] = {"src_key", "src_value", "dst_key", "dst_value", "pairs"};
   for (int i = 0; i < 5; ++i) {
@@ -244,10 +212,10 @@ Status swap_blocks(const TensorView& src_key, const TensorView& src_value, const
                             dtype_name(src_key.dtype) + ", destination " + dims(dst_key) + " " +
                             dtype_name(dst_key.dtype) + " (the first dimension may differ)");
   if (src_key.device.kind != src_value.device.kind || dst_key.device.kind != dst_value.device.kind)
-    return device_error("swap_blocks: a pool's K and V must live on the same side (both GPU or both host)");
-  if (!is_index(pairs.dtype)) return unsupported_dtype("swap_blocks: pairs must be int32 or int64");
+    return device_error(std::string(op) + ": a pool's K and V must live on the same side (both GPU or both host)");
+  if (!is_index(pairs.dtype)) return unsupported_dtype(std::string(op) + ": pairs must be int32 or int64");
   if (pairs.rank != 2 || pairs.shape[1] != 2)
-    return shape_mismatch("swap_blocks: pairs must be [n, 2] (src, dst), got " + dims(pairs));
+    return shape_mismatch(std::string(op) + ": pairs must be [n, 2] (src, dst), got " + dims(pairs));
   // GPU tensors: real device memory, all on one GPU.
   int gpu = -1;
   for (int i = 0; i < 5; ++i) {
@@ -259,7 +227,7 @@ Status swap_blocks(const TensorView& src_key, const TensorView& src_value, const
   }
   const bool one_pool = src_key.data == dst_key.data;
   if (one_pool && (src_value.data != dst_value.data || src_key.shape[0] != dst_key.shape[0]))
-    return invalid_argument("swap_blocks: src_key is dst_key but the values' pools differ");
+    return invalid_argument(std::string(op) + ": src_key is dst_key but the values' pools differ");
   const std::int64_t block_bytes =
       src_key.shape[1] * src_key.shape[2] * src_key.shape[3] * std::int64_t(dtype_size(src_key.dtype));
   families::CopyBlocksProblem a{.pairs = pairs.shape[0],
@@ -284,6 +252,18 @@ Status swap_blocks(const TensorView& src_key, const TensorView& src_value, const
   }
   if (a.pairs == 0) return f->check_problem(f->heuristic(p), p);
   return launch(f, op, p, buffers, stream, runtime);
+}
+
+}  // namespace
+
+Status copy_blocks(const TensorView& key_cache, const TensorView& value_cache, const TensorView& pairs, Stream stream,
+                   Runtime* runtime) {
+  return copy_pool_blocks("copy_blocks", key_cache, value_cache, key_cache, value_cache, pairs, stream, runtime);
+}
+
+Status swap_blocks(const TensorView& src_key, const TensorView& src_value, const TensorView& dst_key,
+                   const TensorView& dst_value, const TensorView& pairs, Stream stream, Runtime* runtime) {
+  return copy_pool_blocks("swap_blocks", src_key, src_value, dst_key, dst_value, pairs, stream, runtime);
 }
 
 // ---- merge_state ----
