@@ -11,7 +11,36 @@
 
 namespace kiln::families {
 
-std::int64_t attention_decode_splits(const AttentionProblem& a, std::int64_t sm_count) {
+std::int64_t attention_splitkv_blocks_per_sm(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_n,
+                                             std::int64_t cc, int key_warps) {
+  if (cc == 0) cc = 90;
+  // Shared memory and threads an SM has: 8.6, 8.9 and 12.x are the smaller consumer parts.
+  const bool small = cc == 86 || cc == 87 || cc == 89 || cc >= 120;
+  const std::int64_t sm_smem = cc == 80 ? 164 * 1024 : small ? 100 * 1024 : 228 * 1024;
+  const std::int64_t sm_threads = small ? 1536 : 2048;
+  const std::int64_t block_smem = std::int64_t(attention_smem_bytes(head_dim, head_dim_v, warps, block_n)) +
+                                  2 * block_n * 4 + 1024;  // the paged slot ring, the per-block reserve
+  const std::int64_t block_warps = std::int64_t(warps) * key_warps;
+  const std::int64_t by_regs = 65536 / (block_warps * 32 * 256);
+  return std::max<std::int64_t>(1, std::min({sm_smem / block_smem, sm_threads / (32 * block_warps), by_regs}));
+}
+
+std::int64_t attention_split_count(std::int64_t row_blocks, std::int64_t tiles, std::int64_t slots) {
+  if (row_blocks <= 0 || tiles <= 1 || slots <= 0) return 1;
+  const std::int64_t most = std::min(tiles, k_attention_max_splits);
+  std::int64_t best = 1, best_cost = std::numeric_limits<std::int64_t>::max();
+  for (std::int64_t s = 1; s <= most; ++s) {
+    const std::int64_t waves = (row_blocks * s + slots - 1) / slots;
+    const std::int64_t cost = waves * ((tiles + s - 1) / s + 1) + (s > 1 ? 1 : 0);
+    if (cost < best_cost) {
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+std::int64_t attention_decode_splits(const AttentionProblem& a, std::int64_t sm_count, std::int64_t cc) {
   if (!attention_head_dims_supported(a.head_dim, a.head_dim_v) || a.heads <= 0 || a.kv_heads <= 0 ||
       a.heads % a.kv_heads || a.batch <= 0)
     return 0;
@@ -21,11 +50,11 @@ std::int64_t attention_decode_splits(const AttentionProblem& a, std::int64_t sm_
   if (tiles < 2 * k_attention_min_split_tiles) return 0;
   const std::int64_t sms = sm_count > 0 ? sm_count : 132;
   const std::int64_t rows = a.seqlen_q * (a.heads / a.kv_heads);
-  const std::int64_t bm = 16 * attention_splitkv_warps(rows);
-  const std::int64_t blocks = a.batch * a.kv_heads * ((rows + bm - 1) / bm);
-  if (blocks >= sms) return 1;
-  const std::int64_t want = (2 * sms + blocks - 1) / blocks;
-  return std::max<std::int64_t>(1, std::min({want, tiles / k_attention_min_split_tiles, k_attention_max_splits}));
+  const int warps = attention_splitkv_warps(rows);
+  const std::int64_t blocks = a.batch * a.kv_heads * ((rows + 16 * warps - 1) / (16 * warps));
+  return attention_split_count(blocks, tiles,
+                               sms * attention_splitkv_blocks_per_sm(a.head_dim, a.head_dim_v, warps, int(bn), cc,
+                                                                     attention_splitkv_key_warps(warps, int(bn))));
 }
 
 AttentionSplitKvProblem attention_splitkv_problem(const AttentionProblem& a, std::int64_t splits) {
@@ -64,6 +93,17 @@ int attention_splitkv_warps(std::int64_t rows) {
   int w = 1;
   while (w < 8 && 16 * w < rows) w *= 2;
   return w;
+}
+
+int attention_splitkv_key_warps(int warps, int block_n) { return warps <= 2 && block_n % 32 == 0 ? 2 : 1; }
+
+Status attention_splitkv_check_warps(const char* family, int warps, int key_warps, int block_n) {
+  if (block_n % (16 * key_warps))
+    return invalid_argument(std::string(family) + ": block_n " + std::to_string(block_n) + " does not divide into " +
+                            std::to_string(key_warps) + " key warps of whole 16-key steps");
+  if (warps * key_warps > 8)
+    return invalid_argument(std::string(family) + ": warps times key_warps must be at most 8");
+  return {};
 }
 
 namespace {
@@ -118,7 +158,7 @@ double attend_row(const AttentionSplitKvProblem& a, const std::vector<double>& q
 class AttentionSplitKv final : public Family {
  public:
   std::string_view name() const override { return "attention_splitkv"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -126,7 +166,8 @@ class AttentionSplitKv final : public Family {
         {"dtype", {}, {"f16", "bf16"}, "element type of q, k and v"},
         {"head_dim", {64, 80, 96, 128, 192, 256}, {}, "elements per head of q and k"},
         {"head_dim_v", {64, 80, 96, 128, 192, 256}, {}, "elements per head of v and out"},
-        {"warps", {1, 2, 4, 8}, {}, "warps per block, 16 packed (query, head) rows each"},
+        {"key_warps", {1, 2, 4}, {}, "warps dividing each K/V tile's keys, merged at the end"},
+        {"warps", {1, 2, 4, 8}, {}, "warps per block along the rows, 16 packed (query, head) rows each"},
     };
     return defs;
   }
@@ -159,7 +200,8 @@ class AttentionSplitKv final : public Family {
                               std::to_string(dv));
     if (smem(params) > k_sm90_smem)
       return invalid_argument("attention_splitkv: the variant needs more than 227 KiB of shared memory");
-    return {};
+    return attention_splitkv_check_warps("attention_splitkv", int(*params.get_int("warps")),
+                                         int(*params.get_int("key_warps")), int(*params.get_int("block_n")));
   }
 
   bool runs_on(const Params& params, const GpuArch& arch) const override {
@@ -174,7 +216,7 @@ class AttentionSplitKv final : public Family {
                         ", " + std::to_string(*params.get_int("head_dim")) + ", " +
                         std::to_string(*params.get_int("head_dim_v")) + ", " +
                         std::to_string(*params.get_int("warps")) + ", " + std::to_string(*params.get_int("block_n")) +
-                        ">";
+                        ", false, " + std::to_string(*params.get_int("key_warps")) + ">";
     return r;
   }
 
@@ -213,7 +255,7 @@ class AttentionSplitKv final : public Family {
     g.grid.x = std::uint32_t(std::max<std::int64_t>(blocks_x(params, a), 1));
     g.grid.y = std::uint32_t(std::max<std::int64_t>(a.kv_heads, 1));
     g.grid.z = std::uint32_t(std::max<std::int64_t>(a.batch, 1));
-    g.block.x = std::uint32_t(32 * *params.get_int("warps"));
+    g.block.x = std::uint32_t(32 * *params.get_int("warps") * *params.get_int("key_warps"));
     g.shared_bytes = smem(params);
     return g;
   }
@@ -233,11 +275,12 @@ class AttentionSplitKv final : public Family {
     const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
     std::vector<Params> out;
     for (int w : {1, 2, 4, 8})
-      for (int bn : {32, 64, 128}) {
-        if (a.head_dim_v / 2 + bn / 2 > 160) continue;  // as the one-pass kernel's tuning space
-        Params c = make(dtype, a.head_dim, a.head_dim_v, w, bn);
-        if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
-      }
+      for (int bn : {32, 64, 128})
+        for (int kw : {1, 2, 4}) {
+          if (a.head_dim_v / 2 + bn / 2 > 160) continue;  // as the one-pass kernel's tuning space
+          Params c = make(dtype, a.head_dim, a.head_dim_v, w, bn, kw);
+          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+        }
     if (out.empty()) out.push_back(heuristic(p));
     return out;
   }
@@ -364,8 +407,12 @@ class AttentionSplitKv final : public Family {
   }
 
  private:
-  static Params make(const std::string& dtype, std::int64_t d, std::int64_t dv, int warps, int block_n) {
+  // key_warps 0: the heuristic's for the warps and block_n.
+  static Params make(const std::string& dtype, std::int64_t d, std::int64_t dv, int warps, int block_n,
+                     int key_warps = 0) {
+    if (key_warps == 0) key_warps = attention_splitkv_key_warps(warps, block_n);
     return Params{{"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv}, {"warps", std::int64_t(warps)},
+                  {"key_warps", std::int64_t(key_warps)},
                   {"block_n", std::int64_t(block_n)}};
   }
   static std::uint32_t smem(const Params& params) {

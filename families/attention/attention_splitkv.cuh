@@ -3,7 +3,10 @@
 // attention_splitkv: a block owns 16 * WARPS rows of one (sequence, KV head), where the rows are
 // the (query, query head) pairs of that KV head's group packed into the M dimension (row r is
 // query r / group of head kv_head * group + r % group), so one block reads each K/V tile once for
-// every query head that shares it. The key tiles the block's rows can see are divided into
+// every query head that shares it. With KW key warps, each row warp's work on a tile is divided
+// by keys among KW warps, each running its own online softmax over its part of every tile; at the
+// end they merge their states through shared memory (the tiles' space), so an SM keeps KW times
+// the warps issuing on the same tiles. The key tiles the block's rows can see are divided into
 // `splits` contiguous ranges of equal tile counts (the last ones shorter or empty); split s
 // computes the softmax over its range alone, with the FlashAttention-2 loop of attention_fwd.cuh
 // (cp.async double buffering, mma.sync, online softmax in base 2), each row masked by its own
@@ -23,7 +26,8 @@
 // page_size, its key count seq_lens[b] (cu_k unused). Each K/V tile's keys are resolved to cache
 // rows (slots) two tiles ahead, read from the block table into registers while a tile computes and
 // kept in a two-entry shared ring, so the copies of a tile never wait on a block-table read; every
-// page size (1 to 128 rows, a power of two) takes the same path, a row at a time.
+// page size (1 to 128 rows, a power of two) takes the same path, a row at a time, one slot read
+// for a row of K and of V.
 #pragma once
 
 #include "attention/attention_fwd.cuh"
@@ -70,37 +74,56 @@ __device__ __forceinline__ void load_rows_rolled(unsigned dst, const T* src, lon
   }
 }
 
-// load_rows_rolled for rows scattered through a paged cache: row r at src + slots[r] * stride.
+// K and V tile rows scattered through a paged cache of one layout (head_dim_v = head_dim): row r of
+// both at slots[r] * stride, read once for the two copies. When the threads divide a row's chunks
+// evenly, each keeps one column and walks the rows, so the smem offsets are constants.
 template <int ROWS, int COLS, int PITCH, int NT, class T>
-__device__ __forceinline__ void load_rows_paged(unsigned dst, const T* src, long long stride, const int* slots,
-                                                int valid, int tid) {
-  constexpr int CHUNKS = COLS / 8, TOTAL = ROWS * CHUNKS;
-#pragma unroll 4
-  for (int i = tid; i < TOTAL; i += NT) {
-    const int r = i / CHUNKS, c = i % CHUNKS;
+__device__ __forceinline__ void load_kv_paged(unsigned dst_k, unsigned dst_v, const T* k, const T* v,
+                                              long long stride, const int* slots, int valid, int tid) {
+  constexpr int CHUNKS = COLS / 8;
+  auto copy = [&](int r, int c) {
     const bool ok = r < valid;
-    const T* p = ok ? src + (long long)slots[r] * stride + c * 8 : src;
-    gemm::cp_async_16(dst + unsigned(r * PITCH + c * 8) * 2u, p, ok ? 16 : 0);
+    const long long off = ok ? (long long)slots[r] * stride + c * 8 : 0;
+    const unsigned d = unsigned(r * PITCH + c * 8) * 2u;
+    gemm::cp_async_16(dst_k + d, k + off, ok ? 16 : 0);
+    gemm::cp_async_16(dst_v + d, v + off, ok ? 16 : 0);
+  };
+  if constexpr (NT % CHUNKS == 0) {
+    const int c = tid % CHUNKS;
+#pragma unroll 8
+    for (int r = tid / CHUNKS; r < ROWS; r += NT / CHUNKS) copy(r, c);
+  } else {
+#pragma unroll 4
+    for (int i = tid; i < ROWS * CHUNKS; i += NT) copy(i / CHUNKS, i % CHUNKS);
   }
 }
 
-template <class T, int D, int DV, int WARPS, int BN, bool PAGED = false>
-__global__ void __launch_bounds__(WARPS * 32, 1)
+template <class T, int D, int DV, int WARPS, int BN, bool PAGED = false, int KW = 1>
+__global__ void __launch_bounds__(WARPS * KW * 32, 1)
     attention_splitkv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const int* __restrict__ cu_q, const int* __restrict__ cu_k, float* __restrict__ o_part,
                       float* __restrict__ lse_part, int seqlen_q, int seqlen_k, int total_q, int heads,
                       int kv_heads, int window_left, int window_right, int varlen, int splits, float scale,
                       float softcap, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
                       int max_blocks, int page_shift) {
-  static_assert(D % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tiles are whole m16n8k16 steps");
-  constexpr int NT = WARPS * 32, BM = 16 * WARPS;
+  static_assert(D % 16 == 0 && DV % 16 == 0 && BN % (16 * KW) == 0, "each key warp takes whole m16n8k16 steps");
+  static_assert(!PAGED || D == DV, "the paged caches share one layout");
+  constexpr int NT = WARPS * KW * 32, BM = 16 * WARPS;
+  constexpr int BNW = BN / KW;  // keys of each tile a key warp takes
   constexpr int PQ = D + 8, PV = DV + 8;  // shared row pitch, elements
   constexpr int Q_BYTES = BM * PQ * 2, K_BYTES = BN * PQ * 2, V_BYTES = BN * PV * 2, STAGE = K_BYTES + V_BYTES;
-  constexpr int NS = BN / 8, NO = DV / 8;  // n8 blocks of S and of the output
+  constexpr int NS = BNW / 8, NO = DV / 8;  // n8 blocks of a key warp's S and of the output
+  // After the loop, key warps 1.. hand their state (acc, max, sum per lane) to key warp 0 here.
+  constexpr int MERGE_FLOATS = NO * 4 + 4;
+  static_assert(KW == 1 || (KW - 1) * WARPS * 32 * MERGE_FLOATS * 4 <= Q_BYTES + 2 * STAGE,
+                "the merge fits in the tiles' shared memory");
   extern __shared__ __align__(16) unsigned char smem[];
   const unsigned sq = ptx::smem_addr(smem), skv = sq + Q_BYTES;
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31;
+  // Row warp `warp` owns 16 packed rows; key warp wk takes keys [wk * BNW, (wk + 1) * BNW)
+  // of every tile with its own online softmax, merged with the other key warps' at the end.
+  const int warp = (tid >> 5) % WARPS, wk = (tid >> 5) / WARPS;
   const int hk = blockIdx.y, b = blockIdx.z;
   const int split = int(blockIdx.x) % splits, mblock = int(blockIdx.x) / splits;
   const int group = heads / kv_heads;
@@ -158,8 +181,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
     const unsigned s = skv + unsigned(stage * STAGE);
     const int n0 = t * BN;
     if constexpr (PAGED) {
-      load_rows_paged<BN, D, PQ, NT>(s, kp, k_stride, slot_ring + stage * BN, lk - n0, tid);
-      load_rows_paged<BN, DV, PV, NT>(s + K_BYTES, vp, v_stride, slot_ring + stage * BN, lk - n0, tid);
+      load_kv_paged<BN, D, PQ, NT>(s, s + K_BYTES, kp, vp, k_stride, slot_ring + stage * BN, lk - n0, tid);
     } else {
       load_rows_rolled<BN, D, PQ, NT>(s, kp + (long long)n0 * k_stride, k_stride, lk - n0, tid);
       load_rows_rolled<BN, DV, PV, NT>(s + K_BYTES, vp + (long long)n0 * v_stride, v_stride, lk - n0, tid);
@@ -227,7 +249,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
       gemm::ldmatrix_x4(sq + unsigned((warp * 16 + (lane & 15)) * PQ + kk * 16 + (lane >> 4) * 8) * 2u, a);
 #pragma unroll
       for (int nj = 0; nj < NS / 2; ++nj) {
-        const int g = lane >> 3, r = nj * 16 + (g >> 1) * 8 + (lane & 7), c = kk * 16 + (g & 1) * 8;
+        const int g = lane >> 3, r = wk * BNW + nj * 16 + (g >> 1) * 8 + (lane & 7), c = kk * 16 + (g & 1) * 8;
         unsigned bk[4];
         gemm::ldmatrix_x4(sk + unsigned(r * PQ + c) * 2u, bk);
         gemm::mma_16816<T>(s[2 * nj], a, bk[0], bk[1]);
@@ -240,7 +262,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = capped ? cap_out * tanhf(s[j][e] * cap_in) : s[j][e] * scale_log2;
 
-    const int n0 = t * BN;
+    const int n0 = t * BN, nw = n0 + wk * BNW;  // the tile's first key, this key warp's first
     const bool edge = n0 + BN > lk || (window_right >= 0 && n0 + BN - 1 > i_first + delta + window_right) ||
                       (window_left >= 0 && n0 < i_last + delta - window_left);
     if (edge) {
@@ -248,7 +270,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
       for (int j = 0; j < NS; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1), qi = qrow[e >> 1];
+          const int col = nw + j * 8 + 2 * (lane & 3) + (e & 1), qi = qrow[e >> 1];
           const bool seen = col < lk && (window_right < 0 || col <= qi + delta + window_right) &&
                             (window_left < 0 || col >= qi + delta - window_left);
           if (!seen) s[j][e] = neg_inf();
@@ -282,7 +304,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 
     // O += P V with P = hi + lo, both in the input dtype: two mma per step.
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < BNW / 16; ++kk) {
       unsigned a[4], a_lo[4];
       a[0] = pack2_split<T>(s[2 * kk][0], s[2 * kk][1], a_lo[0]);
       a[1] = pack2_split<T>(s[2 * kk][2], s[2 * kk][3], a_lo[1]);
@@ -290,7 +312,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
       a[3] = pack2_split<T>(s[2 * kk + 1][2], s[2 * kk + 1][3], a_lo[3]);
 #pragma unroll
       for (int nj = 0; nj < NO / 2; ++nj) {
-        const int g = lane >> 3, r = kk * 16 + (g & 1) * 8 + (lane & 7), c = nj * 16 + (g >> 1) * 8;
+        const int g = lane >> 3, r = wk * BNW + kk * 16 + (g & 1) * 8 + (lane & 7), c = nj * 16 + (g >> 1) * 8;
         unsigned bv[4];
         ldmatrix_x4_trans(sv + unsigned(r * PV + c) * 2u, bv);
         gemm::mma_16816<T>(acc[2 * nj], a, bv[0], bv[1]);
@@ -302,6 +324,44 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
     __syncthreads();
   }
   gemm::cp_async_wait<0>();
+
+  if constexpr (KW > 1) {
+    // The lanes of every key warp hold the same rows and columns: key warps 1.. store their state
+    // lane by lane, key warp 0 rescales each to the common max and adds it.
+    __syncthreads();
+    float* merge = reinterpret_cast<float*>(smem);
+    if (wk > 0) {
+      float* mine = merge + (((wk - 1) * WARPS + warp) * MERGE_FLOATS) * 32 + lane;
+#pragma unroll
+      for (int j = 0; j < NO; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32] = acc[j][e];
+      mine[(NO * 4) * 32] = row_max[0];
+      mine[(NO * 4 + 1) * 32] = row_max[1];
+      mine[(NO * 4 + 2) * 32] = row_sum[0];
+      mine[(NO * 4 + 3) * 32] = row_sum[1];
+    }
+    __syncthreads();
+    if (wk > 0) return;
+#pragma unroll 1
+    for (int w = 1; w < KW; ++w) {
+      const float* theirs = merge + (((w - 1) * WARPS + warp) * MERGE_FLOATS) * 32 + lane;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_other = theirs[(NO * 4 + r) * 32], s_other = theirs[(NO * 4 + 2 + r) * 32];
+        const float mx = fmaxf(row_max[r], m_other);
+        const float base = mx == neg_inf() ? 0.0f : mx;
+        const float c_mine = fast_exp2(row_max[r] - base), c_other = fast_exp2(m_other - base);
+        row_max[r] = mx;
+        row_sum[r] = row_sum[r] * c_mine + s_other * c_other;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+          acc[j][2 * r] = acc[j][2 * r] * c_mine + theirs[(j * 4 + 2 * r) * 32] * c_other;
+          acc[j][2 * r + 1] = acc[j][2 * r + 1] * c_mine + theirs[(j * 4 + 2 * r + 1) * 32] * c_other;
+        }
+      }
+    }
+  }
 
   // Every row of the block writes every split's partial, an empty split included (zeros, -inf).
 #pragma unroll
@@ -325,7 +385,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 
 // One warp per (token, head) row of out; 4 rows a block. Tokens past the last packed sequence
 // (varlen) are left as they are, as attention_fwd leaves them. lse is [tokens, heads] when
-// lse_token_major (the paged ops' layout), else the attention family's.
+// lse_token_major (the paged ops' layout), else the attention family's. The lanes read the
+// splits' lse values together (split s in lane s % 32) and reduce them with a fixed shuffle tree;
+// the weighted sum then walks the splits in order, each weight broadcast from its lane, with the
+// partial rows' loads unrolled so that several splits' reads are in flight at once.
 template <class T, int DV>
 __global__ void __launch_bounds__(128)
     attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
@@ -339,24 +402,37 @@ __global__ void __launch_bounds__(128)
   const int t = int(row / heads), h = int(row % heads);
   if (varlen && t >= cu_q[batch]) return;
   float mx = neg_inf();
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[s * n + row]);
+  for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, lse_part[s * n + row]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   float2 acc[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = make_float2(0.0f, 0.0f);
   float wsum = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float l = lse_part[s * n + row];
-    if (l == neg_inf()) continue;  // mx is finite here
-    const float w = expf(l - mx);
-    wsum += w;
-    const float2* src = reinterpret_cast<const float2*>(o_part + (s * n + row) * DV);
+  if (mx != neg_inf()) {
+    for (int s0 = 0; s0 < splits; s0 += 32) {
+      // Split s0 + lane's weight; a split that saw no key weighs 0 (its partial row is zeros).
+      const int s = s0 + lane;
+      const float l = s < splits ? lse_part[s * n + row] : neg_inf();
+      const float mine = l == neg_inf() ? 0.0f : expf(l - mx);
+      float part = mine;
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int p = lane + 32 * i;
-      if (P % 32 != 0 && p >= P) break;
-      const float2 x = src[p];
-      acc[i].x += w * x.x;
-      acc[i].y += w * x.y;
+      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+      wsum += part;
+      const int count = min(32, splits - s0);
+#pragma unroll 4
+      for (int j = 0; j < count; ++j) {
+        const float w = __shfl_sync(0xffffffffu, mine, j);
+        const float2* src = reinterpret_cast<const float2*>(o_part + ((s0 + j) * n + row) * DV);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int p = lane + 32 * i;
+          if (P % 32 != 0 && p >= P) break;
+          const float2 x = src[p];
+          acc[i].x += w * x.x;
+          acc[i].y += w * x.y;
+        }
+      }
     }
   }
   const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;

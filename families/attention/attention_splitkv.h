@@ -22,12 +22,14 @@
 #include <cstdint>
 
 #include "families/attention/attention.h"
+#include "kiln/status.h"
 
 namespace kiln::families {
 
 // The decode path takes at most this many queries per sequence (the longest, for varlen).
 inline constexpr std::int64_t k_attention_decode_max_q = 16;
-// Key tiles a split is given at least, and the most splits.
+// Keys of fewer than 2 * k_attention_min_split_tiles tiles run the one-pass kernel; a decode has at
+// most k_attention_max_splits splits.
 inline constexpr std::int64_t k_attention_min_split_tiles = 4;
 inline constexpr std::int64_t k_attention_max_splits = 128;
 
@@ -62,14 +64,24 @@ struct AttentionCombineProblem {
   std::int64_t lse_token_major = 0;  // 1: lse [total_q, heads] (the paged ops'), else as attention's
 };
 
+// Blocks of attention_splitkv (paged or not) one SM of compute capability `cc` (0: 9.0) holds at
+// once: its shared memory less 1 KiB a block, its threads, and its registers at 255 a thread.
+std::int64_t attention_splitkv_blocks_per_sm(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_n,
+                                             std::int64_t cc, int key_warps = 1);
+
+// How many key ranges to divide `tiles` key tiles into when `row_blocks` blocks share them and
+// `slots` blocks run at once (SMs times blocks per SM). A block's time is taken as its tile count
+// plus one tile of fixed cost, and blocks run in waves of `slots`: the count minimizes waves times
+// a block's time, plus one tile for the combine pass when there are splits; the smallest of equal
+// counts wins. At most k_attention_max_splits and `tiles`; 1 when there is nothing to split.
+std::int64_t attention_split_count(std::int64_t row_blocks, std::int64_t tiles, std::int64_t slots);
+
 // The split count of the decode path for `a` on a device of `sm_count` multiprocessors (0: the
-// reference device, an H100's 132), or 0 for the one-pass kernel. The decode path takes problems
-// with at most k_attention_decode_max_q queries and at least 2 * k_attention_min_split_tiles key
-// tiles (long keys) on head dims the kernels take. Its blocks are (row block, KV head, sequence):
-// when they fill at least one wave of the SMs, 1 split; otherwise enough splits for about two
-// waves, each split at least k_attention_min_split_tiles key tiles, at most
-// k_attention_max_splits.
-std::int64_t attention_decode_splits(const AttentionProblem& a, std::int64_t sm_count);
+// reference device, an H100's 132) of compute capability `cc` (0: 9.0), or 0 for the one-pass
+// kernel. The decode path takes problems with at most k_attention_decode_max_q queries and at
+// least 2 * k_attention_min_split_tiles key tiles (long keys) on head dims the kernels take. Its
+// blocks are (row block, KV head, sequence); attention_split_count picks the splits for them.
+std::int64_t attention_decode_splits(const AttentionProblem& a, std::int64_t sm_count, std::int64_t cc = 0);
 
 // The decode path's problems for `a` with `splits` key ranges.
 AttentionSplitKvProblem attention_splitkv_problem(const AttentionProblem& a, std::int64_t splits);
@@ -81,5 +93,14 @@ std::int64_t attention_splitkv_workspace_elements(const AttentionProblem& a, std
 
 // The splitkv heuristic's warps for `rows` packed rows (queries x the heads of a KV group).
 int attention_splitkv_warps(std::int64_t rows);
+
+// The heuristic's key warps for a block of `warps` row warps and `block_n`-key tiles: 2 up to two
+// row warps (each K/V tile's keys halved between two warps with their own softmax, so an SM keeps
+// twice the warps busy on the same tiles), else 1.
+int attention_splitkv_key_warps(int warps, int block_n);
+
+// invalid_argument unless `block_n` divides into `key_warps` whole 16-key steps and the block has
+// at most 8 warps; `family` names the error.
+Status attention_splitkv_check_warps(const char* family, int warps, int key_warps, int block_n);
 
 }  // namespace kiln::families

@@ -151,7 +151,7 @@ Status run(const char* op, const AttentionProblem& a, const TensorView& q, const
   std::int64_t splits = decode_splits;
   if (splits == 0) {
     KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(q.device.index));
-    splits = families::attention_decode_splits(a, dev->sm_count);
+    splits = families::attention_decode_splits(a, dev->sm_count, dev->compute_capability);
   }
   if (splits >= 1 && !capturing(stream)) return run_decode(a, splits, p.alignment, q, buffers, stream, runtime);
   return client::run_family(family, "attention", p, buffers, DeviceKind::cuda, stream, runtime);

@@ -481,7 +481,7 @@ Status paged_decode(const TensorView& q, const TensorView& k_cache, const Tensor
   if (splits == 0) {
     KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(q.device.index));
     splits = families::paged_decode_splits(a.batch, a.seqlen_q, a.heads, a.kv_heads, a.head_dim, a.max_seq_len,
-                                           dev->sm_count);
+                                           dev->sm_count, dev->compute_capability);
   }
   a.splits = splits;
   static const Family* split = family("paged_decode");
@@ -630,7 +630,7 @@ Status paged_cascade_decode(const TensorView& q, const TensorView& k_cache, cons
     for (PagedDecodeProblem* a : {&pre, &own})
       if (a->splits == 0)
         a->splits = families::paged_decode_splits(a->batch, a->seqlen_q, a->heads, a->kv_heads, a->head_dim,
-                                                  a->max_seq_len, dev->sm_count);
+                                                  a->max_seq_len, dev->sm_count, dev->compute_capability);
   }
   static const Family* split = family("paged_decode");
   static const Family* combine = family("attention_combine");

@@ -115,7 +115,7 @@ struct PagedDecodePlan {
 // max_blocks] or empty (not checked). Checks every request's table (KVCacheManager::
 // validate_block_table: invalid_argument for an entry outside the pool, shape_mismatch for keys
 // past the table) and the offsets (shape_mismatch), and picks the split count for `sm_count` SMs
-// (0: an H100's 132).
+// (0: an H100's 132) of a compute capability 9.0 device's shared memory (paged_decode_splits).
 Result<PagedDecodePlan> plan_paged_decode(const PagedDecodeShape& shape, std::span<const std::int32_t> seq_lens,
                                           std::span<const std::int32_t> cu_seqlens_q,
                                           std::span<const std::int32_t> block_tables, std::int64_t sm_count = 0);

@@ -22,17 +22,17 @@ bool paged_page_size_supported(std::int64_t page_size) {
 
 std::int64_t paged_decode_splits(std::int64_t batch, std::int64_t max_seqlen_q, std::int64_t heads,
                                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t max_seq_len,
-                                 std::int64_t sm_count) {
+                                 std::int64_t sm_count, std::int64_t cc) {
   if (batch <= 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || max_seqlen_q <= 0) return 1;
   const std::int64_t bn = attention_tile(head_dim, head_dim).block_n;
   const std::int64_t tiles = (max_seq_len + bn - 1) / bn;
   const std::int64_t sms = sm_count > 0 ? sm_count : 132;
   const std::int64_t rows = max_seqlen_q * (heads / kv_heads);
-  const std::int64_t bm = 16 * attention_splitkv_warps(rows);
-  const std::int64_t blocks = batch * kv_heads * ((rows + bm - 1) / bm);
-  if (blocks >= sms || tiles < 2 * k_attention_min_split_tiles) return 1;
-  const std::int64_t want = (2 * sms + blocks - 1) / blocks;
-  return std::max<std::int64_t>(1, std::min({want, tiles / k_attention_min_split_tiles, k_attention_max_splits}));
+  const int warps = attention_splitkv_warps(rows);
+  const std::int64_t blocks = batch * kv_heads * ((rows + 16 * warps - 1) / (16 * warps));
+  return attention_split_count(blocks, tiles,
+                               sms * attention_splitkv_blocks_per_sm(head_dim, head_dim, warps, int(bn), cc,
+                                                                     attention_splitkv_key_warps(warps, int(bn))));
 }
 
 std::int64_t paged_decode_workspace_elements(std::int64_t splits, std::int64_t total_q, std::int64_t heads,
@@ -382,14 +382,15 @@ constexpr std::int64_t k_paged_catalog_dims[] = {64, 128, 256};
 class PagedDecode final : public Family {
  public:
   std::string_view name() const override { return "paged_decode"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
         {"block_n", {32, 64, 128}, {}, "keys per K/V tile"},
         {"dtype", {}, {"f16", "bf16"}, "element type of q and the caches"},
         {"head_dim", {64, 80, 96, 128, 192, 256}, {}, "elements per head of q, k and v"},
-        {"warps", {1, 2, 4, 8}, {}, "warps per block, 16 packed (query, head) rows each"},
+        {"key_warps", {1, 2, 4}, {}, "warps dividing each K/V tile's keys, merged at the end"},
+        {"warps", {1, 2, 4, 8}, {}, "warps per block along the rows, 16 packed (query, head) rows each"},
     };
     return defs;
   }
@@ -433,7 +434,8 @@ class PagedDecode final : public Family {
       return invalid_argument("paged_decode: no kernel for head_dim " + std::to_string(d));
     if (smem(params) > k_sm90_smem)
       return invalid_argument("paged_decode: the variant needs more than 227 KiB of shared memory");
-    return {};
+    return attention_splitkv_check_warps("paged_decode", int(*params.get_int("warps")),
+                                         int(*params.get_int("key_warps")), int(*params.get_int("block_n")));
   }
   bool runs_on(const Params& params, const GpuArch& arch) const override {
     return smem(params) <= (arch.capability == 0 || arch.capability >= 90 ? k_sm90_smem : k_sm80_smem);
@@ -446,7 +448,8 @@ class PagedDecode final : public Family {
     r.source = "#include \"attention/attention_splitkv.cuh\"\n";
     r.name_expression = std::string("kiln::attention::attention_splitkv<") + device_type(*params.get_str("dtype")) +
                         ", " + d + ", " + d + ", " + std::to_string(*params.get_int("warps")) + ", " +
-                        std::to_string(*params.get_int("block_n")) + ", true>";
+                        std::to_string(*params.get_int("block_n")) + ", true, " +
+                        std::to_string(*params.get_int("key_warps")) + ">";
     return r;
   }
 
@@ -479,7 +482,7 @@ class PagedDecode final : public Family {
     g.grid.x = std::uint32_t(std::max<std::int64_t>(blocks_x(params, a), 1));
     g.grid.y = std::uint32_t(std::max<std::int64_t>(a.kv_heads, 1));
     g.grid.z = std::uint32_t(std::max<std::int64_t>(a.batch, 1));
-    g.block.x = std::uint32_t(32 * *params.get_int("warps"));
+    g.block.x = std::uint32_t(32 * *params.get_int("warps") * *params.get_int("key_warps"));
     g.shared_bytes = smem(params);
     return g;
   }
@@ -497,11 +500,12 @@ class PagedDecode final : public Family {
     if (!attention_head_dims_supported(a.head_dim, a.head_dim)) return {heuristic(p)};
     std::vector<Params> out;
     for (int w : {1, 2, 4, 8})
-      for (int bn : {32, 64, 128}) {
-        if (a.head_dim / 2 + bn / 2 > 160) continue;  // as the contiguous split kernel's tuning space
-        Params c = make(dtype_param(p.dtype), a.head_dim, w, bn);
-        if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
-      }
+      for (int bn : {32, 64, 128})
+        for (int kw : {1, 2, 4}) {
+          if (a.head_dim / 2 + bn / 2 > 160) continue;  // as the contiguous split kernel's tuning space
+          Params c = make(dtype_param(p.dtype), a.head_dim, w, bn, kw);
+          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+        }
     if (out.empty()) out.push_back(heuristic(p));
     return out;
   }
@@ -625,14 +629,18 @@ class PagedDecode final : public Family {
                                .scale = a.scale,
                                .softcap = a.softcap};
     const Params sparams{{"dtype", *params.get_str("dtype")}, {"head_dim", a.head_dim}, {"head_dim_v", a.head_dim},
-                         {"warps", *params.get_int("warps")}, {"block_n", *params.get_int("block_n")}};
+                         {"warps", *params.get_int("warps")}, {"block_n", *params.get_int("block_n")},
+                         {"key_warps", *params.get_int("key_warps")}};
     void* sb[7] = {b[0], k.data(), v.data(), cu_q.data(), cu_k.data(), b[6], b[7]};
     return split->cpu_reference(sparams, Problem::of(p.dtype, 16, sp), sb);
   }
 
  private:
-  static Params make(const std::string& dtype, std::int64_t d, int warps, int block_n) {
-    return Params{{"block_n", std::int64_t(block_n)}, {"dtype", dtype}, {"head_dim", d}, {"warps", std::int64_t(warps)}};
+  // key_warps 0: the heuristic's for the warps and block_n.
+  static Params make(const std::string& dtype, std::int64_t d, int warps, int block_n, int key_warps = 0) {
+    if (key_warps == 0) key_warps = attention_splitkv_key_warps(warps, block_n);
+    return Params{{"block_n", std::int64_t(block_n)}, {"dtype", dtype}, {"head_dim", d},
+                  {"key_warps", std::int64_t(key_warps)}, {"warps", std::int64_t(warps)}};
   }
   static std::uint32_t smem(const Params& params) {
     const auto d = *params.get_int("head_dim");

@@ -82,13 +82,13 @@ struct PagedDecodeProblem {
   double softcap = 0;
 };
 
-// The split count for a paged decode batch on `sm_count` SMs (0: an H100's 132): blocks are (row
-// block, KV head, request); when they fill a wave, 1; otherwise enough splits for about two waves,
-// each at least 4 key tiles of the longest request, at most 128 (attention_decode_splits' rule
+// The split count for a paged decode batch on `sm_count` SMs (0: an H100's 132) of compute
+// capability `cc` (0: 9.0): blocks are (row block, KV head, request), the key tiles those of the
+// longest request, and attention_split_count picks the splits (attention_decode_splits' rule
 // without its one-pass fallback).
 std::int64_t paged_decode_splits(std::int64_t batch, std::int64_t max_seqlen_q, std::int64_t heads,
                                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t max_seq_len,
-                                 std::int64_t sm_count);
+                                 std::int64_t sm_count, std::int64_t cc = 0);
 
 // f32 elements of the paged decode's workspace (o_part then lse_part): splits * total_q * heads *
 // (head_dim + 1).

@@ -7,6 +7,7 @@
 // the kernel never writes fails. Tolerance per output dtype: relative L2 error 1e-5 (f32), 2e-3
 // (f16), 1e-2 (bf16); integer outputs exact. Problems over k_max_elements (all buffers together)
 // (3 x 2^24) are left out so the CPU reference stays quick; the test prints what it checked and left out.
+// For the families listed at the end, every tuning candidate as well (ConformanceGpuTuning).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -67,61 +68,91 @@ Compared compare(const void* got, const void* want, DType t, std::int64_t n) {
   return c;
 }
 
-class ConformanceGpu : public GpuFixture, public ::testing::WithParamInterface<std::string> {};
+class ConformanceGpu : public GpuFixture, public ::testing::WithParamInterface<std::string> {
+ protected:
+  // Launches variant v on problem p with fresh random inputs and compares its outputs with the CPU
+  // reference; false (nothing checked) when the problem is over k_max_elements.
+  bool check_variant(const Family& f, const Params& v, const Problem& p) {
+    const jit::Driver* d = jit::Driver::get().value();
+    const std::string what = std::string(f.name()) + "(" + v.canonical() + ") on " + f.signature(p) + " (seed " +
+                             std::to_string(seed_) + ")";
+    EXPECT_TRUE(f.check_problem(v, p).ok()) << what;
+    const auto specs = f.buffers(v, p);
+    std::int64_t total = 0;
+    for (const auto& b : specs) total += b.elements;
+    if (total > k_max_elements) return false;
+    std::vector<std::vector<unsigned char>> want;
+    std::vector<std::unique_ptr<DeviceBuffer>> dev;
+    std::vector<void*> host_ptrs, dev_ptrs;
+    for (const auto& b : specs) {
+      const std::size_t bytes = std::size_t(b.elements) * dtype_size(b.dtype);
+      want.push_back(b.role == BufferRole::input ? random_input(b, rng_) : std::vector<unsigned char>(bytes, 0xFF));
+      dev.push_back(std::make_unique<DeviceBuffer>(bytes));
+      if (b.role == BufferRole::input) dev.back()->upload(want.back().data());
+      else dev.back()->poison();
+      host_ptrs.push_back(want.back().data());
+      dev_ptrs.push_back(dev.back()->get());
+    }
+    auto k = rt_->kernel(KernelSpec{std::string(f.name()), v});
+    EXPECT_TRUE(k.ok()) << what << ": " << k.status().to_string();
+    if (!k.ok()) return true;
+    Status s = rt_->launch(**k, p, dev_ptrs, nullptr);
+    EXPECT_TRUE(s.ok()) << what << ": " << s.to_string();
+    EXPECT_EQ(d->ctx_synchronize(), CUDA_SUCCESS) << what;
+    s = f.cpu_reference(v, p, host_ptrs);
+    EXPECT_TRUE(s.ok()) << what << ": " << s.to_string();
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].role != BufferRole::output) continue;
+      std::vector<unsigned char> got(want[i].size());
+      dev[i]->download(got.data());
+      const Compared c = compare(got.data(), want[i].data(), specs[i].dtype, specs[i].elements);
+      EXPECT_EQ(c.one_sided, 0) << what << ": " << specs[i].name << " has elements only one side wrote";
+      EXPECT_EQ(c.infinities_differ, 0) << what << ": " << specs[i].name << " has infinities on one side only";
+      const double tol = is_floating(specs[i].dtype) ? tolerance(specs[i].dtype) : 0.0;
+      EXPECT_LE(c.rel_l2, tol) << what << ": " << specs[i].name << " (" << dtype_name(specs[i].dtype) << ")";
+    }
+    return true;
+  }
+};
 
 TEST_P(ConformanceGpu, HeuristicVariantsMatchTheCpuReference) {
   const Family& f = *Registry::global().find(GetParam());
-  const jit::Driver* d = jit::Driver::get().value();
   int checked = 0, left_out = 0;
-  for (DType dtype : family_dtypes(f)) {
+  for (DType dtype : family_dtypes(f))
     for (const Problem& p : f.benchmark_problems(dtype)) {
-      const Params v = f.heuristic(p);
-      const std::string what = std::string(f.name()) + "(" + v.canonical() + ") on " + f.signature(p) +
-                               " (seed " + std::to_string(seed_) + ")";
-      ASSERT_TRUE(f.check_problem(v, p).ok()) << what;
-      const auto specs = f.buffers(v, p);
-      std::int64_t total = 0;
-      for (const auto& b : specs) total += b.elements;
-      if (total > k_max_elements) {
-        ++left_out;
-        continue;
-      }
-      std::vector<std::vector<unsigned char>> want;
-      std::vector<std::unique_ptr<DeviceBuffer>> dev;
-      std::vector<void*> host_ptrs, dev_ptrs;
-      for (const auto& b : specs) {
-        const std::size_t bytes = std::size_t(b.elements) * dtype_size(b.dtype);
-        want.push_back(b.role == BufferRole::input ? random_input(b, rng_) : std::vector<unsigned char>(bytes, 0xFF));
-        dev.push_back(std::make_unique<DeviceBuffer>(bytes));
-        if (b.role == BufferRole::input) dev.back()->upload(want.back().data());
-        else dev.back()->poison();
-        host_ptrs.push_back(want.back().data());
-        dev_ptrs.push_back(dev.back()->get());
-      }
-      auto k = rt_->kernel(KernelSpec{std::string(f.name()), v});
-      ASSERT_TRUE(k.ok()) << what << ": " << k.status().to_string();
-      Status s = rt_->launch(**k, p, dev_ptrs, nullptr);
-      ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
-      ASSERT_EQ(d->ctx_synchronize(), CUDA_SUCCESS) << what;
-      s = f.cpu_reference(v, p, host_ptrs);
-      ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        if (specs[i].role != BufferRole::output) continue;
-        std::vector<unsigned char> got(want[i].size());
-        dev[i]->download(got.data());
-        const Compared c = compare(got.data(), want[i].data(), specs[i].dtype, specs[i].elements);
-        EXPECT_EQ(c.one_sided, 0) << what << ": " << specs[i].name << " has elements only one side wrote";
-        EXPECT_EQ(c.infinities_differ, 0) << what << ": " << specs[i].name << " has infinities on one side only";
-        const double tol = is_floating(specs[i].dtype) ? tolerance(specs[i].dtype) : 0.0;
-        EXPECT_LE(c.rel_l2, tol) << what << ": " << specs[i].name << " (" << dtype_name(specs[i].dtype) << ")";
-      }
-      ++checked;
+      if (check_variant(f, f.heuristic(p), p)) ++checked;
+      else ++left_out;
+      if (::testing::Test::HasFatalFailure()) return;
     }
-  }
   std::printf("%s: %d problems checked, %d left out (over %lld elements)\n", GetParam().c_str(), checked, left_out,
               static_cast<long long>(k_max_elements));
   EXPECT_GT(checked, 0) << GetParam() << ": no benchmark problem small enough to check";
 }
+
+// `kiln tune` may pick any candidate of the tuning space, so the families whose candidates run
+// different code (not only other tile sizes of one loop) have every candidate checked too, on the
+// first benchmark problem that fits.
+class ConformanceGpuTuning : public ConformanceGpu {};
+
+TEST_P(ConformanceGpuTuning, EveryTuningCandidateMatchesTheCpuReference) {
+  const Family* f = Registry::global().find(GetParam());
+  ASSERT_NE(f, nullptr) << GetParam() << " is not registered";
+  int checked = 0;
+  for (DType dtype : family_dtypes(*f)) {
+    for (const Problem& p : f->benchmark_problems(dtype)) {
+      for (const Params& v : f->tuning_space(p))
+        if (check_variant(*f, v, p)) ++checked;
+      if (checked > 0) break;
+    }
+    if (checked > 0) break;
+  }
+  std::printf("%s: %d tuning candidates checked\n", GetParam().c_str(), checked);
+  EXPECT_GT(checked, 1) << GetParam() << ": fewer than two candidates checked";
+}
+
+INSTANTIATE_TEST_SUITE_P(SplitKeyFamilies, ConformanceGpuTuning,
+                         ::testing::Values(std::string("attention_splitkv"), std::string("paged_decode")),
+                         [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(AllFamilies, ConformanceGpu, ::testing::ValuesIn(conformance_families()),
                          [](const auto& info) { return info.param; });

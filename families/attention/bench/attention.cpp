@@ -7,7 +7,9 @@
 // every variant of the tuning space at the same shapes, launched by its params: the key tiles and
 // schedules (overlap, pingpong) of the sm_90a kernel beside the sm_80 kernel's tiles, the data
 // behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
-// Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read.
+// Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read, the
+// heuristic's split count beside the best of a sweep of counts; KILN_BENCH_ATTENTION_PART=decode
+// runs decode alone.
 //
 // The backward (bf16): first small problems
 // (head dims 64 and 128, GQA, full and causal, both modes) against the CPU reference with poisoned
@@ -170,13 +172,14 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
   struct Shape {
     std::int64_t b, lk;
   };
-  std::vector<Shape> shapes = {{1, 8192}, {1, 32768}, {8, 8192}, {8, 32768}, {64, 8192}, {64, 32768}};
+  std::vector<Shape> shapes = {{1, 8192}, {1, 32768}, {8, 8192}, {8, 32768}, {64, 8192}, {64, 32768}, {256, 8192}};
   if (ctx.quick) shapes = {{1, 32768}, {8, 8192}, {64, 8192}};
   const std::int64_t h = 32, hk = 8, d = 128;
   auto info = jit::device_info(0);
   const std::int64_t sms = info.ok() ? (*info)->sm_count : 0;
-  std::printf("\nattention decode (bf16, H32/KV8, lq 1, D128)\n%3s %6s %7s %10s %8s %6s %14s %8s %6s\n", "B", "lk",
-              "splits", "median_us", "GB/s", "%copy", "one-pass_us", "GB/s", "%copy");
+  std::printf("\nattention decode (bf16, H32/KV8, lq 1, D128)\n%3s %6s %7s %10s %8s %6s %14s %8s %6s %11s %8s\n",
+              "B", "lk", "splits", "median_us", "GB/s", "%copy", "one-pass_us", "GB/s", "%copy", "best_splits",
+              "best_us");
   for (const auto& [b, lk] : shapes) {
     const std::int64_t nq = b * h * d, nk = b * lk * hk * d;
     auto base = random_values(t, std::min<std::int64_t>(nk, std::int64_t(1) << 22), ctx.rng);
@@ -196,7 +199,7 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
     a.kv_heads = hk;
     a.head_dim = a.head_dim_v = d;
     a.scale = 1.0 / std::sqrt(double(d));
-    const std::int64_t splits = families::attention_decode_splits(a, sms);
+    const std::int64_t splits = families::attention_decode_splits(a, sms, info.ok() ? (*info)->compute_capability : 0);
     const double bytes = double(nk) * 2 * 2;  // K and V
     double us[2];
     for (int i = 0; i < 2; ++i) {
@@ -211,12 +214,35 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
       check(ctx.driver->ctx_synchronize(), "sync");
       us[i] = time_events(call, 5, ctx.quick ? 10 : 30) * 1e3;
     }
+    // The heuristic's split count against the best of a sweep of counts.
+    double best_us = us[0];
+    std::int64_t best_splits = splits;
+    if (!ctx.quick)
+      for (std::int64_t n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128}) {
+        if (n > (lk + 63) / 64) break;
+        AttentionOptions opt;
+        opt.decode_splits = n;
+        auto call = [&](int) {
+          check(attention(dev(q, t, {b, 1, h, d}), dev(k, t, {b, lk, hk, d}), dev(v, t, {b, lk, hk, d}),
+                          dev(o, t, {b, 1, h, d}), nullptr, opt, nullptr, ctx.runtime),
+                "attention decode");
+        };
+        call(0);
+        check(ctx.driver->ctx_synchronize(), "sync");
+        const double sus = time_events(call, 3, 15) * 1e3;
+        if (sus < best_us) {
+          best_us = sus;
+          best_splits = n;
+        }
+      }
     const double gbs = bytes / (us[0] * 1e-6) / 1e9, gbs1 = bytes / (us[1] * 1e-6) / 1e9;
-    std::printf("%3lld %6lld %7lld %10.1f %8.0f %5.0f%% %14.1f %8.0f %5.0f%%\n", (long long)b, (long long)lk,
-                (long long)splits, us[0], gbs, 100 * gbs / ctx.copy_gbs, us[1], gbs1, 100 * gbs1 / ctx.copy_gbs);
+    std::printf("%3lld %6lld %7lld %10.1f %8.0f %5.0f%% %14.1f %8.0f %5.0f%% %11lld %8.1f\n", (long long)b,
+                (long long)lk, (long long)splits, us[0], gbs, 100 * gbs / ctx.copy_gbs, us[1], gbs1,
+                100 * gbs1 / ctx.copy_gbs, (long long)best_splits, best_us);
     rows.push_back({{"batch", b}, {"heads", h}, {"kv_heads", hk}, {"seqlen_q", 1}, {"seqlen_k", lk}, {"head_dim", d},
                     {"splits", splits}, {"median_us", us[0]}, {"gbs", gbs}, {"fraction_of_copy", gbs / ctx.copy_gbs},
-                    {"one_pass_us", us[1]}, {"one_pass_gbs", gbs1}});
+                    {"one_pass_us", us[1]}, {"one_pass_gbs", gbs1},
+                    {"best_swept_splits", best_splits}, {"best_swept_us", best_us}});
   }
   return 0;
 }
@@ -334,6 +360,12 @@ int run(Context& ctx) {
   if (only_variants && std::string(only_variants) == "only") {
     const int rc = variants(ctx, rows);
     (*ctx.out)["attention"] = rows;
+    return rc;
+  }
+  if (const char* part = std::getenv("KILN_BENCH_ATTENTION_PART"); part && std::string(part) == "decode") {
+    nlohmann::json decode_rows = nlohmann::json::array();
+    const int rc = run_decode(ctx, decode_rows);
+    (*ctx.out)["attention_decode"] = decode_rows;
     return rc;
   }
   for (std::int64_t d : {64, 128, 256})

@@ -38,28 +38,47 @@ AttentionProblem decode(std::int64_t batch, std::int64_t heads, std::int64_t kv_
   return a;
 }
 
-TEST(AttentionDecodeHeuristic, SplitsFillTwoWavesOfAnUnderfilledGrid) {
+TEST(AttentionDecodeHeuristic, BlocksPerSmFollowSharedMemoryThreadsAndRegisters) {
+  using families::attention_splitkv_blocks_per_sm;
+  // D128, one warp, 64-key tiles: 74,240 bytes of tiles, 512 of slot ring, 1 KiB reserve.
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(128, 128, 1, 64, 90), 3);
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(128, 128, 1, 64, 0), 3);   // 0: as 9.0
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(128, 128, 1, 64, 80), 2);  // 164 KiB
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(128, 128, 1, 64, 89), 1);  // 100 KiB
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(64, 64, 1, 64, 90), 5);
+  // Eight warps at 255 registers a thread take the whole register file.
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(128, 128, 8, 64, 90), 1);
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(64, 64, 4, 64, 90), 2);
+  // Key warps: two keep three blocks of D128; four are bound by registers to two.
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(128, 128, 1, 64, 90, 2), 3);
+  EXPECT_EQ(attention_splitkv_blocks_per_sm(128, 128, 1, 64, 90, 4), 2);
+}
+
+TEST(AttentionDecodeHeuristic, SplitsBalanceWavesAgainstTilesPerBlock) {
   using families::attention_decode_splits;
-  // B1 H32/KV8 lq 1: 8 blocks (4 packed rows each, one warp); 128 key tiles of 64 allow 32 splits of 4.
-  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 8192), 132), 32);
-  // B8: 64 blocks, two waves want ceil(264 / 64) = 5.
-  EXPECT_EQ(attention_decode_splits(decode(8, 32, 8, 1, 8192), 132), 5);
-  EXPECT_EQ(attention_decode_splits(decode(8, 32, 8, 1, 32768), 132), 5);
-  // B64: 512 blocks fill the SMs: the decode path with one split.
-  EXPECT_EQ(attention_decode_splits(decode(64, 32, 8, 1, 8192), 132), 1);
-  // No GQA, 4 queries: 32 blocks, ceil(264 / 32) = 9.
-  EXPECT_EQ(attention_decode_splits(decode(1, 32, 32, 4, 32768), 132), 9);
-  // 16 queries x 8 heads = 128 packed rows: one 8-warp block per KV head.
-  EXPECT_EQ(attention_decode_splits(decode(1, 32, 4, 16, 32768), 132), 66);
-  // Each split at least 4 tiles: 511 keys are 8 tiles of 64, so 2 splits.
-  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 511), 132), 2);
-  // Head dim 256 takes 32-key tiles: 1000 keys are 32 tiles, at most 8 splits.
-  EXPECT_EQ(attention_decode_splits(decode(1, 8, 8, 1, 1000, 256, 256), 132), 8);
+  // B1 H32/KV8 lq 1: 8 one-warp blocks, 3 a SM, 396 slots; 128 key tiles of 64. 43 splits give
+  // 344 blocks of 3 tiles in one wave.
+  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 8192), 132), 43);
+  // B8: 64 blocks; 6 splits are 384 blocks of 22 tiles in one wave.
+  EXPECT_EQ(attention_decode_splits(decode(8, 32, 8, 1, 8192), 132), 6);
+  EXPECT_EQ(attention_decode_splits(decode(8, 32, 8, 1, 32768), 132), 6);
+  // B64: 512 blocks are 1.3 waves unsplit; 3 splits are 1536 blocks, 3.9 waves of 43 tiles.
+  EXPECT_EQ(attention_decode_splits(decode(64, 32, 8, 1, 8192), 132), 3);
+  // B256 at 8k keys: 2048 blocks, 5.2 waves unsplit; 4 splits fill 20.7 of 21 waves.
+  EXPECT_EQ(attention_decode_splits(decode(256, 32, 8, 1, 8192), 132), 4);
+  // No GQA, 4 queries: 32 blocks.
+  EXPECT_EQ(attention_decode_splits(decode(1, 32, 32, 4, 32768), 132), 12);
+  // 16 queries x 8 heads = 128 packed rows: one 8-warp block per KV head, one a SM.
+  EXPECT_EQ(attention_decode_splits(decode(1, 32, 4, 16, 32768), 132), 32);
+  // 511 keys are 8 tiles of 64: a tile a split.
+  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 511), 132), 8);
+  // Head dim 256 takes 32-key tiles: 1000 keys are 32 tiles.
+  EXPECT_EQ(attention_decode_splits(decode(1, 8, 8, 1, 1000, 256, 256), 132), 32);
   // The most splits.
   EXPECT_EQ(attention_decode_splits(decode(1, 1, 1, 1, 1 << 20), 132), families::k_attention_max_splits);
   // Unknown SM count: as an H100's 132.
-  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 8192), 0), 32);
-  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 8192), 16), 4);
+  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 8192), 0), 43);
+  EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 8192), 16), 6);
 }
 
 TEST(AttentionDecodeHeuristic, OnePassOutsideShortQueriesAgainstLongKeys) {
@@ -72,28 +91,36 @@ TEST(AttentionDecodeHeuristic, OnePassOutsideShortQueriesAgainstLongKeys) {
   EXPECT_EQ(attention_decode_splits(decode(1, 32, 8, 1, 8192, 32, 32), 132), 0);  // no kernel
 }
 
-TEST(AttentionDecodeHeuristic, EverySplitGetsSeveralTilesAndTheGridStaysNearTwoWaves) {
-  for (std::int64_t batch : {1, 2, 3, 8, 17, 64})
+// No other split count gives fewer waves without more tiles a block, or fewer tiles a block
+// without more waves: the choice is never beaten on both counts.
+TEST(AttentionDecodeHeuristic, NoOtherSplitCountIsBetterOnWavesAndTilesAlike) {
+  for (std::int64_t batch : {1, 2, 3, 8, 17, 64, 256})
     for (std::int64_t kv : {1, 2, 8, 32})
       for (std::int64_t group : {1, 4, 8})
         for (std::int64_t lq : {1, 4, 16})
           for (std::int64_t lk : {512, 4097, 32768, 131072})
             for (std::int64_t sms : {16, 108, 132}) {
               const auto a = decode(batch, kv * group, kv, lq, lk);
-              const std::int64_t s = families::attention_decode_splits(a, sms);
+              const std::int64_t s = families::attention_decode_splits(a, sms, 90);
               SCOPED_TRACE(::testing::Message() << "B" << batch << " H" << kv * group << "/" << kv << " lq " << lq
                                                 << " lk " << lk << " sms " << sms);
-              ASSERT_GE(s, 1);
               const std::int64_t tiles = (lk + 63) / 64, rows = lq * group;
-              const std::int64_t bm = 16 * families::attention_splitkv_warps(rows);
-              const std::int64_t blocks = batch * kv * ((rows + bm - 1) / bm);
-              if (s > 1) {
-                EXPECT_LT(blocks, sms);
-                EXPECT_GE(tiles / s, families::k_attention_min_split_tiles);
-                EXPECT_LE(blocks * s, 2 * sms + blocks);
+              const int warps = families::attention_splitkv_warps(rows);
+              ASSERT_GE(s, 1);
+              ASSERT_LE(s, std::min(tiles, families::k_attention_max_splits));
+              const std::int64_t blocks = batch * kv * ((rows + 16 * warps - 1) / (16 * warps));
+              const std::int64_t slots =
+                  sms * families::attention_splitkv_blocks_per_sm(128, 128, warps, 64, 90,
+                                                                  families::attention_splitkv_key_warps(warps, 64));
+              auto waves = [&](std::int64_t n) { return (blocks * n + slots - 1) / slots; };
+              auto per = [&](std::int64_t n) { return (tiles + n - 1) / n; };
+              for (std::int64_t o = 1; o <= std::min(tiles, families::k_attention_max_splits); ++o) {
+                const bool no_worse = waves(o) <= waves(s) && per(o) <= per(s);
+                const bool better = waves(o) < waves(s) || per(o) < per(s);
+                EXPECT_FALSE(no_worse && better) << o << " splits beat " << s;
               }
-              if (blocks >= sms) {
-                EXPECT_EQ(s, 1);
+              if (blocks % slots == 0) {
+                EXPECT_EQ(s, 1) << "whole waves unsplit";
               }
             }
 }
@@ -127,11 +154,20 @@ TEST(AttentionDecodeFamilies, GeometryAndHeuristicVariant) {
   EXPECT_EQ(g.grid.x, 7u);
   EXPECT_EQ(g.grid.y, 8u);
   EXPECT_EQ(g.grid.z, 3u);
-  EXPECT_EQ(g.block.x, 32u);
+  EXPECT_EQ(g.block.x, 64u);  // one row warp, two key warps
+  EXPECT_EQ(*v.get_int("key_warps"), 2);
   // 16 queries x 8 heads: 8 warps, one row block.
   const Problem p16 = Problem::of(DType::f16, 16, families::attention_splitkv_problem(decode(1, 64, 8, 16, 4096), 3));
   EXPECT_EQ(*split->heuristic(p16).get_int("warps"), 8);
   EXPECT_EQ(split->geometry(split->heuristic(p16), p16).grid.x, 3u);
+  EXPECT_EQ(*split->heuristic(p16).get_int("key_warps"), 1);
+  EXPECT_EQ(split->geometry(split->heuristic(p16), p16).block.x, 256u);
+  // Key warps must split a tile into whole 16-key steps, and a block has at most 8 warps.
+  EXPECT_EQ(split->validate(Params(v).set("block_n", std::int64_t(32)).set("key_warps", std::int64_t(4))).code(),
+            Code::invalid_argument);
+  EXPECT_EQ(split->validate(Params(v).set("warps", std::int64_t(8)).set("key_warps", std::int64_t(2))).code(),
+            Code::invalid_argument);
+  EXPECT_TRUE(split->validate(Params(v).set("key_warps", std::int64_t(4))).ok());
   // Forced 4 warps over 128 rows: two row blocks.
   Params w4 = split->heuristic(p16);
   w4.set("warps", std::int64_t(4));
@@ -207,7 +243,7 @@ void check_chain(const Chain& c, std::int64_t splits) {
   std::vector<float> got = poisoned(rows * c.dv), got_lse = poisoned(rows);
   const Problem ps = Problem::of(DType::f32, 16, families::attention_splitkv_problem(a, splits));
   const Params sv = Params{{"dtype", std::string("bf16")}, {"head_dim", c.d}, {"head_dim_v", c.dv},
-                           {"warps", c.warps}, {"block_n", c.block_n}};
+                           {"warps", c.warps}, {"block_n", c.block_n}, {"key_warps", 1}};
   void* sb[7] = {q.data(), k.data(), v.data(), cq.data(), ck.data(), o_part.data(), lse_part.data()};
   ASSERT_TRUE(split->cpu_reference(sv, ps, sb).ok());
   const Problem pc = Problem::of(DType::f32, 16, families::attention_combine_problem(a, splits));
