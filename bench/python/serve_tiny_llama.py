@@ -72,16 +72,17 @@ class TinyLlamaConfig:
     intermediate: int = 1024
     eps: float = 1e-6
     rope_base: float = 10000.0
-    max_positions: int = 4096
+    max_positions: int = 2048
     # The planted copy head: position i attends to i - copy_offset.
     copy_offset: int = 5
 
 
 # The RoPE frequency pairs the positional head's keys use and their weights: the highest
-# frequencies, weighted so that the score at the target offset stands out from every other offset
-# back to 1500 positions (the largest other score is 0.77 of the peak at head_dim 64, base 10000).
+# frequencies, weighted so that the target key's score stands out from every other key's
+# (make_weights checks the gap for the configuration's positions).
 _COPY_PAIR_WEIGHTS = (0.324, 0.159, 0.185, 0.118, 0.045, 0.072, 0.031, 0.066)
-_COPY_PEAK_SCORE = 60.0  # the target key's scaled score q.k / sqrt(head_dim); others at most 0.77 of it
+_COPY_PEAK_SCORE = 60.0  # the target key's scaled score q.k / sqrt(head_dim)
+_COPY_MAX_OTHER = 0.85  # the most any other key may score, as a fraction of the peak
 
 
 def _rotate(x, angles):
@@ -137,6 +138,15 @@ def make_weights(cfg: TinyLlamaConfig, seed: int = 0, dtype=torch.bfloat16) -> D
             phase = torch.rand(half, generator=g, dtype=torch.float64) * 2 * math.pi
             k0 = torch.cat([amp * phase.cos(), amp * phase.sin()])
             q0 = _rotate(k0, -cfg.copy_offset * theta)
+            # Every other key a query sees lies between max_positions before the target and
+            # copy_offset after it: each must score well below the target (exp(-(1 - 0.85) * 60)
+            # of its weight at most).
+            offsets = torch.arange(-cfg.max_positions, cfg.copy_offset + 1, dtype=torch.float64)
+            offsets = offsets[offsets != 0]
+            other = float((torch.cos(offsets[:, None] * theta[None, :]) * amp.pow(2)).sum(1).max() / amp.pow(2).sum())
+            if other > _COPY_MAX_OTHER:
+                raise ValueError(f"make_weights: the copy head's keys score up to {other:.2f} of the target at "
+                                 f"head_dim {D}, rope_base {cfg.rope_base}, {cfg.max_positions} positions")
             wk[:D] = torch.outer(k0, b) / beta + randn(D, H, std=0.02 / math.sqrt(H))
             wq[:D] = torch.outer(q0, b) / beta + randn(D, H, std=0.02 / math.sqrt(H))
             # Its value is the token's code (the copy subspace), written back into the residual
@@ -652,6 +662,8 @@ def main():
     reqs = make_workload(cfg, args.requests, seed=1, shared_prefix=256, prompt_len=tuple(args.prompt_len),
                          new_tokens=tuple(args.new_tokens), arrival_every=0.0, fork_every=8, duplicate_every=0)
     tokens_max = max(len(r.prompt) for r in reqs) + args.new_tokens[1]
+    if tokens_max > cfg.max_positions:
+        sys.exit(f"requests reach {tokens_max} tokens, past the model's {cfg.max_positions} positions")
     num_blocks = args.concurrency * (-(-tokens_max // args.page) + 2) + 64
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
@@ -665,8 +677,10 @@ def main():
         sync()
         return done, time.perf_counter() - t0, server.counters
 
-    # Warm-up: every kernel variant compiled and loaded before the timed run.
-    serve(make_workload(cfg, 8, seed=2, shared_prefix=32, prompt_len=(16, 300), new_tokens=(2, 8), fork_every=4))
+    # Warm-up: the kernel variants the run takes (decode, prompt chunks, copies) compiled and loaded
+    # before the timed run.
+    serve(make_workload(cfg, 32, seed=2, shared_prefix=32, prompt_len=tuple(args.prompt_len), new_tokens=(2, 8),
+                        arrival_every=0.0, fork_every=4))
     done, seconds, counters = serve(reqs)
     generated = sum(len(r.out) for r in done.values())
     computed = counters["prefill_tokens"] + counters["decode_tokens"]
@@ -690,10 +704,9 @@ def main():
         sync()
         ref_seconds = time.perf_counter() - t0
         ref_tokens = sum(len(t) for t, _ in expected.values())
-        # The compared requests again, served alone with their logits kept.
+        # The compared requests again, served by themselves with their logits kept.
         model = KilnLlama(cfg, weights, num_blocks, args.page, args.device, dtype)
-        served = Server(model, max_running=args.concurrency, max_step_tokens=args.step_tokens, check=True).run(
-            [dataclasses.replace(r, arrival=0) for r in sub])
+        served = Server(model, max_running=args.concurrency, max_step_tokens=args.step_tokens, check=True).run(sub)
         report = check_results(served, expected, RTOL[dtype])
         result.update(reference_seconds=ref_seconds, reference_tokens=ref_tokens,
                       reference_tokens_per_s=ref_tokens / ref_seconds, check=report)
