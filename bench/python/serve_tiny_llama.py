@@ -330,6 +330,7 @@ class Request:
     out: List[int] = dataclasses.field(default_factory=list)
     logits: List[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)
     chunks: int = 0  # forward steps its prompt took
+    prefill_started: int = -1  # the step of its first chunk
     admitted_step: int = -1
     finished_step: int = -1
 
@@ -369,7 +370,8 @@ def make_workload(cfg: TinyLlamaConfig, num_requests: int, seed: int = 0, shared
 
 class Server:
     """Continuous batching over one KVCacheManager: each step packs the running requests' decode
-    tokens and prompt chunks (up to max_step_tokens tokens, max_running requests) into one forward.
+    tokens and prompt chunks (up to max_step_tokens tokens, max_running requests, at most max_chunk
+    tokens of one prompt) into one forward.
 
     Admission reserves, for every running request, the blocks it can still grow by (to its last
     token, plus a copy-on-write block), so decodes never run out of blocks; a request that does
@@ -380,7 +382,7 @@ class Server:
     attention reads)."""
 
     def __init__(self, model: KilnLlama, max_running: int = 64, max_step_tokens: int = 256,
-                 keep_logits: bool = True, check: bool = True):
+                 max_chunk: Optional[int] = None, keep_logits: bool = True, check: bool = True):
         self.model = model
         cfg = model.cfg
         self.page = model.page_size
@@ -389,6 +391,7 @@ class Server:
                                       num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, prefix_caching=True,
                                       dtype="bf16" if model.dtype == torch.bfloat16 else "f16")
         self.max_running, self.max_step_tokens = max_running, max_step_tokens
+        self.max_chunk = max_chunk or max_step_tokens
         self.keep_logits, self.check = keep_logits, check
         self.plan = SlotPlan()
         self.unwritten = set()  # laid-out blocks whose K/V are not all written yet
@@ -449,10 +452,12 @@ class Server:
                 nonlocal budget
                 if budget <= 0 or not self._ready(r, written_now):
                     return
-                n = min(budget, len(r.prompt) - r.computed)
+                n = min(budget, self.max_chunk, len(r.prompt) - r.computed)
                 batch.append((r, r.prompt[r.computed:r.computed + n], r.computed,
                               self._slots(r.rid, r.computed, r.computed + n)))
                 r.chunks += 1
+                if r.prefill_started < 0:
+                    r.prefill_started = step
                 budget -= n
                 written_now.update(m.block_table(r.rid)[r.computed // page:(r.computed + n) // page])
 
@@ -610,14 +615,15 @@ def check_results(served, expected, rtol):
     return report
 
 
-def serve_and_compare(requests, dtype, device, num_blocks, page=16, max_running=16, max_step_tokens=128, seed=0,
-                      cfg=None, reference_device="cpu"):
+def serve_and_compare(requests, dtype, device, num_blocks, page=16, max_running=16, max_step_tokens=128,
+                      max_chunk=None, seed=0, cfg=None, reference_device="cpu"):
     """Serves the requests on kiln (checking the manager's invariants every step) and compares
     them with the reference: (server, {rid: Request}, check_results' report)."""
     cfg = cfg or TinyLlamaConfig()
     weights = make_weights(cfg, seed, torch.bfloat16 if dtype == torch.float32 else dtype)
     model = KilnLlama(cfg, weights, num_blocks, page, device, dtype)
-    server = Server(model, max_running=max_running, max_step_tokens=max_step_tokens, keep_logits=True, check=True)
+    server = Server(model, max_running=max_running, max_step_tokens=max_step_tokens, max_chunk=max_chunk,
+                    keep_logits=True, check=True)
     served = server.run(requests)
     expected = reference_results(cfg, weights, requests, reference_device)
     return server, served, check_results(served, expected, RTOL[dtype])
