@@ -41,7 +41,7 @@ MLPs and part of the LM head are plain random weights that move the logits: the 
 reference margin against the largest logit difference, so a run says how far it was from a flip.
 
   python3 bench/python/serve_tiny_llama.py [--quick] [--requests 512] [--concurrency 256] [--dtype bf16]
-      [--step-tokens 2048] [--check 16] [--json FILE]
+      [--step-tokens 2048] [--max-chunk N] [--check 16] [--json FILE]
 """
 import argparse
 import dataclasses
@@ -652,6 +652,7 @@ def main():
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256, help="most requests running at once")
     ap.add_argument("--step-tokens", type=int, default=2048, help="tokens per step (decode + prompt chunks)")
+    ap.add_argument("--max-chunk", type=int, help="most tokens of one prompt per step (default: --step-tokens)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, nargs=2, default=(64, 192))
@@ -675,8 +676,8 @@ def main():
 
     def serve(requests):
         model = KilnLlama(cfg, weights, num_blocks, args.page, args.device, dtype)
-        server = Server(model, max_running=args.concurrency, max_step_tokens=args.step_tokens, keep_logits=False,
-                        check=False)
+        server = Server(model, max_running=args.concurrency, max_step_tokens=args.step_tokens,
+                        max_chunk=args.max_chunk, keep_logits=False, check=False)
         sync()
         t0 = time.perf_counter()
         done = server.run(requests)
@@ -712,7 +713,8 @@ def main():
         ref_tokens = sum(len(t) for t, _ in expected.values())
         # The compared requests again, served by themselves with their logits kept.
         model = KilnLlama(cfg, weights, num_blocks, args.page, args.device, dtype)
-        served = Server(model, max_running=args.concurrency, max_step_tokens=args.step_tokens, check=True).run(sub)
+        served = Server(model, max_running=args.concurrency, max_step_tokens=args.step_tokens,
+                        max_chunk=args.max_chunk, check=True).run(sub)
         report = check_results(served, expected, RTOL[dtype])
         result.update(reference_seconds=ref_seconds, reference_tokens=ref_tokens,
                       reference_tokens_per_s=ref_tokens / ref_seconds, check=report)
