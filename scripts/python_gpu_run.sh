@@ -5,16 +5,19 @@
 # graphs, training, daemon and embedded), the side-by-side benchmark and the training-step
 # benchmark (bench/python/train_step.py, against eager, torch.compile and Liger). Logs and JSON go
 # to $OUT.
-#   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench|train|anchors]...  (default: tests bench)
+#   scripts/python_gpu_run.sh [--quick] [--host-only] [tests|bench|train|anchors|serve]...  (default: tests bench)
 # anchors: bench/torch_anchors.py with kiln importable, so the families' anchors that also time
 # kiln's Python layer (the MoE layer, say) do; TORCH_ARGS narrows it (e.g. "--only moe").
+# serve: bench/python/serve_tiny_llama.py, a tiny Llama served with continuous batching from kiln's
+# ops (tokens/s, and a check of its first requests against the PyTorch reference); SERVE_ARGS adds
+# its arguments (e.g. "--dtype f16 --concurrency 64").
 # --host-only: the benchmark times only the host cost per call (side_by_side.py --host-only).
 # Env: PYTEST_K, a pytest -k expression that narrows the tests (e.g. "launch or describe");
 # TRAIN_ARGS, extra arguments of train_step.py (e.g. "--only llama_layer").
 set -uo pipefail
 quick="" host="" what=""
 for a in "$@"; do
-  case "$a" in --quick) quick=--quick ;; --host-only) host=--host-only ;; tests|bench|train|anchors) what="$what $a " ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
+  case "$a" in --quick) quick=--quick ;; --host-only) host=--host-only ;; tests|bench|train|anchors|serve) what="$what $a " ;; *) echo "unknown argument $a" >&2; exit 2 ;; esac
 done
 what=${what:- tests bench }
 root=$PWD
@@ -44,7 +47,7 @@ cd "$(mktemp -d)"  # import the installed package, not anything from the checkou
 rc=0
 if [[ "$what" == *" tests "* ]]; then
   # The package's tests and every family's Python tests (families/*/tests/test_*.py).
-  tests="$root/tests/python/gpu $root/tests/python/test_torch_cpu.py $(ls "$root"/families/*/tests/test_*.py 2>/dev/null)"
+  tests="$root/tests/python/gpu $root/tests/python/test_torch_cpu.py $root/tests/python/test_e2e_tiny_llama_cpu.py $(ls "$root"/families/*/tests/test_*.py 2>/dev/null)"
   "$py" -c 'import numpy' 2>/dev/null && tests="$tests $root/tests/python/test_cpu.py"
   PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" -m pytest -q -rs -p no:cacheprovider --durations=10 \
     ${PYTEST_K:+-k "$PYTEST_K"} $tests 2>&1 \
@@ -66,6 +69,11 @@ fi
 if [[ "$what" == *" anchors "* ]]; then
   PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" "$root/bench/torch_anchors.py" $quick ${TORCH_ARGS:-} \
     --json "$out/anchors_with_kiln.json" 2>&1 | tee "$out/anchors_with_kiln.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+if [[ "$what" == *" serve "* ]]; then
+  PYTHONUNBUFFERED=1 timeout -k 5 400 "$py" "$root/bench/python/serve_tiny_llama.py" $quick ${SERVE_ARGS:-} \
+    --json "$out/serve_tiny_llama.json" 2>&1 | tee "$out/serve_tiny_llama.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 echo "python_gpu_run exit $rc"
