@@ -1,5 +1,7 @@
 // `kiln tune`, `kiln ls --tuned` and `kiln prewarm --problems`: tuning now, through kilnd when it
-// runs (it owns the GPU lock and the table) or in-process otherwise.
+// runs (it owns the GPU lock and the table) or in-process otherwise. In-process, a remote tier
+// configured in the environment (KILN_REMOTE) is used as kilnd uses its own: candidates are read
+// through it and written back, and every winner tuned here is shared with the fleet.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +15,9 @@
 #include "jit/autotune.h"
 #include "jit/builder.h"
 #include "jit/device_info.h"
+#include "remote/config.h"
+#include "remote/tier.h"
+#include "remote/tuning.h"
 
 namespace kiln::cli {
 namespace {
@@ -133,18 +138,30 @@ void print_record(const cache::TuningRecord& r) {
 int tune_items(const GlobalOptions& g, const std::vector<TuneItem>& items, int device, bool json) {
   std::unique_ptr<cache::Store> store;
   std::unique_ptr<cache::TuningTable> table;
+  // Declared before the builder so that it outlives it; its destructor sends the write-backs
+  // still queued when tuning ends.
+  std::unique_ptr<remote::Tier> tier;
   std::unique_ptr<jit::Builder> builder;
   auto daemon = try_daemon(g);
   std::string via = daemon ? "kilnd at " + socket_path().string() : "in-process on " + cache_file().string();
   if (!daemon) {
+    // kilnd tunes with its own remote tier; in-process, the environment's is checked first, so
+    // that a wrong setting (an unsafe fleet key file, say) stops before anything is opened.
+    auto remote_config = remote::config_from_env();
+    if (!remote_config.ok()) return report_error(remote_config.status(), k_exit_usage);
     auto st = cache::Store::open(cache_file());
     if (!st.ok()) return report_error(st.status());
     store = std::move(st).value();
     auto t = cache::TuningTable::open(*store);
     if (!t.ok()) return report_error(t.status());
     table = std::move(t).value();
+    if (*remote_config) {
+      tier = remote::Tier::create(std::move(**remote_config));
+      via += " (remote tier " + tier->describe() + ")";
+    }
     // PCH pays for itself from the second compile of a process, and a tuning run has dozens.
-    builder = std::make_unique<jit::Builder>(store.get(), &Registry::global(), jit::BuilderOptions{.use_pch = true});
+    builder = std::make_unique<jit::Builder>(store.get(), &Registry::global(),
+                                             jit::BuilderOptions{.use_pch = true, .remote = tier.get()});
   }
   std::fprintf(stderr, "kiln: tuning %zu problem%s %s\n", items.size(), items.size() == 1 ? "" : "s", via.c_str());
 
@@ -157,7 +174,9 @@ int tune_items(const GlobalOptions& g, const std::vector<TuneItem>& items, int d
       jit::Tuner tuner(builder.get(), table.get());
       jit::TuneOptions o;
       o.device = device;
-      return tuner.tune(*item.family, item.problem, o);
+      auto rec = tuner.tune(*item.family, item.problem, o);
+      if (rec.ok() && tier) remote::share_winner(*tier, *rec);
+      return rec;
     }();
     if (!r.ok()) {
       const Status s(r.status().code(), std::string(item.family->name()) + " " +

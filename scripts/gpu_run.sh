@@ -18,6 +18,11 @@ mkdir -p "$out"
 # The test binaries name kilnd by the absolute path it had on the build machine.
 build_path=$(cat "$dist/BUILD_PATH")
 if [ ! -e "$build_path" ]; then mkdir -p "$(dirname "$build_path")" && ln -s "$dist" "$build_path"; fi
+# The GPU machine has no redis-server: the fleet's GPU test starts the one staged in gpu-dist/redis
+# (scripts/stage_redis.sh), whose wrapper gives it its own libraries and nothing else.
+if [ -z "${KILN_REDIS_SERVER:-}" ] && [ -x "$dist/redis/bin/redis-server" ]; then
+  export KILN_REDIS_SERVER="$dist/redis/bin/redis-server"
+fi
 export KILN_CACHE_DIR=$(mktemp -d)
 export XDG_RUNTIME_DIR=$(mktemp -d)
 chmod 700 "$XDG_RUNTIME_DIR"

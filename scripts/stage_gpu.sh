@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds a Release tree in build-gpu/ and stages what the GPU machine needs in gpu-dist/ (small
 # enough to carry): kilnd, kiln, the `gpu` test binaries and the plugins they load, the GPU
-# benchmark, the PyTorch anchors and scripts/gpu_run.sh. On the device: `gpu-dist/scripts/gpu_run.sh [--quick]`. Binaries link
-# libstdc++, libgcc and SQLite statically, so they run on the GPU machine's Ubuntu.
+# benchmark, the PyTorch anchors, scripts/gpu_run.sh, and redis-server with its libraries for the
+# fleet's GPU test (the GPU machine has none; scripts/stage_redis.sh). On the device:
+# `gpu-dist/scripts/gpu_run.sh [--quick]`. Binaries link libstdc++, libgcc and SQLite statically,
+# so they run on the GPU machine's Ubuntu.
 set -euo pipefail
 # KILN_SRC builds another checkout (a clean worktree, say) and stages it into this one.
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,4 +35,7 @@ for f in "$src"/families/*/bench/*.py; do
   mkdir -p "$root/gpu-dist/$(dirname "$rel")"
   cp "$f" "$root/gpu-dist/$rel"
 done
+# The fleet tier's GPU test starts real redis-server processes; gpu_run.sh points the tests at this
+# one (KILN_REDIS_SERVER).
+"$root/scripts/stage_redis.sh" "$root/gpu-dist/redis" >/dev/null
 du -sh "$root/gpu-dist"

@@ -43,7 +43,8 @@ using namespace std::chrono_literals;
   do {                                                                                              \
     if (::kiln::testing::RedisServer::binary().empty())                                             \
       GTEST_SKIP() << "redis-server is not installed (scripts/deps.sh installs it; KILN_REDIS_SERVER " \
-                      "names another binary)";                                                      \
+                      "names another binary, as scripts/gpu_run.sh names gpu-dist/redis/bin/"       \
+                      "redis-server)";                                                              \
   } while (0)
 
 // Certificates for TLS tests, made in `dir` by the openssl command (EC P-256, valid two days): a

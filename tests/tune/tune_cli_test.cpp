@@ -30,6 +30,21 @@ TEST_F(TuneCli, ArgumentErrorsAreUsageErrors) {
   expect_usage_error({"tune", "--family", "rmsnorm", "--shape", "rows=1,cols=8", "--device", "-1"}, "--device");
 }
 
+// In-process tuning uses the environment's remote tier (a GPU run is in tests/remote/
+// fleet_gpu_test.cpp); a wrong setting stops it before anything is opened, tuned or compiled.
+TEST_F(TuneCli, ABadRemoteSettingStopsInProcessTuning) {
+  const fs::path key = dir_.path() / "fleet.key";
+  std::ofstream(key) << "fleet test key: 0123456789abcdef\n";
+  fs::permissions(key, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read);
+  ScopedEnv remote("KILN_REMOTE", "redis://127.0.0.1:1");
+  ScopedEnv key_file("KILN_FLEET_KEY_FILE", key.string());
+  const std::vector<std::string> tune = {"--embedded", "tune", "--family", "rmsnorm", "--shape", "rows=64,cols=1024"};
+  expect_usage_error(tune, "must be 0600");
+  ScopedEnv bad_url("KILN_REMOTE", "http://127.0.0.1:1");
+  fs::permissions(key, fs::perms::owner_read | fs::perms::owner_write);
+  expect_usage_error(tune, "the scheme must be redis://");
+}
+
 TEST_F(TuneCli, PrewarmProblemsFileErrorsNameTheLine) {
   expect_usage_error({"prewarm"}, "--arch");
   expect_usage_error({"prewarm", "--problems", (dir_.path() / "missing.txt").string()}, "cannot read problems file");
