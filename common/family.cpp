@@ -146,6 +146,10 @@ Result<Problem> Family::problem_from_shape(DType dtype,
   p.dtype = dtype;
   p.alignment = 16;
   std::vector<bool> given(fields.size(), false);
+  for (const auto& f : fields) {
+    if (f.type == FieldType::i64) p.fields[f.slot].i = f.default_i;
+    else p.fields[f.slot].f = f.default_f;
+  }
   for (const auto& [name, value] : shape) {
     const std::string& wanted = name;
     auto it = std::find_if(fields.begin(), fields.end(), [&](const ProblemField& f) { return f.name == wanted; });

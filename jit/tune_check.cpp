@@ -16,23 +16,24 @@ namespace {
 // that skips or misplaces elements is off by far more than any of these.
 double tolerance(DType t) { return t == DType::f32 ? 1e-4 : t == DType::f16 ? 2e-3 : 1e-2; }
 
-// Relative L2 error of got against want over the elements the reference wrote (want is poisoned
-// like got beforehand, so an element it left alone, a row-stride gap, stays NaN and is skipped).
-// NaN when got holds a NaN where want does not: an element the kernel never wrote.
-double compare(const unsigned char* got, const unsigned char* want, DType t, std::int64_t n) {
+}  // namespace
+
+double tune_output_error(const unsigned char* got, const unsigned char* want, DType t, std::int64_t n) {
   double num = 0, den = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const double w = load_as_double(want, t, i);
     if (std::isnan(w)) continue;
     const double g = load_as_double(got, t, i);
+    if (std::isinf(w)) {
+      if (g != w) return NAN;
+      continue;
+    }
     if (!std::isfinite(g)) return NAN;
     num += (g - w) * (g - w);
     den += w * w;
   }
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
-
-}  // namespace
 
 Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& ref_params, const Problem& cp,
                                                  std::mt19937& rng) {
@@ -78,10 +79,10 @@ cache::CandidateResult check_candidate(const Family& f, const Params& params, CU
     std::vector<unsigned char> got(cs.dev[i].bytes());
     s = d->check(d->memcpy_dtoh(got.data(), cs.dev[i].ptr(), got.size()), "cuMemcpyDtoH");
     if (!s.ok()) return r.status = cache::CandidateStatus::launch_failed, r.error = s.message(), r;
-    const double err = compare(got.data(), cs.host[i].data(), cs.specs[i].dtype, cs.specs[i].elements);
+    const double err = tune_output_error(got.data(), cs.host[i].data(), cs.specs[i].dtype, cs.specs[i].elements);
     if (!(err <= tolerance(cs.specs[i].dtype))) {
       r.status = cache::CandidateStatus::wrong_result;
-      r.error = "output " + cs.specs[i].name + ": relative L2 error " + (std::isnan(err) ? "NaN (unwritten or non-finite elements)" : std::to_string(err)) +
+      r.error = "output " + cs.specs[i].name + ": relative L2 error " + (std::isnan(err) ? "NaN (unwritten elements, or non-finite ones the reference does not have)" : std::to_string(err)) +
                 " above " + std::to_string(tolerance(cs.specs[i].dtype));
       return r;
     }

@@ -31,7 +31,16 @@ struct CheckSet {
 Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& ref_params, const Problem& cp,
                                                  std::mt19937& rng);
 
-// Runs the candidate once on the check set (outputs poisoned first) and compares every output.
+// Relative L2 error of `got` against `want` (n elements of dtype t) over the elements the reference
+// wrote: `want` is poisoned like `got` beforehand, so an element it left alone (a row-stride gap)
+// stays NaN and is skipped. An infinity the reference wrote (the lse of a split that saw no key,
+// say) must be the same infinity in `got` and counts as exact. NaN when `got` holds a non-finite
+// value where the reference has a finite one, or not the reference's infinity: an element the
+// kernel never wrote or got wrong.
+double tune_output_error(const unsigned char* got, const unsigned char* want, DType t, std::int64_t n);
+
+// Runs the candidate once on the check set (outputs poisoned first) and compares every output
+// (tune_output_error) within the dtype's tolerance.
 cache::CandidateResult check_candidate(const Family& f, const Params& params, CUfunction fn, CheckSet& cs);
 
 // Halves the bucketed dim until the largest buffer has at most `cap` elements, so the CPU

@@ -180,8 +180,9 @@ class Family {
   // upper bound, so every member of a bucket is tuned on the same instance.
   virtual Problem tuning_problem(const Problem& problem) const;
   // A problem from named fields (`kiln tune --shape rows=4096,cols=4096`), 16-byte aligned. The
-  // default needs every key field named and sets value fields that are not named to 0; families
-  // fill in what follows from the rest (contiguous row strides, say) and default values.
+  // default needs every key field named and sets value fields that are not named to their
+  // ProblemField default (the problem struct's member initializer; 0 for a plugin's fields);
+  // families fill in what follows from the rest (contiguous row strides, say).
   virtual Result<Problem> problem_from_shape(DType dtype,
                                              const std::vector<std::pair<std::string, std::int64_t>>& shape) const;
   // The shapes `kiln tune --all` tunes (the family's benchmark shapes); empty when none declared.

@@ -50,6 +50,10 @@ struct ProblemField {
   bool key = false;       // may pick a different variant; part of the tuning signature
   bool bucketed = false;  // the key that signatures round up to a power of two
   std::string doc;
+  // The member's value in a default-constructed problem struct: what a problem built from named
+  // sizes (`kiln tune --shape`) holds where a value field is not named.
+  std::int64_t default_i = 0;
+  double default_f = 0;
 };
 
 // A problem instance: the family's fields, the element type, the smallest byte alignment among
@@ -122,6 +126,8 @@ ProblemField make_field(T P::*member, std::string name, bool key, bool bucketed,
   f.key = key;
   f.bucketed = bucketed;
   f.doc = std::move(doc);
+  if constexpr (std::is_same_v<T, double>) f.default_f = probe.*member;
+  else f.default_i = probe.*member;
   return f;
 }
 }  // namespace detail

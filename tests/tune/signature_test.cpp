@@ -186,7 +186,7 @@ TEST(Signature, TuningProblemIsTheBucketsUpperBound) {
   EXPECT_EQ(f.signature(f.tuning_problem(p)), f.signature(p));
 }
 
-TEST(ProblemFromShape, NeedsEveryKeyZeroesValues) {
+TEST(ProblemFromShape, NeedsEveryKeyAndDefaultsTheRest) {
   TestFamily f;
   auto p = f.problem_from_shape(DType::f16, {{"rows", 7}, {"cols", 64}, {"scale", 3}});
   ASSERT_TRUE(p.ok()) << p.status().to_string();
