@@ -69,6 +69,26 @@ double time_events(const std::function<void(int)>& fn, int warmup, int iters) {
   return median(t);
 }
 
+std::vector<std::int64_t> split_counts_to_sweep(std::int64_t tiles) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128})
+    if (n <= tiles) out.push_back(n);
+  return out;
+}
+
+void keep_fastest(const std::vector<std::int64_t>& values, const std::function<void(std::int64_t)>& run,
+                  std::int64_t& best, double& best_us) {
+  for (std::int64_t value : values) {
+    run(value);
+    check(drv().ctx_synchronize(), "sync");
+    const double us = time_events([&](int) { run(value); }, 3, 15) * 1e3;
+    if (us < best_us) {
+      best_us = us;
+      best = value;
+    }
+  }
+}
+
 double host_us_per_call(const std::function<void()>& fn, int n) {
   // Short batches with a synchronize between them (not timed): a long run of launches fills the
   // driver's launch queue, and the host then waits for the GPU, so the figure would be the

@@ -31,6 +31,14 @@ double percentile(std::vector<double> v, double q);
 // like with like). Pass an index-dependent fn to rotate inputs as well.
 double time_events(const std::function<void(int)>& fn, int warmup, int iters);
 
+// The split counts the decode benches sweep beside their heuristic's: 1 to 128, at most `tiles`.
+std::vector<std::int64_t> split_counts_to_sweep(std::int64_t tiles);
+
+// Times `run(value)` for each of `values` (one untimed call, then time_events(3 warm-up, 15
+// timed)) and keeps the fastest in (best, best_us) where it beats what they hold; µs.
+void keep_fastest(const std::vector<std::int64_t>& values, const std::function<void(std::int64_t)>& run,
+                  std::int64_t& best, double& best_us);
+
 // Host microseconds per call of `fn`: the median over n/64 batches of 64 back-to-back calls, with
 // the GPU drained between batches so that the launch queue never fills.
 double host_us_per_call(const std::function<void()>& fn, int n);

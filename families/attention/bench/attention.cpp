@@ -201,40 +201,24 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
     a.scale = 1.0 / std::sqrt(double(d));
     const std::int64_t splits = families::attention_decode_splits(a, sms, info.ok() ? (*info)->compute_capability : 0);
     const double bytes = double(nk) * 2 * 2;  // K and V
+    // decode_splits 0: the heuristic's path; -1: the one-pass kernel; n: n splits.
+    auto call = [&](std::int64_t decode_splits) {
+      AttentionOptions opt;
+      opt.decode_splits = decode_splits;
+      check(attention(dev(q, t, {b, 1, h, d}), dev(k, t, {b, lk, hk, d}), dev(v, t, {b, lk, hk, d}),
+                      dev(o, t, {b, 1, h, d}), nullptr, opt, nullptr, ctx.runtime),
+            "attention decode");
+    };
     double us[2];
     for (int i = 0; i < 2; ++i) {
-      AttentionOptions opt;
-      opt.decode_splits = i == 0 ? 0 : -1;
-      auto call = [&](int) {
-        check(attention(dev(q, t, {b, 1, h, d}), dev(k, t, {b, lk, hk, d}), dev(v, t, {b, lk, hk, d}),
-                        dev(o, t, {b, 1, h, d}), nullptr, opt, nullptr, ctx.runtime),
-              "attention decode");
-      };
-      call(0);
+      call(i == 0 ? 0 : -1);
       check(ctx.driver->ctx_synchronize(), "sync");
-      us[i] = time_events(call, 5, ctx.quick ? 10 : 30) * 1e3;
+      us[i] = time_events([&](int) { call(i == 0 ? 0 : -1); }, 5, ctx.quick ? 10 : 30) * 1e3;
     }
     // The heuristic's split count against the best of a sweep of counts.
     double best_us = us[0];
     std::int64_t best_splits = splits;
-    if (!ctx.quick)
-      for (std::int64_t n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128}) {
-        if (n > (lk + 63) / 64) break;
-        AttentionOptions opt;
-        opt.decode_splits = n;
-        auto call = [&](int) {
-          check(attention(dev(q, t, {b, 1, h, d}), dev(k, t, {b, lk, hk, d}), dev(v, t, {b, lk, hk, d}),
-                          dev(o, t, {b, 1, h, d}), nullptr, opt, nullptr, ctx.runtime),
-                "attention decode");
-        };
-        call(0);
-        check(ctx.driver->ctx_synchronize(), "sync");
-        const double sus = time_events(call, 3, 15) * 1e3;
-        if (sus < best_us) {
-          best_us = sus;
-          best_splits = n;
-        }
-      }
+    if (!ctx.quick) keep_fastest(split_counts_to_sweep((lk + 63) / 64), call, best_splits, best_us);
     const double gbs = bytes / (us[0] * 1e-6) / 1e9, gbs1 = bytes / (us[1] * 1e-6) / 1e9;
     std::printf("%3lld %6lld %7lld %10.1f %8.0f %5.0f%% %14.1f %8.0f %5.0f%% %11lld %8.1f\n", (long long)b,
                 (long long)lk, (long long)splits, us[0], gbs, 100 * gbs / ctx.copy_gbs, us[1], gbs1,

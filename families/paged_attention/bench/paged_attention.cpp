@@ -162,35 +162,27 @@ int decode_grid(Context& ctx, nlohmann::json& rows) {
     paged(0);
     check(ctx.driver->ctx_synchronize(), "sync");
     const double us = time_events(paged, 5, ctx.quick ? 10 : 30) * 1e3;
-    // The heuristic's split count against the best of a sweep of counts.
-    const std::int64_t tiles = (lk + 63) / 64, heuristic_splits = run.opt.splits;
-    std::vector<std::int64_t> counts;
-    for (std::int64_t n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128})
-      if (n <= tiles && !ctx.quick) counts.push_back(n);
+    // The heuristic's split count against the best of a sweep of counts, on a workspace for the most.
+    const std::int64_t heuristic_splits = run.opt.splits;
+    const std::vector<std::int64_t> counts = ctx.quick ? std::vector<std::int64_t>{} : split_counts_to_sweep((lk + 63) / 64);
     double best_us = us;
     std::int64_t best_splits = heuristic_splits;
     if (!counts.empty()) {
       const std::int64_t elements = families::paged_decode_workspace_elements(counts.back(), b, k_heads, k_dim);
       DeviceBuffer sweep_ws(std::size_t(elements) * 4);
       const TensorView wv = dev(sweep_ws, DType::f32, {elements});
-      for (std::int64_t n : counts) {
-        PagedDecodeOptions o = run.opt;
-        o.splits = n;
-        auto call = [&](int) {
-          check(paged_decode(dev(run.q, k_t, {b, k_heads, k_dim}), dev(pool.k, k_t, {t.num_blocks, page, k_kv, k_dim}),
-                             dev(pool.v, k_t, {t.num_blocks, page, k_kv, k_dim}),
-                             dev(run.tables, DType::i32, {b, run.max_blocks}), dev(run.lens, DType::i32, {b}), nullptr,
-                             dev(run.out, k_t, {b, k_heads, k_dim}), nullptr, &wv, o, nullptr, ctx.runtime),
-                "paged_decode");
-        };
-        call(0);
-        check(ctx.driver->ctx_synchronize(), "sync");
-        const double sus = time_events(call, 3, 15) * 1e3;
-        if (sus < best_us) {
-          best_us = sus;
-          best_splits = n;
-        }
-      }
+      keep_fastest(
+          counts,
+          [&](std::int64_t n) {
+            PagedDecodeOptions o = run.opt;
+            o.splits = n;
+            check(paged_decode(dev(run.q, k_t, {b, k_heads, k_dim}), dev(pool.k, k_t, {t.num_blocks, page, k_kv, k_dim}),
+                               dev(pool.v, k_t, {t.num_blocks, page, k_kv, k_dim}),
+                               dev(run.tables, DType::i32, {b, run.max_blocks}), dev(run.lens, DType::i32, {b}),
+                               nullptr, dev(run.out, k_t, {b, k_heads, k_dim}), nullptr, &wv, o, nullptr, ctx.runtime),
+                  "paged_decode");
+          },
+          best_splits, best_us);
     }
     DeviceBuffer out(b * k_heads * k_dim * 2);
     auto contiguous = [&](int) {
