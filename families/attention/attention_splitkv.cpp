@@ -27,6 +27,10 @@ std::int64_t attention_splitkv_blocks_per_sm(std::int64_t head_dim, std::int64_t
 
 std::int64_t attention_split_count(std::int64_t row_blocks, std::int64_t tiles, std::int64_t slots) {
   if (row_blocks <= 0 || tiles <= 1 || slots <= 0) return 1;
+  // The attention op asks on every call, a model's layers with the same sizes one after another:
+  // the last answer of this thread is kept, the search runs when the sizes change.
+  thread_local std::int64_t last[4] = {0, 0, 0, 0};
+  if (last[0] == row_blocks && last[1] == tiles && last[2] == slots) return last[3];
   const std::int64_t most = std::min(tiles, k_attention_max_splits);
   std::int64_t best = 1, best_cost = std::numeric_limits<std::int64_t>::max();
   for (std::int64_t s = 1; s <= most; ++s) {
@@ -37,6 +41,7 @@ std::int64_t attention_split_count(std::int64_t row_blocks, std::int64_t tiles, 
       best_cost = cost;
     }
   }
+  last[0] = row_blocks, last[1] = tiles, last[2] = slots, last[3] = best;
   return best;
 }
 
