@@ -2,10 +2,13 @@
 shard, or several runs, plain or gzipped (.json.gz, as docs/results keeps them): a point measured
 in a later file replaces an earlier one, one not run never replaces one that ran).
 
-  python3 bench/sweep/report.py SWEEP.json [MORE.json ...] [--replace OP,...] [--markdown docs/benchmarks.md]
+  python3 bench/sweep/report.py SWEEP.json [MORE.json ...] [--replace OP,...] [--update LATER.json,...]
+                                [--markdown docs/benchmarks.md]
 
 --replace names ops re-run after they changed: only their points from the last file that measured
-them count (the earlier ones timed other code).
+them count (the earlier ones timed other code). --update names files measured after all of those,
+point by point: each of their points replaces the one of the same sizes, whatever --replace says
+(a re-run of only the sizes whose code changed, say the row counts a new kernel took over).
 
 Per op and direction: the points measured, the min, p10 and median of the ratio best peer / kiln
 (above 1: kiln is faster; at or above TIE a peer is within 2%, a tie), the peer that was best most
@@ -31,10 +34,11 @@ def point_key(p):
     return p["label"], json.dumps(p["sizes"], sort_keys=True)
 
 
-def load(paths, replace=()):
+def load(paths, replace=(), updates=()):
     """(headers, points) of the files, each point once (see the module's note on merging). An op
     label in `replace` keeps only the points of the last file that measured it (re-run after the
-    op changed: its earlier points timed other code)."""
+    op changed: its earlier points timed other code). The files of `updates` come last, each point
+    replacing the one of the same key."""
     headers, merged = [], {}
     for path in paths:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
@@ -48,6 +52,13 @@ def load(paths, replace=()):
             if p["status"] == "not_run" and key in merged and merged[key]["status"] != "not_run":
                 continue
             merged[key] = p
+    for path in updates:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            data = json.load(f)
+        headers.append(data["header"])
+        for p in data["points"]:
+            if p["status"] != "not_run" or point_key(p) not in merged:
+                merged[point_key(p)] = p
     return headers, list(merged.values())
 
 
@@ -200,9 +211,12 @@ def main(argv=None):
     ap.add_argument("--markdown", metavar="FILE", help="rewrite the sweep block of FILE")
     ap.add_argument("--replace", default="", metavar="LABEL,...",
                     help="ops re-run after a change: only their points from the last file that measured them count")
+    ap.add_argument("--update", default="", metavar="FILE,...",
+                    help="files measured after the others: each point replaces the one of the same sizes")
     args = ap.parse_args(argv)
-    headers, points = load(args.json, tuple(filter(None, args.replace.split(","))))
-    block = markdown(headers, summarize(points), args.json)
+    updates = list(filter(None, args.update.split(",")))
+    headers, points = load(args.json, tuple(filter(None, args.replace.split(","))), updates)
+    block = markdown(headers, summarize(points), args.json + updates)
     print(block, end="")
     if args.markdown:
         try:

@@ -2,7 +2,8 @@
 size of the public models it lists, against the best of PyTorch eager, torch.compile, Liger and
 cuBLAS measured in the same process.
 
-  python3 bench/sweep/run.py [--ops a,b,...] [--shard I/N] [--budget-s S] [--quick] [--plan]
+  python3 bench/sweep/run.py [--ops a,b,...] [--models m,...] [--rows t1,...] [--kernels] [--shard I/N]
+                             [--budget-s S] [--quick] [--plan]
                              [--done EARLIER.json,...] [--device cuda|cpu] --json OUT.json
 
 Each distinct size is measured once and lists the models it stands for. At every point kiln's
@@ -740,6 +741,39 @@ class Timer:
         return {"us": us, "timing": "events", "calls": r, "warm_s": warm_s, "capture_error": reason}
 
 
+    def kernels(self, build, calls_per_graph=8):
+        """The kernels one call launches, from torch.profiler around one replay of a graph of
+        calls_per_graph calls: [(name, launches per call, mean µs per launch)], longest first."""
+        from torch.profiler import ProfilerActivity, profile
+
+        s = self.stream
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            calls = build()
+            for _ in range(WARMUP):
+                calls[0]()
+        n = max(len(calls), calls_per_graph)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            for i in range(n):
+                calls[i % len(calls)]()
+        torch.cuda.current_stream().wait_stream(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        per_name = {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            count, total = per_name.get(e.name, (0, 0.0))
+            per_name[e.name] = (count + 1, total + e.device_time)
+        graph.reset()
+        out = [(name, count / n, total / count) for name, (count, total) in per_name.items()]
+        return sorted(out, key=lambda k: -k[1] * k[2])
+
+
 # --- points ---
 
 
@@ -811,6 +845,8 @@ def plan(op_names, args):
             pts = [p for p in pts if quick_point(p)]
         if args.rows:
             pts = [p for p in pts if p["rows_label"] in args.rows.split(",")]
+        if args.models:
+            pts = [p for p in pts if p["model"] in args.models.split(",")]
         if args.device == "cpu":
             pts = [shrink(p) for p in pts]
         pts = models.dedupe(pts)
@@ -880,9 +916,10 @@ def reason_of(e):
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def measure_point(op, p, dev, timer, liger, compiled, compile_failures, l2, totals):
+def measure_point(op, p, dev, timer, liger, compiled, compile_failures, l2, totals, kernels=False):
     """Fills a record for one point: kiln's check, every contender's time, the copy's.
-    compile_failures maps the compile groups whose torch.compile failed to the reason."""
+    compile_failures maps the compile groups whose torch.compile failed to the reason. With
+    kernels, each contender's kernels per call too (Timer.kernels)."""
     rec = record(op, p)
     t0 = time.perf_counter()
     sets = []
@@ -929,6 +966,12 @@ def measure_point(op, p, dev, timer, liger, compiled, compile_failures, l2, tota
             continue
         rec["us"][name] = t["us"]
         rec["timing"][name] = t["timing"]
+        if kernels and timer.cuda:
+            try:
+                rec.setdefault("kernels", {})[name] = timer.kernels(
+                    lambda: [make_call(c, s, op.backward) for s in sets])
+            except Exception as e:
+                rec.setdefault("kernels", {})[name] = reason_of(e)
         rec["calls"][name] = t["calls"]
         if "capture_error" in t:
             rec.setdefault("capture_errors", {})[name] = t["capture_error"]
@@ -967,6 +1010,12 @@ def progress_line(elapsed, rec):
         text += f"; copy {rec['copy_fraction']:.2f}"
     if rec["absent"]:
         text += "; absent " + ", ".join(f"{k}: {v[:80]}" for k, v in rec["absent"].items())
+    for name, ks in rec.get("kernels", {}).items():
+        if isinstance(ks, str):
+            text += f"\n    {name}: no kernel list: {ks}"
+            continue
+        for kname, per_call, us in ks:
+            text += f"\n    {name}: {per_call:4.2f} x {us:8.2f} us  {kname[:110]}"
     return text
 
 
@@ -1011,6 +1060,10 @@ def parse_args(argv):
                     help="static: one torch.compile graph per width, token dims dynamic; dynamic: every size "
                          "symbolic, one graph per op and row layout")
     ap.add_argument("--rows", help="comma-separated row layouts to keep (t1, t16, b4x2047, ...; default: all)")
+    ap.add_argument("--models", help="comma-separated model names of bench/sweep/models.py to keep (default: all)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also list each contender's kernels per call and their device times (torch.profiler "
+                         "around a graph replay), in the log and the JSON")
     ap.add_argument("--rows-first", action="store_true",
                     help="run every op at each layout of --rows in turn, in the order given (with --compile dynamic)")
     ap.add_argument("--json", help="the output file")
@@ -1106,7 +1159,7 @@ def main(argv=None):
             continue
         t = time.perf_counter()
         try:
-            rec = measure_point(op, p, dev, timer, liger, compiled, compile_failures, l2, meta)
+            rec = measure_point(op, p, dev, timer, liger, compiled, compile_failures, l2, meta, args.kernels)
         except Exception as e:  # the runner's own failure (out of memory, say): the point fails
             rec = record(op, p)
             rec.update(status="error", error=f"runner: {reason_of(e)}")

@@ -146,3 +146,20 @@ def test_replace_keeps_only_the_latest_run_of_an_op_that_changed(tmp_path):
     assert by[("rms_norm", 16)]["ratio"] == 1.1 and by[("rms_norm", 4095)]["ratio"] == 1.2
     _, plain = report.load(paths)
     assert {(p["label"], p["sizes"]["rows"]): p.get("ratio") for p in plain}[("add_rms_norm_backward", 16)] == 0.4
+
+
+def test_update_files_replace_point_by_point_after_replace(tmp_path):
+    """A later run of only the sizes whose code changed: its points replace those of the same
+    sizes, even for an op --replace limits to an earlier file, and the others stay."""
+    old = [point("add_rms_norm_backward", 16, 0.4), point("add_rms_norm_backward", 4095, 0.7)]
+    redo = [point("add_rms_norm_backward", 16, 0.9), point("add_rms_norm_backward", 4095, 1.3)]
+    later = [point("add_rms_norm_backward", 1, 1.5), point("add_rms_norm_backward", 16, 1.2),
+             point("add_rms_norm_backward", 4095, status="not_run")]
+    paths = []
+    for name, pts in (("old.json", old), ("redo.json", redo), ("later.json", later)):
+        (tmp_path / name).write_text(json.dumps({"header": HEADER, "points": pts}))
+        paths.append(str(tmp_path / name))
+    headers, merged = report.load(paths[:2], replace=("add_rms_norm_backward",), updates=paths[2:])
+    assert len(headers) == 3
+    by = {p["sizes"]["rows"]: p.get("ratio") for p in merged}
+    assert by == {1: 1.5, 16: 1.2, 4095: 1.3}  # not run never replaces a point that ran
