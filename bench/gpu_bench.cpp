@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   {
     jit::Builder cold(nullptr, &Registry::global());
     auto t0 = Clock::now();
-    auto a = cold.get(KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=bf16,vec=8)").value(), arch);
+    auto a = cold.get(KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=bf16,row=0,vec=8)").value(), arch);
     check(a.status(), "cold compile");
     double first_ms = ms_since(t0);
     std::vector<double> plain, pch;
@@ -95,10 +95,10 @@ int main(int argc, char** argv) {
     jit::BuilderOptions po;
     po.use_pch = true;
     jit::Builder withpch(nullptr, &Registry::global(), po);
-    (void)withpch.get(KernelSpec::parse("rmsnorm(block=64,bulk=0,dtype=f32,vec=1)").value(), arch);  // creates the PCH
-    for (const char* s : {"rmsnorm(block=128,bulk=0,dtype=bf16,vec=8)", "rmsnorm(block=512,bulk=0,dtype=f16,vec=4)",
-                          "rmsnorm(block=1024,bulk=0,dtype=f32,vec=4)", "rmsnorm(block=64,bulk=0,dtype=bf16,vec=2)",
-                          "rmsnorm(block=256,bulk=0,dtype=f16,vec=8)"}) {
+    (void)withpch.get(KernelSpec::parse("rmsnorm(block=64,bulk=0,dtype=f32,row=0,vec=1)").value(), arch);  // creates the PCH
+    for (const char* s : {"rmsnorm(block=128,bulk=0,dtype=bf16,row=0,vec=8)", "rmsnorm(block=512,bulk=0,dtype=f16,row=0,vec=4)",
+                          "rmsnorm(block=1024,bulk=0,dtype=f32,row=0,vec=4)", "rmsnorm(block=64,bulk=0,dtype=bf16,row=0,vec=2)",
+                          "rmsnorm(block=256,bulk=0,dtype=f16,row=0,vec=8)"}) {
       auto spec = KernelSpec::parse(s).value();
       t0 = Clock::now();
       check(nopch.get(spec, arch).status(), "compile");
@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
     o.mode = ResolverMode::embedded;
     o.cache_file = cache_file;
     auto warmer = Runtime::create(o).value();
-    auto spec = KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=bf16,vec=8)").value();
+    auto spec = KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=bf16,row=0,vec=8)").value();
     check(warmer->kernel(spec).status(), "warm the cache");
     std::vector<double> hit_ms, lookup_ms;
     for (int i = 0; i < 20; ++i) {
@@ -283,12 +283,12 @@ int main(int argc, char** argv) {
       kill(pid, SIGKILL);
       return 1;
     }
-    auto spec = KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=bf16,vec=8)").value();
+    auto spec = KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=bf16,row=0,vec=8)").value();
     auto t0 = Clock::now();
     check(c->get_kernel(spec, arch).status(), "daemon cold get");
     const double cold = ms_since(t0);
     t0 = Clock::now();
-    check(c->get_kernel(KernelSpec::parse("rmsnorm(block=128,bulk=0,dtype=f16,vec=8)").value(), arch).status(), "daemon");
+    check(c->get_kernel(KernelSpec::parse("rmsnorm(block=128,bulk=0,dtype=f16,row=0,vec=8)").value(), arch).status(), "daemon");
     const double second = ms_since(t0);
     std::vector<double> rt_us;
     for (int i = 0; i < 1000; ++i) {

@@ -16,14 +16,14 @@ namespace {
 using namespace kiln;
 
 void BM_SpecCanonical(benchmark::State& state) {
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   for (auto _ : state) benchmark::DoNotOptimize(spec.canonical());
 }
 BENCHMARK(BM_SpecCanonical);
 
 void BM_KeyText(benchmark::State& state) {
   jit::Builder b(nullptr, &Registry::global());
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   for (auto _ : state) benchmark::DoNotOptimize(b.key_text(spec, "sm_90a"));
 }
 BENCHMARK(BM_KeyText);
@@ -33,7 +33,7 @@ void BM_CacheHit(benchmark::State& state) {
   std::filesystem::remove_all(dir);
   auto store = cache::Store::open(dir / "k.sqlite").value();
   jit::Builder b(store.get(), &Registry::global());
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   if (!b.get(spec, "sm_90a").ok()) {
     state.SkipWithError("NVRTC unavailable");
     return;

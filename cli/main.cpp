@@ -84,7 +84,7 @@ int run(int argc, char** argv) {
 
   WhyOptions wy;
   auto* why = app.add_subcommand("why", "Explain the cache key of a spec without compiling");
-  why->add_option("SPEC", wy.spec, "Kernel spec, e.g. 'rmsnorm(block=256,bulk=0,dtype=bf16,vec=8)'")->required();
+  why->add_option("SPEC", wy.spec, "Kernel spec, e.g. 'rmsnorm(block=256,bulk=0,dtype=bf16,row=0,vec=8)'")->required();
   why->add_option("--arch", wy.arch, "Target architecture, e.g. sm_90a")->required();
   why->add_flag("--json", wy.json, "Print JSON");
 

@@ -26,12 +26,15 @@ double round_to(DType t, double v) {
 class AddRmsNorm final : public Family {
  public:
   std::string_view name() const override { return "add_rmsnorm"; }
-  int version() const override { return 3; }
+  int version() const override { return 4; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
-        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block (one block per row)"},
+        {"block", row_kernel_blocks(), {}, "threads per block (one block per row): a power of two, or any "
+                                           "multiple of 32 for the one-row kernel (row > 0)"},
         {"dtype", {}, {"f32", "f16", "bf16"}, "element type of every buffer"},
+        {"row", {0, 1, 2}, {}, "packs per thread of the one-row kernel (the row in registers, rows of at most "
+                               "block * row whole packs); 0: the general kernel"},
         {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
     };
     return defs;
@@ -52,6 +55,8 @@ class AddRmsNorm final : public Family {
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     KILN_TRY(check_access_width(name(), params));
+    if (const auto block = *params.get_int("block"); *params.get_int("row") == 0 && (block & (block - 1)))
+      return invalid_argument("add_rmsnorm: block must be a power of two but for the one-row kernel (row > 0)");
     return {};
   }
 
@@ -59,19 +64,25 @@ class AddRmsNorm final : public Family {
     KILN_TRY(validate(params));
     Rendered r;
     r.source = "#include \"add_rmsnorm/add_rmsnorm_fwd.cuh\"\n";
-    r.name_expression = std::string("kiln::add_rmsnorm_fwd<") + device_type(*params.get_str("dtype")) + ", " +
-                        std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) + ">";
+    const auto row = *params.get_int("row");
+    r.name_expression = std::string(row > 0 ? "kiln::add_rmsnorm_fwd_row<" : "kiln::add_rmsnorm_fwd<") +
+                        device_type(*params.get_str("dtype")) + ", " + std::to_string(*params.get_int("block")) + ", " +
+                        std::to_string(*params.get_int("vec")) + (row > 0 ? ", " + std::to_string(row) : "") + ">";
     return r;
   }
 
+  // Every block and access width of the general kernel, and the one-row kernel at 16-byte
+  // accesses with one and two packs per thread.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f32", "f16", "bf16"})
-      for (std::int64_t block : {64, 128, 256, 512, 1024})
-        for (std::int64_t vec : {1, 2, 4, 8}) {
-          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
-          if (validate(p).ok()) out.push_back(p);
-        }
+      for (std::int64_t row : {0, 1, 2})
+        for (std::int64_t block : {64, 128, 256, 512, 1024})
+          for (std::int64_t vec : {1, 2, 4, 8}) {
+            if (row > 0 && vec * std::int64_t(dtype_size(*parse_dtype(dtype))) != 16) continue;
+            Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"row", row}};
+            if (validate(p).ok()) out.push_back(p);
+          }
     return out;
   }
 
@@ -94,6 +105,13 @@ class AddRmsNorm final : public Family {
     if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || !strides_ok)
       return invalid_argument("add_rmsnorm: vec=" + std::to_string(vec) +
                               " needs buffers and row strides aligned to vec elements");
+    if (const auto row = *params.get_int("row"); row > 0) {
+      if (cols % vec || cols / vec > *params.get_int("block") * row)
+        return invalid_argument("add_rmsnorm: row > 0 (the one-row kernel) needs rows of whole packs, at most "
+                                "block * row of them");
+      if (rows >= (std::int64_t(1) << 31))
+        return shape_mismatch("add_rmsnorm: the one-row kernel takes under 2^31 rows");
+    }
     return {};
   }
 
@@ -101,21 +119,27 @@ class AddRmsNorm final : public Family {
     LaunchGeometry g;
     g.grid.x = std::uint32_t(std::clamp<std::int64_t>(p.as<AddRmsNormProblem>().rows, 1, 0x7fffffff));
     g.block.x = std::uint32_t(*params.get_int("block"));
-    g.shared_bytes = std::uint32_t(add_rmsnorm_smem_packs(params, p) * *params.get_int("vec") * dtype_size(p.dtype));
+    g.shared_bytes = *params.get_int("row") > 0 ? 0u
+                     : std::uint32_t(add_rmsnorm_smem_packs(params, p) * *params.get_int("vec") *
+                                     dtype_size(p.dtype));
     return g;
   }
 
   Params heuristic(const Problem& p) const override {
     auto c = add_rmsnorm_heuristic(p);
-    return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", c.block}, {"vec", c.vec}};
+    return Params{{"dtype", std::string(dtype_name(p.dtype))}, {"block", c.block}, {"vec", c.vec}, {"row", c.row}};
   }
 
+  // The catalog's variants for the dtype that hold the problem, and the heuristic's (a one-row
+  // block of whole warps need not be in the catalog).
   std::vector<Params> tuning_space(const Problem& p) const override {
     std::vector<Params> out;
     for (const auto& c : catalog()) {
       if (*c.get_str("dtype") != dtype_name(p.dtype)) continue;
       if (check_problem(c, p).ok()) out.push_back(c);
     }
+    const Params h = heuristic(p);
+    if (std::find(out.begin(), out.end(), h) == out.end() && check_problem(h, p).ok()) out.push_back(h);
     return out;
   }
 
@@ -216,6 +240,14 @@ AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p) {
   const bool past_cache = q.cols / vec > 2 * 1024;
   if (past_cache && vec * esize > 8) vec = 8 / esize;
   const std::int64_t packs = std::max<std::int64_t>(1, q.cols / vec);
+  // Up to 1024 rows of whole 16-byte packs, at most 2048 of them: the one-row kernel, two packs
+  // per thread, the smallest block of whole warps (at least 64 threads) that holds the row. kiln
+  // tune ranks it first at 77 to 1000 rows of 4096 bf16 elements and first or close behind at 896
+  // on Hopper; it loads the weight beside x and the residual, before the reduction (the general
+  // kernel loads it after), and issues the fewest instructions in between.
+  if (q.rows <= k_add_rmsnorm_row_kernel_rows && vec * esize == 16 && q.cols % vec == 0 && packs <= 2048) {
+    return {int(row_kernel_block(packs)), vec, 2};
+  }
   const int max_block = past_cache && q.rows >= 2048 ? 512 : 1024;
   // The smallest block that gives each thread at most its two cached packs; from 2048 rows, up to
   // half a pack more per thread through shared memory rather than a block twice the size with
@@ -225,7 +257,7 @@ AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p) {
   const std::int64_t per_thread_x2 = q.rows >= 2048 ? 5 : 4;  // packs per thread, doubled
   int block = 64;
   while (block < max_block && block * per_thread_x2 < packs * 2) block *= 2;
-  return {block, vec};
+  return {block, vec, 0};
 }
 
 }  // namespace kiln::families

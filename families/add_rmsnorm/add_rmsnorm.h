@@ -7,12 +7,15 @@
 // rounding to the dtype gives the same h bits as the kernel).
 //
 // Params: dtype {f32, f16, bf16}, block {64 .. 1024} threads, vec {1, 2, 4, 8} elements per
-// access (vec * sizeof(dtype) <= 16 bytes).
+// access (vec * sizeof(dtype) <= 16 bytes), row {0, 1, 2}: 0 for the general kernel, else the
+// one-row kernel with that many packs per thread (rows of whole packs, at most block * row).
 // Problem: AddRmsNormProblem below.
 // Buffers: x (input), residual (input), w (input, [cols]), y (output), residual_out (output).
 // residual_out may alias residual and y may alias x (same base, same row stride).
 //
-// Heuristic: vec is the widest access (up to 16 bytes; 8 for rows past the register cache) that
+// Heuristic: up to 1024 rows of whole 16-byte packs, at most 2048 of them, the one-row kernel with
+// two packs per thread (the smallest block of 64..1024 that holds the row).
+// Otherwise vec is the widest access (up to 16 bytes; 8 for rows past the register cache) that
 // the common alignment of the five buffers and four row strides allows, and no wider than the row.
 // block is the smallest power of two in 64..1024 giving each thread at most two packs (one to two;
 // from 2048 rows at most 2.5, the half pack through shared memory, which is faster than a twice
@@ -43,8 +46,11 @@ struct AddRmsNormProblem {
 struct AddRmsNormChoice {
   int block;
   int vec;
+  int row = 0;  // packs per thread of the one-row kernel (add_rmsnorm_fwd_row); 0: the general kernel
 };
 AddRmsNormChoice add_rmsnorm_heuristic(const Problem& p);
+// The most rows the heuristic gives the one-row kernel.
+constexpr std::int64_t k_add_rmsnorm_row_kernel_rows = 1024;
 
 // Packs of h past the register cache that the kernel keeps in dynamic shared memory (at most
 // 96 KiB: a 64K-element bf16 row then needs no re-read); the rest it re-reads from residual_out.

@@ -138,4 +138,67 @@ add_rmsnorm_fwd(const T* x, const T* residual, const T* __restrict__ w, T* y, T*
   }
 }
 
+// Short rows, for calls of a few rows where one block's latency is the kernel's whole time: one
+// block per row, each thread PACKS packs of x, the residual and the weight in registers, all loaded
+// before anything is stored, one barrier, no loop. Its grid is the row count, so it is for small
+// row counts only (the host's heuristic). Aliasing as above: each thread loads its elements before
+// it stores them. Requires: cols a multiple of VEC, at most BLOCK * PACKS packs, rows below 2^31;
+// the alignment of add_rmsnorm_fwd.
+template <typename T, int BLOCK, int VEC, int PACKS>
+__global__ void __launch_bounds__(BLOCK)
+add_rmsnorm_fwd_row(const T* x, const T* residual, const T* __restrict__ w, T* y, T* residual_out, long long rows,
+                    long long cols, long long x_stride, long long r_stride, long long y_stride, long long ro_stride,
+                    float eps) {
+  using P = Pack<T, VEC>;
+  __shared__ float sums[BLOCK / 32];
+  if (blockIdx.x >= rows) return;  // no rows: the host's grid is never empty
+  const int packs = int(cols) / VEC, t = int(threadIdx.x);
+  const float inv_cols = 1.f / float(cols);
+  const long long row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  const T* rr = residual + row * r_stride;
+  // Every load is issued unconditionally, at the last pack for a thread past the row's end (its
+  // values are not used): all of them go out together, before the first use of any, where
+  // per-pack branches let the compiler wait for x and the residual before it requested the weight.
+  P h[PACKS], rv[PACKS], wv[PACKS];
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    const int p = min(t + i * BLOCK, packs - 1);
+    h[i] = load_pack<T, VEC>(xr + p * VEC);
+    rv[i] = load_pack<T, VEC>(rr + p * VEC);
+    wv[i] = load_pack<T, VEC>(w + p * VEC);
+  }
+  float acc = 0.f;
+  T* hr = residual_out + row * ro_stride + t * VEC;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i)
+    if (t + i * BLOCK < packs) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        h[i].v[k] = from_float<T>(to_float(h[i].v[k]) + to_float(rv[i].v[k]));
+        const float f = to_float(h[i].v[k]);
+        acc = fmaf(f, f, acc);
+      }
+      store_pack<T, VEC>(hr + i * BLOCK * VEC, h[i]);
+    }
+  acc = warp_sum(acc);
+  if constexpr (BLOCK > 32) {
+    if (t % 32 == 0) sums[t / 32] = acc;
+    __syncthreads();
+    acc = sums[0];
+#pragma unroll
+    for (int i = 1; i < BLOCK / 32; ++i) acc += sums[i];
+  }
+  const float scale = rsqrtf(acc * inv_cols + eps);
+  T* yr = y + row * y_stride + t * VEC;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i)
+    if (t + i * BLOCK < packs) {
+      P out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(h[i].v[k]) * scale * to_float(wv[i].v[k]));
+      store_pack<T, VEC>(yr + i * BLOCK * VEC, out);
+    }
+}
+
 }  // namespace kiln

@@ -31,6 +31,24 @@ inline std::int64_t smem_cache_packs(std::int64_t packs, std::int64_t block, std
   return std::clamp<std::int64_t>(packs - block * cached_per_thread, 0, max_bytes / pack_bytes);
 }
 
+// Block sizes of the one-row kernels (rmsnorm, add_rmsnorm): every multiple of 32 from 64 to
+// 1024. The other kernels of those families take powers of two only (their validate says so).
+inline const std::vector<std::int64_t>& row_kernel_blocks() {
+  static const std::vector<std::int64_t> blocks = [] {
+    std::vector<std::int64_t> out;
+    for (std::int64_t b = 64; b <= 1024; b += 32) out.push_back(b);
+    return out;
+  }();
+  return blocks;
+}
+
+// The one-row kernels' block for a row of `packs` packs at two packs per thread: whole warps,
+// so that few threads idle at widths like 5120 (640 16-byte packs of bf16, 320 threads), which a
+// power of two would leave with two blocks per SM fewer. At least 64 threads.
+inline std::int64_t row_kernel_block(std::int64_t packs) {
+  return std::clamp<std::int64_t>((packs + 63) / 64 * 32, 64, 1024);
+}
+
 // A `kiln tune --shape` list (Family::problem_from_shape): the value it gives `name`, if any.
 inline std::optional<std::int64_t> shape_value(const std::vector<std::pair<std::string, std::int64_t>>& shape,
                                                const std::string& name) {

@@ -154,7 +154,7 @@ std::vector<Params> catalog_of(const Family& f, bool backward) {
 class LayerNorm final : public Family {
  public:
   std::string_view name() const override { return "layernorm"; }
-  int version() const override { return 3; }
+  int version() const override { return 4; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -479,11 +479,14 @@ std::optional<Params> forward_choice(const Problem& p) {
   const auto q = p.as<LayerNormProblem>();
   const auto esize = std::int64_t(dtype_size(p.dtype));
   const std::int64_t rows = q.rows, cols = q.cols, row_bytes = cols * esize;
-  // Access width and packs a thread, as rmsnorm's register kernel: 16 bytes and two packs for
-  // decode (up to 64 rows, the row spread over up to 1024 threads); 8 bytes and eight packs from
-  // 2048 rows, except f16/bf16 rows of 10-32 KiB under 16384 rows (16 bytes, four packs); 4 bytes
-  // and 16 packs in between.
-  const bool decode = rows <= 64;
+  // Access width and packs a thread: 16 bytes and two packs up to layernorm_lean_rows (the row
+  // spread over up to 1024 threads); 8 bytes and eight packs from 2048 rows, except f16/bf16 rows
+  // of 10-32 KiB under 16384 rows (16 bytes, four packs); 4 bytes and 16 packs in between.
+  // "decode": up to layernorm_lean_rows, where kiln tune ranks 16-byte accesses and two packs a
+  // thread ahead of the 4-byte ones at 77 and 512 rows of 4096 bf16 on Hopper, and the sweep has
+  // them ahead at 1000 rows of 896-4096 but behind at 1000 rows of 5120-8192 (the lean path, no
+  // staging, layernorm_fwd_smem).
+  const bool decode = rows <= layernorm_lean_rows(row_bytes);
   std::int64_t pack_bytes = decode ? 16 : rows >= 2048 ? 8 : 4;
   if (rows >= 2048 && rows < 16384 && esize == 2 && row_bytes >= 10 * 1024 && row_bytes <= 32 * 1024) pack_bytes = 16;
   const std::int64_t vec = access_width(p, std::max<std::int64_t>(1, pack_bytes / esize), cols,
@@ -545,8 +548,15 @@ std::int64_t layernorm_bwd_slabs(const Params& params, std::int64_t rows, int sm
 }
 
 std::int64_t layernorm_fwd_smem(const Params& params, const Problem& p) {
-  const std::int64_t bytes = 2 * p.as<LayerNormProblem>().cols * std::int64_t(dtype_size(p.dtype));
-  (void)params;
+  const auto q = p.as<LayerNormProblem>();
+  const auto esize = std::int64_t(dtype_size(p.dtype));
+  const auto s = shape_of(params);
+  // Up to layernorm_lean_rows, blocks of one row whose threads hold at most two packs and 32 bytes
+  // of each buffer: no staging, the kernel's lean path (layernorm.cuh) loads the weight and bias
+  // beside x.
+  if (q.rows <= layernorm_lean_rows(q.cols * esize) && s.rows == 1 && s.packs <= 2 && s.packs * s.vec * esize <= 32)
+    return 0;
+  const std::int64_t bytes = 2 * q.cols * esize;
   return bytes <= k_max_staged ? bytes : 0;
 }
 

@@ -13,8 +13,9 @@
 // The row is held in registers between the passes (as packed elements), so x is read from memory
 // once. The weight and bias are staged once per block in dynamic shared memory with cp.async while
 // the first row's loads are in flight, when the launch gives room for them; otherwise they are
-// read from global memory for every row. mean and rstd (f32, one per row) are written when
-// non-null, bias is read when non-null.
+// read from global memory for every row (into registers beside x, before the first reduction,
+// for blocks of one row and at most two packs of up to 16 bytes per thread). mean and rstd (f32,
+// one per row) are written when non-null, bias is read when non-null.
 //
 // Backward (layernorm_bwd), with xhat = (x - mean) * rstd, g = dy * weight:
 //   dx = rstd * (g - (sum(g) + xhat * sum(g * xhat)) / cols)
@@ -96,6 +97,36 @@ __device__ __forceinline__ float2 group_sum2(float a, float b, float2 (*scratch)
   }
 }
 
+// A row's mean and rstd from the thread's PACKS packs of it (pack t + i * GROUP, where below
+// `packs`; none where !valid), in two passes over the registers: two group sums, each flipping
+// `parity`.
+template <int GROUP, int PACKS, typename T, int VEC>
+__device__ __forceinline__ void row_stats(const kiln::Pack<T, VEC> (&v)[PACKS], int t, int packs, bool valid,
+                                          float inv_cols, float eps, float (*scratch)[32], int& parity, float& mean,
+                                          float& rstd) {
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i)
+    if (valid && t + i * GROUP < packs) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sum += kiln::to_float(v[i].v[k]);
+    }
+  mean = group_sum<GROUP>(sum, scratch, parity) * inv_cols;
+  parity ^= 1;
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i)
+    if (valid && t + i * GROUP < packs) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float d = kiln::to_float(v[i].v[k]) - mean;
+        sq += d * d;
+      }
+    }
+  rstd = rsqrtf(group_sum<GROUP>(sq, scratch, parity) * inv_cols + eps);
+  parity ^= 1;
+}
+
 template <typename T, int GROUP, int ROWS, int VEC, int PACKS>
 __global__ void __launch_bounds__(GROUP * ROWS, (min_blocks<GROUP * ROWS, cache_regs<T, VEC, PACKS>()>()))
 layernorm_fwd(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
@@ -126,8 +157,53 @@ layernorm_fwd(const T* __restrict__ x, const T* __restrict__ weight, const T* __
     }
   }
 
-  bool first = true;
   int parity = 0;
+  // One row per block and at most two packs (of up to 16 bytes) of each buffer per thread, without
+  // staging:
+  // the weight and bias are loaded into registers right behind x, before the first reduction, so
+  // no row waits for them after its statistics, and no barrier waits for staged copies. The host
+  // launches this way for calls of a few rows, where one block's latency is the kernel's time.
+  constexpr bool k_lean = ROWS == 1 && PACKS <= 2 && PACKS * VEC * int(sizeof(T)) <= 32;
+  if constexpr (k_lean) {
+    if (!staged) {
+      for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* const xr = x + row * x_stride;
+        // Every load issued unconditionally (at the last pack for a thread past the row's end,
+        // whose values are not used), so that all go out before the first use of any; a missing
+        // bias reads the weight instead and adds nothing.
+        const T* const bsrc = bias ? bias : weight;
+        P v[PACKS], wv[PACKS], bv[PACKS];
+#pragma unroll
+        for (int i = 0; i < PACKS; ++i) {
+          const int p = min(t + i * GROUP, packs - 1);
+          v[i] = kiln::load_pack<T, VEC>(xr + p * VEC);
+          wv[i] = kiln::load_pack<T, VEC>(weight + p * VEC);
+          bv[i] = kiln::load_pack<T, VEC>(bsrc + p * VEC);
+        }
+        float mean, rstd;
+        row_stats<GROUP, PACKS>(v, t, packs, true, inv_cols, eps, scratch, parity, mean, rstd);
+        if (t == 0) {
+          if (mean_out) mean_out[row] = mean;
+          if (rstd_out) rstd_out[row] = rstd;
+        }
+        T* const yt = y + row * y_stride + t * VEC;
+#pragma unroll
+        for (int i = 0; i < PACKS; ++i)
+          if (t + i * GROUP < packs) {
+            P out;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              const float b = bias ? kiln::to_float(bv[i].v[k]) : 0.f;
+              out.v[k] = kiln::from_float<T>((kiln::to_float(v[i].v[k]) - mean) * rstd * kiln::to_float(wv[i].v[k]) + b);
+            }
+            kiln::store_pack<T, VEC>(yt + i * GROUP * VEC, out);
+          }
+      }
+      return;
+    }
+  }
+
+  bool first = true;
   // Every group runs the same number of iterations (the barriers); a group past the last row idles.
   for (long long base = (long long)blockIdx.x * ROWS; base < rows; base += (long long)gridDim.x * ROWS) {
     const long long row = base + g;
@@ -145,27 +221,8 @@ layernorm_fwd(const T* __restrict__ x, const T* __restrict__ weight, const T* __
       }
       first = false;
     }
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < PACKS; ++i)
-      if (valid && t + i * GROUP < packs) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) sum += kiln::to_float(v[i].v[k]);
-      }
-    const float mean = group_sum<GROUP>(sum, scratch, parity) * inv_cols;
-    parity ^= 1;
-    float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < PACKS; ++i)
-      if (valid && t + i * GROUP < packs) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = kiln::to_float(v[i].v[k]) - mean;
-          sq += d * d;
-        }
-      }
-    const float rstd = rsqrtf(group_sum<GROUP>(sq, scratch, parity) * inv_cols + eps);
-    parity ^= 1;
+    float mean, rstd;
+    row_stats<GROUP, PACKS>(v, t, packs, valid, inv_cols, eps, scratch, parity, mean, rstd);
     if (!valid) continue;
     if (t == 0) {
       if (mean_out) mean_out[row] = mean;

@@ -9,7 +9,9 @@
 // rows per block (group * rows <= 1024); vec {1, 2, 4, 8} elements per access (at most 16 bytes);
 // packs {1, 2, 4, 8, 16} (packs * vec <= 32). Problem: LayerNormProblem below. Buffers: x, weight,
 // bias (may be null), y, mean and rstd (f32 [rows], may be null). Dynamic shared memory
-// (layernorm_fwd_smem): the weight and bias, staged once per block.
+// (layernorm_fwd_smem): the weight and bias, staged once per block; none up to 1024 rows of up to
+// 8 KiB (512 of longer ones, layernorm_lean_rows) for blocks of one row holding at most two packs
+// (32 bytes) of a row per thread, which load them beside x instead.
 //
 // layernorm_bwd params: dtype, group {32 .. 512}, rows {1, 2, 4, 8} (group * rows <= 512), vec,
 // packs {1, 2, 4} (packs * vec <= 16). Problem: LayerNormBwdProblem below. Buffers: dy, x, weight,
@@ -18,11 +20,11 @@
 //
 // Heuristic (layernorm_choice; the README's Heuristic section says why), after rmsnorm's and
 // rmsnorm_bwd's register kernels:
-// - Forward, the access width: 16 bytes up to 64 rows (decode), and for f16/bf16 rows of 10-32 KiB
-//   from 2048 to 16383 rows; 8 bytes from 2048 rows; 4 bytes below. Narrowed until the alignment,
-//   the row strides and the row length allow it.
+// - Forward, the access width: 16 bytes up to layernorm_lean_rows (1024 rows of up to 8 KiB, else
+//   512), and for f16/bf16 rows of 10-32 KiB from 2048 to 16383 rows; 8 bytes from 2048 rows; 4
+//   bytes below. Narrowed until the alignment, the row strides and the row length allow it.
 // - Forward, threads per row: the smallest power of two from 32 giving at most 2 packs a thread
-//   (decode, up to 1024 threads), 4 of 16 or 8 of 8 bytes (from 2048 rows, up to 512), 16
+//   (up to layernorm_lean_rows, up to 1024 threads), 4 of 16 or 8 of 8 bytes (from 2048 rows, up to 512), 16
 //   (otherwise, up to 512); more packs, then more threads, when the row needs them. Groups under
 //   128 threads share a block with others (up to 8 rows a block) while the grid still has two
 //   blocks per SM.
@@ -65,6 +67,10 @@ Result<Params> layernorm_choice(const Problem& p, bool backward);
 std::int64_t layernorm_bwd_slabs(const Params& params, std::int64_t rows, int sms);
 // Bytes of dynamic shared memory either kernel gets.
 std::int64_t layernorm_fwd_smem(const Params& params, const Problem& p);
+// Up to this many rows of `row_bytes` bytes the forward takes 16-byte accesses and two packs a
+// thread, and blocks of one row load the weight and bias beside x instead of staging them: 1024
+// rows of up to 8 KiB, 512 of longer ones.
+inline std::int64_t layernorm_lean_rows(std::int64_t row_bytes) { return row_bytes <= 8192 ? 1024 : 512; }
 std::int64_t layernorm_bwd_smem(const Params& params);
 
 }  // namespace kiln::families

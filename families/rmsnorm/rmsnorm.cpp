@@ -11,7 +11,11 @@ namespace kiln::families {
 namespace {
 
 Params params_of(DType t, const RmsNormChoice& c) {
-  return Params{{"dtype", std::string(dtype_name(t))}, {"block", c.block}, {"vec", c.vec}, {"bulk", c.bulk}};
+  return Params{{"dtype", std::string(dtype_name(t))},
+                {"block", c.block},
+                {"vec", c.vec},
+                {"bulk", c.bulk},
+                {"row", c.row}};
 }
 
 // Whether the bulk-copy kernel can run the problem: sm_90 or later, 16-byte aligned buffers and
@@ -26,14 +30,17 @@ bool bulk_fits(const Problem& p) {
 class RmsNorm final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm"; }
-  int version() const override { return 5; }
+  int version() const override { return 6; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
-        {"block", {64, 128, 256, 512, 1024}, {}, "threads per block"},
+        {"block", row_kernel_blocks(), {}, "threads per block: a power of two, or any multiple of 32 for the "
+                                           "one-row kernel (row > 0)"},
         {"bulk", {0, 2, 4, 6, 8}, {}, "16-byte packs per thread of a row staged in shared memory by bulk copies "
                                      "(sm_90 and later, persistent blocks); 0: rows read into registers"},
         {"dtype", {}, {"f32", "f16", "bf16"}, "element type of x, w and y"},
+        {"row", {0, 1, 2, 4}, {}, "packs per thread of the one-row kernel (one block per row, the row in "
+                                  "registers, rows of at most block * row whole packs); 0: another kernel"},
         {"vec", {1, 2, 4, 8}, {}, "elements per memory access"},
     };
     return defs;
@@ -52,6 +59,10 @@ class RmsNorm final : public Family {
     KILN_TRY(Family::validate(params));
     KILN_TRY(check_access_width(name(), params));
     const auto bulk = params.get_int("bulk").value_or(0);
+    if (bulk > 0 && params.get_int("row").value_or(0) > 0)
+      return invalid_argument("rmsnorm: row > 0 (the one-row kernel) needs bulk = 0");
+    if (const auto block = *params.get_int("block"); params.get_int("row").value_or(0) == 0 && (block & (block - 1)))
+      return invalid_argument("rmsnorm: block must be a power of two but for the one-row kernel (row > 0)");
     if (bulk > 0) {
       const auto esize = std::int64_t(dtype_size(*parse_dtype(*params.get_str("dtype"))));
       if (*params.get_int("vec") * esize != 16 || *params.get_int("block") < 256)
@@ -64,6 +75,12 @@ class RmsNorm final : public Family {
     KILN_TRY(validate(params));
     Rendered r;
     r.source = "#include \"rmsnorm/rmsnorm_fwd.cuh\"\n";
+    if (const auto row = params.get_int("row").value_or(0); row > 0) {
+      r.name_expression = std::string("kiln::rmsnorm_fwd_row<") + device_type(*params.get_str("dtype")) + ", " +
+                          std::to_string(*params.get_int("block")) + ", " + std::to_string(*params.get_int("vec")) +
+                          ", " + std::to_string(row) + ">";
+      return r;
+    }
     if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
       r.name_expression = std::string("kiln::rmsnorm_fwd_bulk<") + device_type(*params.get_str("dtype")) + ", " +
                           std::to_string(*params.get_int("block")) + ", " + std::to_string(bulk) + ">";
@@ -74,16 +91,20 @@ class RmsNorm final : public Family {
     return r;
   }
 
-  // Every block and access width of the register kernel, and the bulk-copy kernels the heuristic
-  // picks (rows of 64, 96 and 128 KiB: 512 x 8, 1024 x 6 and 1024 x 8).
+  // Every block and access width of the register kernel, the one-row kernel at 16-byte accesses
+  // with one and two packs per thread, and the bulk-copy kernels the heuristic picks (rows of 64,
+  // 96 and 128 KiB: 512 x 8, 1024 x 6 and 1024 x 8).
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f32", "f16", "bf16"})
       for (std::int64_t block : {64, 128, 256, 512, 1024})
         for (std::int64_t vec : {1, 2, 4, 8}) {
-          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"bulk", 0}};
+          Params p{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"bulk", 0}, {"row", 0}};
           if (validate(p).ok()) out.push_back(p);
         }
+    for (DType t : {DType::f32, DType::f16, DType::bf16})
+      for (int block : {64, 128, 256, 512, 1024})
+        for (int row : {1, 2}) out.push_back(params_of(t, {block, 16 / int(dtype_size(t)), 0, row}));
     for (DType t : {DType::f32, DType::f16, DType::bf16})
       for (std::int64_t row_bytes : {64 * 1024, 96 * 1024, 128 * 1024}) {
         const std::int64_t cols = row_bytes / std::int64_t(dtype_size(t));
@@ -113,6 +134,12 @@ class RmsNorm final : public Family {
     if (p.alignment < vec * std::int64_t(dtype_size(*dtype)) || q.x_row_stride % vec || q.y_row_stride % vec)
       return invalid_argument("rmsnorm: vec=" + std::to_string(vec) +
                               " needs buffers and row strides aligned to vec elements");
+    if (const auto row = params.get_int("row").value_or(0); row > 0) {
+      if (cols % vec || cols / vec > *params.get_int("block") * row)
+        return invalid_argument("rmsnorm: row > 0 (the one-row kernel) needs rows of whole packs, at most block * row "
+                                "of them");
+      if (rows >= (std::int64_t(1) << 31)) return shape_mismatch("rmsnorm: the one-row kernel takes under 2^31 rows");
+    }
     if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
       if (!bulk_fits(p))
         return invalid_argument("rmsnorm: bulk > 0 (bulk copies) needs sm_90 or later (cc >= 90), 16-byte aligned "
@@ -138,8 +165,8 @@ class RmsNorm final : public Family {
 
   Params heuristic(const Problem& p) const override { return params_of(p.dtype, rmsnorm_heuristic(p)); }
 
-  // The register kernel's catalog variants for the dtype, and the bulk-copy kernel at every block
-  // and pack count that holds the row.
+  // The register and one-row kernels' catalog variants for the dtype, the bulk-copy kernel at every
+  // block and pack count that holds the row, and the heuristic's variant.
   std::vector<Params> tuning_space(const Problem& p) const override {
     std::vector<Params> out;
     for (const auto& c : catalog()) {
@@ -148,9 +175,12 @@ class RmsNorm final : public Family {
     }
     for (int block : {256, 512, 1024})
       for (int bulk : {2, 4, 6, 8}) {
-        const Params c = params_of(p.dtype, {block, 16 / int(dtype_size(p.dtype)), bulk});
+        const Params c = params_of(p.dtype, {block, 16 / int(dtype_size(p.dtype)), bulk, 0});
         if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
       }
+    // The heuristic's own (a one-row block of whole warps need not be in the catalog).
+    const Params h = heuristic(p);
+    if (std::find(out.begin(), out.end(), h) == out.end() && check_problem(h, p).ok()) out.push_back(h);
     return out;
   }
 
@@ -247,6 +277,7 @@ std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
   const auto q = p.as<RmsNormProblem>();
   const auto block = *params.get_int("block");
   const std::int64_t rows = q.rows, packs = q.cols / *params.get_int("vec"), sms = p.sm_count;
+  if (params.get_int("row").value_or(0) > 0) return rows;  // the one-row kernel
   // Bulk-copy kernels: persistent blocks, as many as the SMs hold at once (one per row when the SM
   // count is unknown).
   if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) {
@@ -264,6 +295,7 @@ std::int64_t rmsnorm_grid(const Params& params, const Problem& p) {
 
 std::int64_t rmsnorm_smem_packs(const Params& params, const Problem& p) {
   const auto vec = *params.get_int("vec"), block = *params.get_int("block");
+  if (params.get_int("row").value_or(0) > 0) return 0;
   if (const auto bulk = params.get_int("bulk").value_or(0); bulk > 0) return block * bulk;
   const std::int64_t packs = p.as<RmsNormProblem>().cols / vec, pack_bytes = vec * std::int64_t(dtype_size(p.dtype));
   const std::int64_t cached = cached_packs(params, p);
@@ -289,6 +321,18 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
   const auto q = p.as<RmsNormProblem>();
   const int esize = int(dtype_size(p.dtype));
   const std::int64_t rows = q.rows, cols = q.cols;
+  // Up to 1024 rows of whole 16-byte packs, at most 2048 of them, with 16-byte aligned buffers and
+  // row strides: the one-row kernel, two packs per thread, the smallest block of whole warps (at
+  // least 64 threads) that holds the row. kiln tune ranks it first, or within 2% of the first, at
+  // 16, 77, 256, 512 and 1000 rows of 896 and 4096 bf16 elements on Hopper (clearly ahead of the
+  // register kernel's 4-byte accesses at 77 rows); a call of a few rows lasts about as long as one
+  // block takes for its row, and this kernel has the fewest instructions between a row's loads
+  // and its stores.
+  if (const int vec16 = 16 / esize; rows <= k_rmsnorm_row_kernel_rows && p.alignment >= 16 && cols % vec16 == 0 &&
+                                    cols / vec16 <= 2048 && q.x_row_stride % vec16 == 0 &&
+                                    q.y_row_stride % vec16 == 0) {
+    return {int(row_kernel_block(cols / vec16)), vec16, 0, 2};
+  }
   // From 2048 rows, rows of 64-128 KiB on sm_90 with 16-byte aligned rows: the bulk-copy kernel,
   // the smallest block of 256..1024 threads that covers the row with 8 packs each, an even number
   // of packs per thread (faster than the register kernel below at 4096 x 65536 and 4096 x 32768
@@ -299,7 +343,7 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     int block = 256;
     while (block < 1024 && std::int64_t(block) * 8 < packs) block *= 2;
     const int bulk = int((packs + block - 1) / block);
-    return {block, 16 / esize, bulk + bulk % 2};
+    return {block, 16 / esize, bulk + bulk % 2, 0};
   }
   int pack_bytes = rows >= 2048 ? 8 : 4;
   // 2048 to 16383 rows of 10-32 KiB in f16/bf16 (hidden 5120 to 16384): 16-byte accesses, four per
@@ -331,13 +375,13 @@ RmsNormChoice rmsnorm_heuristic(const Problem& p) {
     // Rows of 64-128 KiB: 1024 threads with 4-byte packs keep 8 packs each in registers and 24 in
     // shared memory, the weight in registers. kiln tune ranks them well ahead of 512 threads with
     // 8-byte packs, which also stage the weight in the shared memory the row cache needs.
-    return {1024, std::max(1, 4 / esize), 0};
+    return {1024, std::max(1, 4 / esize), 0, 0};
   } else {
     // Packs per thread that fill the register cache: eight of 8 bytes, four of 16.
     const int per_thread = rows >= 2048 ? (vec * esize == 16 ? 4 : 8) : 16;
     while (block < 512 && block * per_thread < packs) block *= 2;
   }
-  return {block, vec, 0};
+  return {block, vec, 0, 0};
 }
 
 }  // namespace kiln::families

@@ -3,7 +3,8 @@
 // Params: dtype {f32, f16, bf16}, block {64 .. 1024} threads, vec {1, 2, 4, 8} elements per
 // access (vec * sizeof(dtype) <= 16 bytes), bulk {0, 2, 4, 6, 8}: 0 for the register kernel, else
 // the bulk-copy kernel (sm_90 and later) with that many 16-byte packs per thread (vec must make 16
-// bytes, block at least 256).
+// bytes, block at least 256); row {0, 1, 2, 4}: 0, else the one-row kernel with that many packs
+// per thread (one block per row, rows of whole packs, at most block * row of them; bulk 0).
 // Problem: RmsNormProblem below. The device's SM count (Problem::sm_count; 0: one block per row)
 // sizes the grid, and its compute capability (Problem::cc; 0 when unknown, which rules out the
 // sm_90 kernel) picks the kernel.
@@ -19,9 +20,11 @@
 // eight packs per thread (longer rows keep the rest in shared memory), except f16/bf16 rows of
 // 10-32 KiB under 16384 rows: 16-byte accesses, at most four per thread; and rows of 64-128 KiB:
 // 1024 threads with 4-byte accesses (24 of each thread's 32 packs in shared memory); under 2048
-// rows 4-byte accesses and 16 packs per thread; up to 64 rows, 16-byte accesses and two packs per
-// thread (64..1024 threads) where 1024 threads cover the row that way, else 1024 threads with
-// accesses widened only while each thread keeps eight. Accesses narrow until the buffers'
+// rows 4-byte accesses and 16 packs per thread; up to 64 rows 16-byte accesses and two packs per
+// thread where 1024 threads cover the row that way, else 1024 threads with accesses widened only
+// while each thread keeps eight. Before all of these: up to 1024 rows of whole 16-byte packs (at
+// most 2048, 16-byte aligned buffers and row strides), the one-row kernel with two packs per
+// thread. Accesses narrow until the buffers'
 // alignment and row strides allow them. With the SM count in the problem, register-kernel variants
 // whose rows fit half their register cache pipeline on a capped grid.
 #pragma once
@@ -45,8 +48,11 @@ struct RmsNormChoice {
   int block;
   int vec;
   int bulk = 0;  // 16-byte packs per thread of the bulk-copy kernel; 0: the register kernel
+  int row = 0;   // packs per thread of the one-row kernel (rmsnorm_fwd_row); 0: another kernel
 };
 RmsNormChoice rmsnorm_heuristic(const Problem& p);
+// The most rows the heuristic gives the one-row kernel.
+constexpr std::int64_t k_rmsnorm_row_kernel_rows = 1024;
 
 // Packs of dynamic shared memory the kernel gets. Rows longer than the register cache: the packs
 // past it that the kernel keeps there (the rest, if any, it reads twice), at most

@@ -395,4 +395,71 @@ rmsnorm_fwd_bulk(const T* __restrict__ x, const T* __restrict__ w, T* __restrict
 #endif
 }
 
+// The sum of one value per thread over a block, to every thread, with one barrier: each warp's sum
+// goes to shared memory and every thread adds the BLOCK / 32 of them in the same order. For a
+// kernel that reduces once (no reuse of `sums`).
+template <int BLOCK>
+__device__ __forceinline__ float row_block_sum(float v, float* sums) {
+  v = warp_sum(v);
+  if constexpr (BLOCK == 32) {
+    return v;
+  } else {
+    if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = v;
+    __syncthreads();
+    float t = sums[0];
+#pragma unroll
+    for (int i = 1; i < BLOCK / 32; ++i) t += sums[i];
+    return t;
+  }
+}
+
+// Short rows, for calls of a few rows where one block's latency is the kernel's whole time: one
+// block per row, each thread PACKS packs of x and of the weight in registers, both loaded before
+// anything else, one barrier, no loop. The fewest instructions between a row's loads and its
+// stores; its grid is the row count, so it is for small row counts only (the host's heuristic).
+// Requires: cols a multiple of VEC, at most BLOCK * PACKS packs, rows below 2^31; the alignment of
+// rmsnorm_fwd.
+template <typename T, int BLOCK, int VEC, int PACKS>
+__global__ void __launch_bounds__(BLOCK)
+rmsnorm_fwd_row(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, float* __restrict__ inv_rms,
+                long long rows, long long cols, long long x_stride, long long y_stride, float eps) {
+  using P = Pack<T, VEC>;
+  __shared__ __align__(16) float sums[BLOCK / 32];
+  if (blockIdx.x >= rows) return;  // no rows: the host's grid is never empty
+  const int packs = int(cols) / VEC, t = int(threadIdx.x);
+  const float inv_cols = 1.f / float(cols);
+  const T* xr = x + (long long)blockIdx.x * x_stride;
+  // Every load is issued unconditionally, at the last pack for a thread past the row's end (its
+  // values are not used): all of them go out together, before the first use of any, where
+  // per-pack branches let the compiler wait for x before it requested the weight.
+  P xv[PACKS], wv[PACKS];
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    const int p = min(t + i * BLOCK, packs - 1);
+    xv[i] = load_pack<T, VEC>(xr + p * VEC);
+    wv[i] = load_pack<T, VEC>(w + p * VEC);
+  }
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i)
+    if (t + i * BLOCK < packs) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float f = to_float(xv[i].v[k]);
+        acc = fmaf(f, f, acc);
+      }
+    }
+  const float scale = rsqrtf(row_block_sum<BLOCK>(acc, sums) * inv_cols + eps);
+  if (inv_rms != nullptr && t == 0) inv_rms[blockIdx.x] = scale;
+  T* yr = y + (long long)blockIdx.x * y_stride + t * VEC;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i)
+    if (t + i * BLOCK < packs) {
+      P out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(xv[i].v[k]) * scale * to_float(wv[i].v[k]));
+      store_pack<T, VEC>(yr + i * BLOCK * VEC, out);
+    }
+}
+
 }  // namespace kiln

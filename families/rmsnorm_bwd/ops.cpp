@@ -1,5 +1,6 @@
 // kiln::rms_norm_backward and kiln::add_rms_norm_backward: validation, the CPU fallback, and the
-// two launches (rmsnorm_bwd, then rmsnorm_bwd_reduce) over an f32 workspace of partial dw rows.
+// two launches (rmsnorm_bwd, then rmsnorm_bwd_reduce) over an f32 workspace of partial dw rows, or
+// for 1 to 8 rows the one launch of rmsnorm_bwd_rows where it holds the problem.
 // add_rms_norm_backward is rms_norm_backward with the rmsnorm_bwd options on: inv_rms recomputed
 // from h, and the residual output's gradient added to dx, all in the one pass over the rows.
 //
@@ -18,6 +19,7 @@
 #include "families/rmsnorm_bwd/ops.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd_reduce.h"
+#include "families/rmsnorm_bwd/rmsnorm_bwd_rows.h"
 #include "jit/device_info.h"
 #include "jit/driver.h"
 #include "kiln/family.h"
@@ -214,6 +216,33 @@ Status backward(const char* op, const char* x_name, const TensorView& dy, const 
   q.max_cluster = info.max_cluster;
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
+  }
+  // 1 to 8 rows: one launch of rmsnorm_bwd_rows where it holds the problem (16-byte aligned rows
+  // of whole packs, dw included), instead of the two stages below. One row's strides are the row
+  // length: only its first row is read.
+  {
+    const auto stride = [&](std::int64_t s) { return xr.rows <= 1 ? hidden : s; };
+    const families::RmsNormBwdRowsProblem rq{.rows = xr.rows,
+                                             .cols = hidden,
+                                             .dy_row_stride = stride(dyr.row_stride),
+                                             .x_row_stride = stride(xr.row_stride),
+                                             .dx_row_stride = stride(dxr.row_stride),
+                                             .dh_row_stride = dh ? stride(dhr.row_stride) : 0,
+                                             .recompute = inv_rms ? 0 : 1,
+                                             .eps = inv_rms ? 0.0 : eps};
+    const std::uint32_t rows_alignment = client::common_alignment(
+        {reinterpret_cast<std::uintptr_t>(dy.data), reinterpret_cast<std::uintptr_t>(x.data),
+         reinterpret_cast<std::uintptr_t>(weight.data), reinterpret_cast<std::uintptr_t>(dx.data),
+         reinterpret_cast<std::uintptr_t>(dw.data), reinterpret_cast<std::uintptr_t>(dh ? dh->data : dx.data)},
+        {rq.dy_row_stride * esize, rq.x_row_stride * esize, rq.dx_row_stride * esize,
+         (dh ? rq.dh_row_stride : rq.dx_row_stride) * esize, hidden * esize});
+    const Problem rp = Problem::of(x.dtype, rows_alignment, rq);
+    if (families::rmsnorm_bwd_rows_fits(rp, info.max_cluster)) {
+      static const Family* const few = Registry::global().find("rmsnorm_bwd_rows");
+      if (!few) return internal_error("the rmsnorm_bwd_rows family is not registered");
+      void* b[7] = {dy.data, x.data, weight.data, inv_rms_data, dx.data, dw.data, dh_data};
+      return runtime->run(*few, rp, b, stream);
+    }
   }
   KILN_ASSIGN_OR_RETURN(const std::int64_t slabs,
                         slabs_for(*bwd, Problem::of(x.dtype, alignment, q), x.device.index, info.sms, *runtime));

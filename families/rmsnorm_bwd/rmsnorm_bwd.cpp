@@ -401,29 +401,25 @@ class RmsNormBwd final : public Family {
                               "without dh the last may be left out)");
     const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
     if (rows > 0 && slabs < 1) return invalid_argument("rmsnorm_bwd: slabs must be at least 1");
-    const auto* inv_rms = static_cast<const float*>(b[3]);
+    const RmsNormBwdRowRef a{.t = p.dtype,
+                             .cols = cols,
+                             .dy_stride = q.dy_row_stride,
+                             .x_stride = q.x_row_stride,
+                             .dx_stride = q.dx_row_stride,
+                             .dh_stride = q.dh_row_stride,
+                             .recompute = q.recompute != 0,
+                             .eps = q.eps,
+                             .dy = b[0],
+                             .x = b[1],
+                             .w = b[2],
+                             .dh = q.dh_row_stride ? b[6] : nullptr,
+                             .inv_rms = static_cast<const float*>(b[3]),
+                             .dx = b[4]};
     auto* partial = static_cast<float*>(b[5]);
     std::vector<double> dw(std::size_t(cols), 0.0);
     for (std::int64_t slab = 0; slab < slabs; ++slab) {
       std::fill(dw.begin(), dw.end(), 0.0);
-      for (std::int64_t r = slab; r < rows; r += slabs) {
-        const std::int64_t dyo = r * q.dy_row_stride, xo = r * q.x_row_stride, dxo = r * q.dx_row_stride;
-        double dot = 0, squares = 0;
-        for (std::int64_t c = 0; c < cols; ++c) {
-          const double x = load_as_double(b[1], p.dtype, xo + c);
-          dot += load_as_double(b[0], p.dtype, dyo + c) * load_as_double(b[2], p.dtype, c) * x;
-          squares += x * x;
-        }
-        const double s = q.recompute ? 1 / std::sqrt(squares / double(cols) + q.eps) : double(inv_rms[r]);
-        const double k = s * s * s * dot / double(cols);
-        for (std::int64_t c = 0; c < cols; ++c) {
-          const double dy = load_as_double(b[0], p.dtype, dyo + c), x = load_as_double(b[1], p.dtype, xo + c);
-          double dx = s * dy * load_as_double(b[2], p.dtype, c) - x * k;
-          if (q.dh_row_stride) dx += load_as_double(b[6], p.dtype, r * q.dh_row_stride + c);
-          store_from_double(b[4], p.dtype, dxo + c, dx);
-          dw[std::size_t(c)] += dy * x * s;
-        }
-      }
+      for (std::int64_t r = slab; r < rows; r += slabs) rmsnorm_bwd_reference_row(a, r, dw);
       for (std::int64_t c = 0; c < cols; ++c) partial[slab * cols + c] = float(dw[std::size_t(c)]);
     }
     return {};
@@ -431,6 +427,25 @@ class RmsNormBwd final : public Family {
 };
 
 }  // namespace
+
+void rmsnorm_bwd_reference_row(const RmsNormBwdRowRef& a, std::int64_t r, std::vector<double>& dw) {
+  const std::int64_t dyo = r * a.dy_stride, xo = r * a.x_stride, dxo = r * a.dx_stride;
+  double dot = 0, squares = 0;
+  for (std::int64_t c = 0; c < a.cols; ++c) {
+    const double x = load_as_double(a.x, a.t, xo + c);
+    dot += load_as_double(a.dy, a.t, dyo + c) * load_as_double(a.w, a.t, c) * x;
+    squares += x * x;
+  }
+  const double s = a.recompute ? 1 / std::sqrt(squares / double(a.cols) + a.eps) : double(a.inv_rms[r]);
+  const double k = s * s * s * dot / double(a.cols);
+  for (std::int64_t c = 0; c < a.cols; ++c) {
+    const double dy = load_as_double(a.dy, a.t, dyo + c), x = load_as_double(a.x, a.t, xo + c);
+    double dx = s * dy * load_as_double(a.w, a.t, c) - x * k;
+    if (a.dh) dx += load_as_double(a.dh, a.t, r * a.dh_stride + c);
+    store_from_double(a.dx, a.t, dxo + c, dx);
+    dw[std::size_t(c)] += dy * x * s;
+  }
+}
 
 RmsNormBwdChoice rmsnorm_bwd_choice(const Params& params) {
   return {int(*params.get_int("group")), int(*params.get_int("rows")),    int(*params.get_int("vec")),
@@ -529,9 +544,12 @@ std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int 
 }  // namespace kiln::families
 
 void kiln_register_kernels_rmsnorm_bwd_reduce(kiln::Registry& r);
+void kiln_register_kernels_rmsnorm_bwd_rows(kiln::Registry& r);
 
-// The backward's two kernel families: the row pass and the reduction of its partial dw rows.
+// The backward's kernel families: the row pass and the reduction of its partial dw rows, and the
+// one-launch backward of a few rows.
 void kiln_register_family_rmsnorm_bwd(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::RmsNormBwd>());
   kiln_register_kernels_rmsnorm_bwd_reduce(r);
+  kiln_register_kernels_rmsnorm_bwd_rows(r);
 }

@@ -66,6 +66,8 @@
 //   rows.
 #pragma once
 
+#include <vector>
+
 #include "kiln/family.h"
 
 namespace kiln::families {
@@ -109,5 +111,19 @@ RmsNormBwdChoice rmsnorm_bwd_heuristic(const Problem& p);
 // times the blocks an SM's shared memory and threads allow, over cluster: an upper bound, which
 // may be more than fit (30 clusters of 4 on a 132-SM H100, not 33).
 std::int64_t rmsnorm_bwd_slabs(const RmsNormBwdChoice& c, const Problem& p, int sms, int resident_clusters = 0);
+
+// One row of the backward in fp64, for the CPU references of rmsnorm_bwd and rmsnorm_bwd_rows:
+// writes row r of dx (element type t) and adds the row's dy * x * s to dw. s is inv_rms[r], or
+// with `recompute` rsqrt(mean(x^2) + eps); dh (row stride dh_stride; null: none) is added to dx.
+struct RmsNormBwdRowRef {
+  DType t;
+  std::int64_t cols, dy_stride, x_stride, dx_stride, dh_stride;
+  bool recompute;
+  double eps;
+  const void *dy, *x, *w, *dh;
+  const float* inv_rms;
+  void* dx;
+};
+void rmsnorm_bwd_reference_row(const RmsNormBwdRowRef& a, std::int64_t r, std::vector<double>& dw);
 
 }  // namespace kiln::families

@@ -1471,14 +1471,17 @@ def _register_declared():
     for name, (decl, op) in ops.items():
         if decl.backward and decl.backward in _ops.OPS and hasattr(torch.ops.kiln, decl.backward):
             setup_context, backward = _register_autograd(decl)
+            # The backward makes zeros only for a gradient its op reads (an unused output's): the
+            # others (layer_norm's mean and rstd, say) stay None rather than tensors filled every step.
             _EAGER_FROM_DECLARATION[name] = _eager_function(f"_{name}_function", _DECLARED_IMPLS[name],
-                                                            setup_context, backward)
+                                                            setup_context, backward, materialize_grads=False)
         if name not in globals():
             globals()[name] = _python_function(decl)
             __all__.append(name)
     for name, impl in _AUTOGRAD_FROM_DECLARATION.items():
         setup_context, backward = _register_autograd(_ops.OPS[name])
-        _EAGER_FROM_DECLARATION[name] = _eager_function(f"_{name}_function", impl, setup_context, backward)
+        _EAGER_FROM_DECLARATION[name] = _eager_function(f"_{name}_function", impl, setup_context, backward,
+                                                        materialize_grads=False)
     return sorted(ops)
 
 

@@ -14,7 +14,7 @@ Entry make_entry(const std::string& key, const std::string& family = "rmsnorm", 
   e.key = key;
   e.family = family;
   e.family_version = 1;
-  e.params = "block=256,bulk=0,dtype=bf16,vec=8";
+  e.params = "block=256,bulk=0,dtype=bf16,row=0,vec=8";
   e.arch = arch;
   e.toolchain = std::string(64, 'c');
   e.key_text = "kiln-key 1\n";

@@ -120,7 +120,7 @@ TEST(BundleTuning, RowsAreImportedAndCheckedAgainstTheirNames) {
   r.family = "rmsnorm";
   r.signature = "dtype=bf16,align=16,rows<=4096,cols=4096,x_row_stride=4096,y_row_stride=4096";
   r.setup = {"sm_90a", "NVIDIA H100 80GB HBM3", "580.65.06 cuda 13000", std::string(64, 'a')};
-  r.winner = "block=256,bulk=0,dtype=bf16,vec=8";
+  r.winner = "block=256,bulk=0,dtype=bf16,row=0,vec=8";
   r.winner_ms = 0.01;
   r.heuristic = r.winner;
   r.heuristic_ms = 0.01;

@@ -300,7 +300,7 @@ TEST_F(CliTest, BadInputExitsTwoAndCompilesNothing) {
       {"prewarm", "--arch", "sm_80", "--bogus"},
       {"ls", "--arch", "sm_9x"},
       {"why", "rmsnorm(block=256", "--arch", "sm_80"},
-      {"why", "rmsnorm(block=256,bulk=0,dtype=bf16,vec=8)", "--arch", "90"},
+      {"why", "rmsnorm(block=256,bulk=0,dtype=bf16,row=0,vec=8)", "--arch", "90"},
       {"why", "no_such_family(a=1)", "--arch", "sm_80"},
       {},
       {"frobnicate"},
@@ -335,7 +335,7 @@ TEST_F(CliTest, BadInputExitsTwoAndCompilesNothing) {
 
 TEST_F(CliTest, WhyExplainsAStableKeyWithoutCompiling) {
   Sandbox s;
-  const std::string spec = "rmsnorm(block=256,bulk=0,dtype=bf16,vec=8)";
+  const std::string spec = "rmsnorm(block=256,bulk=0,dtype=bf16,row=0,vec=8)";
   const Proc a = s.kiln({"why", spec, "--arch", "sm_90a"});
   ASSERT_EQ(a.rc, 0) << a.all();
   const Proc b = s.kiln({"why", spec, "--arch", "sm_90a"});
@@ -349,7 +349,7 @@ TEST_F(CliTest, WhyExplainsAStableKeyWithoutCompiling) {
   EXPECT_NE(a.out.find("cached  no"), std::string::npos) << a.out;
 
   // Parameter order does not matter; the arch does.
-  const json same = s.kiln_json({"why", "rmsnorm(vec=8,dtype=bf16,bulk=0,block=256)", "--arch", "sm_90a", "--json"});
+  const json same = s.kiln_json({"why", "rmsnorm(vec=8,row=0,dtype=bf16,bulk=0,block=256)", "--arch", "sm_90a", "--json"});
   EXPECT_EQ(same.at("key"), key);
   const json other = s.kiln_json({"why", spec, "--arch", "sm_90", "--json"});
   EXPECT_NE(other.at("key"), key);

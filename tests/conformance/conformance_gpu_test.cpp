@@ -151,7 +151,8 @@ TEST_P(ConformanceGpuTuning, EveryTuningCandidateMatchesTheCpuReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(SplitKeyFamilies, ConformanceGpuTuning,
-                         ::testing::Values(std::string("attention_splitkv"), std::string("paged_decode")),
+                         ::testing::Values(std::string("attention_splitkv"), std::string("paged_decode"),
+                                           std::string("rmsnorm_bwd_rows")),
                          [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(AllFamilies, ConformanceGpu, ::testing::ValuesIn(conformance_families()),

@@ -24,7 +24,7 @@ TEST(KilndGet, CompilesOnceThenServesFromCache) {
   ASSERT_TRUE(k);
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
-  const KernelSpec spec = spec_of("rmsnorm(block=256,bulk=0,dtype=f32,vec=4)");
+  const KernelSpec spec = spec_of("rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)");
 
   auto first = (*c)->get_kernel(spec, "sm_90a");
   ASSERT_TRUE(first.ok()) << first.status().to_string() << "\n" << k->log();
@@ -36,7 +36,7 @@ TEST(KilndGet, CompilesOnceThenServesFromCache) {
   EXPECT_EQ(sha256_hex(e.cubin), e.checksum);
   EXPECT_EQ(e.key.size(), 64u);
   EXPECT_EQ(e.family, "rmsnorm");
-  EXPECT_EQ(e.params, "block=256,bulk=0,dtype=f32,vec=4");
+  EXPECT_EQ(e.params, "block=256,bulk=0,dtype=f32,row=0,vec=4");
   EXPECT_EQ(e.arch, "sm_90a");
   EXPECT_FALSE(e.lowered_name.empty());
   EXPECT_GT(e.compile_ms, 0);
@@ -54,7 +54,7 @@ TEST(KilndGet, CompilesOnceThenServesFromCache) {
   EXPECT_EQ(s["cache"]["entries"], 1);
   EXPECT_EQ(s["daemon"]["pch"], true);
   EXPECT_EQ(s["daemon"]["jobs"], 2);
-  EXPECT_NE(k->log().find("compiled rmsnorm(block=256,bulk=0,dtype=f32,vec=4) @ sm_90a in"), std::string::npos);
+  EXPECT_NE(k->log().find("compiled rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4) @ sm_90a in"), std::string::npos);
 
   // The cache outlives the daemon: a new one on the same file serves the kernel without compiling.
   ASSERT_TRUE((*c)->shutdown().ok());
@@ -88,7 +88,7 @@ TEST(KilndGet, ConcurrentRequestsForOneKeyCompileOnce) {
   DaemonEnv env;
   auto k = env.start({"--jobs", "2"});
   ASSERT_TRUE(k);
-  const KernelSpec spec = spec_of("rmsnorm(block=128,bulk=0,dtype=bf16,vec=8)");
+  const KernelSpec spec = spec_of("rmsnorm(block=128,bulk=0,dtype=bf16,row=0,vec=8)");
   constexpr int n = 6;
   std::vector<std::unique_ptr<client::DaemonClient>> clients;
   for (int i = 0; i < n; ++i) {
@@ -129,13 +129,13 @@ TEST(KilndGet, BadRequestsFailBeforeAnyCompile) {
     std::string spec, arch;
     Code code;
   };
-  for (const Case& t : {Case{"rmsnorm(block=257,bulk=0,dtype=f32,vec=4)", "sm_90a", Code::invalid_argument},
-                        Case{"rmsnorm(block=256,bulk=0,dtype=f64,vec=4)", "sm_90a", Code::invalid_argument},
+  for (const Case& t : {Case{"rmsnorm(block=257,bulk=0,dtype=f32,row=0,vec=4)", "sm_90a", Code::invalid_argument},
+                        Case{"rmsnorm(block=256,bulk=0,dtype=f64,row=0,vec=4)", "sm_90a", Code::invalid_argument},
                         Case{"rmsnorm(block=256,dtype=f32)", "sm_90a", Code::invalid_argument},
-                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,vec=4,extra=1)", "sm_90a", Code::invalid_argument},
-                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,vec=4)", "sm_9x", Code::invalid_argument},
-                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,vec=4)", "", Code::invalid_argument},
-                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,vec=4)", "compute_90", Code::invalid_argument},
+                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4,extra=1)", "sm_90a", Code::invalid_argument},
+                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)", "sm_9x", Code::invalid_argument},
+                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)", "", Code::invalid_argument},
+                        Case{"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)", "compute_90", Code::invalid_argument},
                         Case{"nosuchfamily(a=1)", "sm_90a", Code::not_found}}) {
     // Raw frames, so that specs the client library could not even build still reach the daemon.
     RawConn raw(env.socket());
@@ -160,7 +160,7 @@ TEST(KilndGet, BadRequestsFailBeforeAnyCompile) {
     EXPECT_EQ(error_code_of(*reply), "invalid_argument") << body << ": " << reply->dump();
   }
   // The client library reports the daemon's code.
-  auto r = (*c)->get_kernel(spec_of("rmsnorm(block=256,bulk=0,dtype=f32,vec=4)"), "sm_91x");
+  auto r = (*c)->get_kernel(spec_of("rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)"), "sm_91x");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), Code::invalid_argument);
 
@@ -200,7 +200,7 @@ TEST(KilndPrewarm, CompilesTheCatalogThenFindsItCached) {
   const auto catalog = static_cast<std::int64_t>(rms->catalog().size());
 
   // One variant compiled before, so the prewarm sees a mix of cached and new.
-  ASSERT_TRUE((*c)->get_kernel(spec_of("rmsnorm(block=256,bulk=0,dtype=f32,vec=4)"), "sm_90a").ok());
+  ASSERT_TRUE((*c)->get_kernel(spec_of("rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)"), "sm_90a").ok());
   auto r = (*c)->prewarm({"sm_90a"}, {"rmsnorm"});
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->requested, catalog);

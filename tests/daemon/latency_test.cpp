@@ -27,7 +27,7 @@ TEST(KilndLatency, CachedGetRoundTrip) {
   ASSERT_TRUE(k);
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
-  auto spec = KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=f16,vec=8)");
+  auto spec = KernelSpec::parse("rmsnorm(block=256,bulk=0,dtype=f16,row=0,vec=8)");
   ASSERT_TRUE(spec.ok());
   auto warm = (*c)->get_kernel(*spec, "sm_90a");
   ASSERT_TRUE(warm.ok()) << warm.status().to_string();

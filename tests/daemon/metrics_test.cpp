@@ -113,7 +113,7 @@ TEST(Metrics, KilndServesThemOnTheSocketAndOverHttp) {
   ASSERT_TRUE(k);
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
-  auto spec = KernelSpec::parse("rmsnorm(block=128,bulk=0,dtype=f16,vec=8)");
+  auto spec = KernelSpec::parse("rmsnorm(block=128,bulk=0,dtype=f16,row=0,vec=8)");
   auto r = (*c)->get_kernel(*spec, "sm_80");
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   ASSERT_TRUE((*c)->get_kernel(*spec, "sm_80").ok());

@@ -65,7 +65,7 @@ TEST(ProtocolCodec, EntryJsonRoundTrips) {
   e.key = std::string(64, 'a');
   e.family = "rmsnorm";
   e.family_version = 3;
-  e.params = "block=256,bulk=0,dtype=f32,vec=4";
+  e.params = "block=256,bulk=0,dtype=f32,row=0,vec=4";
   e.arch = "sm_90a";
   e.toolchain = std::string(64, 'b');
   e.key_text = "kiln-key 1\nfamily rmsnorm\n";

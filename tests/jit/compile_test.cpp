@@ -28,7 +28,7 @@ TEST(Builder, StoresThenServesFromCache) {
   testing::TempDir dir;
   auto store = cache::Store::open(dir.path() / "k.sqlite");
   ASSERT_TRUE(store.ok());
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f16")}, {"block", std::int64_t(128)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f16")}, {"block", std::int64_t(128)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   {
     Builder b(store->get(), &Registry::global());
     auto a = b.get(spec, "sm_90a");
@@ -58,7 +58,7 @@ TEST(Builder, PrecompiledHeadersGoToKilnsOwnDirectory) {
   auto store = cache::Store::open(dir.path() / "k.sqlite");
   ASSERT_TRUE(store.ok());
   Builder b(store->get(), &Registry::global(), BuilderOptions{.use_pch = true});
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f16")}, {"block", std::int64_t(128)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f16")}, {"block", std::int64_t(128)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   auto a = b.get(spec, "sm_90a");
   ASSERT_TRUE(a.ok()) << a.status().to_string();
   const std::string mine = "kiln-pch-" + std::to_string(::getpid()) + "-";
@@ -81,7 +81,7 @@ TEST(Builder, CorruptEntryIsRecompiled) {
   testing::TempDir dir;
   auto store = cache::Store::open(dir.path() / "k.sqlite");
   ASSERT_TRUE(store.ok());
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f32")}, {"block", std::int64_t(64)}, {"vec", std::int64_t(1)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("f32")}, {"block", std::int64_t(64)}, {"vec", std::int64_t(1)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   Builder b(store->get(), &Registry::global());
   auto first = b.get(spec, "sm_80");
   ASSERT_TRUE(first.ok());
@@ -107,7 +107,7 @@ TEST(Builder, ConcurrentRequestsForOneKeyCompileOnce) {
   testing::TempDir dir;
   auto store = cache::Store::open(dir.path() / "k.sqlite");
   Builder b(store->get(), &Registry::global());
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(512)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(512)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   constexpr int k_threads = 8;
   std::atomic<int> ok{0};
   std::vector<std::thread> ts;
@@ -176,7 +176,7 @@ TEST(Builder, BadSpecsFailBeforeAnyCompile) {
   p = good;
   p.set("extra", std::int64_t(1));
   expect_code({"rmsnorm", p}, "sm_90a", Code::invalid_argument);
-  p = Params{{"dtype", std::string("f32")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}};  // 32-byte access
+  p = Params{{"dtype", std::string("f32")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}};  // 32-byte access
   expect_code({"rmsnorm", p}, "sm_90a", Code::invalid_argument);
   expect_code({"rmsnorm", Params{}}, "sm_90a", Code::invalid_argument);
   EXPECT_EQ(b.stats().compiles, 0);

@@ -14,7 +14,7 @@ KeyInputs base() {
   KeyInputs in;
   in.family = "rmsnorm";
   in.family_version = 1;
-  in.params = "block=256,bulk=0,dtype=bf16,vec=8";
+  in.params = "block=256,bulk=0,dtype=bf16,row=0,vec=8";
   in.plugin = "builtin 0.1.0";
   in.plugin_templates = std::string(64, 'c');
   in.arch = "sm_90a";
@@ -41,7 +41,7 @@ TEST(Key, EveryPartChangesTheKey) {
   EXPECT_TRUE(changed([](KeyInputs& i) { i.plugin = "builtin 0.1.1"; }));
   EXPECT_TRUE(changed([](KeyInputs& i) { i.plugin = "acme 0.1.0"; }));
   EXPECT_TRUE(changed([](KeyInputs& i) { i.plugin_templates[7] = 'd'; }));
-  EXPECT_TRUE(changed([](KeyInputs& i) { i.params = "block=128,bulk=0,dtype=bf16,vec=8"; }));
+  EXPECT_TRUE(changed([](KeyInputs& i) { i.params = "block=128,bulk=0,dtype=bf16,row=0,vec=8"; }));
   EXPECT_TRUE(changed([](KeyInputs& i) { i.arch = "sm_90"; }));  // sm_90a is not sm_90
   EXPECT_TRUE(changed([](KeyInputs& i) { i.nvrtc_version = "13.1"; }));
   EXPECT_TRUE(changed([](KeyInputs& i) { i.template_hash[5] = 'b'; }));
@@ -113,7 +113,7 @@ TEST(BuilderKey, ChangesWithTemplateBytesOptionsAndArchOnly) {
     fclose(f);
     return TemplateSet::from_directory(dir.path().string()).value();
   };
-  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}}};
+  KernelSpec spec{"rmsnorm", Params{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}}};
   auto key_with = [&](const TemplateSet& set, const std::string& arch) {
     BuilderOptions o;
     o.templates = &set;

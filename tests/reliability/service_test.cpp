@@ -71,23 +71,23 @@ TEST(HostileSpecs, InjectionHugeAndNegativeValuesAreInvalidArgumentsAndNothingCo
   const std::string ones(5000, '1');
   const std::vector<std::string> specs = {
       "rmsnorm(block=256,dtype=float);},vec=4)",
-      "rmsnorm(block=256,bulk=0,dtype=f32,vec=4);#include \"/etc/passwd\"",
+      "rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4);#include \"/etc/passwd\"",
       "rmsnorm(block=256,dtype=#include \"/etc/passwd\",vec=4)",
       "rmsnorm(block=256,dtype=f32\n#include \"/etc/passwd\"\n,vec=4)",
-      "rmsnorm(block=256,bulk=0,dtype=f32,vec=4>\n#include </etc/passwd>)",
+      "rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4>\n#include </etc/passwd>)",
       "rmsnorm(block=256);template<> struct X{};(dtype=f32,vec=4)",
-      "rmsnorm(block=256,bulk=0,dtype=f32,vec=4,name=\"x\")",
-      "rmsnorm(block=99999999999999999999999,bulk=0,dtype=f32,vec=4)",
-      "rmsnorm(block=9223372036854775807,bulk=0,dtype=f32,vec=4)",
+      "rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4,name=\"x\")",
+      "rmsnorm(block=99999999999999999999999,bulk=0,dtype=f32,row=0,vec=4)",
+      "rmsnorm(block=9223372036854775807,bulk=0,dtype=f32,row=0,vec=4)",
       "rmsnorm(block=" + ones + ",dtype=f32,vec=4)",
       "rmsnorm(block=-256,dtype=f32,vec=4)",
       "rmsnorm(block=256,dtype=f32,vec=-4)",
-      "rmsnorm(block=256,bulk=0,dtype=f32,vec=0)",
+      "rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=0)",
       "rmsnorm(block=0x100,dtype=f32,vec=4)",
       "rmsnorm(block=2.56e2,dtype=f32,vec=4)",
-      "rmsnorm(block=256,bulk=0,dtype=f32,vec=4",
-      "rmsnorm(block=256,block=256,bulk=0,dtype=f32,vec=4)",
-      "rmsnorm(block=256,bulk=0,dtype=f32,vec=4)\n",
+      "rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4",
+      "rmsnorm(block=256,block=256,bulk=0,dtype=f32,row=0,vec=4)",
+      "rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)\n",
       std::string("rmsnorm(block=256,dtype=f32\0,vec=4)", 35),
       "rmsnorm(block=256,dtype=f\xc3\xa9" "32,vec=4)",
       "rmsnorm(block=256,dtype=" + std::string(100000, 'f') + ",vec=4)",
@@ -104,11 +104,11 @@ TEST(HostileSpecs, InjectionHugeAndNegativeValuesAreInvalidArgumentsAndNothingCo
   // Hostile family names and archs: never found or invalid, never compiled.
   for (const auto& [spec, arch] : std::vector<std::pair<std::string, std::string>>{
            {"../../etc/passwd(a=1)", "sm_90a"},
-           {"rmsnorm\";system(\"x\");(block=256,bulk=0,dtype=f32,vec=4)", "sm_90a"},
-           {"rmsnorm(block=256,bulk=0,dtype=f32,vec=4)", "sm_90a --include-path=/etc"},
-           {"rmsnorm(block=256,bulk=0,dtype=f32,vec=4)", "sm_90a\" -Dx=\"y"},
-           {"rmsnorm(block=256,bulk=0,dtype=f32,vec=4)", "sm_99999999999999999999"},
-           {"rmsnorm(block=256,bulk=0,dtype=f32,vec=4)", "sm_-90"}}) {
+           {"rmsnorm\";system(\"x\");(block=256,bulk=0,dtype=f32,row=0,vec=4)", "sm_90a"},
+           {"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)", "sm_90a --include-path=/etc"},
+           {"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)", "sm_90a\" -Dx=\"y"},
+           {"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)", "sm_99999999999999999999"},
+           {"rmsnorm(block=256,bulk=0,dtype=f32,row=0,vec=4)", "sm_-90"}}) {
     RawConn raw(env.socket());
     nlohmann::json req{{"op", "get"}, {"spec", spec}, {"arch", arch}};
     ASSERT_TRUE(raw.send_bytes(RawConn::frame(daemon::dump_json(req))));

@@ -152,7 +152,7 @@ cache::Entry sample_entry() {
   e.key = sha256_hex("a key");
   e.family = "rmsnorm";
   e.family_version = 1;
-  e.params = "block=256,bulk=0,dtype=f32,vec=4";
+  e.params = "block=256,bulk=0,dtype=f32,row=0,vec=4";
   e.arch = "sm_90a";
   e.toolchain = sha256_hex("a toolchain");
   e.key_text = "kiln-key 1\n";

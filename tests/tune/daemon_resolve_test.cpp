@@ -53,7 +53,7 @@ TEST(KilndResolve, HeuristicUntilTunedThenTheWinnerForEveryClient) {
   ASSERT_TRUE(k);
   const Problem p = problem(4096, 4096);
   const std::string heuristic = rmsnorm().heuristic(p).canonical();
-  const std::string winner = "block=1024,bulk=0,dtype=bf16,vec=2";
+  const std::string winner = "block=1024,bulk=0,dtype=bf16,row=0,vec=2";
   ASSERT_NE(heuristic, winner);
   ASSERT_TRUE(rmsnorm().check_problem(Params::parse(winner).value(), p).ok());
 
@@ -98,7 +98,7 @@ TEST(KilndResolve, AWinnerThatNoLongerValidatesFallsBackToTheHeuristic) {
   auto k = env.start();
   ASSERT_TRUE(k);
   const Problem p = problem(16, 2048);
-  store_winner(env.cache_dir(), p, "block=3,bulk=0,dtype=bf16,vec=2");
+  store_winner(env.cache_dir(), p, "block=3,bulk=0,dtype=bf16,row=0,vec=2");
   auto c = client::DaemonClient::connect(env.socket());
   ASSERT_TRUE(c.ok());
   auto r = (*c)->resolve(rmsnorm(), p, target(), jit::AutotuneMode::off);

@@ -72,32 +72,32 @@ TEST_F(TuneCli, LsTunedShowsTheTable) {
     r.family = "rmsnorm";
     r.signature = f.signature(p);
     r.setup = {"sm_90a", "NVIDIA H100 80GB HBM3", "580.65.06 cuda 13000", "0123456789abcdef"};
-    r.winner = "block=512,bulk=0,dtype=bf16,vec=4";
+    r.winner = "block=512,bulk=0,dtype=bf16,row=0,vec=4";
     r.winner_ms = 0.0321;
-    r.heuristic = "block=128,bulk=0,dtype=bf16,vec=4";
+    r.heuristic = "block=128,bulk=0,dtype=bf16,row=0,vec=4";
     r.heuristic_ms = 0.0345;
     r.problem = "rows=4096,cols=5120,x_row_stride=5120,y_row_stride=5120";
     r.candidates = {{r.winner, cache::CandidateStatus::ok, 0.0321, 0.01, 20, ""},
                     {r.heuristic, cache::CandidateStatus::ok, 0.0345, 0.01, 20, ""},
-                    {"block=64,bulk=0,dtype=bf16,vec=1", cache::CandidateStatus::compile_failed, -1, 0, 0, "nvrtc said no"}};
+                    {"block=64,bulk=0,dtype=bf16,row=0,vec=1", cache::CandidateStatus::compile_failed, -1, 0, 0, "nvrtc said no"}};
     ASSERT_TRUE(table->put(r).ok());
     cache::TuningRecord a = r;
     a.family = "act_and_mul";
     a.signature = "dtype=bf16,align=16,rows<=16,d=4096,x_row_stride=8192,out_row_stride=4096,activation=0";
     a.setup.arch = "sm_80";
-    a.winner = a.candidates[0].params = "act=silu,block=256,bulk=0,dtype=bf16,vec=8";
+    a.winner = a.candidates[0].params = "act=silu,block=256,bulk=0,dtype=bf16,row=0,vec=8";
     ASSERT_TRUE(table->put(a).ok());
   }
   Proc text = kiln({"ls", "--tuned"});
   ASSERT_EQ(text.rc, 0) << text.all();
-  for (const char* want : {"rmsnorm", "rows<=4096,cols=5120", "block=512,bulk=0,dtype=bf16,vec=4", "32.10", "34.50",
+  for (const char* want : {"rmsnorm", "rows<=4096,cols=5120", "block=512,bulk=0,dtype=bf16,row=0,vec=4", "32.10", "34.50",
                            "NVIDIA H100 80GB HBM3", "580.65.06 cuda 13000", "0123456789ab", "act_and_mul",
                            "2 tuned problems"})
     EXPECT_NE(text.out.find(want), std::string::npos) << want << "\n" << text.all();
 
   Proc filtered = kiln({"ls", "--tuned", "--family", "act_and_mul"});
   ASSERT_EQ(filtered.rc, 0) << filtered.all();
-  EXPECT_EQ(filtered.out.find("block=512,bulk=0,dtype=bf16,vec=4"), std::string::npos) << filtered.all();
+  EXPECT_EQ(filtered.out.find("block=512,bulk=0,dtype=bf16,row=0,vec=4"), std::string::npos) << filtered.all();
   EXPECT_NE(filtered.out.find("1 tuned problem"), std::string::npos) << filtered.all();
 
   Proc js = kiln({"ls", "--tuned", "--json", "--arch", "sm_90a"});
@@ -105,7 +105,7 @@ TEST_F(TuneCli, LsTunedShowsTheTable) {
   auto j = nlohmann::json::parse(js.out, nullptr, false);
   ASSERT_TRUE(j.is_array()) << js.all();
   ASSERT_EQ(j.size(), 1u);
-  EXPECT_EQ(j[0]["winner"], "block=512,bulk=0,dtype=bf16,vec=4");
+  EXPECT_EQ(j[0]["winner"], "block=512,bulk=0,dtype=bf16,row=0,vec=4");
   EXPECT_EQ(j[0]["device_name"], "NVIDIA H100 80GB HBM3");
   ASSERT_EQ(j[0]["candidates"].size(), 3u);
   EXPECT_EQ(j[0]["candidates"][2]["status"], "compile_failed");

@@ -24,13 +24,13 @@ TuningRecord record(const std::string& signature, const std::string& winner, dou
   r.setup = h100();
   r.winner = winner;
   r.winner_ms = ms;
-  r.heuristic = "block=256,bulk=0,dtype=bf16,vec=4";
+  r.heuristic = "block=256,bulk=0,dtype=bf16,row=0,vec=4";
   r.heuristic_ms = ms * 1.2;
   r.noise_band = 0.03;
   r.problem = "rows=4096,cols=4096";
   r.candidates = {{winner, CandidateStatus::ok, ms, 0.01, 20, ""},
-                  {"block=256,bulk=0,dtype=bf16,vec=4", CandidateStatus::ok, ms * 1.2, 0.02, 20, ""},
-                  {"block=64,bulk=0,dtype=bf16,vec=8", CandidateStatus::wrong_result, -1, 0, 0, "output y: relative L2 error NaN"}};
+                  {"block=256,bulk=0,dtype=bf16,row=0,vec=4", CandidateStatus::ok, ms * 1.2, 0.02, 20, ""},
+                  {"block=64,bulk=0,dtype=bf16,row=0,vec=8", CandidateStatus::wrong_result, -1, 0, 0, "output y: relative L2 error NaN"}};
   return r;
 }
 
@@ -51,7 +51,7 @@ Opened open_in(const TempDir& dir) {
 TEST(TuningTable, RoundTripsEveryField) {
   TempDir dir;
   auto o = open_in(dir);
-  const auto in = record("sig-a", "block=128,bulk=0,dtype=bf16,vec=4", 0.0123);
+  const auto in = record("sig-a", "block=128,bulk=0,dtype=bf16,row=0,vec=4", 0.0123);
   ASSERT_TRUE(o.table->put(in).ok());
   auto got = o.table->lookup("rmsnorm", "sig-a", h100());
   ASSERT_TRUE(got.ok()) << got.status().to_string();
@@ -74,7 +74,7 @@ TEST(TuningTable, PersistsAcrossOpens) {
   TempDir dir;
   {
     auto o = open_in(dir);
-    ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,vec=4", 0.01)).ok());
+    ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,row=0,vec=4", 0.01)).ok());
   }
   auto o = open_in(dir);
   auto got = o.table->lookup("rmsnorm", "sig-a", h100());
@@ -85,7 +85,7 @@ TEST(TuningTable, PersistsAcrossOpens) {
 TEST(TuningTable, AnotherGpuDriverOrToolchainNeverMatches) {
   TempDir dir;
   auto o = open_in(dir);
-  ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,vec=4", 0.01)).ok());
+  ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,row=0,vec=4", 0.01)).ok());
   std::vector<cache::Setup> others;
   for (int field = 0; field < 4; ++field) {
     cache::Setup s = h100();
@@ -105,27 +105,27 @@ TEST(TuningTable, AnotherGpuDriverOrToolchainNeverMatches) {
   EXPECT_FALSE(o.table->lookup("rmsnorm", "sig-b", h100())->has_value());
   // The stale row is still listed (for `kiln ls --tuned`), and a new setup gets its own row.
   cache::Setup h200 = others[4];
-  TuningRecord r = record("sig-a", "block=512,bulk=0,dtype=bf16,vec=8", 0.009);
+  TuningRecord r = record("sig-a", "block=512,bulk=0,dtype=bf16,row=0,vec=8", 0.009);
   r.setup = h200;
   ASSERT_TRUE(o.table->put(r).ok());
   EXPECT_EQ(o.table->list()->size(), 2u);
-  EXPECT_EQ((*o.table->lookup("rmsnorm", "sig-a", h200))->winner, "block=512,bulk=0,dtype=bf16,vec=8");
-  EXPECT_EQ((*o.table->lookup("rmsnorm", "sig-a", h100()))->winner, "block=128,bulk=0,dtype=bf16,vec=4");
+  EXPECT_EQ((*o.table->lookup("rmsnorm", "sig-a", h200))->winner, "block=512,bulk=0,dtype=bf16,row=0,vec=8");
+  EXPECT_EQ((*o.table->lookup("rmsnorm", "sig-a", h100()))->winner, "block=128,bulk=0,dtype=bf16,row=0,vec=4");
 }
 
 TEST(TuningTable, ANewResultReplacesTheOldOneForTheSameSetup) {
   TempDir dir;
   auto o = open_in(dir);
-  ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,vec=4", 0.01)).ok());
-  ASSERT_TRUE(o.table->put(record("sig-a", "block=1024,bulk=0,dtype=bf16,vec=2", 0.008)).ok());
+  ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,row=0,vec=4", 0.01)).ok());
+  ASSERT_TRUE(o.table->put(record("sig-a", "block=1024,bulk=0,dtype=bf16,row=0,vec=2", 0.008)).ok());
   EXPECT_EQ(o.table->list()->size(), 1u);
-  EXPECT_EQ((*o.table->lookup("rmsnorm", "sig-a", h100()))->winner, "block=1024,bulk=0,dtype=bf16,vec=2");
+  EXPECT_EQ((*o.table->lookup("rmsnorm", "sig-a", h100()))->winner, "block=1024,bulk=0,dtype=bf16,row=0,vec=2");
 }
 
 TEST(TuningTable, RefusesAWinnerThatDidNotRunOk) {
   TempDir dir;
   auto o = open_in(dir);
-  TuningRecord bad = record("sig-a", "block=64,bulk=0,dtype=bf16,vec=8", 0.01);
+  TuningRecord bad = record("sig-a", "block=64,bulk=0,dtype=bf16,row=0,vec=8", 0.01);
   bad.candidates.erase(bad.candidates.begin());  // the winner is now only the wrong_result entry
   Status s = o.table->put(bad);
   EXPECT_EQ(s.code(), Code::invalid_argument);
@@ -137,8 +137,8 @@ TEST(TuningTable, RefusesAWinnerThatDidNotRunOk) {
 TEST(TuningTable, ListFiltersByFamilyAndArch) {
   TempDir dir;
   auto o = open_in(dir);
-  ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,vec=4", 0.01)).ok());
-  TuningRecord other = record("sig-b", "block=128,bulk=0,dtype=bf16,vec=4", 0.01);
+  ASSERT_TRUE(o.table->put(record("sig-a", "block=128,bulk=0,dtype=bf16,row=0,vec=4", 0.01)).ok());
+  TuningRecord other = record("sig-b", "block=128,bulk=0,dtype=bf16,row=0,vec=4", 0.01);
   other.family = "act_and_mul";
   other.setup.arch = "sm_80";
   ASSERT_TRUE(o.table->put(other).ok());
@@ -164,7 +164,7 @@ TEST(TuningTable, AVersionOneCacheIsMigratedAndKeepsItsKernels) {
         " last_used INTEGER NOT NULL, hits INTEGER NOT NULL);"
         "CREATE INDEX kernels_family_arch ON kernels(family, arch);"
         "CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);"
-        "INSERT INTO kernels VALUES('k1','rmsnorm',2,'block=64,bulk=0,dtype=f32,vec=1','sm_80','t','text',x'00',1,"
+        "INSERT INTO kernels VALUES('k1','rmsnorm',2,'block=64,bulk=0,dtype=f32,row=0,vec=1','sm_80','t','text',x'00',1,"
         "'c','n','',1.0,-1,-1,-1,1,1,0);"
         "PRAGMA user_version = 1;";
     ASSERT_EQ(sqlite3_exec(db, sql, nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
@@ -175,7 +175,7 @@ TEST(TuningTable, AVersionOneCacheIsMigratedAndKeepsItsKernels) {
   EXPECT_EQ((*store)->list()->size(), 1u);
   auto table = TuningTable::open(**store);
   ASSERT_TRUE(table.ok()) << table.status().to_string();
-  EXPECT_TRUE((*table)->put(record("sig-a", "block=128,bulk=0,dtype=bf16,vec=4", 0.01)).ok());
+  EXPECT_TRUE((*table)->put(record("sig-a", "block=128,bulk=0,dtype=bf16,row=0,vec=4", 0.01)).ok());
 }
 
 // ---- the tie-break (jit::rank_candidates) ----

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <vector>
 
 #include "families/add_rmsnorm/add_rmsnorm.h"
 #include "kiln/ops.h"
@@ -153,10 +154,22 @@ TEST_F(AddRmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   for (const Params& params : f.catalog()) {
     SCOPED_TRACE(params.canonical());
     const DType t = *parse_dtype(*params.get_str("dtype"));
-    // Tail elements, several packs per thread, and past the register cache for small blocks;
-    // then rows that also overflow the shared-memory cache for the narrower variants.
-    for (auto [in_place, n] : {std::pair{false, 1200}, std::pair{true, 1200}, std::pair{true, 4000}}) {
-      Case c{t, n > 2000 ? 3 : 13, 8 * n + 3, 8 * n + 8, 8 * n + 16, 8 * n + 8, 8 * n + 24, 0, in_place};
+    const std::int64_t vec = *params.get_int("vec"), row = *params.get_int("row");
+    const std::int64_t widest = *params.get_int("block") * row * vec;
+    // General kernel: tail elements, several packs per thread, and past the register cache for
+    // small blocks; then rows that also overflow the shared-memory cache for the narrower variants.
+    // One-row kernel: the widest row it holds in padded strides, in place; a row a few packs short
+    // of every thread's last pack; a row of one pack.
+    std::vector<Case> cases;
+    if (row == 0) {
+      for (auto [in_place, n] : {std::pair{false, 1200}, std::pair{true, 1200}, std::pair{true, 4000}})
+        cases.push_back(Case{t, n > 2000 ? 3 : 13, 8 * n + 3, 8 * n + 8, 8 * n + 16, 8 * n + 8, 8 * n + 24, 0,
+                             in_place});
+    } else {
+      cases = {Case{t, 13, widest, widest + vec, widest + 2 * vec, widest + vec, widest + 3 * vec, 0, true},
+               Case{t, 5, widest - 3 * vec, 0, 0, 0, 0, 0, false}, Case{t, 1, vec, 0, 0, 0, 0, 0, false}};
+    }
+    for (const Case& c : cases) {
       auto k = rt_->kernel(KernelSpec{"add_rmsnorm", params});
       ASSERT_TRUE(k.ok()) << k.status().to_string();
       check_case(c, rng_, seed_, [&](void* x, void* r, void* w, void* y, void* h) {

@@ -34,8 +34,8 @@ Problem changed(Problem p, F change) {
   return p;
 }
 
-Params variant(const char* dtype, std::int64_t block, std::int64_t vec) {
-  return Params{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}};
+Params variant(const char* dtype, std::int64_t block, std::int64_t vec, std::int64_t row = 0) {
+  return Params{{"dtype", std::string(dtype)}, {"block", block}, {"vec", vec}, {"row", row}};
 }
 
 // `kiln tune --shape rows=...,cols=...`: the four row strides default to the row length.
@@ -123,15 +123,22 @@ TEST(AddRmsNorm, HeuristicPicksWidestAlignedAccess) {
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 16384)).block, 1024);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).vec, 8);  // fits them: 16 bytes
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 16384)).block, 1024);  // two packs per thread
-  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 5120)).block, 512);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 5120)).block, 320);  // whole warps: 640 packs
   // From 2048 rows up to 2.5 packs per thread: 640 packs in 256 threads, power-of-two rows unchanged.
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 5120)).block, 256);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 32768, 5120)).block, 256);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 8192)).block, 512);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 2048)).block, 128);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 4096, 6144)).block, 512);  // 768 packs: 1.5 each
-  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 2048)).block, 128);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1025, 2048)).block, 128);
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::f32, 1, 64)).block, 64);
+  // Up to 1024 rows of whole 16-byte packs: the one-row kernel, two packs per thread.
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 2048)).block, 128);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 2048)).row, 2);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1000, 8192)).block, 512);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1000, 8192)).row, 2);
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 16, 4100)).row, 0);    // not whole packs
+  EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1025, 4096)).row, 0);  // past 1024 rows
   EXPECT_EQ(add_rmsnorm_heuristic(problem(DType::bf16, 1, 3)).vec, 1);
   // One stride a multiple of 4 but not 8.
   Problem odd_residual = changed(problem(DType::f16, 8, 4096), [](auto& q) { q.residual_row_stride = 4100; });
@@ -157,6 +164,11 @@ TEST(AddRmsNorm, CheckProblemRejectsMismatches) {
   EXPECT_EQ(fam().check_problem(v, changed(p, [](auto& q) { q.eps = INFINITY; })).code(), Code::invalid_argument);
   EXPECT_EQ(fam().check_problem(v, problem(DType::bf16, 2, 0)).code(), Code::shape_mismatch);
   EXPECT_TRUE(fam().check_problem(v, problem(DType::bf16, 2, 64)).ok());
+  // The one-row kernel holds at most block * row whole packs.
+  const Params row = variant("bf16", 64, 8, 2);
+  EXPECT_TRUE(fam().check_problem(row, problem(DType::bf16, 2, 1024)).ok());
+  EXPECT_EQ(fam().check_problem(row, problem(DType::bf16, 2, 1032)).code(), Code::invalid_argument);
+  EXPECT_EQ(fam().check_problem(row, problem(DType::bf16, 2, 1020)).code(), Code::invalid_argument);
 }
 
 TEST(AddRmsNorm, ValidateRejectsBadParams) {

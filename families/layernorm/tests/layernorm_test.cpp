@@ -191,13 +191,25 @@ TEST(LayerNormCpu, HeuristicFollowsTheRowCountAndHoldsRowsUpToTheLimit) {
     return std::vector<std::int64_t>{*p.get_int("group"), *p.get_int("rows"), *p.get_int("vec"), *p.get_int("packs")};
   };
   using V = std::vector<std::int64_t>;
-  // Decode: 16-byte accesses, two packs a thread.
+  // Up to 1024 rows of up to 8 KiB, 512 of longer ones: 16-byte accesses, two packs a thread, one
+  // row a block (no staging: the lean path).
   EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 16, 4096), false)), (V{256, 1, 8, 2}));
   EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 16, 2880), false)), (V{256, 1, 8, 2}));
   EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 1, 896), false)), (V{64, 1, 8, 2}));
-  // Under 2048 rows: 4-byte accesses, 16 packs; from 2048, 8-byte ones, eight packs, and a warp
-  // per row for short rows, four rows a block.
-  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 77, 4096), false)), (V{128, 1, 2, 16}));
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 77, 4096), false)), (V{256, 1, 8, 2}));
+  {
+    const Problem p = fwd_problem(DType::bf16, 512, 4096);
+    const auto c = families::layernorm_choice(p, false);
+    EXPECT_EQ(shape(*c), (V{256, 1, 8, 2}));
+    EXPECT_EQ(families::layernorm_fwd_smem(*c, p), 0);
+    // Past 1024 rows the same variant stages the weight and bias.
+    EXPECT_EQ(families::layernorm_fwd_smem(*c, fwd_problem(DType::bf16, 1025, 4096)), 2 * 4096 * 2);
+  }
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 1000, 4096), false)), (V{256, 1, 8, 2}));
+  // Other rows under 2048: 4-byte accesses, 16 packs; from 2048, 8-byte ones, eight packs, and a
+  // warp per row for short rows, four rows a block.
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 1000, 5120), false)), (V{256, 1, 2, 16}));
+  EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 1100, 4096), false)), (V{128, 1, 2, 16}));
   EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 4096, 4096), false)), (V{128, 1, 4, 8}));
   EXPECT_EQ(shape(*families::layernorm_choice(fwd_problem(DType::bf16, 16384, 896), false)), (V{32, 4, 4, 8}));
   // 10-32 KiB f16/bf16 rows under 16384 rows: 16-byte accesses, four packs.

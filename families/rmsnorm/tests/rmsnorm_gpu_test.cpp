@@ -185,7 +185,7 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   ASSERT_EQ(d->device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), CUDA_SUCCESS);
   ASSERT_EQ(d->device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), CUDA_SUCCESS);
   const int cc = major * 10 + minor;
-  int bulk_variants = 0;
+  int bulk_variants = 0, row_variants = 0;
   for (const Params& params : f.catalog()) {
     DType t = *parse_dtype(*params.get_str("dtype"));
     const std::int64_t bulk = *params.get_int("bulk");
@@ -193,7 +193,15 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
     auto k = rt_->kernel(KernelSpec{"rmsnorm", params});
     ASSERT_TRUE(k.ok()) << k.status().to_string();
     std::vector<std::pair<Case, std::int64_t>> cases;
-    if (bulk == 0) {
+    if (const std::int64_t row = *params.get_int("row"); row > 0) {
+      // The one-row kernel: the widest row it holds, in padded strides; a row a few packs short of
+      // the last pack of every thread, and one row alone.
+      ++row_variants;
+      const std::int64_t vec = *params.get_int("vec"), widest = *params.get_int("block") * row * vec;
+      cases = {{Case{t, 13, widest, widest + vec, widest + 3 * vec}, 0},
+               {Case{t, 5, widest - 3 * vec, widest - 3 * vec, widest - 3 * vec}, 0},
+               {Case{t, 1, vec, vec, vec}, 0}};
+    } else if (bulk == 0) {
       // Tail elements and several packs per thread; then rows long enough that every variant uses
       // its register cache, its shared-memory cache and re-reads the rest.
       // Last, many short rows on a grid capped as if the GPU had 3 SMs: every variant whose rows
@@ -233,6 +241,7 @@ TEST_F(RmsNormGpu, EveryCatalogVariantMatchesOnItsOwnStream) {
   if (cc >= 90) {
     EXPECT_EQ(bulk_variants, 9);
   }
+  EXPECT_EQ(row_variants, 30);
   d->stream_destroy(stream);
 }
 

@@ -108,15 +108,38 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f16, 2048, 4094)).vec, 2);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 2048, 4096, 4096, 4096, 4)).vec, 2);  // 4-byte aligned buffers
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 3)).vec, 1);
-  // Under 2048 rows: 4-byte accesses, 16 packs per thread.
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 512, 4096)).vec, 2);
-  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 512, 4096)).block, 128);
-  // Decode (up to 64 rows): 16-byte accesses, two packs per thread, up to 1024 threads.
+  // Other rows under 2048: 4-byte accesses, 16 packs per thread.
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1100, 4096)).vec, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1100, 4096)).block, 128);
+  // Up to 1024 rows of whole 16-byte packs: the one-row kernel, two packs per thread, the smallest
+  // block from 64 threads that holds the row.
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).block, 256);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).vec, 8);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4096)).row, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 16, 896)).block, 64);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 16, 4096)).block, 512);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::f32, 16, 4096)).row, 2);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 16, 16384)).vec, 8);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 16, 16384)).block, 1024);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 512, 4096)).row, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1024, 16384)).row, 2);
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1025, 4096)).row, 0);  // past 1024 rows
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4100)).row, 0);     // not whole 16-byte packs
+  EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 32768)).row, 0);    // over 2048 packs
+  // The one-row kernel's grid is the row count; it needs no shared memory.
+  {
+    const Problem p = problem(DType::bf16, 16, 4096);
+    const Params h = rmsnorm().heuristic(p);
+    EXPECT_EQ(rmsnorm().geometry(h, p).grid.x, 16u);
+    EXPECT_EQ(rmsnorm().geometry(h, p).block.x, 256u);
+    EXPECT_EQ(rmsnorm().geometry(h, p).shared_bytes, 0u);
+    // A row longer than block * row packs, or not of whole packs, is refused before any launch.
+    EXPECT_FALSE(rmsnorm().check_problem(h, problem(DType::bf16, 16, 4104)).ok());
+    EXPECT_FALSE(rmsnorm().check_problem(h, problem(DType::bf16, 16, 4100)).ok());
+    Params bad = h;
+    bad.set("bulk", 2);
+    EXPECT_FALSE(rmsnorm().validate(bad).ok());
+  }
   // Misaligned rows narrow the access and keep up to 1024 threads.
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4095)).vec, 1);
   EXPECT_EQ(rmsnorm_heuristic(problem(DType::bf16, 1, 4095)).block, 1024);
@@ -134,7 +157,7 @@ TEST(RmsNorm, HeuristicFollowsTheMeasuredRule) {
 
 TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
   auto params = [](std::int64_t block, std::int64_t vec) {
-    return Params{{"dtype", std::string("bf16")}, {"block", block}, {"vec", vec}, {"bulk", std::int64_t(0)}};
+    return Params{{"dtype", std::string("bf16")}, {"block", block}, {"vec", vec}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}};
   };
   // 1024 threads x 8 registers = 4 packs of 8 bytes each: 4096 packs in registers (the weight
   // too: no shared memory).
@@ -150,7 +173,7 @@ TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
   EXPECT_EQ(rmsnorm_smem_packs(params(1024, 4), wide), 12288);
   EXPECT_EQ(rmsnorm().geometry(params(1024, 4), wide).shared_bytes, 96u * 1024);
   // f32 rows of 64K: the cap leaves the rest to be read twice.
-  Params f32{{"dtype", std::string("f32")}, {"block", std::int64_t(1024)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}};
+  Params f32{{"dtype", std::string("f32")}, {"block", std::int64_t(1024)}, {"vec", std::int64_t(4)}, {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}};
   EXPECT_EQ(rmsnorm_smem_packs(f32, problem(DType::f32, 1, 65536)), 96 * 1024 / 16);
   // 8 packs each: the row fits, the weight (8 KiB) is staged.
   EXPECT_EQ(rmsnorm().geometry(params(128, 4), problem(DType::bf16, 1, 4096)).shared_bytes, 4096u * 2);
@@ -159,7 +182,7 @@ TEST(RmsNorm, SharedMemoryHoldsLongRowsUpToItsCapOrTheWeight) {
 
 TEST(RmsNorm, GridIsCappedOnlyForRowsThatPipeline) {
   Params small{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)},
-               {"bulk", std::int64_t(0)}};
+               {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}};
   Problem p = problem(DType::bf16, 4096, 4096);
   EXPECT_EQ(rmsnorm_grid(small, p), 4096);  // no SM count: one block per row
   p.sm_count = 132;
@@ -174,7 +197,7 @@ TEST(RmsNorm, GridIsCappedOnlyForRowsThatPipeline) {
 
 TEST(RmsNorm, CheckProblemRejectsMismatches) {
   Params bf16_vec8{{"dtype", std::string("bf16")}, {"block", std::int64_t(256)}, {"vec", std::int64_t(8)},
-                  {"bulk", std::int64_t(0)}};
+                  {"bulk", std::int64_t(0)}, {"row", std::int64_t(0)}};
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::f16, 2, 64)).code(), Code::unsupported_dtype);
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 60)).code(), Code::invalid_argument);
   EXPECT_EQ(rmsnorm().check_problem(bf16_vec8, problem(DType::bf16, 2, 64, 64, 64, 8)).code(), Code::invalid_argument);
@@ -190,7 +213,7 @@ Params bulk_params(DType t, std::int64_t block, std::int64_t bulk) {
   return Params{{"dtype", std::string(dtype_name(t))},
                 {"block", block},
                 {"vec", std::int64_t(16 / dtype_size(t))},
-                {"bulk", bulk}};
+                {"bulk", bulk}, {"row", std::int64_t(0)}};
 }
 
 TEST(RmsNorm, BulkCopyKernelForWideRowsOnSm90) {
@@ -296,9 +319,9 @@ TEST(RmsNorm, ShapesDefaultToContiguousRowsAndSignaturesLeaveTheDeviceOut) {
 
 TEST(RmsNorm, CatalogIsValidAndRendersDistinctNames) {
   auto cat = rmsnorm().catalog();
-  // 5 blocks x (3 f32 + 4 f16 + 4 bf16 vector widths), and the bulk-copy kernel's 512 x 8,
-  // 1024 x 6 and 1024 x 8 for each dtype.
-  EXPECT_EQ(cat.size(), 64u);
+  // 5 blocks x (3 f32 + 4 f16 + 4 bf16 vector widths), the one-row kernel's 5 blocks x 2 packs per
+  // thread for each dtype, and the bulk-copy kernel's 512 x 8, 1024 x 6 and 1024 x 8 for each dtype.
+  EXPECT_EQ(cat.size(), 94u);
   std::set<std::string> names;
   for (const auto& p : cat) {
     ASSERT_TRUE(rmsnorm().validate(p).ok()) << p.canonical();

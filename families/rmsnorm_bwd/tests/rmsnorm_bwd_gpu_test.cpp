@@ -233,6 +233,8 @@ TEST_F(RmsNormBwdGpu, StridedMisalignedAndInPlace) {
         {t, 4, 3000, 3001},            // odd stride: scalar accesses
         {t, 5, 20000, 20008},          // sm_90: clustered bulk kernel, padded rows, last block short
         {t, 3, 32768, 32768, 0, true}, // sm_90: clustered bulk kernel (clusters of 2 or 4), dx = dy
+        {t, 7, 1024, 1040},            // a few rows: one launch (rmsnorm_bwd_rows), padded rows
+        {t, 2, 4096, 4096, 0, true},   // a few rows in one launch, dx = dy
     };
     for (const auto& c : cases) {
       auto e = check_case(c, rng_, [&](void* dy, void* x, void* w, void* inv, void* dx, void* dw, void*) {
