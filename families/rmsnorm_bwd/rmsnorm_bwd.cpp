@@ -401,20 +401,7 @@ class RmsNormBwd final : public Family {
                               "without dh the last may be left out)");
     const auto rows = q.rows, cols = q.cols, slabs = q.slabs;
     if (rows > 0 && slabs < 1) return invalid_argument("rmsnorm_bwd: slabs must be at least 1");
-    const RmsNormBwdRowRef a{.t = p.dtype,
-                             .cols = cols,
-                             .dy_stride = q.dy_row_stride,
-                             .x_stride = q.x_row_stride,
-                             .dx_stride = q.dx_row_stride,
-                             .dh_stride = q.dh_row_stride,
-                             .recompute = q.recompute != 0,
-                             .eps = q.eps,
-                             .dy = b[0],
-                             .x = b[1],
-                             .w = b[2],
-                             .dh = q.dh_row_stride ? b[6] : nullptr,
-                             .inv_rms = static_cast<const float*>(b[3]),
-                             .dx = b[4]};
+    const RmsNormBwdRowRef a = rmsnorm_bwd_row_ref(p.dtype, q, b);
     auto* partial = static_cast<float*>(b[5]);
     std::vector<double> dw(std::size_t(cols), 0.0);
     for (std::int64_t slab = 0; slab < slabs; ++slab) {

@@ -66,6 +66,7 @@
 //   rows.
 #pragma once
 
+#include <span>
 #include <vector>
 
 #include "kiln/family.h"
@@ -125,5 +126,25 @@ struct RmsNormBwdRowRef {
   void* dx;
 };
 void rmsnorm_bwd_reference_row(const RmsNormBwdRowRef& a, std::int64_t r, std::vector<double>& dw);
+// The row reference's arguments from a problem with the fields of RmsNormBwdProblem (rmsnorm_bwd's
+// or rmsnorm_bwd_rows') and its buffers in the families' order: dy, x, w, inv_rms, dx, (partial or
+// dw), dh.
+template <class Q>
+RmsNormBwdRowRef rmsnorm_bwd_row_ref(DType t, const Q& q, std::span<void* const> b) {
+  return {.t = t,
+          .cols = q.cols,
+          .dy_stride = q.dy_row_stride,
+          .x_stride = q.x_row_stride,
+          .dx_stride = q.dx_row_stride,
+          .dh_stride = q.dh_row_stride,
+          .recompute = q.recompute != 0,
+          .eps = q.eps,
+          .dy = b[0],
+          .x = b[1],
+          .w = b[2],
+          .dh = q.dh_row_stride ? b[6] : nullptr,
+          .inv_rms = static_cast<const float*>(b[3]),
+          .dx = b[4]};
+}
 
 }  // namespace kiln::families

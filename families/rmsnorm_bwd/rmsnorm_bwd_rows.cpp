@@ -235,20 +235,7 @@ class RmsNormBwdRows final : public Family {
     if (b.size() != 7 && !(b.size() == 6 && q.dh_row_stride == 0))
       return invalid_argument("rmsnorm_bwd_rows: reference takes 7 buffers (dy, x, w, inv_rms, dx, dw, dh; "
                               "without dh the last may be left out)");
-    const RmsNormBwdRowRef a{.t = p.dtype,
-                             .cols = q.cols,
-                             .dy_stride = q.dy_row_stride,
-                             .x_stride = q.x_row_stride,
-                             .dx_stride = q.dx_row_stride,
-                             .dh_stride = q.dh_row_stride,
-                             .recompute = q.recompute != 0,
-                             .eps = q.eps,
-                             .dy = b[0],
-                             .x = b[1],
-                             .w = b[2],
-                             .dh = q.dh_row_stride ? b[6] : nullptr,
-                             .inv_rms = static_cast<const float*>(b[3]),
-                             .dx = b[4]};
+    const RmsNormBwdRowRef a = rmsnorm_bwd_row_ref(p.dtype, q, b);
     const auto cols = q.cols;
     std::vector<double> dw(std::size_t(cols), 0.0);
     for (std::int64_t r = 0; r < q.rows; ++r) rmsnorm_bwd_reference_row(a, r, dw);
