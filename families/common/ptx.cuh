@@ -252,5 +252,18 @@ __device__ __forceinline__ float4 ld_remote_f4(unsigned addr, unsigned rank) {
   return v;
 }
 
+// The four floats at shared address `addr` summed over blocks R..C-1 of the cluster: every block's
+// load is issued before any is added (the loads overlap), and the sum runs in a fixed order.
+template <int R, int C>
+__device__ __forceinline__ float4 cluster_sum_f4(unsigned addr) {
+  const float4 a = ld_remote_f4(addr, unsigned(R));
+  if constexpr (R + 1 == C) {
+    return a;
+  } else {
+    const float4 b = cluster_sum_f4<R + 1, C>(addr);
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+  }
+}
+
 }  // namespace ptx
 }  // namespace kiln

@@ -567,7 +567,14 @@ std::int64_t layernorm_bwd_smem(const Params& params) {
 
 }  // namespace kiln::families
 
+namespace kiln::families {
+void register_layernorm_bwd_rows(Registry& r);
+}
+
+// LayerNorm's kernel families: the forward, the backward's row pass, and the one-launch backward of
+// a few rows.
 void kiln_register_family_layernorm(kiln::Registry& r) {
   (void)r.add(std::make_shared<kiln::families::LayerNorm>());
   (void)r.add(std::make_shared<kiln::families::LayerNormBwd>());
+  kiln::families::register_layernorm_bwd_rows(r);
 }

@@ -10,6 +10,7 @@
 #include "client/workspace.h"
 #include "common/half.h"
 #include "families/layernorm/layernorm.h"
+#include "families/layernorm/layernorm_bwd_rows.h"
 #include "jit/device_info.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
@@ -189,6 +190,28 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* device, jit::device_info(x.device.index));
+  // 1 to 8 rows: one launch of layernorm_bwd_rows where it holds the problem (16-byte aligned rows
+  // of whole packs, the gradients included), instead of the three below. One row's strides are the
+  // row length: only its first row is read.
+  {
+    const auto stride = [&](std::int64_t s) { return rows <= 1 ? cols : s; };
+    const families::LayerNormBwdRowsProblem rq{.rows = rows,
+                                               .cols = cols,
+                                               .dy_row_stride = stride(dyr.row_stride),
+                                               .x_row_stride = stride(xr.row_stride),
+                                               .dx_row_stride = stride(dxr.row_stride)};
+    const std::uint32_t rows_alignment = client::common_alignment(
+        {address(dy), address(x), address(weight), address(dx), address(dweight), address(dbias)},
+        {cols * esize, rq.dy_row_stride * esize, rq.x_row_stride * esize, rq.dx_row_stride * esize});
+    const Problem rp = Problem::of(x.dtype, rows_alignment, rq);
+    const int max_cluster = device->major >= 9 && device->cluster_launch ? 8 : 1;
+    if (families::layernorm_bwd_rows_fits(rp, max_cluster)) {
+      KILN_ASSIGN_OR_RETURN(const Family* few, family("layernorm_bwd_rows"));
+      void* b[8] = {dy.data,  x.data,       weight.data, mean.data, rstd.data,
+                    dx.data, dweight.data, dbias ? dbias->data : nullptr};
+      return runtime->run(*few, rp, b, stream);
+    }
+  }
   // One slab per block of the heuristic's variant that the GPU holds at once (the slab count is a
   // key of the problem, so a tuned variant runs with the same count).
   const std::int64_t slabs = families::layernorm_bwd_slabs(choice, rows, device->sm_count);

@@ -23,23 +23,6 @@
 
 namespace kiln {
 
-namespace bwd_rows {
-
-// The four floats at shared address `addr` summed over the cluster's blocks R..C-1: every block's
-// load is issued before any is added (the loads overlap), and the sum runs in a fixed order.
-template <int R, int C>
-__device__ __forceinline__ float4 sum_ranks(unsigned addr) {
-  const float4 a = ptx::ld_remote_f4(addr, unsigned(R));
-  if constexpr (R + 1 == C) {
-    return a;
-  } else {
-    const float4 b = sum_ranks<R + 1, C>(addr);
-    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-  }
-}
-
-}  // namespace bwd_rows
-
 template <typename T, int BLOCK, int VEC, int PACKS, int CLUSTER, bool RECOMPUTE, bool DH>
 __global__ void __launch_bounds__(BLOCK)
 #if __CUDA_ARCH__ >= 900
@@ -152,7 +135,7 @@ rmsnorm_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x, const T* __r
     const int end = min(quads, int(rank) * per + per);
     const unsigned base = ptx::smem_addr(terms);
     for (int j = int(rank) * per + t; j < end; j += BLOCK) {
-      const float4 acc = bwd_rows::sum_ranks<0, CLUSTER>(base + unsigned(j) * 16u);
+      const float4 acc = ptx::cluster_sum_f4<0, CLUSTER>(base + unsigned(j) * 16u);
       T* out = dw + 4 * j;
       out[0] = from_float<T>(acc.x);
       out[1] = from_float<T>(acc.y);

@@ -152,7 +152,7 @@ TEST_P(ConformanceGpuTuning, EveryTuningCandidateMatchesTheCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(SplitKeyFamilies, ConformanceGpuTuning,
                          ::testing::Values(std::string("attention_splitkv"), std::string("paged_decode"),
-                                           std::string("rmsnorm_bwd_rows")),
+                                           std::string("rmsnorm_bwd_rows"), std::string("layernorm_bwd_rows")),
                          [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(AllFamilies, ConformanceGpu, ::testing::ValuesIn(conformance_families()),

@@ -180,6 +180,10 @@ TEST_F(LayerNormGpu, TheHeuristicsShapesMatchTheReference) {
   check(rt_.get(), {DType::bf16, 4095, 2880, false}, seed_ + k++);
   check(rt_.get(), {DType::bf16, 2048, 5120, true}, seed_ + k++);  // 16-byte accesses, four packs
   check(rt_.get(), {DType::f32, 2048, 896, true}, seed_ + k++);
+  // A few rows: the backward in one launch (layernorm_bwd_rows), with and without a bias.
+  check(rt_.get(), {DType::bf16, 2, 4096, false}, seed_ + k++);
+  check(rt_.get(), {DType::f16, 8, 8192, true}, seed_ + k++);
+  check(rt_.get(), {DType::f32, 5, 2048, false}, seed_ + k++);
 }
 
 TEST_F(LayerNormGpu, StridedRowsMatchTheReferenceAndLeaveThePaddingAlone) {
