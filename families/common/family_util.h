@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "kiln/family.h"
 #include "kiln/family_util.h"
 #include "kiln/problem.h"
 
@@ -47,6 +48,35 @@ inline const std::vector<std::int64_t>& row_kernel_blocks() {
 // power of two would leave with two blocks per SM fewer. At least 64 threads.
 inline std::int64_t row_kernel_block(std::int64_t packs) {
   return std::clamp<std::int64_t>((packs + 63) / 64 * 32, 64, 1024);
+}
+
+// The few-row backward kernels (rmsnorm_bwd_rows, layernorm_bwd_rows): the launch is one thread-block
+// cluster of `cluster` blocks, a block of `block` threads per row, `packs` 16-byte packs of each
+// row buffer per thread.
+struct FewRowsShape {
+  std::int64_t block, packs, cluster;
+};
+// The heuristic's shape for `rows` rows of `row_packs` 16-byte packs: one pack per thread up to
+// 1024 packs, else two; the smallest block from 32 threads that holds the row; the smallest
+// cluster that holds the rows. Nothing for 0 or more than 8 rows, or more than 2048 packs.
+inline std::optional<FewRowsShape> few_rows_shape(std::int64_t rows, std::int64_t row_packs) {
+  if (rows < 1 || rows > 8 || row_packs < 1 || row_packs > 2048) return std::nullopt;
+  FewRowsShape s{32, row_packs <= 1024 ? 1 : 2, 1};
+  while (s.block < 1024 && s.block * s.packs < row_packs) s.block *= 2;
+  while (s.cluster < rows) s.cluster *= 2;
+  return s;
+}
+// Their tuning space: the heuristic's variant `h` at every block and packs count that `f` accepts
+// for `p`.
+inline std::vector<Params> few_rows_tuning_space(const Family& f, const Params& h, const Problem& p) {
+  std::vector<Params> out;
+  for (std::int64_t packs : {1, 2})
+    for (std::int64_t block : {32, 64, 128, 256, 512, 1024}) {
+      Params c = h;
+      c.set("packs", packs).set("block", block);
+      if (f.check_problem(c, p).ok()) out.push_back(c);
+    }
+  return out;
 }
 
 // A `kiln tune --shape` list (Family::problem_from_shape): the value it gives `name`, if any.

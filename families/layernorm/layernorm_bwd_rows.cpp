@@ -12,27 +12,16 @@
 namespace kiln::families {
 namespace {
 
-constexpr std::int64_t k_max_rows = 8;
-constexpr std::int64_t k_max_packs = 2048;
-
-struct RowsChoice {
-  std::int64_t block, packs, cluster;
-};
-
 // The heuristic's shape for p, or nothing when the kernel cannot hold its rows (alignment is
 // check_problem's).
-std::optional<RowsChoice> choice_for(const Problem& p) {
+std::optional<FewRowsShape> choice_for(const Problem& p) {
   const auto q = p.as<LayerNormBwdRowsProblem>();
   const std::int64_t vec = 16 / std::int64_t(dtype_size(p.dtype));
-  if (q.rows < 1 || q.rows > k_max_rows || q.cols % vec || q.cols / vec > k_max_packs) return std::nullopt;
-  const std::int64_t packs = q.cols / vec;
-  RowsChoice c{32, packs <= 1024 ? 1 : 2, 1};
-  while (c.block < 1024 && c.block * c.packs < packs) c.block *= 2;
-  while (c.cluster < q.rows) c.cluster *= 2;
-  return c;
+  if (q.cols % vec) return std::nullopt;
+  return few_rows_shape(q.rows, q.cols / vec);
 }
 
-Params params_of(DType t, const RowsChoice& c) {
+Params params_of(DType t, const FewRowsShape& c) {
   return Params{{"dtype", std::string(dtype_name(t))},
                 {"block", c.block},
                 {"vec", 16 / std::int64_t(dtype_size(t))},
@@ -146,15 +135,7 @@ class LayerNormBwdRows final : public Family {
 
   // Every block and packs count that holds the row, at the heuristic's cluster.
   std::vector<Params> tuning_space(const Problem& p) const override {
-    std::vector<Params> out;
-    const Params h = heuristic(p);
-    for (std::int64_t packs : {1, 2})
-      for (std::int64_t block : {32, 64, 128, 256, 512, 1024}) {
-        Params c = h;
-        c.set("packs", packs).set("block", block);
-        if (check_problem(c, p).ok()) out.push_back(c);
-      }
-    return out;
+    return few_rows_tuning_space(*this, heuristic(p), p);
   }
 
   std::vector<Problem> benchmark_problems(DType dtype) const override {

@@ -12,22 +12,13 @@
 namespace kiln::families {
 namespace {
 
-struct RowsChoice {
-  std::int64_t block, packs, cluster;
-};
-
-// The heuristic's shape for p, or nothing when the kernel cannot hold it (the row count and the
-// packs; alignment is check_problem's).
-std::optional<RowsChoice> choice_for(const Problem& p) {
+// The heuristic's shape for p, or nothing when the kernel cannot hold its rows (alignment is
+// check_problem's).
+std::optional<FewRowsShape> choice_for(const Problem& p) {
   const auto q = p.as<RmsNormBwdRowsProblem>();
   const std::int64_t vec = 16 / std::int64_t(dtype_size(p.dtype));
-  if (q.rows < 1 || q.rows > k_rmsnorm_bwd_rows_max_rows || q.cols % vec) return std::nullopt;
-  const std::int64_t packs = q.cols / vec;
-  if (packs > k_rmsnorm_bwd_rows_max_packs) return std::nullopt;
-  RowsChoice c{32, packs <= 1024 ? 1 : 2, 1};
-  while (c.block < 1024 && c.block * c.packs < packs) c.block *= 2;
-  while (c.cluster < q.rows) c.cluster *= 2;
-  return c;
+  if (q.cols % vec) return std::nullopt;
+  return few_rows_shape(q.rows, q.cols / vec);
 }
 
 // Contiguous rows, with the options of add_rms_norm_backward (recompute, dh) when `fused`.
@@ -43,7 +34,7 @@ Problem contiguous(DType t, std::int64_t rows, std::int64_t cols, bool fused) {
                                            .eps = 1e-6});
 }
 
-Params params_of(DType t, const RowsChoice& c, const RmsNormBwdRowsProblem& q) {
+Params params_of(DType t, const FewRowsShape& c, const RmsNormBwdRowsProblem& q) {
   return Params{{"dtype", std::string(dtype_name(t))},
                 {"block", c.block},
                 {"vec", 16 / std::int64_t(dtype_size(t))},
@@ -178,15 +169,7 @@ class RmsNormBwdRows final : public Family {
 
   // Every block and packs count that holds the row, at the heuristic's cluster.
   std::vector<Params> tuning_space(const Problem& p) const override {
-    std::vector<Params> out;
-    const Params h = heuristic(p);
-    for (std::int64_t packs : {1, 2})
-      for (std::int64_t block : {32, 64, 128, 256, 512, 1024}) {
-        Params c = h;
-        c.set("packs", packs).set("block", block);
-        if (check_problem(c, p).ok()) out.push_back(c);
-      }
-    return out;
+    return few_rows_tuning_space(*this, heuristic(p), p);
   }
 
   std::vector<Problem> benchmark_problems(DType dtype) const override {

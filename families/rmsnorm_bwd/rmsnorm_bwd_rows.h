@@ -30,13 +30,9 @@ struct RmsNormBwdRowsProblem {
   double eps = 0;                  // value: added to mean(x^2) with recompute
 };
 
-// The most rows the kernel takes (its largest cluster) and the most packs a row may have.
-constexpr std::int64_t k_rmsnorm_bwd_rows_max_rows = 8;
-constexpr std::int64_t k_rmsnorm_bwd_rows_max_packs = 2048;
-
 // Whether the heuristic's variant holds p (16-byte aligned buffers and row strides, whole packs,
-// at most k_rmsnorm_bwd_rows_max_packs of them, 1 to k_rmsnorm_bwd_rows_max_rows rows) on a device
-// whose largest cluster is `max_cluster` (1 without clusters).
+// at most 2048 of them, 1 to 8 rows: few_rows_shape) on a device whose largest cluster is
+// `max_cluster` (1 without clusters).
 bool rmsnorm_bwd_rows_fits(const Problem& p, int max_cluster);
 
 }  // namespace kiln::families
