@@ -59,8 +59,9 @@ struct FewRowsShape {
 // The heuristic's shape for `rows` rows of `row_packs` 16-byte packs: one pack per thread up to
 // 1024 packs, else two; the smallest block from 32 threads that holds the row; the smallest
 // cluster that holds the rows. Nothing for 0 or more than 8 rows, or more than 2048 packs.
+constexpr std::int64_t k_few_rows_max = 8;
 inline std::optional<FewRowsShape> few_rows_shape(std::int64_t rows, std::int64_t row_packs) {
-  if (rows < 1 || rows > 8 || row_packs < 1 || row_packs > 2048) return std::nullopt;
+  if (rows < 1 || rows > k_few_rows_max || row_packs < 1 || row_packs > 2048) return std::nullopt;
   FewRowsShape s{32, row_packs <= 1024 ? 1 : 2, 1};
   while (s.block < 1024 && s.block * s.packs < row_packs) s.block *= 2;
   while (s.cluster < rows) s.cluster *= 2;

@@ -9,6 +9,7 @@
 #include "client/validate.h"
 #include "client/workspace.h"
 #include "common/half.h"
+#include "families/common/family_util.h"
 #include "families/layernorm/layernorm.h"
 #include "families/layernorm/layernorm_bwd_rows.h"
 #include "jit/device_info.h"
@@ -192,8 +193,8 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
   KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* device, jit::device_info(x.device.index));
   // 1 to 8 rows: one launch of layernorm_bwd_rows where it holds the problem (16-byte aligned rows
   // of whole packs, the gradients included), instead of the three below. One row's strides are the
-  // row length: only its first row is read.
-  {
+  // row length: only its first row is read. Larger calls skip the check.
+  if (rows >= 1 && rows <= families::k_few_rows_max) {
     const auto stride = [&](std::int64_t s) { return rows <= 1 ? cols : s; };
     const families::LayerNormBwdRowsProblem rq{.rows = rows,
                                                .cols = cols,

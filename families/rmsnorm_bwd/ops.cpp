@@ -16,6 +16,7 @@
 
 #include "client/validate.h"
 #include "client/workspace.h"
+#include "families/common/family_util.h"
 #include "families/rmsnorm_bwd/ops.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd_reduce.h"
@@ -219,8 +220,8 @@ Status backward(const char* op, const char* x_name, const TensorView& dy, const 
   }
   // 1 to 8 rows: one launch of rmsnorm_bwd_rows where it holds the problem (16-byte aligned rows
   // of whole packs, dw included), instead of the two stages below. One row's strides are the row
-  // length: only its first row is read.
-  {
+  // length: only its first row is read. Larger calls skip the check.
+  if (xr.rows >= 1 && xr.rows <= families::k_few_rows_max) {
     const auto stride = [&](std::int64_t s) { return xr.rows <= 1 ? hidden : s; };
     const families::RmsNormBwdRowsProblem rq{.rows = xr.rows,
                                              .cols = hidden,
