@@ -5,14 +5,15 @@ A step is `outs = f(inputs); torch.autograd.grad(outs, inputs + parameters, grad
 training loop pays per op, the autograd engine and every allocation included. For each contender:
 
 - wall: the median over trials of (host clock over a loop of steps, synchronized at both ends) /
-  steps; the GPU never waits for anything but the host;
+  steps, the contenders' loops taking turns within each trial; the GPU never waits for anything
+  but the host;
 - kernels: the GPU time of the kernels (and memsets/copies) one step launches, summed from
   torch.profiler's device events over a loop of steps;
 - wall / kernels: 1.0 means the step is as fast as its kernels; above, host cost shows.
 
 Then kiln's speedup per step over each peer (peer wall / kiln wall).
 
-  python3 bench/python/train_step.py [--quick] [--json FILE]
+  python3 bench/python/train_step.py [--quick] [--only SUBSTR,...] [--contenders kiln,eager,...] [--json FILE]
   python3 bench/python/train_step.py --markdown FILE.json    # the table of docs/benchmarks.md
 """
 import argparse
@@ -265,16 +266,23 @@ def step_fn(f, inputs, grads):
     return step
 
 
-def wall_us(step, steps, trials):
-    times = []
+def loop_us(step, steps):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / steps
+
+
+def wall_us(step_of, steps, trials):
+    """Median wall time per step of each contender, their loops interleaved trial by trial so that
+    a drift of the host's speed during the run reaches every contender alike."""
+    times = {who: [] for who in step_of}
     for _ in range(trials):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6 / steps)
-    return statistics.median(times)
+        for who, step in step_of.items():
+            times[who].append(loop_us(step, steps))
+    return {who: statistics.median(t) for who, t in times.items()}
 
 
 def kernel_us(step, steps):
@@ -340,7 +348,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--only", help="run only the cases whose name contains this")
+    ap.add_argument("--only", help="run only the cases whose name contains one of these (comma-separated)")
+    ap.add_argument("--contenders", help="time only these (comma-separated; kiln and eager always run)")
     ap.add_argument("--markdown", metavar="FILE", help="print the table of a run's JSON and exit (no GPU)")
     args = ap.parse_args()
     if args.markdown:
@@ -351,21 +360,27 @@ def main():
     rows, failed = [], False
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for name, inputs, grads, contenders in cases(args.quick and not args.only):
-        if args.only and args.only not in name:
+        if args.only and not any(o in name for o in args.only.split(",")):
             continue
+        if args.contenders:
+            keep = set(args.contenders.split(",")) | {"kiln", "eager"}
+            contenders = {who: f for who, f in contenders.items() if who in keep}
         err, ok = check(name, contenders, inputs, grads)
         failed |= not ok
         row = {"case": name, "rel_err": err, "wall_us": {}, "kernel_us": {}}
+        step_of = {}
         for who, f in contenders.items():
             step = step_fn(f, inputs, grads)
             try:
                 for _ in range(5):
                     step()
-                row["wall_us"][who] = wall_us(step, steps, trials)
-                row["kernel_us"][who] = kernel_us(step, 10)
-                row.setdefault("peak_mib", {})[who] = peak_mib(step)
+                step_of[who] = step
             except Exception as e:  # a peer that cannot run this case
                 row.setdefault("errors", {})[who] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["wall_us"] = wall_us(step_of, steps, trials)
+        for who, step in step_of.items():
+            row["kernel_us"][who] = kernel_us(step, 10)
+            row.setdefault("peak_mib", {})[who] = peak_mib(step)
         rows.append(row)
         k = row["wall_us"]["kiln"]
         parts = [f"{who} {w:8.1f} ({row['kernel_us'][who]:7.1f} gpu, {w / row['kernel_us'][who]:.2f}x, "

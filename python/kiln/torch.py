@@ -99,12 +99,24 @@ def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(_rows_shape(x), dtype=torch.float32)
 
 
+# rms_norm_backward_workspace_elements by (shape, dtype, device): the size depends on nothing else,
+# and asking kiln on every training step costs more host time than the launch.
+_NORM_WORKSPACE_ELEMENTS = {}
+
+
 def _norm_backward_workspace(x):
     """The f32 scratch of the rmsnorm_bwd launches for rows like x (None on the host), allocated by
     PyTorch rather than kiln's per-stream cache: no cuMemAlloc during a CUDA-graph capture."""
     if not x.is_cuda:
         return None
-    return _new(x, (max(_ops.rms_norm_backward_workspace_elements(x), 1),), torch.float32)
+    key = (x.shape, x.dtype, x.device)
+    elements = _NORM_WORKSPACE_ELEMENTS.get(key)
+    if elements is None:
+        elements = max(_ops.rms_norm_backward_workspace_elements(x), 1)
+        if len(_NORM_WORKSPACE_ELEMENTS) >= 4096:
+            _NORM_WORKSPACE_ELEMENTS.clear()
+        _NORM_WORKSPACE_ELEMENTS[key] = elements
+    return torch.empty(elements, dtype=torch.float32, device=x.device)
 
 
 def _rms_norm_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, inv_rms: Tensor) -> Tuple[Tensor, Tensor]:
@@ -338,12 +350,9 @@ def _rms_norm_rope_backward_impl(dout: Tensor, x: Tensor, weight: Tensor, cos: T
     dout = dout.contiguous()  # dout of a sum() is an expanded (stride 0) tensor
     if x.numel() == 0:
         return torch.empty_like(x), torch.zeros_like(weight)
-    workspace = None
-    if x.is_cuda:
-        # Allocated by PyTorch rather than kiln's per-stream cache: no cuMemAlloc during capture.
-        workspace = _new(x, (max(_ops.rms_norm_backward_workspace_elements(x), 1),), torch.float32)
     dx, dw = torch.empty_like(x), torch.empty_like(weight)
-    _ops._call(_RMS_NORM_ROPE_BACKWARD, None, None, dout, x, weight, cos, sin, workspace, dx, dw, eps, num_heads)
+    _ops._call(_RMS_NORM_ROPE_BACKWARD, None, None, dout, x, weight, cos, sin, _norm_backward_workspace(x), dx, dw, eps,
+               num_heads)
     return dx, dw
 
 
@@ -1117,43 +1126,52 @@ def _schema(decl):
     return f"({', '.join(args)}) -> ({outs})" if len(decl.outputs) > 1 else f"({', '.join(args)}) -> Tensor"
 
 
-def _output_shapes(decl, inputs, scalars):
-    """The outputs' (shape, dtype) from the declaration's shape inference, which takes concrete
-    sizes: a symbolic size (torch.compile with dynamic shapes) is specialized to its current value
-    (int() installs the guard), so the graph is correct and recompiles for another size."""
-    values = decl.scalar_values(scalars)
-    shapes = [None if t is None else tuple(int(d) for d in t.shape) for t in inputs] + [None] * len(decl.outputs)
-    dtypes = [None if t is None else _KIND_CODE.get(t.dtype, -1) for t in inputs] + [None] * len(decl.outputs)
+def _output_shapes(decl, inputs, values, concrete=False):
+    """The outputs' (shape, dtype) from the declaration's shape inference, for scalars as
+    decl.scalar_values gives them. Inference takes concrete sizes: a symbolic size (torch.compile
+    with dynamic shapes) is specialized to its current value (int() installs the guard), so the
+    graph is correct and recompiles for another size. concrete: the inputs are real tensors, whose
+    torch.Size already holds ints."""
+    if concrete:
+        shapes = [None if t is None else t.shape for t in inputs]
+    else:
+        shapes = [None if t is None else tuple(int(d) for d in t.shape) for t in inputs]
+    dtypes = [None if t is None else _KIND_CODE.get(t.dtype, -1) for t in inputs]
     if -1 in dtypes:
         bad = next(t.dtype for t in inputs if t is not None and t.dtype not in _KIND_CODE)
         raise _ops.UnsupportedDtypeError(f"{decl.name}: kiln does not take {bad} tensors")
-    return [(shape, _TORCH_DTYPES[dtype]) for shape, dtype in decl.infer(shapes, dtypes, values)]
+    return [(shape, _TORCH_DTYPES[dtype])
+            for shape, dtype in decl.infer(shapes + [None] * len(decl.outputs), dtypes + [None] * len(decl.outputs),
+                                           values)]
 
 
 def _declared_impl(decl):
     # Inputs the op reads at any row stride (the declaration's strided_rows) are passed as they are
     # where their rows collapse to one stride; the others are made contiguous.
     strided = [t.get("strided_rows", False) for t in decl.inputs]
+    n_in, op_id = len(decl.inputs), decl.id
 
     def impl(*args):
         inputs = [None if t is None else _rows_contiguous(t) if rows else t.contiguous()
-                  for t, rows in zip(args[:len(decl.inputs)], strided)]
-        scalars = list(args[len(decl.inputs):])
+                  for t, rows in zip(args[:n_in], strided)]
+        values = decl.scalar_values(args[n_in:])
         first = next(t for t in inputs if t is not None)
-        shapes = _output_shapes(decl, inputs, scalars)
+        shapes = _output_shapes(decl, inputs, values, concrete=True)
         if any(t is not None and t.numel() == 0 for t in inputs):
             # PyTorch gives empty tensors a null pointer, which kiln rejects: sums of nothing are 0.
             outs = [torch.zeros(s, dtype=d, device=first.device) for s, d in shapes]
         else:
             outs = [torch.empty(s, dtype=d, device=first.device) for s, d in shapes]
-            kwargs = {t["name"]: o for t, o in zip(decl.outputs, outs)}
-            decl(*inputs, *scalars, **kwargs)
+            # Straight to the C op, which checks every tensor and scalar: the arguments are already
+            # bound (the schema, or kiln.torch's function, named them).
+            _ops._call(op_id, None, None, *inputs, *outs, *values)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def fake(*args):
         inputs = list(args[:len(decl.inputs)])
         first = next(t for t in inputs if t is not None)
-        outs = [first.new_empty(s, dtype=d) for s, d in _output_shapes(decl, inputs, list(args[len(decl.inputs):]))]
+        values = decl.scalar_values(args[len(decl.inputs):])
+        outs = [first.new_empty(s, dtype=d) for s, d in _output_shapes(decl, inputs, values)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     return impl, fake
@@ -1168,38 +1186,48 @@ def _register_autograd(decl):
     saved = [t["name"] for t in bwd.inputs if not t["grad_of"] and (t["name"] in names_in or t["name"] in names_out)]
     bwd_op = getattr(torch.ops.kiln, bwd.name)
 
+    n_in, n_sc = len(names_in), len(scalar_names)
+    # Where each of the saved tensors comes from: ("in", i) or ("out", i), inputs first by name.
+    sources = [("in", names_in.index(n)) if n in names_in else ("out", names_out.index(n)) for n in saved]
+    # Each argument of the backward op: ("grad", output index), ("saved", index) or None (an input
+    # neither saved nor a gradient: absent), then its scalars by the forward's scalar index.
+    plan = [("grad", names_out.index(t["grad_of"])) if t["grad_of"] else
+            ("saved", saved.index(t["name"])) if t["name"] in saved else None for t in bwd.inputs]
+    bwd_scalars = [s["name"] for s in bwd.scalars]
+    # The gradient each output of the backward op is: the forward input's index, or None.
+    result_index = [names_in.index(t["grad_of"]) if t["grad_of"] in names_in else None for t in bwd.outputs]
+
     def setup_context(ctx, inputs, output):
         outs = output if isinstance(output, tuple) else (output,)
-        by_name = dict(zip(names_in, inputs[:len(names_in)]))
-        by_name.update(zip(names_out, outs))
-        ctx.save_for_backward(*[by_name[n] for n in saved])
-        ctx.scalars = dict(zip(scalar_names, inputs[len(names_in):]))
-        ctx.present = [t is not None for t in inputs[:len(names_in)]]
+        ctx.save_for_backward(*[inputs[i] if kind == "in" else outs[i] for kind, i in sources])
+        ctx.scalars = dict(zip(scalar_names, inputs[n_in:]))
+        ctx.present = [t is not None for t in inputs[:n_in]]
         ctx.out_meta = [(o.shape, o.dtype) for o in outs]
 
     def backward_with(run_backward):
         return lambda ctx, *grads: backward(ctx, grads, run_backward)
 
     def backward(ctx, grads, run_backward):
-        by_name = dict(zip(saved, ctx.saved_tensors))
+        saved_tensors = ctx.saved_tensors
         args = []
-        for t in bwd.inputs:
-            if t["grad_of"]:
-                i = names_out.index(t["grad_of"])
-                g = grads[i]
-                if g is None:
-                    g = torch.zeros(ctx.out_meta[i][0], dtype=ctx.out_meta[i][1], device=ctx.saved_tensors[0].device)
-                args.append(g)
+        for step in plan:
+            if step is None:
+                args.append(None)
+            elif step[0] == "saved":
+                args.append(saved_tensors[step[1]])
             else:
-                args.append(by_name.get(t["name"]))
-        args += [ctx.scalars[s["name"]] for s in bwd.scalars]
+                g = grads[step[1]]
+                if g is None:
+                    shape, dtype = ctx.out_meta[step[1]]
+                    g = torch.zeros(shape, dtype=dtype, device=saved_tensors[0].device)
+                args.append(g)
+        args += [ctx.scalars[n] for n in bwd_scalars]
         outs = run_backward(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        result = [None] * (len(names_in) + len(scalar_names))
-        for t, g in zip(bwd.outputs, outs):
-            if t["grad_of"] in names_in:
-                i = names_in.index(t["grad_of"])
-                result[i] = g if ctx.present[i] else None
+        result = [None] * (n_in + n_sc)
+        for i, g in zip(result_index, outs):
+            if i is not None and ctx.present[i]:
+                result[i] = g
         return tuple(result)
 
     torch.library.register_autograd(f"kiln::{decl.name}", backward_with(bwd_op), setup_context=setup_context)
