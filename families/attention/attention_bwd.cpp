@@ -20,6 +20,19 @@ bool attention_bwd_head_dims_supported(std::int64_t head_dim, std::int64_t head_
                    std::pair{head_dim, head_dim_v}) != k_attention_bwd_head_dims.end();
 }
 
+bool attention_bwd_sm90_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v) {
+  return std::find(k_attention_bwd_sm90_head_dims.begin(), k_attention_bwd_sm90_head_dims.end(),
+                   std::pair{head_dim, head_dim_v}) != k_attention_bwd_sm90_head_dims.end();
+}
+
+std::uint32_t attention_bwd_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v) {
+  // 1024 bytes of alignment slack; K and V of 128 keys; the stages (Q and dO of 64 queries, lse and
+  // Dsum, rounded up to 1024 bytes); two dS^T buffers [128, 64]; the barriers.
+  const std::int64_t stage = (64 * 2 * (head_dim + head_dim_v) + 2 * 64 * 4 + 1023) / 1024 * 1024;
+  return std::uint32_t(1024 + 128 * 2 * (head_dim + head_dim_v) + k_attention_bwd_sm90_stages * stage +
+                       2 * 128 * 64 * 2 + 8 * (1 + 2 * k_attention_bwd_sm90_stages));
+}
+
 int attention_bwd_block_m(std::int64_t head_dim, std::int64_t head_dim_v) {
   return std::max(head_dim, head_dim_v) > 96 ? 32 : 64;
 }
@@ -45,7 +58,17 @@ std::uint32_t attention_bwd_smem_bytes(std::int64_t head_dim, std::int64_t head_
 
 namespace {
 
-constexpr std::int64_t k_sm80_smem = 163 * 1024;
+constexpr std::int64_t k_sm80_smem = 163 * 1024, k_sm90_smem = 227 * 1024;
+
+// The main stage's sm_90a kernel (path "wgmma"); Params without a path are the mma.sync kernel's.
+bool is_wgmma(const Params& params) { return params.get_str("path").value_or("mma") == "wgmma"; }
+
+// Where the heuristic takes the sm_90a main kernel: an H100-class device, its head dims, fast mode
+// without softcap, and tokens to copy.
+bool wgmma_fits(const AttentionBwdProblem& a, std::int64_t cc) {
+  return cc == 90 && attention_bwd_sm90_head_dims_supported(a.head_dim, a.head_dim_v) && !a.deterministic &&
+         a.softcap == 0 && a.total_q > 0 && a.total_k > 0;
+}
 
 struct Seq {
   std::int64_t q0, lq, k0, lk;
@@ -210,7 +233,7 @@ namespace {
 class AttentionBwd final : public Family {
  public:
   std::string_view name() const override { return "attention_bwd"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -221,6 +244,9 @@ class AttentionBwd final : public Family {
         {"head_dim_v", {64, 80, 96, 128}, {}, "elements per head of v and out"},
         {"warps", {4, 8}, {}, "main: warps per block, 16 keys each"},
         {"block_m", {32, 64}, {}, "query rows a tile (fixed by the head dims: attention_bwd_block_m)"},
+        {"path", {}, {"mma", "wgmma"},
+         "main: mma: mma.sync, cp.async (sm_80 and later); wgmma: warp-specialized wgmma, TMA (sm_90a; fast mode "
+         "without softcap; 128 keys a block, 64 queries a tile; warps unused)"},
     };
     return defs;
   }
@@ -256,6 +282,13 @@ class AttentionBwd final : public Family {
     if (*params.get_int("block_m") != attention_bwd_block_m(d, dv))
       return invalid_argument("attention_bwd: head dims " + std::to_string(d) + "/" + std::to_string(dv) +
                               " take block_m " + std::to_string(attention_bwd_block_m(d, dv)));
+    if (is_wgmma(params)) {
+      if (stage_of(params) != 1) return invalid_argument("attention_bwd: the wgmma kernel is the main stage's");
+      if (!attention_bwd_sm90_head_dims_supported(d, dv))
+        return invalid_argument("attention_bwd: no wgmma kernel for head_dim " + std::to_string(d) +
+                                " with head_dim_v " + std::to_string(dv));
+      return {};
+    }
     // The main kernel's warps tile dQ [block_m, head_dim] as block_m / 16 row groups times column
     // groups of a multiple of 16 dims.
     const std::int64_t warps = *params.get_int("warps"), rows = *params.get_int("block_m") / 16;
@@ -272,6 +305,12 @@ class AttentionBwd final : public Family {
     const std::string warps = std::to_string(*params.get_int("warps"));
     const std::string bm = std::to_string(*params.get_int("block_m"));
     Rendered r;
+    if (is_wgmma(params)) {
+      r.source = "#include \"attention/attention_bwd_sm90.cuh\"\n";
+      r.name_expression = "kiln::attention::attention_bwd_sm90<" + t + ", " + d + ", " + dv + ", " + bm + ", " +
+                          std::to_string(k_attention_bwd_sm90_stages) + ">";
+      return r;
+    }
     r.source = "#include \"attention/attention_bwd.cuh\"\n";
     switch (stage_of(params)) {
       case 0: r.name_expression = "kiln::attention::attention_bwd_prep<" + t + ", " + d + ", " + dv + ", " + bm + ">"; break;
@@ -283,12 +322,19 @@ class AttentionBwd final : public Family {
     return r;
   }
 
-  // Every stage for every dtype and head-dim pair (the heuristic's only tile).
+  bool runs_on(const Params& params, const GpuArch& arch) const override {
+    return !is_wgmma(params) || (arch.capability == 90 && arch.suffix == 'a');
+  }
+
+  // Every stage for every dtype and head-dim pair (the mma.sync kernel's tile), then the sm_90a
+  // main kernel for its pairs.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* dtype : {"f16", "bf16"})
       for (const auto& [d, dv] : k_attention_bwd_head_dims)
         for (std::int64_t stage = 0; stage < 3; ++stage) out.push_back(make(dtype, d, dv, stage));
+    for (const char* dtype : {"f16", "bf16"})
+      for (const auto& [d, dv] : k_attention_bwd_sm90_head_dims) out.push_back(make_sm90(dtype, d, dv));
     return out;
   }
 
@@ -309,9 +355,18 @@ class AttentionBwd final : public Family {
                               " stage, the problem asks for " + k_stages[a.stage]);
     if (p.alignment < 16) return invalid_argument("attention_bwd: q, k, v, out, dout and the gradients must be 16-byte aligned");
     if (p.cc && p.cc < 80) return invalid_argument("attention_bwd: the kernels need compute capability 8.0 or later");
-    if (attention_bwd_smem_bytes(a.head_dim, a.head_dim_v, int(*params.get_int("warps")),
-                                 int(*params.get_int("block_m"))) > k_sm80_smem)
+    if (is_wgmma(params)) {
+      if (p.cc && p.cc != 90) return invalid_argument("attention_bwd: the wgmma kernel needs compute capability 9.0 (sm_90a)");
+      if (a.deterministic) return invalid_argument("attention_bwd: the wgmma kernel has no deterministic mode");
+      if (a.softcap != 0) return invalid_argument("attention_bwd: the wgmma kernel takes no softcap");
+      if (a.total_q <= 0 || a.total_k <= 0)
+        return invalid_argument("attention_bwd: the wgmma kernel needs at least one query and one key token");
+      if (attention_bwd_sm90_smem_bytes(a.head_dim, a.head_dim_v) > k_sm90_smem)
+        return invalid_argument("attention_bwd: the variant needs more than 227 KiB of shared memory");
+    } else if (attention_bwd_smem_bytes(a.head_dim, a.head_dim_v, int(*params.get_int("warps")),
+                                        int(*params.get_int("block_m"))) > k_sm80_smem) {
       return invalid_argument("attention_bwd: the variant needs more shared memory than sm_80 grants a block");
+    }
     const std::int64_t lim = 0x7fffffff;
     if (a.batch > 65535 || a.heads > 65535 || a.seqlen_q > lim || a.seqlen_k > lim || a.total_q * a.heads > lim ||
         a.total_k * a.heads > lim)
@@ -339,6 +394,13 @@ class AttentionBwd final : public Family {
         break;
       }
       default:
+        if (is_wgmma(params)) {
+          // Two consumer warpgroups of 64 keys and the producer warpgroup.
+          g.grid.x = std::uint32_t(std::max<std::int64_t>((a.seqlen_k + 127) / 128, 1));
+          g.block.x = 384;
+          g.shared_bytes = attention_bwd_sm90_smem_bytes(a.head_dim, a.head_dim_v);
+          break;
+        }
         g.grid.x = std::uint32_t(std::max<std::int64_t>((a.seqlen_k + bn - 1) / bn, 1));
         g.block.x = std::uint32_t(32 * warps);
         g.shared_bytes = attention_bwd_smem_bytes(a.head_dim, a.head_dim_v, int(warps), int(bm));
@@ -350,6 +412,7 @@ class AttentionBwd final : public Family {
     const auto a = p.as<AttentionBwdProblem>();
     const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
     if (!attention_bwd_head_dims_supported(a.head_dim, a.head_dim_v)) return make(dtype, 128, 128, a.stage);
+    if (a.stage == 1 && wgmma_fits(a, p.cc)) return make_sm90(dtype, a.head_dim, a.head_dim_v);
     return make(dtype, a.head_dim, a.head_dim_v, std::clamp<std::int64_t>(a.stage, 0, 2));
   }
 
@@ -358,8 +421,13 @@ class AttentionBwd final : public Family {
     Params h = heuristic(p);
     if (p.as<AttentionBwdProblem>().stage != 1) return {h};
     std::vector<Params> out;
+    const auto a = p.as<AttentionBwdProblem>();
+    if (wgmma_fits(a, p.cc)) {
+      Params c = make_sm90(p.dtype == DType::bf16 ? "bf16" : "f16", a.head_dim, a.head_dim_v);
+      if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+    }
     for (std::int64_t warps : {4, 8}) {
-      Params c = h;
+      Params c = make(p.dtype == DType::bf16 ? "bf16" : "f16", a.head_dim, a.head_dim_v, 1);
       c.set("warps", warps);
       if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
     }
@@ -442,9 +510,15 @@ class AttentionBwd final : public Family {
             {"dv", BufferRole::output, p.dtype, a.total_k * a.kv_heads * a.head_dim_v}};
   }
 
-  void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
+  void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto a = p.as<AttentionBwdProblem>();
-    for (std::size_t i = 0; i < std::size_t(b_count); ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
+    auto buf = [&](std::size_t i) { return i < b.size() ? b[i] : static_cast<void*>(nullptr); };
+    // wgmma: the buffers it reads by pointer (lse, cu_seqlens, workspace, dk, dv); q, k, v and dout
+    // come as tensor maps after the scalars.
+    if (is_wgmma(params))
+      for (std::size_t i : {b_lse, b_cu_q, b_cu_k, b_ws, b_dk, b_dv}) out.add(buf(i));
+    else
+      for (std::size_t i = 0; i < std::size_t(b_count); ++i) out.add(buf(i));
     out.add(int(a.seqlen_q));
     out.add(int(a.seqlen_k));
     out.add(int(a.total_q));
@@ -456,7 +530,18 @@ class AttentionBwd final : public Family {
     out.add(int(a.window_right));
     out.add(int((a.varlen ? 1 : 0) | (a.deterministic ? 2 : 0)));  // flags: k_bwd_varlen, k_bwd_deterministic
     out.add(float(a.scale));
-    out.add(float(a.softcap));
+    if (!is_wgmma(params)) {
+      out.add(float(a.softcap));
+      return;
+    }
+    // wgmma: tensor maps of q, k, v and dout (tokens x heads * head_dim * 2 bytes; boxes of 64
+    // query rows and of 128 keys).
+    const auto rows = [](std::int64_t n) { return std::uint64_t(std::max<std::int64_t>(n, 1)); };
+    auto at = [&](std::size_t i) { return static_cast<const void*>(buf(i)); };
+    out.add_tensor_map({at(b_q), std::uint64_t(a.heads * a.head_dim * 2), rows(a.total_q), 64, 0});
+    out.add_tensor_map({at(b_k), std::uint64_t(a.kv_heads * a.head_dim * 2), rows(a.total_k), 128, 0});
+    out.add_tensor_map({at(b_v), std::uint64_t(a.kv_heads * a.head_dim_v * 2), rows(a.total_k), 128, 0});
+    out.add_tensor_map({at(b_dout), std::uint64_t(a.heads * a.head_dim_v * 2), rows(a.total_q), 64, 0});
   }
 
   // What the stage's kernel computes, in fp64, on the buffers of buffers(): prep writes the
@@ -553,7 +638,13 @@ class AttentionBwd final : public Family {
                   {"head_dim", d},
                   {"head_dim_v", dv},
                   {"warps", std::int64_t(attention_bwd_warps(d, dv))},
-                  {"block_m", std::int64_t(attention_bwd_block_m(d, dv))}};
+                  {"block_m", std::int64_t(attention_bwd_block_m(d, dv))},
+                  {"path", std::string("mma")}};
+  }
+  static Params make_sm90(const std::string& dtype, std::int64_t d, std::int64_t dv) {
+    Params p = make(dtype, d, dv, 1);
+    p.set("path", std::string("wgmma"));
+    return p;
   }
 };
 

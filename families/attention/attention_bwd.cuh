@@ -455,7 +455,5 @@ __global__ void __launch_bounds__(256) attention_bwd_finish(KILN_ATTENTION_BWD_A
   }
 }
 
-#undef KILN_ATTENTION_BWD_ARGS
-
 }  // namespace attention
 }  // namespace kiln

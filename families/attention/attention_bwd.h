@@ -6,9 +6,12 @@
 // heuristic picks the stage's kernel): 0 prep (Dsum = rowsum(dout * out), the dQ accumulator and
 // the order counters reset), 1 main (a block per K/V tile of 16 * warps keys loops over the query
 // tiles; dK, dV in registers; dQ added to an f32 accumulator, atomically or in key-tile order),
-// 2 finish (dQ to the dtype; with GQA dK and dV summed over each KV head's query heads).
+// 2 finish (dQ to the dtype; with GQA dK and dV summed over each KV head's query heads). On
+// sm_90a the main stage runs attention_bwd_sm90.cuh (path wgmma: TMA, wgmma, 128 keys a block) at
+// head dims 64 and 128 in fast mode without softcap.
 // Params: stage {prep, main, finish}; dtype {f16, bf16}; head_dim = head_dim_v in
-// k_attention_bwd_head_dims; warps 4 (64 keys a block); block_m, query rows a tile
+// k_attention_bwd_head_dims; path {mma, wgmma} (main); warps 4 (64 keys a block); block_m, query
+// rows a tile
 // (attention_bwd_block_m; the workspace's layout depends on it, so it is fixed by the head dims).
 // Buffers: q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, workspace (f32, its layout in
 // attention_bwd.cuh; listed as an input: each stage reads what the one before it wrote), dq, dk, dv.
@@ -32,6 +35,14 @@ namespace kiln::families {
 inline constexpr std::array<std::pair<std::int64_t, std::int64_t>, 4> k_attention_bwd_head_dims = {
     {{64, 64}, {80, 80}, {96, 96}, {128, 128}}};
 bool attention_bwd_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v);
+
+// The pairs the sm_90a main kernel (path wgmma: attention_bwd_sm90.cuh) is built for.
+inline constexpr std::array<std::pair<std::int64_t, std::int64_t>, 2> k_attention_bwd_sm90_head_dims = {
+    {{64, 64}, {128, 128}}};
+bool attention_bwd_sm90_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v);
+// Dynamic shared memory of the sm_90a main kernel, and its ring's stages.
+inline constexpr int k_attention_bwd_sm90_stages = 2;
+std::uint32_t attention_bwd_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v);
 
 // Warps of the main kernel the heuristic picks: 16 keys each.
 int attention_bwd_warps(std::int64_t head_dim, std::int64_t head_dim_v);

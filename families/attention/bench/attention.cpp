@@ -9,7 +9,7 @@
 // behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
 // Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read, the
 // heuristic's split count beside the best of a sweep of counts; KILN_BENCH_ATTENTION_PART=decode
-// runs decode alone.
+// runs decode alone, =backward the backward alone.
 //
 // The backward (bf16): first small problems
 // (head dims 64 and 128, GQA, full and causal, both modes) against the CPU reference with poisoned
@@ -343,6 +343,11 @@ int run(Context& ctx) {
   const char* only_variants = std::getenv("KILN_BENCH_ATTENTION_VARIANTS");
   if (only_variants && std::string(only_variants) == "only") {
     const int rc = variants(ctx, rows);
+    (*ctx.out)["attention"] = rows;
+    return rc;
+  }
+  if (const char* part = std::getenv("KILN_BENCH_ATTENTION_PART"); part && std::string(part) == "backward") {
+    const int rc = backward(ctx, rows);
     (*ctx.out)["attention"] = rows;
     return rc;
   }

@@ -355,10 +355,36 @@ TEST(AttentionBwdCpu, TheGpuPathRejectsWhatItCannotRunBeforeAnyLaunch) {
   a.stage = 0;
   p.set(a);
   EXPECT_EQ(f->check_problem(main, p).code(), Code::invalid_argument);
-  // Every catalog variant is a stage of a supported head-dim pair; three stages for each.
+  // Every catalog variant is a stage of a supported head-dim pair (three stages for each), or the
+  // sm_90a main kernel of one of its pairs.
   const auto cat = f->catalog();
-  EXPECT_EQ(cat.size(), 2 * families::k_attention_bwd_head_dims.size() * 3);
+  EXPECT_EQ(cat.size(), 2 * families::k_attention_bwd_head_dims.size() * 3 +
+                            2 * families::k_attention_bwd_sm90_head_dims.size());
   for (const Params& v : cat) EXPECT_TRUE(f->validate(v).ok()) << v.canonical();
+  // On compute capability 9.0 the main stage takes the wgmma kernel in fast mode without softcap
+  // at its head dims, the mma.sync kernel otherwise; the wgmma kernel refuses what it cannot run.
+  a.stage = 1;
+  a.head_dim = a.head_dim_v = 128;
+  p.set(a);
+  p.cc = 90;
+  const Params wgmma = f->heuristic(p);
+  EXPECT_EQ(wgmma.get_str("path").value_or(""), "wgmma");
+  EXPECT_TRUE(f->check_problem(wgmma, p).ok());
+  EXPECT_LE(families::attention_bwd_sm90_smem_bytes(128, 128), 227u * 1024);
+  for (auto change : {+[](families::AttentionBwdProblem& x) { x.deterministic = 1; },
+                      +[](families::AttentionBwdProblem& x) { x.softcap = 30; },
+                      +[](families::AttentionBwdProblem& x) { x.head_dim = x.head_dim_v = 96; }}) {
+    families::AttentionBwdProblem b = a;
+    change(b);
+    Problem q = p;
+    q.set(b);
+    EXPECT_EQ(f->heuristic(q).get_str("path").value_or(""), "mma");
+    if (b.head_dim == 128) EXPECT_EQ(f->check_problem(wgmma, q).code(), Code::invalid_argument);
+  }
+  p.cc = 80;
+  EXPECT_EQ(f->heuristic(p).get_str("path").value_or(""), "mma");
+  EXPECT_EQ(f->check_problem(wgmma, p).code(), Code::invalid_argument);
+  p.cc = 0;
   // Shared memory of the main kernel fits sm_80 at every head dim.
   for (const auto& [d, dv] : families::k_attention_bwd_head_dims)
     EXPECT_LE(families::attention_bwd_smem_bytes(d, dv, families::attention_bwd_warps(d, dv),
