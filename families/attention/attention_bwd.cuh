@@ -100,6 +100,23 @@ __device__ __forceinline__ void visible_key_tiles(int m, int lq, int lk, int win
   t_end = n_end > n_begin ? (n_end + BN - 1) / BN : t_begin;
 }
 
+// The query tiles [m_begin, m_end) (tiles of BM queries) that see any key of key tile `n` (tiles
+// of BN keys): visible_key_tiles scanned over the sequence's query tiles. Empty: m_begin = m_end.
+template <int BM, int BN>
+__device__ __forceinline__ void visible_query_tiles(int n, int lq, int lk, int window_left, int window_right,
+                                                    int& m_begin, int& m_end) {
+  m_begin = m_end = 0;
+  bool found = false;
+  for (int m = 0; m < (lq + BM - 1) / BM; ++m) {
+    int tb, te;
+    visible_key_tiles<BM, BN>(m, lq, lk, window_left, window_right, tb, te);
+    if (tb > n || n >= te) continue;
+    if (!found) m_begin = m;
+    found = true;
+    m_end = m + 1;
+  }
+}
+
 // Adds (a, b) to p[0], p[1] in global memory: one vector reduction on sm_90, two scalar atomics
 // before it.
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
@@ -151,21 +168,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_bwd_main(KILN_ATTENTION_
   const T* gp = dout + q0 * o_stride + (long long)h * DV;
 
   // The query tiles that see any key of this tile.
-  int m_begin = 0, m_end = 0;
-  {
-    const int lq_tiles = (lq + BM - 1) / BM;
-    bool found = false;
-    for (int m = 0; m < lq_tiles; ++m) {
-      int tb, te;
-      visible_key_tiles<BM, BN>(m, lq, lk, window_left, window_right, tb, te);
-      const bool sees = tb <= nblock && nblock < te;
-      if (sees && !found) {
-        m_begin = m;
-        found = true;
-      }
-      if (sees) m_end = m + 1;
-    }
-  }
+  int m_begin, m_end;
+  visible_query_tiles<BM, BN>(nblock, lq, lk, window_left, window_right, m_begin, m_end);
 
   const bool capped = softcap > 0.0f;
   const float scale_log2 = scale * k_log2e, cap_in = capped ? scale / softcap : 0.0f;

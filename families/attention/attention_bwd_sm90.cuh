@@ -88,21 +88,8 @@ __global__ void __launch_bounds__(384, 1)
   const BwdWorkspace w = bwd_workspace<D, DV, BMW>(ws, seqlen_q, total_q, total_k, batch, heads);
 
   // The query tiles that see any key of this block: [m_begin, m_end).
-  int m_begin = 0, m_end = 0;
-  {
-    const int lq_tiles = (lq + BM - 1) / BM;
-    bool found = false;
-    for (int m = 0; m < lq_tiles; ++m) {
-      int tb, te;
-      visible_key_tiles<BM, BN>(m, lq, lk, window_left, window_right, tb, te);
-      const bool sees = tb <= nblock && nblock < te;
-      if (sees && !found) {
-        m_begin = m;
-        found = true;
-      }
-      if (sees) m_end = m + 1;
-    }
-  }
+  int m_begin, m_end;
+  visible_query_tiles<BM, BN>(nblock, lq, lk, window_left, window_right, m_begin, m_end);
 
   if (tid == 0) {
     ptx::mbar_init(kv_full, 1);
