@@ -43,9 +43,11 @@ int attention_bwd_warps(std::int64_t head_dim, std::int64_t head_dim_v) {
   return head_dim == 80 || head_dim_v == 80 ? 4 : 8;
 }
 
+std::int64_t attention_bwd_dsum_words(const AttentionBwdProblem& a) { return (a.heads * a.total_q + 3) / 4 * 4; }
+
 std::int64_t attention_bwd_workspace_elements(const AttentionBwdProblem& a) {
   const std::int64_t bm = attention_bwd_block_m(a.head_dim, a.head_dim_v), m_tiles = (a.seqlen_q + bm - 1) / bm;
-  std::int64_t n = a.heads * a.total_q + a.total_q * a.heads * a.head_dim + a.batch * a.heads * m_tiles;
+  std::int64_t n = attention_bwd_dsum_words(a) + a.total_q * a.heads * a.head_dim + a.batch * a.heads * m_tiles;
   if (a.heads != a.kv_heads) n += a.total_k * a.heads * (a.head_dim + a.head_dim_v);
   return std::max<std::int64_t>(n, 1);
 }
@@ -559,7 +561,7 @@ class AttentionBwd final : public Family {
     const std::int64_t bm = *params.get_int("block_m"), m_tiles = (a.seqlen_q + bm - 1) / bm;
     auto* ws = static_cast<float*>(buf[b_ws]);
     float* dsum = ws;
-    float* dqa = dsum + a.heads * a.total_q;
+    float* dqa = dsum + attention_bwd_dsum_words(a);
     auto* counters = reinterpret_cast<std::int32_t*>(dqa + a.total_q * a.heads * d);
     float* dkw = reinterpret_cast<float*>(counters + a.batch * a.heads * m_tiles);
     float* dvw = dkw + a.total_k * a.heads * d;

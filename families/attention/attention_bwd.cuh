@@ -16,7 +16,8 @@
 //  - attention_bwd_finish: dQ from its accumulator in the dtype; with GQA, dK and dV summed over
 //    each KV head's query heads in head order; rows of packed layouts past the last sequence zero.
 //
-// Workspace (f32 words): Dsum [heads, total_q]; the dQ accumulator [total_q, heads, D] (scaled);
+// Workspace (f32 words): Dsum [heads, total_q] (padded to a multiple of 4); the dQ accumulator
+// [total_q, heads, D] (scaled);
 // the counters (int) [batch, heads, query tiles]; with GQA, dK and dV per query head [total_k,
 // heads, D] and [total_k, heads, DV]. Layouts of q, k, v, out, lse as the forward's.
 #pragma once
@@ -43,7 +44,7 @@ __device__ __forceinline__ BwdWorkspace bwd_workspace(float* ws, int seqlen_q, i
   BwdWorkspace w;
   const long long m_tiles = (seqlen_q + BM - 1) / BM;
   w.dsum = ws;
-  w.dq = w.dsum + (long long)heads * total_q;
+  w.dq = w.dsum + ((long long)heads * total_q + 3) / 4 * 4;  // 16-byte aligned: vector and bulk adds
   w.counters = reinterpret_cast<int*>(w.dq + (long long)total_q * heads * D);
   w.dk = reinterpret_cast<float*>(w.counters + (long long)batch * heads * m_tiles);
   w.dv = w.dk + (long long)total_k * heads * D;

@@ -73,7 +73,9 @@ struct AttentionBwdProblem {
 };
 
 // f32 words of the workspace the GPU stages share: Dsum, the dQ accumulator, the counters and, with
-// GQA, dK and dV per query head.
+// GQA, dK and dV per query head. The first, Dsum's, rounded up to a multiple of 4 so that the
+// accumulator after it is 16-byte aligned.
+std::int64_t attention_bwd_dsum_words(const AttentionBwdProblem& a);
 std::int64_t attention_bwd_workspace_elements(const AttentionBwdProblem& a);
 // Dynamic shared memory of the main kernel.
 std::uint32_t attention_bwd_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_m);

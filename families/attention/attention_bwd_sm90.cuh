@@ -85,7 +85,6 @@ __global__ void __launch_bounds__(384, 1)
   if (n0 >= lk) return;
   const int hk = h / (heads / kv_heads);
   const bool gqa = heads != kv_heads;
-  const BwdWorkspace w = bwd_workspace<D, DV, BMW>(ws, seqlen_q, total_q, total_k, batch, heads);
 
   // The query tiles that see any key of this block: [m_begin, m_end).
   int m_begin, m_end;
@@ -102,6 +101,8 @@ __global__ void __launch_bounds__(384, 1)
   __syncthreads();
 
   if (wg == 2) {
+    // The block's registers are what the launch allocated (168 a thread, 384 threads): two
+    // consumers at 240 leave 24 for this warpgroup; asking more would leave setmaxnreg.inc waiting.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     const int warp = (tid / 32) % 4;
     if (warp == 0 && lane == 0 && m_begin < m_end) {
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(384, 1)
                 varlen ? (long long)h * total_q + q0 + row : ((long long)b * heads + h) * seqlen_q + row;
             const float x = lse[at];
             if (x != neg_inf()) l = x * k_log2e;
-            ds = w.dsum[(long long)h * total_q + q0 + row];
+            ds = ws[(long long)h * total_q + q0 + row];  // Dsum: the workspace's first words
           }
           sl[i] = l;
           sl[BM + i] = ds;
@@ -150,6 +151,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const BwdWorkspace w = bwd_workspace<D, DV, BMW>(ws, seqlen_q, total_q, total_k, batch, heads);
   const int warp_in_wg = (tid / 32) % 4;
   // The key of accumulator elements 0, 1 of this thread's S^T rows (block-relative); + 8: 2, 3.
   const int krow = wg * 64 + warp_in_wg * 16 + (lane >> 2);

@@ -243,6 +243,17 @@ TEST_F(AttentionBwdGpu, QueriesAndKeysOfDifferentLengths) {
     }
 }
 
+TEST_F(AttentionBwdGpu, OddHeadTokenCounts) {
+  // heads * total_q odd: Dsum's words in the workspace are padded so that the dQ accumulator after
+  // them stays aligned for the vector reductions.
+  for (bool causal : {false, true})
+    for (bool det : {false, true}) {
+      check(rt_.get(), padded(DType::bf16, 128, 1, 1, 1, 301, 301, opts(causal)), seed_++, det);
+      check(rt_.get(), padded(DType::f16, 64, 3, 1, 1, 77, 77, opts(causal)), seed_++, det);
+      check(rt_.get(), packed(DType::bf16, 64, 1, 1, {33, 100}, {33, 100}, opts(causal)), seed_++, det);
+    }
+}
+
 TEST_F(AttentionBwdGpu, FullyMaskedRowsGiveZerosNotNaN) {
   for (bool det : {false, true}) {
     // Causal with more queries than keys: the first lq - lk rows see nothing.
