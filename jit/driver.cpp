@@ -103,16 +103,19 @@ Status encode_tensor_maps(ArgPack& args) {
                        "tensor maps need");
   for (std::size_t i = 0; i < args.tensor_maps(); ++i) {
     const TensorMapRequest& r = args.tensor_map_request(i);
-    const cuuint64_t dims[2] = {r.row_bytes, r.rows};
+    // Bytes in 128-byte-wide swizzled boxes, or f32 elements in unswizzled boxes f32_columns wide.
+    const bool f32 = r.f32_columns > 0;
+    const cuuint64_t dims[2] = {f32 ? r.row_bytes / 4 : r.row_bytes, r.rows};
     const cuuint64_t strides[1] = {r.row_bytes};
-    const cuuint32_t box[2] = {128, r.box_rows};
+    const cuuint32_t box[2] = {f32 ? r.f32_columns : 128u, r.box_rows};
     const cuuint32_t element_strides[2] = {1, 1};
-    KILN_TRY(d->check(d->tensor_map_encode_tiled(static_cast<CUtensorMap*>(args.tensor_map_slot(i)),
-                                                 CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(r.base), dims,
-                                                 strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-                      "cuTensorMapEncodeTiled"));
+    KILN_TRY(d->check(
+        d->tensor_map_encode_tiled(static_cast<CUtensorMap*>(args.tensor_map_slot(i)),
+                                   f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+                                   const_cast<void*>(r.base), dims, strides, box, element_strides,
+                                   CU_TENSOR_MAP_INTERLEAVE_NONE, f32 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        "cuTensorMapEncodeTiled"));
   }
   return {};
 }

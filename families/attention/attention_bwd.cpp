@@ -27,10 +27,11 @@ bool attention_bwd_sm90_head_dims_supported(std::int64_t head_dim, std::int64_t 
 
 std::uint32_t attention_bwd_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v) {
   // 1024 bytes of alignment slack; K and V of 128 keys; the stages (Q and dO of 64 queries, lse and
-  // Dsum, rounded up to 1024 bytes); two dS^T buffers [128, 64]; the barriers.
+  // Dsum, rounded up to 1024 bytes); two dS^T buffers [128, 64]; two f32 dQ tiles [64, 64]; the
+  // barriers.
   const std::int64_t stage = (64 * 2 * (head_dim + head_dim_v) + 2 * 64 * 4 + 1023) / 1024 * 1024;
   return std::uint32_t(1024 + 128 * 2 * (head_dim + head_dim_v) + k_attention_bwd_sm90_stages * stage +
-                       2 * 128 * 64 * 2 + 8 * (1 + 2 * k_attention_bwd_sm90_stages));
+                       2 * 128 * 64 * 2 + 2 * 64 * 64 * 4 + 8 * (2 * k_attention_bwd_sm90_stages + 4));
 }
 
 int attention_bwd_block_m(std::int64_t head_dim, std::int64_t head_dim_v) {
@@ -515,10 +516,10 @@ class AttentionBwd final : public Family {
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto a = p.as<AttentionBwdProblem>();
     auto buf = [&](std::size_t i) { return i < b.size() ? b[i] : static_cast<void*>(nullptr); };
-    // wgmma: the buffers it reads by pointer (lse, cu_seqlens, workspace, dk, dv); q, k, v and dout
-    // come as tensor maps after the scalars.
+    // wgmma: the buffers it takes by pointer (lse, cu_seqlens, workspace, dk, dv, k, v); q, dout and
+    // the dQ accumulator come as tensor maps after the scalars.
     if (is_wgmma(params))
-      for (std::size_t i : {b_lse, b_cu_q, b_cu_k, b_ws, b_dk, b_dv}) out.add(buf(i));
+      for (std::size_t i : {b_lse, b_cu_q, b_cu_k, b_ws, b_dk, b_dv, b_k, b_v}) out.add(buf(i));
     else
       for (std::size_t i = 0; i < std::size_t(b_count); ++i) out.add(buf(i));
     out.add(int(a.seqlen_q));
@@ -536,14 +537,14 @@ class AttentionBwd final : public Family {
       out.add(float(a.softcap));
       return;
     }
-    // wgmma: tensor maps of q, k, v and dout (tokens x heads * head_dim * 2 bytes; boxes of 64
-    // query rows and of 128 keys).
+    // wgmma: tensor maps of q and dout (tokens x heads * head_dim * 2 bytes, boxes of 64 query
+    // rows) and of the f32 dQ accumulator (tokens x heads * head_dim, boxes of 64 rows x 64 dims).
     const auto rows = [](std::int64_t n) { return std::uint64_t(std::max<std::int64_t>(n, 1)); };
     auto at = [&](std::size_t i) { return static_cast<const void*>(buf(i)); };
     out.add_tensor_map({at(b_q), std::uint64_t(a.heads * a.head_dim * 2), rows(a.total_q), 64, 0});
-    out.add_tensor_map({at(b_k), std::uint64_t(a.kv_heads * a.head_dim * 2), rows(a.total_k), 128, 0});
-    out.add_tensor_map({at(b_v), std::uint64_t(a.kv_heads * a.head_dim_v * 2), rows(a.total_k), 128, 0});
     out.add_tensor_map({at(b_dout), std::uint64_t(a.heads * a.head_dim_v * 2), rows(a.total_q), 64, 0});
+    const float* dq_acc = buf(b_ws) ? static_cast<const float*>(buf(b_ws)) + attention_bwd_dsum_words(a) : nullptr;
+    out.add_tensor_map({dq_acc, std::uint64_t(a.heads * a.head_dim * 4), rows(a.total_q), 64, 64});
   }
 
   // What the stage's kernel computes, in fp64, on the buffers of buffers(): prep writes the

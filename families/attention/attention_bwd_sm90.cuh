@@ -1,33 +1,36 @@
 // The attention backward's main kernel for sm_90a (H100): warp-specialized, every product on wgmma,
-// Q and dO tiles by TMA into a ring of shared-memory stages. The workspace of attention_bwd_main
-// (attention_bwd.cuh), whose prep and finish kernels run before and after it; its arguments less
-// the tensors the tensor maps stand for (q, k, v, dout) and those it does not touch (out, dq);
-// fast mode (dQ by atomic vector adds), no softcap.
+// Q and dO tiles by TMA into a ring of shared-memory stages, dQ added by bulk tensor reductions.
+// The workspace of attention_bwd_main (attention_bwd.cuh), whose prep and finish kernels run
+// before and after it; fast mode, no softcap.
 //
 // A block owns BN = 128 keys of one (sequence, query head) and walks the query tiles of BM = 64
 // rows that see any of them. Three warpgroups:
-// - warpgroups 0 and 1 are consumers, 64 of the keys each (registers raised by setmaxnreg). Per
+// - warpgroups 0 and 1 are consumers, 64 of the keys each (registers raised by setmaxnreg). They
+//   first copy K and V into shared memory once (128-byte swizzle, as a tensor copy would). Per
 //   query tile: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory (K, V rows as A, the Q
 //   and dO tiles as B, all K-major, 128-byte swizzle); P^T = exp2(S^T scale log2e - lse log2e)
 //   and dS^T = P^T (dP^T - Dsum) with the mask in registers; dV += P^T dO and dK += dS^T Q by
 //   wgmma with A from registers (the accumulator fragment rounded to 16 bits is the A fragment)
 //   and the Q, dO tiles as N-major B operands; dS^T to shared memory ([keys, queries], 128-byte
 //   swizzle), then dQ_tile = dS K by wgmma with both operands transposed (dS^T M-major, K
-//   N-major), added to the f32 dQ accumulator by red.global.add.v2. At head_dim 128 each consumer
+//   N-major), stored (scaled, f32) to the consumer's dQ buffer. At head_dim 128 each consumer
 //   computes half of dQ's dims over all 128 keys (after a barrier of the two: both halves of dS^T
-//   written); at 64 each computes every dim over its own 64 keys (twice the adds, no barrier).
-//   dS^T has two buffers: a consumer rewrites one only after both have passed the next tile's
-//   barrier, by which time the reads of the one before have completed.
-// - warpgroup 2 is the producer (registers lowered): one thread copies K and V once and each
-//   query tile's Q and dO rows into a STAGES-deep ring (bulk tensor copies); one warp writes the
-//   tile's lse (base 2, +inf for rows past the sequence or that see no key: P = 0 there) and Dsum
-//   into the stage. Each stage's `full` barrier completes on the copies' bytes and the 32 lanes'
-//   arrivals, its `empty` barrier on every consumer thread's.
+//   written); at 64 each computes every dim over its own 64 keys (twice the reductions, no
+//   barrier). dS^T has two buffers: a consumer rewrites one only after both have passed the next
+//   tile's barrier, by which time the reads of the one before have completed.
+// - warpgroup 2 is the producer (registers lowered): one thread copies each query tile's Q and dO
+//   rows into a STAGES-deep ring (bulk tensor copies); one warp writes the tile's lse (base 2, +inf
+//   for rows past the sequence or that see no key: P = 0 there) and Dsum into the stage; one
+//   thread, the dQ writer, adds each consumer's stored dQ tile to the f32 accumulator with one
+//   bulk tensor reduction. Each stage's `full` barrier completes on the copies' bytes and the 32
+//   lanes' arrivals, its `empty` barrier on every consumer thread's; each dQ buffer's `dq_full` on
+//   its consumer's threads, its `dq_empty` once the reduction has read it.
 //
-// Tensor maps view q, k, v and dout as tokens x (heads * head_dim * 2 bytes) with 128-byte-wide
-// boxes (of BM rows for q and dout, BN rows for k and v), as the forward's: panel p of a tile of R
-// rows is R rows of 128 bytes at p * R * 128. Rows past the last token come in as zeros; rows of
-// the next sequence are masked (their lse is +inf, their keys are past lk).
+// Tensor maps view q and dout as tokens x (heads * head_dim * 2 bytes) with 128-byte-wide boxes of
+// BM rows, as the forward's (panel p of a tile of R rows is R rows of 128 bytes at p * R * 128),
+// and the dQ accumulator as tokens x (heads * head_dim) f32 in boxes of 64 rows x 64 dims. Rows
+// past the last token come in as zeros and are not written; rows of the next sequence are masked
+// (their lse is +inf, their keys are past lk), and their dQ rows are zeros that add nothing.
 //
 // Off sm_90a the kernel compiles to an empty body: the family selects it for compute capability
 // 9.0 only.
@@ -43,17 +46,18 @@ namespace attention {
 template <class T, int D, int DV, int BMW, int STAGES>
 __global__ void __launch_bounds__(384, 1)
     attention_bwd_sm90(const float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
-                       float* __restrict__ ws, T* __restrict__ dk, T* __restrict__ dv, int seqlen_q, int seqlen_k,
-                       int total_q, int total_k, int batch, int heads, int kv_heads, int window_left,
-                       int window_right, int flags, float scale, const __grid_constant__ ptx::TmaDesc map_q,
-                       const __grid_constant__ ptx::TmaDesc map_k, const __grid_constant__ ptx::TmaDesc map_v,
-                       const __grid_constant__ ptx::TmaDesc map_o) {
+                       float* __restrict__ ws, T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ k,
+                       const T* __restrict__ v, int seqlen_q, int seqlen_k, int total_q, int total_k, int batch,
+                       int heads, int kv_heads, int window_left, int window_right, int flags, float scale,
+                       const __grid_constant__ ptx::TmaDesc map_q, const __grid_constant__ ptx::TmaDesc map_o,
+                       const __grid_constant__ ptx::TmaDesc map_dq) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D % 64 == 0 && DV % 64 == 0 && D <= 128 && DV <= 128, "whole 128-byte panels, up to 128 dims");
   constexpr int BM = 64, BN = 128, PQ = D / 64, PV = DV / 64;
   constexpr int K_BYTES = BN * D * 2, V_BYTES = BN * DV * 2, Q_BYTES = BM * D * 2, O_BYTES = BM * DV * 2;
   constexpr int STAGE = (Q_BYTES + O_BYTES + 2 * BM * 4 + 1023) / 1024 * 1024;  // Q, dO, lse, Dsum
   constexpr int DS_BYTES = BN * BM * 2;                                         // one dS^T buffer
+  constexpr int DQ_BYTES = BM * 64 * 4;  // a consumer's f32 dQ tile [64 queries, 64 dims]
   // dQ: at 128 dims each consumer takes 64 of them over all keys, else every dim over its keys.
   constexpr bool SPLIT_DIMS = D == 128;
   constexpr int DQ_N = 64, DQ_STEPS = SPLIT_DIMS ? BN / 16 : 64 / 16;
@@ -61,11 +65,13 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ unsigned char smem_raw[];
   const unsigned base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned sk = base, sv = sk + K_BYTES, sstage = sv + V_BYTES, sds = sstage + STAGES * STAGE;
-  const unsigned bars = sds + 2 * DS_BYTES;
+  const unsigned sdq = sds + 2 * DS_BYTES, bars = sdq + 2 * DQ_BYTES;
   unsigned char* const gen = smem_raw + (base - ptx::smem_addr(smem_raw));  // base, generic pointer
-  const unsigned kv_full = bars;
-  auto full = [&](int s) { return bars + 8u + 8u * unsigned(s); };
-  auto empty = [&](int s) { return bars + 8u + 8u * unsigned(STAGES + s); };
+  auto full = [&](int s) { return bars + 8u * unsigned(s); };
+  auto empty = [&](int s) { return bars + 8u * unsigned(STAGES + s); };
+  // Consumer c's dQ tile: stored (dq_full, its 128 threads) and read by the reduction (dq_empty).
+  auto dq_full = [&](int c) { return bars + 8u * unsigned(2 * STAGES + c); };
+  auto dq_empty = [&](int c) { return bars + 8u * unsigned(2 * STAGES + 2 + c); };
   auto stage_lse = [&](int s) {
     return reinterpret_cast<float*>(gen + (sstage - base) + s * STAGE + Q_BYTES + O_BYTES);
   };
@@ -91,10 +97,13 @@ __global__ void __launch_bounds__(384, 1)
   visible_query_tiles<BM, BN>(nblock, lq, lk, window_left, window_right, m_begin, m_end);
 
   if (tid == 0) {
-    ptx::mbar_init(kv_full, 1);
     for (int s = 0; s < STAGES; ++s) {
       ptx::mbar_init(full(s), 1 + 32);
       ptx::mbar_init(empty(s), 2 * 128);
+    }
+    for (int c = 0; c < 2; ++c) {
+      ptx::mbar_init(dq_full(c), 128);
+      ptx::mbar_init(dq_empty(c), 1);
     }
     ptx::mbar_init_fence();
   }
@@ -105,13 +114,7 @@ __global__ void __launch_bounds__(384, 1)
     // consumers at 240 leave 24 for this warpgroup; asking more would leave setmaxnreg.inc waiting.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     const int warp = (tid / 32) % 4;
-    if (warp == 0 && lane == 0 && m_begin < m_end) {
-      ptx::mbar_arrive_expect_tx(kv_full, K_BYTES + V_BYTES);
-      const int row = int(k0) + n0;
-#pragma unroll
-      for (int p = 0; p < PQ; ++p) ptx::tma_load_2d(sk + p * BN * 128, &map_k, hk * D * 2 + p * 128, row, kv_full);
-#pragma unroll
-      for (int p = 0; p < PV; ++p) ptx::tma_load_2d(sv + p * BN * 128, &map_v, hk * DV * 2 + p * 128, row, kv_full);
+    if (warp == 0 && lane == 0) {
       for (int m = m_begin, it = 0; m < m_end; ++m, ++it) {
         const int s = it % STAGES;
         if (it >= STAGES) ptx::mbar_wait(empty(s), ((it / STAGES) + 1) & 1);
@@ -145,6 +148,23 @@ __global__ void __launch_bounds__(384, 1)
         }
         ptx::mbar_arrive(full(s));
       }
+    } else if (warp == 2 && lane == 0) {
+      // The dQ writer: each consumer's stored tile added to the f32 accumulator by one bulk tensor
+      // reduction; the buffer is the consumer's again once the reduction has read it.
+      for (int m = m_begin, it = 0; m < m_end; ++m, ++it)
+        for (int c = 0; c < 2; ++c) {
+          ptx::mbar_wait(dq_full(c), unsigned(it) & 1u);
+          const int col = h * D + (SPLIT_DIMS ? c * 64 : 0), row = int(q0) + m * BM;
+          asm volatile(
+              "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n"
+              "cp.async.bulk.commit_group;\n"
+              "cp.async.bulk.wait_group.read 0;\n" ::"l"(reinterpret_cast<unsigned long long>(&map_dq)),
+              "r"(col), "r"(row), "r"(sdq + unsigned(c * DQ_BYTES))
+              : "memory");
+          ptx::mbar_arrive(dq_empty(c));
+        }
+      // Shared memory lives until the block exits: the reductions must be done with it.
+      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
     return;
   }
@@ -164,10 +184,30 @@ __global__ void __launch_bounds__(384, 1)
   // This consumer's 64 rows of K and V, panel 0; panel p is BN * 128 bytes on (BN * 8 units).
   const unsigned long long k_desc = gemm::smem_desc(sk + wg * 64 * 128), v_desc = gemm::smem_desc(sv + wg * 64 * 128);
   // dQ's operands: the dS^T rows (keys) and the K panel this consumer's part reads.
-  const int dq_key0 = SPLIT_DIMS ? 0 : wg * 64, dq_dim0 = SPLIT_DIMS ? wg * 64 : 0;
+  const int dq_key0 = SPLIT_DIMS ? 0 : wg * 64;
   const unsigned dq_b = sk + (SPLIT_DIMS ? wg : 0) * BN * 128 + dq_key0 * 128;
 
-  if (m_begin < m_end) ptx::mbar_wait(kv_full, 0);
+  // K and V of the block's keys into their panels (128-byte swizzle: 16-byte chunk c of row r at
+  // chunk c ^ (r % 8)); rows past the last key token zero, so that no product meets a NaN.
+  if (m_begin < m_end) {
+    const int ct = tid;  // 0..255, the consumers' threads
+    auto load_panels = [&](const T* src, int dims, unsigned dst) {
+      const int chunks = dims / 8;  // 16-byte chunks a row
+      for (int i = ct; i < BN * chunks; i += 256) {
+        const int r = i / chunks, c = i % chunks;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        const long long tok = k0 + n0 + r;
+        if (tok < total_k) x = *reinterpret_cast<const uint4*>(src + (tok * kv_heads + hk) * dims + c * 8);
+        const unsigned at = dst + unsigned((c / 8) * BN * 128 + r * 128 + (((c % 8) ^ (r & 7)) * 16));
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+                     : "memory");
+      }
+    };
+    load_panels(k, D, sk);
+    load_panels(v, DV, sv);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ptx::bar_sync<1, 256>();
+  }
   for (int m = m_begin, it = 0; m < m_end; ++m, ++it) {
     const int s = it % STAGES;
     const unsigned st = sstage + s * STAGE, so = st + Q_BYTES;
@@ -279,14 +319,21 @@ __global__ void __launch_bounds__(384, 1)
     ptx::mbar_arrive(empty(s));
     gemm::wgmma_wait<0>();
     gemm::fence_fragments(dq_acc);
+    // To the dQ writer through this consumer's buffer ([64 rows, 64 dims], row-major), once the
+    // previous tile's reduction has read it. Queries past the sequence hold zeros (their dS rows
+    // are 0): adding them changes nothing.
+    const unsigned mydq = sdq + unsigned(wg) * DQ_BYTES;
+    if (it > 0) ptx::mbar_wait(dq_empty(wg), unsigned(it - 1) & 1u);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = r0 + warp_in_wg * 16 + (lane >> 2) + 8 * r;
-      if (row >= lq) continue;
-      float* acc = w.dq + ((q0 + row) * heads + h) * D + dq_dim0 + 2 * (lane & 3);
+      const int row = warp_in_wg * 16 + (lane >> 2) + 8 * r;
 #pragma unroll
-      for (int j = 0; j < DQ_N / 8; ++j) red_add2(acc + j * 8, dq_acc[0][j][2 * r] * scale, dq_acc[0][j][2 * r + 1] * scale);
+      for (int j = 0; j < DQ_N / 8; ++j)
+        ptx::st_shared_f2(mydq + unsigned(row * 256 + (j * 8 + 2 * (lane & 3)) * 4), dq_acc[0][j][2 * r] * scale,
+                          dq_acc[0][j][2 * r + 1] * scale);
     }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ptx::mbar_arrive(dq_full(wg));
   }
 
   // dK (scaled) and dV for this consumer's keys.

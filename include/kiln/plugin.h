@@ -164,13 +164,15 @@ typedef struct kiln_geometry {
  * family asks for one in pack_args without touching CUDA, and kiln encodes it into its argument
  * slot before the launch. The map views `rows` rows of `row_bytes` bytes (a multiple of 16; rows
  * `row_bytes` apart) as bytes, copied in boxes of `box_rows` x 128 bytes with the 128-byte
- * swizzle; reads past either edge give zeros. */
+ * swizzle; reads past either edge give zeros. With `f32_columns` > 0 it views them as f32
+ * elements instead, in boxes of `box_rows` x `f32_columns` without swizzle: tiles that bulk
+ * reductions (cp.reduce.async.bulk.tensor ... .add) add to f32 memory. */
 typedef struct kiln_tensor_map_request {
   const void* base;
   uint64_t row_bytes;
   uint64_t rows;
   uint32_t box_rows;
-  uint32_t reserved; /* 0 */
+  uint32_t f32_columns; /* 0: the byte view */
 } kiln_tensor_map_request;
 
 /* The kernel's argument block: values copied into aligned slots of `storage`, `slots` pointing at
