@@ -103,8 +103,10 @@ Status encode_tensor_maps(ArgPack& args) {
                        "tensor maps need");
   for (std::size_t i = 0; i < args.tensor_maps(); ++i) {
     const TensorMapRequest& r = args.tensor_map_request(i);
-    // Bytes in 128-byte-wide swizzled boxes, or f32 elements in unswizzled boxes f32_columns wide.
+    // Bytes in 128-byte-wide boxes, or f32 elements in boxes f32_columns wide; 128-byte swizzle.
     const bool f32 = r.f32_columns > 0;
+    if (f32 && r.f32_columns > 32)
+      return invalid_argument("a tensor map's f32 boxes are at most 32 columns (128 bytes) wide");
     const cuuint64_t dims[2] = {f32 ? r.row_bytes / 4 : r.row_bytes, r.rows};
     const cuuint64_t strides[1] = {r.row_bytes};
     const cuuint32_t box[2] = {f32 ? r.f32_columns : 128u, r.box_rows};
@@ -113,7 +115,7 @@ Status encode_tensor_maps(ArgPack& args) {
         d->tensor_map_encode_tiled(static_cast<CUtensorMap*>(args.tensor_map_slot(i)),
                                    f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
                                    const_cast<void*>(r.base), dims, strides, box, element_strides,
-                                   CU_TENSOR_MAP_INTERLEAVE_NONE, f32 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
         "cuTensorMapEncodeTiled"));
   }

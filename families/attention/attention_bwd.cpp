@@ -66,11 +66,11 @@ constexpr std::int64_t k_sm80_smem = 163 * 1024, k_sm90_smem = 227 * 1024;
 // The main stage's sm_90a kernel (path "wgmma"); Params without a path are the mma.sync kernel's.
 bool is_wgmma(const Params& params) { return params.get_str("path").value_or("mma") == "wgmma"; }
 
-// Where the heuristic takes the sm_90a main kernel: an H100-class device, its head dims, fast mode
-// without softcap, and tokens to copy.
+// Where the heuristic takes the sm_90a main kernel: an H100-class device, its head dims, and tokens
+// to copy.
 bool wgmma_fits(const AttentionBwdProblem& a, std::int64_t cc) {
-  return cc == 90 && attention_bwd_sm90_head_dims_supported(a.head_dim, a.head_dim_v) && !a.deterministic &&
-         a.softcap == 0 && a.total_q > 0 && a.total_k > 0;
+  return cc == 90 && attention_bwd_sm90_head_dims_supported(a.head_dim, a.head_dim_v) && a.total_q > 0 &&
+         a.total_k > 0;
 }
 
 struct Seq {
@@ -360,8 +360,6 @@ class AttentionBwd final : public Family {
     if (p.cc && p.cc < 80) return invalid_argument("attention_bwd: the kernels need compute capability 8.0 or later");
     if (is_wgmma(params)) {
       if (p.cc && p.cc != 90) return invalid_argument("attention_bwd: the wgmma kernel needs compute capability 9.0 (sm_90a)");
-      if (a.deterministic) return invalid_argument("attention_bwd: the wgmma kernel has no deterministic mode");
-      if (a.softcap != 0) return invalid_argument("attention_bwd: the wgmma kernel takes no softcap");
       if (a.total_q <= 0 || a.total_k <= 0)
         return invalid_argument("attention_bwd: the wgmma kernel needs at least one query and one key token");
       if (attention_bwd_sm90_smem_bytes(a.head_dim, a.head_dim_v) > k_sm90_smem)
@@ -533,18 +531,16 @@ class AttentionBwd final : public Family {
     out.add(int(a.window_right));
     out.add(int((a.varlen ? 1 : 0) | (a.deterministic ? 2 : 0)));  // flags: k_bwd_varlen, k_bwd_deterministic
     out.add(float(a.scale));
-    if (!is_wgmma(params)) {
-      out.add(float(a.softcap));
-      return;
-    }
+    out.add(float(a.softcap));
+    if (!is_wgmma(params)) return;
     // wgmma: tensor maps of q and dout (tokens x heads * head_dim * 2 bytes, boxes of 64 query
-    // rows) and of the f32 dQ accumulator (tokens x heads * head_dim, boxes of 64 rows x 64 dims).
+    // rows) and of the f32 dQ accumulator (tokens x heads * head_dim, boxes of 64 rows x 32 dims).
     const auto rows = [](std::int64_t n) { return std::uint64_t(std::max<std::int64_t>(n, 1)); };
     auto at = [&](std::size_t i) { return static_cast<const void*>(buf(i)); };
     out.add_tensor_map({at(b_q), std::uint64_t(a.heads * a.head_dim * 2), rows(a.total_q), 64, 0});
     out.add_tensor_map({at(b_dout), std::uint64_t(a.heads * a.head_dim_v * 2), rows(a.total_q), 64, 0});
     const float* dq_acc = buf(b_ws) ? static_cast<const float*>(buf(b_ws)) + attention_bwd_dsum_words(a) : nullptr;
-    out.add_tensor_map({dq_acc, std::uint64_t(a.heads * a.head_dim * 4), rows(a.total_q), 64, 64});
+    out.add_tensor_map({dq_acc, std::uint64_t(a.heads * a.head_dim * 4), rows(a.total_q), 64, 32});
   }
 
   // What the stage's kernel computes, in fp64, on the buffers of buffers(): prep writes the

@@ -8,7 +8,8 @@
 // tiles; dK, dV in registers; dQ added to an f32 accumulator, atomically or in key-tile order),
 // 2 finish (dQ to the dtype; with GQA dK and dV summed over each KV head's query heads). On
 // sm_90a the main stage runs attention_bwd_sm90.cuh (path wgmma: TMA, wgmma, 128 keys a block) at
-// head dims 64 and 128 in fast mode without softcap.
+// head dims 64 and 128, every mode and mask (the deterministic order as the mma.sync kernel's:
+// each query tile's key blocks add in ascending order, by the same counters).
 // Params: stage {prep, main, finish}; dtype {f16, bf16}; head_dim = head_dim_v in
 // k_attention_bwd_head_dims; path {mma, wgmma} (main); warps 4 (64 keys a block); block_m, query
 // rows a tile

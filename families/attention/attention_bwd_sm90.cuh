@@ -1,7 +1,7 @@
 // The attention backward's main kernel for sm_90a (H100): warp-specialized, every product on wgmma,
 // Q and dO tiles by TMA into a ring of shared-memory stages, dQ added by bulk tensor reductions.
 // The workspace of attention_bwd_main (attention_bwd.cuh), whose prep and finish kernels run
-// before and after it; fast mode, no softcap.
+// before and after it; every mask, softcap, and both modes.
 //
 // A block owns BN = 128 keys of one (sequence, query head) and walks the query tiles of BM = 64
 // rows that see any of them. Three warpgroups:
@@ -9,7 +9,8 @@
 //   first copy K and V into shared memory once (128-byte swizzle, as a tensor copy would). Per
 //   query tile: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory (K, V rows as A, the Q
 //   and dO tiles as B, all K-major, 128-byte swizzle); P^T = exp2(S^T scale log2e - lse log2e)
-//   and dS^T = P^T (dP^T - Dsum) with the mask in registers; dV += P^T dO and dK += dS^T Q by
+//   and dS^T = P^T (dP^T - Dsum) with the mask in registers (softcap: the capped score, and dS^T
+//   times 1 - tanh^2); dV += P^T dO and dK += dS^T Q by
 //   wgmma with A from registers (the accumulator fragment rounded to 16 bits is the A fragment)
 //   and the Q, dO tiles as N-major B operands; dS^T to shared memory ([keys, queries], 128-byte
 //   swizzle), then dQ_tile = dS K by wgmma with both operands transposed (dS^T M-major, K
@@ -22,13 +23,16 @@
 //   rows into a STAGES-deep ring (bulk tensor copies); one warp writes the tile's lse (base 2, +inf
 //   for rows past the sequence or that see no key: P = 0 there) and Dsum into the stage; one
 //   thread, the dQ writer, adds each consumer's stored dQ tile to the f32 accumulator with one
-//   bulk tensor reduction. Each stage's `full` barrier completes on the copies' bytes and the 32
-//   lanes' arrivals, its `empty` barrier on every consumer thread's; each dQ buffer's `dq_full` on
-//   its consumer's threads, its `dq_empty` once the reduction has read it.
+//   bulk tensor reduction (deterministic mode: in key-block order, by the workspace's counter of
+//   the query tile, with the tiles walked from the last one down). Each stage's `full` barrier
+//   completes on the copies' bytes and the 32 lanes' arrivals, its `empty` barrier on every
+//   consumer thread's; each dQ buffer's `dq_full` on its consumer's threads, its `dq_empty` once
+//   the reduction has read it.
 //
 // Tensor maps view q and dout as tokens x (heads * head_dim * 2 bytes) with 128-byte-wide boxes of
 // BM rows, as the forward's (panel p of a tile of R rows is R rows of 128 bytes at p * R * 128),
-// and the dQ accumulator as tokens x (heads * head_dim) f32 in boxes of 64 rows x 64 dims. Rows
+// and the dQ accumulator as tokens x (heads * head_dim) f32 in boxes of 64 rows x 32 dims (128
+// bytes a row, the same swizzle). Rows
 // past the last token come in as zeros and are not written; rows of the next sequence are masked
 // (their lse is +inf, their keys are past lk), and their dQ rows are zeros that add nothing.
 //
@@ -43,13 +47,18 @@
 namespace kiln {
 namespace attention {
 
+template <bool B>
+struct BoolConstant {
+  static constexpr bool value = B;
+};
+
 template <class T, int D, int DV, int BMW, int STAGES>
 __global__ void __launch_bounds__(384, 1)
     attention_bwd_sm90(const float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                        float* __restrict__ ws, T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ k,
                        const T* __restrict__ v, int seqlen_q, int seqlen_k, int total_q, int total_k, int batch,
                        int heads, int kv_heads, int window_left, int window_right, int flags, float scale,
-                       const __grid_constant__ ptx::TmaDesc map_q, const __grid_constant__ ptx::TmaDesc map_o,
+                       float softcap, const __grid_constant__ ptx::TmaDesc map_q, const __grid_constant__ ptx::TmaDesc map_o,
                        const __grid_constant__ ptx::TmaDesc map_dq) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D % 64 == 0 && DV % 64 == 0 && D <= 128 && DV <= 128, "whole 128-byte panels, up to 128 dims");
@@ -76,7 +85,8 @@ __global__ void __launch_bounds__(384, 1)
     return reinterpret_cast<float*>(gen + (sstage - base) + s * STAGE + Q_BYTES + O_BYTES);
   };
 
-  const bool varlen = flags & k_bwd_varlen;
+  static_assert(BMW <= BM, "the workspace's order counters cover this kernel's query tiles");
+  const bool varlen = flags & k_bwd_varlen, deterministic = flags & k_bwd_deterministic;
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
   const int nblock = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   long long q0 = (long long)b * seqlen_q, k0 = (long long)b * seqlen_k;
@@ -95,6 +105,12 @@ __global__ void __launch_bounds__(384, 1)
   // The query tiles that see any key of this block: [m_begin, m_end).
   int m_begin, m_end;
   visible_query_tiles<BM, BN>(nblock, lq, lk, window_left, window_right, m_begin, m_end);
+  // Iteration `it` takes tile tile_of(it): ascending, or descending in deterministic mode, where a
+  // tile's key blocks add in ascending order. Walking down, the blocks of a causal mask meet each
+  // tile in the same iteration (walking up, block n would reach a tile two iterations before
+  // block n - 1 and wait); with a left window, block n - 1 reaches a tile first.
+  const int tiles = m_end - m_begin;
+  auto tile_of = [&](int it) { return deterministic ? m_end - 1 - it : m_begin + it; };
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -115,8 +131,8 @@ __global__ void __launch_bounds__(384, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     const int warp = (tid / 32) % 4;
     if (warp == 0 && lane == 0) {
-      for (int m = m_begin, it = 0; m < m_end; ++m, ++it) {
-        const int s = it % STAGES;
+      for (int it = 0; it < tiles; ++it) {
+        const int s = it % STAGES, m = tile_of(it);
         if (it >= STAGES) ptx::mbar_wait(empty(s), ((it / STAGES) + 1) & 1);
         const unsigned st = sstage + s * STAGE;
         const int qrow = int(q0) + m * BM;
@@ -128,8 +144,8 @@ __global__ void __launch_bounds__(384, 1)
           ptx::tma_load_2d(st + Q_BYTES + p * BM * 128, &map_o, h * DV * 2 + p * 128, qrow, full(s));
       }
     } else if (warp == 1) {
-      for (int m = m_begin, it = 0; m < m_end; ++m, ++it) {
-        const int s = it % STAGES;
+      for (int it = 0; it < tiles; ++it) {
+        const int s = it % STAGES, m = tile_of(it);
         if (it >= STAGES) ptx::mbar_wait(empty(s), ((it / STAGES) + 1) & 1);
         float* sl = stage_lse(s);
 #pragma unroll
@@ -150,19 +166,43 @@ __global__ void __launch_bounds__(384, 1)
       }
     } else if (warp == 2 && lane == 0) {
       // The dQ writer: each consumer's stored tile added to the f32 accumulator by one bulk tensor
-      // reduction; the buffer is the consumer's again once the reduction has read it.
-      for (int m = m_begin, it = 0; m < m_end; ++m, ++it)
+      // reduction; the buffer is the consumer's again once the reduction has read it. In
+      // deterministic mode it first waits for the tile's counter to reach this block's place among
+      // the key blocks that see the tile, waits for its additions to complete (between the two
+      // consumers' too where both cover the same dims), then counts the block in.
+      int* const counters = deterministic ? bwd_workspace<D, DV, BMW>(ws, seqlen_q, total_q, total_k, batch, heads).counters +
+                                                ((long long)b * heads + h) * ((seqlen_q + BMW - 1) / BMW)
+                                          : nullptr;
+      for (int it = 0; it < tiles; ++it) {
+        const int m = tile_of(it);
+        if (deterministic) {
+          int tb, te;
+          visible_key_tiles<BM, BN>(m, lq, lk, window_left, window_right, tb, te);
+          while (ptx::ld_acquire_gpu(counters + m) != nblock - tb) __nanosleep(32);
+          asm volatile("fence.proxy.async.global;\n" ::: "memory");
+        }
         for (int c = 0; c < 2; ++c) {
           ptx::mbar_wait(dq_full(c), unsigned(it) & 1u);
           const int col = h * D + (SPLIT_DIMS ? c * 64 : 0), row = int(q0) + m * BM;
-          asm volatile(
-              "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n"
-              "cp.async.bulk.commit_group;\n"
-              "cp.async.bulk.wait_group.read 0;\n" ::"l"(reinterpret_cast<unsigned long long>(&map_dq)),
-              "r"(col), "r"(row), "r"(sdq + unsigned(c * DQ_BYTES))
-              : "memory");
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            asm volatile(
+                "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                    reinterpret_cast<unsigned long long>(&map_dq)),
+                "r"(col + 32 * half), "r"(row), "r"(sdq + unsigned(c * DQ_BYTES + half * DQ_BYTES / 2))
+                : "memory");
+          asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          if (deterministic && (!SPLIT_DIMS || c == 1))
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+          else
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
           ptx::mbar_arrive(dq_empty(c));
         }
+        if (deterministic) {
+          asm volatile("fence.proxy.async.global;\n" ::: "memory");
+          ptx::red_release_gpu_add(counters + m, 1);
+        }
+      }
       // Shared memory lives until the block exits: the reductions must be done with it.
       asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
@@ -175,7 +215,8 @@ __global__ void __launch_bounds__(384, 1)
   const int warp_in_wg = (tid / 32) % 4;
   // The key of accumulator elements 0, 1 of this thread's S^T rows (block-relative); + 8: 2, 3.
   const int krow = wg * 64 + warp_in_wg * 16 + (lane >> 2);
-  const float scale_log2 = scale * k_log2e;
+  const bool capped = softcap > 0.0f;
+  const float scale_log2 = scale * k_log2e, cap_in = capped ? scale / softcap : 0.0f, cap_out = softcap * k_log2e;
   const int delta = lk - lq;
 
   float dk_acc[1][D / 8][4], dv_acc[1][DV / 8][4];
@@ -208,8 +249,8 @@ __global__ void __launch_bounds__(384, 1)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     ptx::bar_sync<1, 256>();
   }
-  for (int m = m_begin, it = 0; m < m_end; ++m, ++it) {
-    const int s = it % STAGES;
+  for (int it = 0; it < tiles; ++it) {
+    const int s = it % STAGES, m = tile_of(it);
     const unsigned st = sstage + s * STAGE, so = st + Q_BYTES;
     ptx::mbar_wait(full(s), unsigned(it / STAGES) & 1u);
     const float* sl = stage_lse(s);
@@ -240,21 +281,39 @@ __global__ void __launch_bounds__(384, 1)
     const bool edge = n0 + BN > lk || r0 + BM > lq ||
                       (window_right >= 0 && n0 + BN - 1 > r0 + delta + window_right) ||
                       (window_left >= 0 && n0 < min(r0 + BM, lq) - 1 + delta - window_left);
+    // Under softcap the score is softcap * tanh(scale * qk / softcap), and dS has the derivative
+    // of that, 1 - tanh^2 (scale multiplies dK and dQ in the epilogues). The loop is instantiated
+    // for each, so that the uncapped one carries no branch.
+    auto p_and_ds = [&](auto cap) {
+      constexpr bool CAP = decltype(cap)::value;
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+      for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-        float p = fast_exp2(sacc[0][j][e] * scale_log2 - sl[col]);
-        if (edge) {
-          const int key = n0 + krow + (e >> 1) * 8, row = r0 + col;
-          const bool seen = key < lk && row < lq && (window_right < 0 || key <= row + delta + window_right) &&
-                            (window_left < 0 || key >= row + delta - window_left);
-          if (!seen) p = 0.0f;
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * (lane & 3) + (e & 1);
+          float x, dfactor = 1.0f;
+          if constexpr (CAP) {
+            const float t = tanhf(sacc[0][j][e] * cap_in);
+            x = cap_out * t;
+            dfactor = 1.0f - t * t;
+          } else {
+            x = sacc[0][j][e] * scale_log2;
+          }
+          float p = fast_exp2(x - sl[col]);
+          if (edge) {
+            const int key = n0 + krow + (e >> 1) * 8, row = r0 + col;
+            const bool seen = key < lk && row < lq && (window_right < 0 || key <= row + delta + window_right) &&
+                              (window_left < 0 || key >= row + delta - window_left);
+            if (!seen) p = 0.0f;
+          }
+          sacc[0][j][e] = p;
+          dpacc[0][j][e] = CAP ? p * (dpacc[0][j][e] - sl[BM + col]) * dfactor : p * (dpacc[0][j][e] - sl[BM + col]);
         }
-        sacc[0][j][e] = p;
-        dpacc[0][j][e] = p * (dpacc[0][j][e] - sl[BM + col]);
-      }
+    };
+    if (capped)
+      p_and_ds(BoolConstant<true>{});
+    else
+      p_and_ds(BoolConstant<false>{});
     unsigned pa[BM / 16][4], da[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
@@ -319,18 +378,22 @@ __global__ void __launch_bounds__(384, 1)
     ptx::mbar_arrive(empty(s));
     gemm::wgmma_wait<0>();
     gemm::fence_fragments(dq_acc);
-    // To the dQ writer through this consumer's buffer ([64 rows, 64 dims], row-major), once the
-    // previous tile's reduction has read it. Queries past the sequence hold zeros (their dS rows
-    // are 0): adding them changes nothing.
+    // To the dQ writer through this consumer's buffer, once the previous tile's reduction has read
+    // it: two halves of [64 rows, 32 dims], 128 bytes a row, 16-byte chunk c of row r at c ^ (r % 8)
+    // (the tensor map's swizzle; the 8 rows a store instruction writes then fall in different
+    // banks). Queries past the sequence hold zeros (their dS rows are 0): adding them changes
+    // nothing.
     const unsigned mydq = sdq + unsigned(wg) * DQ_BYTES;
     if (it > 0) ptx::mbar_wait(dq_empty(wg), unsigned(it - 1) & 1u);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp_in_wg * 16 + (lane >> 2) + 8 * r;
 #pragma unroll
-      for (int j = 0; j < DQ_N / 8; ++j)
-        ptx::st_shared_f2(mydq + unsigned(row * 256 + (j * 8 + 2 * (lane & 3)) * 4), dq_acc[0][j][2 * r] * scale,
-                          dq_acc[0][j][2 * r + 1] * scale);
+      for (int j = 0; j < DQ_N / 8; ++j) {
+        const int chunk = (j % 4) * 2 + ((lane & 3) >> 1);
+        ptx::st_shared_f2(mydq + unsigned((j / 4) * (DQ_BYTES / 2) + row * 128 + ((chunk ^ (row & 7)) << 4) + (lane & 1) * 8),
+                          dq_acc[0][j][2 * r] * scale, dq_acc[0][j][2 * r + 1] * scale);
+      }
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     ptx::mbar_arrive(dq_full(wg));

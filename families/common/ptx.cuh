@@ -265,5 +265,22 @@ __device__ __forceinline__ float4 cluster_sum_f4(unsigned addr) {
   }
 }
 
+// A flag in global memory that blocks of one grid order their work by: an acquire load at GPU
+// scope, and a release add at GPU scope (the writes before it, by this thread and those it has
+// observed, are visible to a block that acquires the new value).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v = 0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
 }  // namespace ptx
 }  // namespace kiln

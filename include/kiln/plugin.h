@@ -164,9 +164,9 @@ typedef struct kiln_geometry {
  * family asks for one in pack_args without touching CUDA, and kiln encodes it into its argument
  * slot before the launch. The map views `rows` rows of `row_bytes` bytes (a multiple of 16; rows
  * `row_bytes` apart) as bytes, copied in boxes of `box_rows` x 128 bytes with the 128-byte
- * swizzle; reads past either edge give zeros. With `f32_columns` > 0 it views them as f32
- * elements instead, in boxes of `box_rows` x `f32_columns` without swizzle: tiles that bulk
- * reductions (cp.reduce.async.bulk.tensor ... .add) add to f32 memory. */
+ * swizzle; reads past either edge give zeros. With `f32_columns` > 0 (at most 32) it views them
+ * as f32 elements instead, in boxes of `box_rows` x `f32_columns` with the same swizzle: tiles
+ * that bulk reductions (cp.reduce.async.bulk.tensor ... .add) add to f32 memory. */
 typedef struct kiln_tensor_map_request {
   const void* base;
   uint64_t row_bytes;

@@ -305,6 +305,11 @@ TEST_F(AttentionBwdGpu, DeterministicModeIsBitwiseIdenticalOverTenRuns) {
   check(rt_.get(), padded(DType::f16, 64, 1, 16, 16, 1024, 1024, opts(true)), seed_++, true, 10);
   check(rt_.get(), packed(DType::bf16, 96, 4, 1, {700, 33, 1200}, {900, 2000, 1200}, opts(false, 300, 40, 8.0)),
         seed_++, true, 10);
+  // Head dims of the sm_90a kernel (used where the device has it): 32 key blocks a query tile, a
+  // causal window with softcap, and packed sequences of uneven lengths.
+  check(rt_.get(), padded(DType::bf16, 128, 1, 4, 2, 1000, 4096, opts(false)), seed_++, true, 10);
+  check(rt_.get(), padded(DType::f16, 64, 2, 4, 4, 1500, 1500, opts(false, 300, 0, 8.0)), seed_++, true, 10);
+  check(rt_.get(), packed(DType::bf16, 128, 4, 4, {700, 1, 1200}, {900, 2000, 1200}, opts(true)), seed_++, true, 10);
 }
 
 TEST_F(AttentionBwdGpu, GpuLimitsAreTypedErrorsBeforeAnyLaunch) {

@@ -361,8 +361,8 @@ TEST(AttentionBwdCpu, TheGpuPathRejectsWhatItCannotRunBeforeAnyLaunch) {
   EXPECT_EQ(cat.size(), 2 * families::k_attention_bwd_head_dims.size() * 3 +
                             2 * families::k_attention_bwd_sm90_head_dims.size());
   for (const Params& v : cat) EXPECT_TRUE(f->validate(v).ok()) << v.canonical();
-  // On compute capability 9.0 the main stage takes the wgmma kernel in fast mode without softcap
-  // at its head dims, the mma.sync kernel otherwise; the wgmma kernel refuses what it cannot run.
+  // On compute capability 9.0 the main stage takes the wgmma kernel at its head dims in every mode
+  // and with softcap, the mma.sync kernel otherwise; the wgmma kernel refuses what it cannot run.
   a.stage = 1;
   a.head_dim = a.head_dim_v = 128;
   p.set(a);
@@ -373,13 +373,25 @@ TEST(AttentionBwdCpu, TheGpuPathRejectsWhatItCannotRunBeforeAnyLaunch) {
   EXPECT_LE(families::attention_bwd_sm90_smem_bytes(128, 128), 227u * 1024);
   for (auto change : {+[](families::AttentionBwdProblem& x) { x.deterministic = 1; },
                       +[](families::AttentionBwdProblem& x) { x.softcap = 30; },
-                      +[](families::AttentionBwdProblem& x) { x.head_dim = x.head_dim_v = 96; }}) {
+                      +[](families::AttentionBwdProblem& x) {
+                        x.deterministic = 1;
+                        x.softcap = 30;
+                        x.window_left = 7;
+                      }}) {
     families::AttentionBwdProblem b = a;
     change(b);
     Problem q = p;
     q.set(b);
+    EXPECT_EQ(f->heuristic(q).get_str("path").value_or(""), "wgmma");
+    EXPECT_TRUE(f->check_problem(wgmma, q).ok());
+  }
+  {
+    families::AttentionBwdProblem b = a;
+    b.head_dim = b.head_dim_v = 96;
+    Problem q = p;
+    q.set(b);
     EXPECT_EQ(f->heuristic(q).get_str("path").value_or(""), "mma");
-    if (b.head_dim == 128) EXPECT_EQ(f->check_problem(wgmma, q).code(), Code::invalid_argument);
+    EXPECT_EQ(f->check_problem(wgmma, q).code(), Code::invalid_argument);
   }
   p.cc = 80;
   EXPECT_EQ(f->heuristic(p).get_str("path").value_or(""), "mma");
