@@ -6,35 +6,35 @@
 // A block owns BN = 128 keys of one (sequence, query head) and walks the query tiles of BM = 64
 // rows that see any of them. Three warpgroups:
 // - warpgroups 0 and 1 are consumers, 64 of the keys each (registers raised by setmaxnreg). They
-//   first copy K and V into shared memory once (128-byte swizzle, as a tensor copy would). Per
-//   query tile: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory (K, V rows as A, the Q
-//   and dO tiles as B, all K-major, 128-byte swizzle); P^T = exp2(S^T scale log2e - lse log2e)
-//   and dS^T = P^T (dP^T - Dsum) with the mask in registers (softcap: the capped score, and dS^T
-//   times 1 - tanh^2); dV += P^T dO and dK += dS^T Q by
-//   wgmma with A from registers (the accumulator fragment rounded to 16 bits is the A fragment)
-//   and the Q, dO tiles as N-major B operands; dS^T to shared memory ([keys, queries], 128-byte
-//   swizzle), then dQ_tile = dS K by wgmma with both operands transposed (dS^T M-major, K
-//   N-major), stored (scaled, f32) to the consumer's dQ buffer. At head_dim 128 each consumer
-//   computes half of dQ's dims over all 128 keys (after a barrier of the two: both halves of dS^T
-//   written); at 64 each computes every dim over its own 64 keys (twice the reductions, no
-//   barrier). dS^T has two buffers: a consumer rewrites one only after both have passed the next
-//   tile's barrier, by which time the reads of the one before have completed.
+//   first copy K and V into shared memory once (128-byte swizzle, as a tensor copy would). Per query
+//   tile: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory (K, V rows as A, the Q and dO
+//   tiles as B, all K-major, 128-byte swizzle); P^T = exp2(S^T scale log2e - lse log2e) and dS^T =
+//   P^T (dP^T - Dsum) with the mask in registers (softcap: the capped score, and dS^T times 1 -
+//   tanh^2); dV += P^T dO and dK += dS^T Q by wgmma with A from registers (the accumulator fragment
+//   rounded to 16 bits is the A fragment) and the Q, dO tiles as N-major B operands; dS^T to shared
+//   memory ([keys, queries], 128-byte swizzle), then dQ_tile = dS K by wgmma with both operands
+//   transposed (dS^T M-major, K N-major), stored (scaled, f32) to the consumer's dQ buffer. At
+//   head_dim 128 each consumer computes half of dQ's dims over all 128 keys (after a barrier of the
+//   two: both halves of dS^T written); at 64 each computes every dim over its own 64 keys, and
+//   consumer 1 adds its tile to consumer 0's stored one (one reduction a tile). dS^T has two buffers:
+//   a consumer rewrites one only after both have passed the next tile's barrier, by which time the
+//   reads of the one before have completed.
 // - warpgroup 2 is the producer (registers lowered): one thread copies each query tile's Q and dO
 //   rows into a STAGES-deep ring (bulk tensor copies); one warp writes the tile's lse (base 2, +inf
-//   for rows past the sequence or that see no key: P = 0 there) and Dsum into the stage; one
-//   thread, the dQ writer, adds each consumer's stored dQ tile to the f32 accumulator with one
-//   bulk tensor reduction (deterministic mode: in key-block order, by the workspace's counter of
-//   the query tile, with the tiles walked from the last one down). Each stage's `full` barrier
-//   completes on the copies' bytes and the 32 lanes' arrivals, its `empty` barrier on every
-//   consumer thread's; each dQ buffer's `dq_full` on its consumer's threads, its `dq_empty` once
-//   the reduction has read it.
+//   for rows past the sequence or that see no key: P = 0 there) and Dsum into the stage; one thread,
+//   the dQ writer, adds each stored dQ tile to the f32 accumulator by bulk tensor reductions, one for
+//   each 32 dims (deterministic mode: in key-block order, by the workspace's counter of the query
+//   tile, with the tiles walked from the last one down). Each stage's `full` barrier completes on the
+//   copies' bytes and the 32 lanes' arrivals, its `empty` barrier on every consumer thread's; each dQ
+//   buffer's `dq_full` on the threads of the consumer that completes it, its `dq_empty` once the
+//   reduction has read it.
 //
 // Tensor maps view q and dout as tokens x (heads * head_dim * 2 bytes) with 128-byte-wide boxes of
 // BM rows, as the forward's (panel p of a tile of R rows is R rows of 128 bytes at p * R * 128),
 // and the dQ accumulator as tokens x (heads * head_dim) f32 in boxes of 64 rows x 32 dims (128
-// bytes a row, the same swizzle). Rows
-// past the last token come in as zeros and are not written; rows of the next sequence are masked
-// (their lse is +inf, their keys are past lk), and their dQ rows are zeros that add nothing.
+// bytes a row, the same swizzle). Rows past the last token come in as zeros and are not written;
+// rows of the next sequence are masked (their lse is +inf, their keys are past lk), and their dQ
+// rows are zeros that add nothing.
 //
 // Off sm_90a the kernel compiles to an empty body: the family selects it for compute capability
 // 9.0 only.
@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(384, 1)
                        float* __restrict__ ws, T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ k,
                        const T* __restrict__ v, int seqlen_q, int seqlen_k, int total_q, int total_k, int batch,
                        int heads, int kv_heads, int window_left, int window_right, int flags, float scale,
-                       float softcap, const __grid_constant__ ptx::TmaDesc map_q, const __grid_constant__ ptx::TmaDesc map_o,
-                       const __grid_constant__ ptx::TmaDesc map_dq) {
+                       float softcap, const __grid_constant__ ptx::TmaDesc map_q,
+                       const __grid_constant__ ptx::TmaDesc map_o, const __grid_constant__ ptx::TmaDesc map_dq) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D % 64 == 0 && DV % 64 == 0 && D <= 128 && DV <= 128, "whole 128-byte panels, up to 128 dims");
   constexpr int BM = 64, BN = 128, PQ = D / 64, PV = DV / 64;
@@ -70,6 +70,7 @@ __global__ void __launch_bounds__(384, 1)
   // dQ: at 128 dims each consumer takes 64 of them over all keys, else every dim over its keys.
   constexpr bool SPLIT_DIMS = D == 128;
   constexpr int DQ_N = 64, DQ_STEPS = SPLIT_DIMS ? BN / 16 : 64 / 16;
+  constexpr int DQ_TILES = SPLIT_DIMS ? 2 : 1;  // dQ tiles a query tile hands the writer
   static_assert(SPLIT_DIMS || D == DQ_N, "dQ tiles of 64 dims");
   extern __shared__ unsigned char smem_raw[];
   const unsigned base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -170,9 +171,10 @@ __global__ void __launch_bounds__(384, 1)
       // deterministic mode it first waits for the tile's counter to reach this block's place among
       // the key blocks that see the tile, waits for its additions to complete (between the two
       // consumers' too where both cover the same dims), then counts the block in.
-      int* const counters = deterministic ? bwd_workspace<D, DV, BMW>(ws, seqlen_q, total_q, total_k, batch, heads).counters +
-                                                ((long long)b * heads + h) * ((seqlen_q + BMW - 1) / BMW)
-                                          : nullptr;
+      int* counters = nullptr;
+      if (deterministic)
+        counters = bwd_workspace<D, DV, BMW>(ws, seqlen_q, total_q, total_k, batch, heads).counters +
+                   ((long long)b * heads + h) * ((seqlen_q + BMW - 1) / BMW);
       for (int it = 0; it < tiles; ++it) {
         const int m = tile_of(it);
         if (deterministic) {
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(384, 1)
           while (ptx::ld_acquire_gpu(counters + m) != nblock - tb) __nanosleep(32);
           asm volatile("fence.proxy.async.global;\n" ::: "memory");
         }
-        for (int c = 0; c < 2; ++c) {
+        for (int c = 0; c < DQ_TILES; ++c) {
           ptx::mbar_wait(dq_full(c), unsigned(it) & 1u);
           const int col = h * D + (SPLIT_DIMS ? c * 64 : 0), row = int(q0) + m * BM;
 #pragma unroll
@@ -192,7 +194,7 @@ __global__ void __launch_bounds__(384, 1)
                 "r"(col + 32 * half), "r"(row), "r"(sdq + unsigned(c * DQ_BYTES + half * DQ_BYTES / 2))
                 : "memory");
           asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-          if (deterministic && (!SPLIT_DIMS || c == 1))
+          if (deterministic && c == DQ_TILES - 1)
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
           else
             asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -383,20 +385,39 @@ __global__ void __launch_bounds__(384, 1)
     // (the tensor map's swizzle; the 8 rows a store instruction writes then fall in different
     // banks). Queries past the sequence hold zeros (their dS rows are 0): adding them changes
     // nothing.
-    const unsigned mydq = sdq + unsigned(wg) * DQ_BYTES;
-    if (it > 0) ptx::mbar_wait(dq_empty(wg), unsigned(it - 1) & 1u);
+    // At 64 dims both consumers' tiles are the same dQ elements (over different keys): consumer 0
+    // stores its tile in buffer 0, consumer 1 adds its own to it and hands the sum to the writer,
+    // one reduction a tile.
+    const int buf = SPLIT_DIMS ? wg : 0;
+    const unsigned mydq = sdq + unsigned(buf) * DQ_BYTES;
+    const bool adds = !SPLIT_DIMS && wg == 1;
+    if (adds)
+      ptx::bar_sync<3, 256>();  // consumer 0's stores of this tile are done
+    else if (it > 0)
+      ptx::mbar_wait(dq_empty(buf), unsigned(it - 1) & 1u);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp_in_wg * 16 + (lane >> 2) + 8 * r;
 #pragma unroll
       for (int j = 0; j < DQ_N / 8; ++j) {
         const int chunk = (j % 4) * 2 + ((lane & 3) >> 1);
-        ptx::st_shared_f2(mydq + unsigned((j / 4) * (DQ_BYTES / 2) + row * 128 + ((chunk ^ (row & 7)) << 4) + (lane & 1) * 8),
-                          dq_acc[0][j][2 * r] * scale, dq_acc[0][j][2 * r + 1] * scale);
+        const unsigned at =
+            mydq + unsigned((j / 4) * (DQ_BYTES / 2) + row * 128 + ((chunk ^ (row & 7)) << 4) + (lane & 1) * 8);
+        float x = dq_acc[0][j][2 * r] * scale, y = dq_acc[0][j][2 * r + 1] * scale;
+        if (adds) {
+          const float2 o = ptx::ld_shared_f2(at);
+          x += o.x;
+          y += o.y;
+        }
+        ptx::st_shared_f2(at, x, y);
       }
     }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    ptx::mbar_arrive(dq_full(wg));
+    if (!SPLIT_DIMS && wg == 0) {
+      ptx::bar_arrive<3, 256>();
+    } else {
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      ptx::mbar_arrive(dq_full(buf));
+    }
   }
 
   // dK (scaled) and dV for this consumer's keys.
