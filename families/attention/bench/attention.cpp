@@ -9,7 +9,8 @@
 // behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
 // Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read, the
 // heuristic's split count beside the best of a sweep of counts; KILN_BENCH_ATTENTION_PART=decode
-// runs decode alone, =backward the backward alone.
+// runs decode alone, =backward the backward alone, =masks the sliding windows and packed documents
+// (run_masks below) alone.
 //
 // The backward (bf16): first small problems
 // (head dims 64 and 128, GQA, full and causal, both modes) against the CPU reference with poisoned
@@ -231,6 +232,127 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
   return 0;
 }
 
+// Masks that skip key tiles: first a causal sliding window (B2 S300 H8/2 D128, window 100) and
+// packed causal documents of uneven lengths against the CPU reference, then at B2 H32 S8192 D128
+// a causal sliding window of 256, 1024 and 4096 keys (TFLOP/s on the window's work, 4 B H S W D,
+// as FlexAttention's anchor counts it) beside full causal attention at the same shape, and 8
+// packed documents of 2048 tokens, causal within each (H32 D128, 8 x 2 H 2048^2 D).
+int run_masks(Context& ctx, nlohmann::json& rows) {
+  const DType t = DType::bf16;
+  const std::int64_t h = 32, d = 128;
+  {
+    // Window (99, 0) over padded sequences; packed documents of 100, 250 and 250 tokens, causal.
+    const std::int64_t b = 2, s = 300, hq = 8, hk = 2, n = b * s * hq * d, nk = b * s * hk * d;
+    auto xq = random_values(t, n, ctx.rng), xk = random_values(t, nk, ctx.rng), xv = random_values(t, nk, ctx.rng);
+    DeviceBuffer q(n * 2), k(nk * 2), v(nk * 2), o(n * 2), cu(4 * 4);
+    q.upload(xq.data());
+    k.upload(xk.data());
+    v.upload(xv.data());
+    std::vector<unsigned char> got(n * 2), want(n * 2);
+    AttentionOptions opt;
+    opt.causal = true;
+    opt.window_left = 99;
+    o.poison();
+    check(attention(dev(q, t, {b, s, hq, d}), dev(k, t, {b, s, hk, d}), dev(v, t, {b, s, hk, d}), dev(o, t, {b, s, hq, d}),
+                    nullptr, opt, nullptr, ctx.runtime),
+          "attention window");
+    check(ctx.driver->ctx_synchronize(), "sync");
+    o.download(got.data());
+    check(attention(host(xq, t, {b, s, hq, d}), host(xk, t, {b, s, hk, d}), host(xv, t, {b, s, hk, d}),
+                    host(want, t, {b, s, hq, d}), nullptr, opt),
+          "attention window (cpu)");
+    const double err_window = rel_l2(got.data(), want.data(), t, n);
+    const std::int32_t cu_host[4] = {0, 100, 350, 600};
+    std::vector<unsigned char> cu_bytes(reinterpret_cast<const unsigned char*>(cu_host),
+                                        reinterpret_cast<const unsigned char*>(cu_host) + sizeof(cu_host));
+    cu.upload(cu_bytes.data());
+    const std::int64_t total = b * s;
+    AttentionOptions causal;
+    causal.causal = true;
+    o.poison();
+    check(attention_varlen(dev(q, t, {total, hq, d}), dev(k, t, {total, hk, d}), dev(v, t, {total, hk, d}),
+                           dev(cu, DType::i32, {4}), dev(cu, DType::i32, {4}), dev(o, t, {total, hq, d}), nullptr, 250,
+                           250, causal, nullptr, ctx.runtime),
+          "attention varlen");
+    check(ctx.driver->ctx_synchronize(), "sync");
+    o.download(got.data());
+    check(attention_varlen(host(xq, t, {total, hq, d}), host(xk, t, {total, hk, d}), host(xv, t, {total, hk, d}),
+                           host(cu_bytes, DType::i32, {4}), host(cu_bytes, DType::i32, {4}),
+                           host(want, t, {total, hq, d}), nullptr, 250, 250, causal),
+          "attention varlen (cpu)");
+    const double err_varlen = rel_l2(got.data(), want.data(), t, n);
+    if (!(err_window < 1e-2) || !(err_varlen < 1e-2)) {
+      std::printf("attention masks: FAILED against the CPU reference (window rel err %.3g, varlen %.3g)\n",
+                  err_window, err_varlen);
+      return 1;
+    }
+    std::printf("\nattention mask checks (bf16 D128 H8/2): window (99, 0) rel err %.2e, packed 100/250/250 causal "
+                "rel err %.2e\n",
+                err_window, err_varlen);
+  }
+  std::printf("\nattention masks (bf16, H32, D128)\n%-34s %10s %9s\n", "case", "median_us", "TFLOP/s");
+  auto row = [&](const std::string& name, double us, double flops) {
+    const double tflops = flops / (us * 1e-6) / 1e12;
+    std::printf("%-34s %10.1f %9.1f\n", name.c_str(), us, tflops);
+    rows.push_back({{"kind", "mask"}, {"case", name}, {"median_us", us}, {"tflops", tflops}});
+  };
+  {
+    const std::int64_t b = 2, s = 8192, n = b * s * h * d;
+    auto base = random_values(t, std::int64_t(1) << 22, ctx.rng);
+    std::vector<unsigned char> hx(std::size_t(n) * 2);
+    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2);
+    q.upload(hx.data());
+    k.upload(hx.data());
+    v.upload(hx.data());
+    auto time = [&](const AttentionOptions& opt) {
+      auto call = [&](int) {
+        check(attention(dev(q, t, {b, s, h, d}), dev(k, t, {b, s, h, d}), dev(v, t, {b, s, h, d}),
+                        dev(o, t, {b, s, h, d}), nullptr, opt, nullptr, ctx.runtime),
+              "attention");
+      };
+      call(0);
+      check(ctx.driver->ctx_synchronize(), "sync");
+      return time_events(call, 3, ctx.quick ? 10 : 30) * 1e3;
+    };
+    for (std::int64_t w : {256, 1024, 4096}) {
+      AttentionOptions opt;
+      opt.causal = true;
+      opt.window_left = w - 1;
+      row("window " + std::to_string(w) + " B2 S8192", time(opt), 4.0 * b * h * s * double(w) * d);
+    }
+    AttentionOptions causal;
+    causal.causal = true;
+    row("causal B2 S8192", time(causal), 2.0 * b * h * double(s) * s * d);
+  }
+  {
+    const std::int64_t docs = 8, len = 2048, total = docs * len, n = total * h * d;
+    auto base = random_values(t, std::int64_t(1) << 22, ctx.rng);
+    std::vector<unsigned char> hx(std::size_t(n) * 2);
+    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    std::vector<std::int32_t> cu_host;
+    for (std::int64_t i = 0; i <= docs; ++i) cu_host.push_back(std::int32_t(i * len));
+    DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2), cu(cu_host.size() * 4);
+    q.upload(hx.data());
+    k.upload(hx.data());
+    v.upload(hx.data());
+    cu.upload(cu_host.data());
+    AttentionOptions causal;
+    causal.causal = true;
+    const auto cu_view = dev(cu, DType::i32, {docs + 1});
+    auto call = [&](int) {
+      check(attention_varlen(dev(q, t, {total, h, d}), dev(k, t, {total, h, d}), dev(v, t, {total, h, d}), cu_view,
+                             cu_view, dev(o, t, {total, h, d}), nullptr, len, len, causal, nullptr, ctx.runtime),
+            "attention varlen");
+    };
+    call(0);
+    check(ctx.driver->ctx_synchronize(), "sync");
+    row("packed 8 docs x 2048 causal", time_events(call, 3, ctx.quick ? 10 : 30) * 1e3,
+        double(docs) * 2.0 * h * double(len) * len * d);
+  }
+  return 0;
+}
+
 // Backward at a small shape on the GPU against the CPU reference from the same inputs (out and lse
 // from the host forward); the largest relative L2 error of dq, dk, dv.
 double check_backward(Context& ctx, bool causal, std::int64_t d, bool deterministic) {
@@ -348,6 +470,11 @@ int run(Context& ctx) {
   }
   if (const char* part = std::getenv("KILN_BENCH_ATTENTION_PART"); part && std::string(part) == "backward") {
     const int rc = backward(ctx, rows);
+    (*ctx.out)["attention"] = rows;
+    return rc;
+  }
+  if (const char* part = std::getenv("KILN_BENCH_ATTENTION_PART"); part && std::string(part) == "masks") {
+    const int rc = run_masks(ctx, rows);
     (*ctx.out)["attention"] = rows;
     return rc;
   }

@@ -112,3 +112,49 @@ def run_backward(quick: bool) -> list[dict]:
                   f"{row['flash_us']:>10.1f} {row['flash_tflops']:>9.1f}", flush=True)
             rows.append(row)
     return rows
+
+
+def run_masks(quick: bool) -> list[dict]:
+    """FlexAttention (torch.compile of flex_attention with a block mask) at the cases of the C++
+    bench's masks part: a causal sliding window of 256, 1024 and 4096 keys at B2 H32 S8192 D128
+    (TFLOP/s on the window's work, 4 B H S W D), cuDNN's causal SDPA at the same shape, and 8 packed
+    documents of 2048 tokens, causal within each (H32 D128, 8 x 2 H 2048^2 D)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    dev = torch.device("cuda")
+    fa = torch.compile(flex_attention)
+    rep = 100 if quick else 200
+    rows = []
+    print(f"\ntorch attention masks (bf16, H32, D128)\n{'case':<34} {'median_us':>10} {'TFLOP/s':>9}")
+
+    def rec(name: str, fn, flops: float):
+        with torch.no_grad():
+            fn()
+            ms = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+        row = {"family": "attention", "kind": "mask", "case": name, "median_us": ms * 1e3,
+               "tflops": flops / (ms * 1e-3) / 1e12}
+        print(f"{name:<34} {row['median_us']:>10.1f} {row['tflops']:>9.1f}", flush=True)
+        rows.append(row)
+
+    b, h, s, d = 2, 32, 8192, 128
+    q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    for w in (256, 1024, 4096):
+        def window(bi, hi, qi, ki, w=w):
+            return (qi >= ki) & (qi - ki < w)
+        mask = create_block_mask(window, B=None, H=None, Q_LEN=s, KV_LEN=s)
+        rec(f"flex window {w} B2 S8192", lambda: fa(q, k, v, block_mask=mask), 4.0 * b * h * s * w * d)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        rec("cudnn causal B2 S8192", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            2.0 * b * h * s * s * d)
+    causal_mask = create_block_mask(lambda bi, hi, qi, ki: qi >= ki, B=None, H=None, Q_LEN=s, KV_LEN=s)
+    rec("flex causal B2 S8192", lambda: fa(q, k, v, block_mask=causal_mask), 2.0 * b * h * s * s * d)
+    docs, length = 8, 2048
+    total = docs * length
+    q2, k2, v2 = (torch.randn(1, h, total, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    doc = torch.arange(total, device=dev) // length
+
+    def packed(bi, hi, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+    mask2 = create_block_mask(packed, B=None, H=None, Q_LEN=total, KV_LEN=total)
+    rec("flex packed 8 docs x 2048 causal", lambda: fa(q2, k2, v2, block_mask=mask2),
+        docs * 2.0 * h * length * length * d)
+    return rows

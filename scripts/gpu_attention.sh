@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (the `device` tool) from the repository root with gpu-dist/ carried (see
+# scripts/stage_gpu.sh): one part of the attention bench with its GPU tests, then the PyTorch
+# anchors of that part in the same command, so the ratios come from one run. Logs go to $OUT.
+#   scripts/gpu_attention.sh PART [--quick]
+# PART: backward (kiln's backward beside SDPA's cuDNN and flash backends) or masks (sliding windows
+# and packed documents beside FlexAttention and cuDNN's causal SDPA).
+# Env: GPU_FILTER (gtest filter of the families binary; default the part's tests), SKIP_TESTS=1
+# (benchmarks only).
+set -uo pipefail
+part=${1:-}
+quick=${2:-}
+case "$part" in
+  backward) filter='AttentionBwdGpu.*:AttentionSm90Gpu.*' anchor=run_backward ;;
+  masks) filter='AttentionGpu.*:AttentionSm90Gpu.*' anchor=run_masks ;;
+  *) echo "usage: scripts/gpu_attention.sh backward|masks [--quick]" >&2; exit 2 ;;
+esac
+out=${OUT:-gpu-out}
+dist=$(cd "$(dirname "$0")/.." && pwd)
+[ -x "$dist/kilnd" ] || dist=$PWD/gpu-dist
+root=$PWD
+mkdir -p "$out"
+build_path=$(cat "$dist/BUILD_PATH")
+if [ ! -e "$build_path" ]; then mkdir -p "$(dirname "$build_path")" && ln -s "$dist" "$build_path"; fi
+export KILN_CACHE_DIR=$(mktemp -d)
+export XDG_RUNTIME_DIR=$(mktemp -d)
+chmod 700 "$XDG_RUNTIME_DIR"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
+rc=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout -k 5 400 "$dist/tests/kiln_gpu_tests_families" --gtest_filter="${GPU_FILTER:-$filter}" 2>&1 |
+    tee "$out/gpu_tests.log" || rc=1
+  if [ "$part" = backward ]; then
+    timeout -k 5 300 "$dist/tests/kiln_gpu_tests_conformance" \
+      --gtest_filter='AllFamilies/ConformanceGpu.*/attention_bwd' 2>&1 | tee "$out/conformance.log" || rc=1
+  fi
+  if grep -q "SKIPPED \]" "$out"/gpu_tests.log "$out"/conformance.log 2>/dev/null; then
+    echo "GPU TESTS WERE SKIPPED"
+    rc=1
+  fi
+fi
+KILN_BENCH_ATTENTION_PART=$part timeout -k 5 400 "$dist/bench/kiln_bench_gpu" --json "$out/bench.json" \
+  --kilnd "$dist/kilnd" $quick --only attention 2>&1 | tee "$out/bench.log" || rc=1
+(cd "$root/families/attention/bench" &&
+  PYTHONUNBUFFERED=1 timeout -k 5 300 python3 -c "import attention; attention.$anchor('$quick' == '--quick')") \
+  2>&1 | tee "$out/torch.log" || rc=1
+echo "gpu_attention $part exit $rc"
+exit $rc
