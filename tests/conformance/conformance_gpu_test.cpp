@@ -7,7 +7,8 @@
 // the kernel never writes fails. Tolerance per output dtype: relative L2 error 1e-5 (f32), 2e-3
 // (f16), 1e-2 (bf16); integer outputs exact. Problems over k_max_elements (all buffers together)
 // (3 x 2^24) are left out so the CPU reference stays quick; the test prints what it checked and left out.
-// For the families listed at the end, every tuning candidate as well (ConformanceGpuTuning).
+// For the families listed at the end, every tuning candidate of this device as well
+// (ConformanceGpuTuning).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +16,7 @@
 
 #include "common/fp8.h"
 #include "common/half.h"
+#include "jit/device_info.h"
 #include "jit/driver.h"
 #include "tests/conformance/conformance_util.h"
 #include "tests/gpu_util.h"
@@ -131,15 +133,21 @@ TEST_P(ConformanceGpu, HeuristicVariantsMatchTheCpuReference) {
 
 // `kiln tune` may pick any candidate of the tuning space, so the families whose candidates run
 // different code (not only other tile sizes of one loop) have every candidate checked too, on the
-// first benchmark problem that fits.
+// first benchmark problem that fits, with this device's facts (the attention backward's sm_90a
+// kernel is a candidate on compute capability 9.0 only).
 class ConformanceGpuTuning : public ConformanceGpu {};
 
 TEST_P(ConformanceGpuTuning, EveryTuningCandidateMatchesTheCpuReference) {
   const Family* f = Registry::global().find(GetParam());
   ASSERT_NE(f, nullptr) << GetParam() << " is not registered";
+  auto info = jit::device_info(0);
+  ASSERT_TRUE(info.ok()) << info.status().to_string();
   int checked = 0;
   for (DType dtype : family_dtypes(*f)) {
-    for (const Problem& p : f->benchmark_problems(dtype)) {
+    for (Problem p : f->benchmark_problems(dtype)) {
+      // The tuning space `kiln tune` times on this device (kernels for its compute capability
+      // included).
+      jit::set_device(p, **info);
       for (const Params& v : f->tuning_space(p))
         if (check_variant(*f, v, p)) ++checked;
       if (checked > 0) break;
@@ -152,7 +160,8 @@ TEST_P(ConformanceGpuTuning, EveryTuningCandidateMatchesTheCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(SplitKeyFamilies, ConformanceGpuTuning,
                          ::testing::Values(std::string("attention_splitkv"), std::string("paged_decode"),
-                                           std::string("rmsnorm_bwd_rows"), std::string("layernorm_bwd_rows")),
+                                           std::string("rmsnorm_bwd_rows"), std::string("layernorm_bwd_rows"),
+                                           std::string("attention_bwd")),
                          [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(AllFamilies, ConformanceGpu, ::testing::ValuesIn(conformance_families()),
