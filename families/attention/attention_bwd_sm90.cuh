@@ -166,11 +166,11 @@ __global__ void __launch_bounds__(384, 1)
         ptx::mbar_arrive(full(s));
       }
     } else if (warp == 2 && lane == 0) {
-      // The dQ writer: each consumer's stored tile added to the f32 accumulator by one bulk tensor
-      // reduction; the buffer is the consumer's again once the reduction has read it. In
-      // deterministic mode it first waits for the tile's counter to reach this block's place among
-      // the key blocks that see the tile, waits for its additions to complete (between the two
-      // consumers' too where both cover the same dims), then counts the block in.
+      // The dQ writer: each stored dQ tile (one a consumer at head dim 128, the consumers' sum at
+      // 64) added to the f32 accumulator by two bulk tensor reductions of 32 dims; the buffer is
+      // the consumer's again once they have read it. In deterministic mode it first waits for the
+      // query tile's counter to reach this block's place among the key blocks that see the tile,
+      // then waits for its additions to complete and counts the block in.
       int* counters = nullptr;
       if (deterministic)
         counters = bwd_workspace<D, DV, BMW>(ws, seqlen_q, total_q, total_k, batch, heads).counters +
@@ -384,10 +384,9 @@ __global__ void __launch_bounds__(384, 1)
     // it: two halves of [64 rows, 32 dims], 128 bytes a row, 16-byte chunk c of row r at c ^ (r % 8)
     // (the tensor map's swizzle; the 8 rows a store instruction writes then fall in different
     // banks). Queries past the sequence hold zeros (their dS rows are 0): adding them changes
-    // nothing.
-    // At 64 dims both consumers' tiles are the same dQ elements (over different keys): consumer 0
-    // stores its tile in buffer 0, consumer 1 adds its own to it and hands the sum to the writer,
-    // one reduction a tile.
+    // nothing. At 64 dims both consumers' tiles are the same dQ elements (over different keys):
+    // consumer 0 stores its tile in buffer 0, consumer 1 adds its own to it and hands the sum to
+    // the writer, one reduction a tile.
     const int buf = SPLIT_DIMS ? wg : 0;
     const unsigned mydq = sdq + unsigned(buf) * DQ_BYTES;
     const bool adds = !SPLIT_DIMS && wg == 1;
