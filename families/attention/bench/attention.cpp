@@ -235,8 +235,9 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
 // Masks that skip key tiles: first a causal sliding window (B2 S300 H8/2 D128, window 100) and
 // packed causal documents of uneven lengths against the CPU reference, then at B2 H32 S8192 D128
 // a causal sliding window of 256, 1024 and 4096 keys (TFLOP/s on the window's work, 4 B H S W D,
-// as FlexAttention's anchor counts it) beside full causal attention at the same shape, and 8
-// packed documents of 2048 tokens, causal within each (H32 D128, 8 x 2 H 2048^2 D).
+// as FlexAttention's anchor counts it) beside full causal attention at the same shape, a window
+// of 128 at B1 H64/KV8 S8192 D64 (a local layer of GPT-OSS), and 8 packed documents of 2048
+// tokens, causal within each (H32 D128, 8 x 2 H 2048^2 D).
 int run_masks(Context& ctx, nlohmann::json& rows) {
   const DType t = DType::bf16;
   const std::int64_t h = 32, d = 128;
@@ -324,6 +325,29 @@ int run_masks(Context& ctx, nlohmann::json& rows) {
     AttentionOptions causal;
     causal.causal = true;
     row("causal B2 S8192", time(causal), 2.0 * b * h * double(s) * s * d);
+  }
+  {
+    // A local layer of GPT-OSS's shape: 64 query heads over 8 KV heads of 64, a window of 128.
+    const std::int64_t s = 8192, hq = 64, hk = 8, dq = 64, w = 128, nq = s * hq * dq, nk = s * hk * dq;
+    auto base = random_values(t, std::int64_t(1) << 22, ctx.rng);
+    std::vector<unsigned char> hx(std::size_t(nq) * 2);
+    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(nq * 2);
+    q.upload(hx.data());
+    k.upload(hx.data());
+    v.upload(hx.data());
+    AttentionOptions opt;
+    opt.causal = true;
+    opt.window_left = w - 1;
+    auto call = [&](int) {
+      check(attention(dev(q, t, {1, s, hq, dq}), dev(k, t, {1, s, hk, dq}), dev(v, t, {1, s, hk, dq}),
+                      dev(o, t, {1, s, hq, dq}), nullptr, opt, nullptr, ctx.runtime),
+            "attention");
+    };
+    call(0);
+    check(ctx.driver->ctx_synchronize(), "sync");
+    row("window 128 H64/8 D64 B1 S8192", time_events(call, 3, ctx.quick ? 10 : 30) * 1e3,
+        4.0 * hq * s * double(w) * dq);
   }
   {
     const std::int64_t docs = 8, len = 2048, total = docs * len, n = total * h * d;

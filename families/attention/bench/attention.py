@@ -117,8 +117,9 @@ def run_backward(quick: bool) -> list[dict]:
 def run_masks(quick: bool) -> list[dict]:
     """FlexAttention (torch.compile of flex_attention with a block mask) at the cases of the C++
     bench's masks part: a causal sliding window of 256, 1024 and 4096 keys at B2 H32 S8192 D128
-    (TFLOP/s on the window's work, 4 B H S W D), cuDNN's causal SDPA at the same shape, and 8 packed
-    documents of 2048 tokens, causal within each (H32 D128, 8 x 2 H 2048^2 D)."""
+    (TFLOP/s on the window's work, 4 B H S W D), cuDNN's causal SDPA at the same shape, a window of
+    128 at B1 H64/KV8 S8192 D64 (a local layer of GPT-OSS), and 8 packed documents of 2048 tokens,
+    causal within each (H32 D128, 8 x 2 H 2048^2 D)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     dev = torch.device("cuda")
     fa = torch.compile(flex_attention)
@@ -147,6 +148,13 @@ def run_masks(quick: bool) -> list[dict]:
             2.0 * b * h * s * s * d)
     causal_mask = create_block_mask(lambda bi, hi, qi, ki: qi >= ki, B=None, H=None, Q_LEN=s, KV_LEN=s)
     rec("flex causal B2 S8192", lambda: fa(q, k, v, block_mask=causal_mask), 2.0 * b * h * s * s * d)
+    # A local layer of GPT-OSS's shape: 64 query heads over 8 KV heads of 64, a window of 128.
+    q3 = torch.randn(1, 64, s, 64, device=dev, dtype=torch.bfloat16)
+    k3, v3 = (torch.randn(1, 8, s, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    mask3 = create_block_mask(lambda bi, hi, qi, ki: (qi >= ki) & (qi - ki < 128), B=None, H=None, Q_LEN=s,
+                              KV_LEN=s)
+    rec("flex window 128 H64/8 D64 B1 S8192", lambda: fa(q3, k3, v3, block_mask=mask3, enable_gqa=True),
+        4.0 * 64 * s * 128 * 64)
     docs, length = 8, 2048
     total = docs * length
     q2, k2, v2 = (torch.randn(1, h, total, d, device=dev, dtype=torch.bfloat16) for _ in range(3))

@@ -359,7 +359,9 @@ TEST(AttentionCpu, HeuristicAndCatalogCoverEveryHeadDimPair) {
   const Family* f = Registry::global().find("attention");
   ASSERT_NE(f, nullptr);
   const auto catalog = f->catalog();
-  EXPECT_EQ(catalog.size(), 2 * (families::k_attention_head_dims.size() + families::k_attention_sm90_head_dims.size()));
+  // Per dtype: every pair's tile, the sm_90a kernel's pairs, and three short-window choices.
+  EXPECT_EQ(catalog.size(),
+            2 * (families::k_attention_head_dims.size() + families::k_attention_sm90_head_dims.size() + 3));
   for (DType t : {DType::f16, DType::bf16})
     for (const auto& [d, dv] : families::k_attention_head_dims) {
       families::AttentionProblem a;
@@ -381,6 +383,53 @@ TEST(AttentionCpu, HeuristicAndCatalogCoverEveryHeadDimPair) {
       EXPECT_EQ(g.grid.y, 8u);
       EXPECT_EQ(g.grid.x * 16 * *v.get_int("warps") >= 1000, true);
     }
+}
+
+// Short windows on compute capability 9.0: the sm_80 kernel's small tiles at head dim 64 up to
+// 256 keys a query and at 128 up to 128; the sm_90a kernel's serial schedule at 128 up to 512;
+// the usual choice past that, for one-sided windows and without a window. Every choice is in the
+// catalog and fits the problem.
+TEST(AttentionCpu, HeuristicFitsShortWindowsOnSm90) {
+  const Family* f = Registry::global().find("attention");
+  ASSERT_NE(f, nullptr);
+  const auto catalog = f->catalog();
+  auto pick = [&](std::int64_t d, std::int64_t left, std::int64_t right) {
+    families::AttentionProblem a;
+    a.batch = 1;
+    a.seqlen_q = a.seqlen_k = 8192;
+    a.total_q = a.total_k = 8192;
+    a.heads = 64;
+    a.kv_heads = 8;
+    a.head_dim = a.head_dim_v = d;
+    a.causal = right == 0;
+    a.window_left = left;
+    a.window_right = right;
+    a.scale = 1;
+    Problem p = Problem::of(DType::bf16, 16, a);
+    p.cc = 90;
+    const Params v = f->heuristic(p);
+    EXPECT_TRUE(f->check_problem(v, p).ok()) << v.canonical();
+    EXPECT_NE(std::find(catalog.begin(), catalog.end(), v), catalog.end()) << v.canonical() << " not in the catalog";
+    return v;
+  };
+  auto is_small_mma = [](const Params& v) {
+    return *v.get_str("path") == "mma" && *v.get_int("warps") == 4 && *v.get_int("block_n") == 32;
+  };
+  auto is_serial_wgmma = [](const Params& v) {
+    return *v.get_str("path") == "wgmma" && *v.get_int("overlap") == 0 && *v.get_int("pingpong") == 0;
+  };
+  EXPECT_TRUE(is_small_mma(pick(64, 127, 0)));
+  EXPECT_TRUE(is_small_mma(pick(64, 255, 0)));
+  EXPECT_TRUE(is_small_mma(pick(64, 100, 20)));
+  EXPECT_EQ(*pick(64, 256, 0).get_str("path"), "wgmma");
+  EXPECT_TRUE(is_small_mma(pick(128, 127, 0)));
+  EXPECT_TRUE(is_serial_wgmma(pick(128, 128, 0)));
+  EXPECT_TRUE(is_serial_wgmma(pick(128, 511, 0)));
+  EXPECT_EQ(*pick(128, 512, 0).get_int("overlap"), 1);
+  // One-sided windows and none: the usual sm_90a choice.
+  EXPECT_EQ(*pick(64, 127, -1).get_str("path"), "wgmma");
+  EXPECT_EQ(*pick(128, -1, 0).get_int("overlap"), 1);
+  EXPECT_EQ(*pick(128, -1, -1).get_int("overlap"), 1);
 }
 
 // The sm_90a kernel (path wgmma): the heuristic's choice on compute capability 9.0 for the
