@@ -18,6 +18,7 @@
 // and deterministic, out and lse from kiln's forward. TFLOP/s = 2.5 x the forward's count
 // (10 B H S^2 D: five S^2-sized GEMMs against the forward's two), half for causal. D256 has no GPU
 // backward and prints no row.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -40,6 +41,15 @@ TensorView dev(const DeviceBuffer& b, DType t, std::initializer_list<std::int64_
 }
 TensorView host(std::vector<unsigned char>& b, DType t, std::initializer_list<std::int64_t> s) {
   return TensorView::contiguous(b.data(), t, s, Device::cpu());
+}
+
+// n random 16-bit values for the timed shapes: a block of up to 2^22 drawn once, repeated (drawing
+// every element of the largest shapes would take longer than timing them).
+std::vector<unsigned char> tiled_values(DType t, std::int64_t n, std::mt19937& rng) {
+  const auto base = random_values(t, std::min<std::int64_t>(n, std::int64_t(1) << 22), rng);
+  std::vector<unsigned char> out(std::size_t(n) * 2);
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = base[i % base.size()];
+  return out;
 }
 
 // GPU against the CPU reference at a small shape; the relative L2 error of out.
@@ -97,9 +107,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
   const DType t = DType::bf16;
   for (const auto& [b, h, s, d] : shapes) {
     const std::int64_t n = b * s * h * d;
-    auto base = random_values(t, std::min<std::int64_t>(n, std::int64_t(1) << 22), ctx.rng);
-    std::vector<unsigned char> hx(std::size_t(n) * 2);
-    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    const auto hx = tiled_values(t, n, ctx.rng);
     DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2), cu(4);
     q.upload(hx.data());
     k.upload(hx.data());
@@ -183,9 +191,7 @@ int run_decode(Context& ctx, nlohmann::json& rows) {
               "best_us");
   for (const auto& [b, lk] : shapes) {
     const std::int64_t nq = b * h * d, nk = b * lk * hk * d;
-    auto base = random_values(t, std::min<std::int64_t>(nk, std::int64_t(1) << 22), ctx.rng);
-    std::vector<unsigned char> hx(std::size_t(nk) * 2);
-    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    const auto hx = tiled_values(t, nk, ctx.rng);
     DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(nq * 2);
     q.upload(hx.data());
     k.upload(hx.data());
@@ -299,9 +305,7 @@ int run_masks(Context& ctx, nlohmann::json& rows) {
   };
   {
     const std::int64_t b = 2, s = 8192, n = b * s * h * d;
-    auto base = random_values(t, std::int64_t(1) << 22, ctx.rng);
-    std::vector<unsigned char> hx(std::size_t(n) * 2);
-    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    const auto hx = tiled_values(t, n, ctx.rng);
     DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2);
     q.upload(hx.data());
     k.upload(hx.data());
@@ -329,9 +333,7 @@ int run_masks(Context& ctx, nlohmann::json& rows) {
   {
     // A local layer of GPT-OSS's shape: 64 query heads over 8 KV heads of 64, a window of 128.
     const std::int64_t s = 8192, hq = 64, hk = 8, dq = 64, w = 128, nq = s * hq * dq, nk = s * hk * dq;
-    auto base = random_values(t, std::int64_t(1) << 22, ctx.rng);
-    std::vector<unsigned char> hx(std::size_t(nq) * 2);
-    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    const auto hx = tiled_values(t, nq, ctx.rng);
     DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(nq * 2);
     q.upload(hx.data());
     k.upload(hx.data());
@@ -351,9 +353,7 @@ int run_masks(Context& ctx, nlohmann::json& rows) {
   }
   {
     const std::int64_t docs = 8, len = 2048, total = docs * len, n = total * h * d;
-    auto base = random_values(t, std::int64_t(1) << 22, ctx.rng);
-    std::vector<unsigned char> hx(std::size_t(n) * 2);
-    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    const auto hx = tiled_values(t, n, ctx.rng);
     std::vector<std::int32_t> cu_host;
     for (std::int64_t i = 0; i <= docs; ++i) cu_host.push_back(std::int32_t(i * len));
     DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2), cu(cu_host.size() * 4);
@@ -445,9 +445,7 @@ int backward(Context& ctx, nlohmann::json& rows) {
   for (const auto& [b, h, s, d] : shapes) {
     if (!families::attention_bwd_head_dims_supported(d, d)) continue;
     const std::int64_t n = b * s * h * d;
-    auto base = random_values(t, std::min<std::int64_t>(n, std::int64_t(1) << 22), ctx.rng);
-    std::vector<unsigned char> hx(std::size_t(n) * 2);
-    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    const auto hx = tiled_values(t, n, ctx.rng);
     DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2), g(n * 2), l(b * h * s * 4), dq(n * 2), dk(n * 2), dv(n * 2);
     q.upload(hx.data());
     k.upload(hx.data());
@@ -530,9 +528,7 @@ int run(Context& ctx) {
   const DType t = DType::bf16;
   for (const auto& [b, h, s, d] : shapes) {
     const std::int64_t n = b * s * h * d;
-    auto base = random_values(t, std::min<std::int64_t>(n, std::int64_t(1) << 22), ctx.rng);
-    std::vector<unsigned char> hx(std::size_t(n) * 2);
-    for (std::size_t i = 0; i < hx.size(); ++i) hx[i] = base[i % base.size()];
+    const auto hx = tiled_values(t, n, ctx.rng);
     DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2);
     q.upload(hx.data());
     k.upload(hx.data());
