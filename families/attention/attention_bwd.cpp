@@ -248,8 +248,8 @@ class AttentionBwd final : public Family {
         {"warps", {4, 8}, {}, "main: warps per block, 16 keys each"},
         {"block_m", {32, 64}, {}, "query rows a tile (fixed by the head dims: attention_bwd_block_m)"},
         {"path", {}, {"mma", "wgmma"},
-         "main: mma: mma.sync, cp.async (sm_80 and later); wgmma: warp-specialized wgmma, TMA (sm_90a; fast mode "
-         "without softcap; 128 keys a block, 64 queries a tile; warps unused)"},
+         "main: mma: mma.sync, cp.async (sm_80 and later); wgmma: warp-specialized wgmma, TMA (sm_90a; both "
+         "modes, softcap; 128 keys a block, 64 queries a tile; warps unused)"},
     };
     return defs;
   }

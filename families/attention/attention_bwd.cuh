@@ -87,9 +87,9 @@ __global__ void __launch_bounds__(128) attention_bwd_prep(KILN_ATTENTION_BWD_ARG
   }
 }
 
-// The query tiles [m_begin, m_end) of a sequence whose keys visible to some row intersect the key
-// tile `n` (tiles of BN keys): the forward's per-query-tile key range, inverted by a scan, so both
-// kernels agree on which (query tile, key tile) pairs exist.
+// The key tiles [t_begin, t_end) (tiles of BN keys) that some row of query tile m (tiles of BM
+// queries) sees, in a sequence of lq queries and lk keys: the forward kernels' key range, so that
+// forward and backward agree on which (query tile, key tile) pairs exist.
 template <int BM, int BN>
 __device__ __forceinline__ void visible_key_tiles(int m, int lq, int lk, int window_left, int window_right,
                                                   int& t_begin, int& t_end) {
