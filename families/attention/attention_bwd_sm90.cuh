@@ -42,7 +42,6 @@
 
 #include "attention/attention_bwd.cuh"
 #include "attention/attention_fwd_sm90.cuh"
-#include "attention/wgmma_mn_ops.cuh"
 
 namespace kiln {
 namespace attention {
@@ -336,9 +335,9 @@ __global__ void __launch_bounds__(384, 1)
     fence_regs(da);
     gemm::warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) WgmmaRs<T, DV>::run(dv_acc, pa[kk], smem_desc_mn(so + kk * 16 * 128, BM * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) WgmmaRs<T, DV>::run(dv_acc, pa[kk], gemm::smem_desc_mn(so + kk * 16 * 128, BM * 128), 1);
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) WgmmaRs<T, D>::run(dk_acc, da[kk], smem_desc_mn(st + kk * 16 * 128, BM * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) WgmmaRs<T, D>::run(dk_acc, da[kk], gemm::smem_desc_mn(st + kk * 16 * 128, BM * 128), 1);
     gemm::wgmma_commit();
 
     // dS^T to its buffer: row = key, 64 queries in 128 bytes, 16-byte chunks swizzled by row % 8.
@@ -369,8 +368,8 @@ __global__ void __launch_bounds__(384, 1)
     gemm::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < DQ_STEPS; ++kk)
-      WgmmaMn<T, DQ_N>::run(dq_acc, smem_desc_mn(dsb + (dq_key0 + kk * 16) * 128, BM * 128),
-                            smem_desc_mn(dq_b + kk * 16 * 128, BN * 128), kk > 0);
+      gemm::WgmmaMn<T, DQ_N>::run(dq_acc, gemm::smem_desc_mn(dsb + (dq_key0 + kk * 16) * 128, BM * 128),
+                            gemm::smem_desc_mn(dq_b + kk * 16 * 128, BN * 128), kk > 0);
     gemm::wgmma_commit();
     gemm::wgmma_wait<1>();  // dV and dK done: the stage may be refilled
     gemm::fence_fragments(dv_acc);

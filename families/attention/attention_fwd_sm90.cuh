@@ -39,14 +39,6 @@
 namespace kiln {
 namespace attention {
 
-// N-major (transposed) operand, 128-byte swizzle: 64 elements of N in each 128-byte row, 8-row
-// atoms of K 1024 bytes apart (stride byte offset), the next 64 elements of N `lbo` bytes on
-// (leading byte offset, the panel stride).
-__device__ __forceinline__ unsigned long long smem_desc_mn(unsigned addr, unsigned lbo) {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFFu) << 16) |
-         (64ull << 32) | (1ull << 62);
-}
-
 template <int N>
 __device__ __forceinline__ void fence_regs(unsigned (&r)[N][4]) {
 #pragma unroll
@@ -175,7 +167,7 @@ __global__ void __launch_bounds__(384, 1)
     gemm::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      WgmmaRs<T, DV>::run(acc, pa[kk], smem_desc_mn(sv + kk * 16 * 128, BN * 128), 1);
+      WgmmaRs<T, DV>::run(acc, pa[kk], gemm::smem_desc_mn(sv + kk * 16 * 128, BN * 128), 1);
     gemm::wgmma_commit();
   };
   // Tile t's scores (in sacc, complete) to probabilities: scale or softcap in the base-2 domain,

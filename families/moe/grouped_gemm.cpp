@@ -1,15 +1,15 @@
 // The grouped_gemm family (families/moe/grouped_gemm.cuh): f16/bf16 operands, fp32 accumulation,
-// contiguous, masked and K-grouped layouts; wgmma (sm_90a: contiguous and masked) or mma.sync.
+// contiguous, masked and K-grouped layouts; wgmma (sm_90a) or mma.sync.
 //
-// Heuristic and why: on compute capability 9.0 the wgmma path for contiguous and masked
-// (kgrouped's operands are M-major, which the core's K-major wgmma ring does not load), else
-// mma. wgmma tiles: 64 x 128 when experts average at most 64 rows (decode: a 128-row tile would
-// be mostly rows of the next expert, and each expert's weights stream once either way); else
-// 128 x 256 where n reaches 1024 (the core's fastest bf16 shape per byte of A and B) and
-// 128 x 128 below. mma: 128 x 128, then 64 x 128 and 64 x 64 while fewer units than SMs (the
-// dense core's halving rule). Stages: at least 96 KiB of loads in flight (4 to 6), the small
-// wgmma tiles as many as fit (decode is bound by bytes in flight), within the device's shared
-// memory after the schedule table of the largest expert count.
+// Heuristic and why: on compute capability 9.0 the wgmma path for every layout (kgrouped's
+// row-major operands are read transposed by wgmma itself), else mma. wgmma tiles: 64 x 128 when
+// experts average at most 64 rows (decode: a 128-row tile would be mostly rows of the next
+// expert, and each expert's weights stream once either way); else 128 x 256 where n reaches 1024
+// (the core's fastest bf16 shape per byte of A and B) and 128 x 128 below; kgrouped 128 x 256
+// while the units cover the SMs twice, else 128 x 128. mma: 128 x 128, then 64 x 128 and 64 x 64
+// while fewer units than SMs (the dense core's halving rule). Stages: at least 96 KiB of loads in
+// flight (4 to 6), the small wgmma tiles as many as fit (decode is bound by bytes in flight),
+// within the device's shared memory after the schedule table of the largest expert count.
 #include <algorithm>
 #include <vector>
 
@@ -62,10 +62,11 @@ Variant variant_of(const Params& p) {
 
 std::int64_t schedule_bytes(std::int64_t experts) { return 12 * (experts + 1); }
 
-// One stage of the ring: 128-byte K rows of A and B, or (kgrouped) 64 reduction rows of both
-// operands' columns with 16 bytes of padding, rounded to the 1024-byte swizzle atom.
+// One stage of the ring: 128-byte K rows of A and B (wgmma kgrouped: 64 reduction rows of both
+// operands' columns, the same bytes), or (mma kgrouped) 64 reduction rows of both operands'
+// columns with 16 bytes of padding, rounded to the 1024-byte swizzle atom.
 std::int64_t stage_bytes(const Variant& v) {
-  if (v.layout == k_kgrouped) return (64 * (2 * v.bm + 16) + 64 * (2 * v.bn + 16) + 1023) / 1024 * 1024;
+  if (v.layout == k_kgrouped && !v.wgmma) return (64 * (2 * v.bm + 16) + 64 * (2 * v.bn + 16) + 1023) / 1024 * 1024;
   return std::int64_t(v.bm + v.bn) * 128;
 }
 
@@ -126,7 +127,6 @@ class GroupedGemm final : public Family {
     KILN_TRY(Family::validate(params));
     const Variant v = variant_of(params);
     if (!v.wgmma && v.bn > 128) return invalid_argument("grouped_gemm: the mma path takes bn <= 128");
-    if (v.wgmma && v.layout == k_kgrouped) return invalid_argument("grouped_gemm: kgrouped runs on the mma path only");
     if (shared_bytes(v, k_max_experts) > 227 * 1024)
       return invalid_argument("grouped_gemm: " + std::to_string(shared_bytes(v, k_max_experts)) +
                               " bytes of shared memory exceed 227 KiB");
@@ -146,19 +146,22 @@ class GroupedGemm final : public Family {
     const std::string t = device_type(*params.get_str("dtype"));
     const std::string tile = std::to_string(v.layout) + ", " + std::to_string(v.bm) + ", " + std::to_string(v.bn) + ", " +
                              std::to_string(v.stages);
-    r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma<" : "grouped_mma<") + t + ", " + t +
-                        ", " + tile + ", 0>";
+    if (v.wgmma && v.layout == k_kgrouped)
+      r.name_expression = "kiln::moe::grouped_wgmma_kgrouped<" + t + ", " + std::to_string(v.bm) + ", " +
+                          std::to_string(v.bn) + ", " + std::to_string(v.stages) + ">";
+    else
+      r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma<" : "grouped_mma<") + t + ", " + t +
+                          ", " + tile + ", 0>";
     return r;
   }
 
-  // The heuristic's variants: wgmma's three tiles for contiguous and masked (sm_90a), mma's three
-  // for every layout at the stages of sm_80 and sm_86, both dtypes.
+  // The heuristic's variants: wgmma's three tiles for every layout (sm_90a), mma's three for every
+  // layout at the stages of sm_80 and sm_86, both dtypes.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* d : {"f16", "bf16"})
       for (int layout = 0; layout < 3; ++layout) {
-        if (layout != k_kgrouped)
-          for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
+        for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
             Variant v{true, layout, bm, bn, 4};
             v.stages = default_stages(v, 90);
             out.push_back(make(v, d));
@@ -223,8 +226,12 @@ class GroupedGemm final : public Family {
     const std::int64_t cc = g::device_cc(p);
     const std::string dtype = p.dtype == DType::f16 ? "f16" : "bf16";
     const int layout = int(std::clamp<std::int64_t>(q.layout, 0, 2));
-    Variant v{cc == 90 && layout != k_kgrouped, layout, 128, 128, 4};
-    if (v.wgmma) {
+    Variant v{cc == 90, layout, 128, 128, 4};
+    if (v.wgmma && layout == k_kgrouped) {
+      // out[e] is n x k: 128 x 256 tiles while they cover the SMs, else 128 x 128.
+      v.bn = 256;
+      if (unit_bound(v, q) < 2 * g::device_sms(p)) v.bn = 128;
+    } else if (v.wgmma) {
       const std::int64_t rows = layout == k_masked ? q.m : q.m / std::max<std::int64_t>(1, q.experts);
       if (rows <= 64)
         v.bm = 64;
@@ -312,6 +319,12 @@ class GroupedGemm final : public Family {
     out.add(int(q.n));
     out.add(int(q.k));
     if (!v.wgmma) return;
+    if (q.layout == k_kgrouped) {
+      // Both operands row-major over the m reduction rows, in 64-row boxes of 64 columns.
+      out.add_tensor_map({b[0], std::uint64_t(q.n * 2), std::uint64_t(q.m), 64, 0});
+      out.add_tensor_map({b[1], std::uint64_t(q.k * 2), std::uint64_t(q.m), 64, 0});
+      return;
+    }
     const std::uint64_t row_bytes = std::uint64_t(q.k * 2);
     const std::uint64_t rows_a = std::uint64_t(q.layout == k_masked ? q.experts * q.m : q.m);
     out.add_tensor_map({b[0], row_bytes, rows_a, std::uint32_t(v.bm), 0});

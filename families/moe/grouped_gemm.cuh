@@ -15,6 +15,9 @@
 // No expert is padded to a tile: a tile stops at its expert's last row (TMA and cp.async read
 // past it, into the next expert or zeros, and the stores leave those rows out).
 //
+// The sm_90a kernels: grouped_wgmma (contiguous and masked, K-major operands) and
+// grouped_wgmma_kgrouped (both operands row-major, read transposed).
+//
 // The tile scheduler runs on the device, so nothing waits for the host: every block builds the
 // table of expert row ranges and the prefix of per-expert tile counts (tiles_m(e) x tiles_n) in
 // shared memory from offs, then maps its work unit u to the expert whose prefix range holds it
@@ -233,6 +236,119 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     } else {
       store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) { return acc[0][ni][q]; });
     }
+  }
+#endif
+}
+
+// The sm_90a weight gradient (kgrouped): out[e] = a_e^T b_e, the tile BM rows of out[e] (columns of
+// a) by BN columns (columns of b), reduced over the expert's rows 64 at a time. Both operands stay
+// row-major as they are in memory: a stage holds 64 rows of a's BM columns and of b's BN columns
+// in 64-column TMA boxes (128-byte swizzle), which wgmma reads in their transposed forms (WgmmaMn:
+// A M-major, B N-major). Warpgroup wg takes a's box wg (64 rows of out[e]); the last produces.
+// The rows past the expert's last row in its last stage belong to the next expert (or are TMA's
+// zeros past m): the consumer zeroes them in its A box before the wgmma, so they add nothing.
+// Units are (expert, m-tile, n-tile), expert by expert; the grid is persistent. An expert without
+// rows stores zeros.
+template <class T, int BM, int BN, int STAGES>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+    grouped_wgmma_kgrouped(const T* __restrict__ a, const T* __restrict__ b, const int* __restrict__ offs,
+                           const float* __restrict__, const float* __restrict__, T* __restrict__ out, int experts,
+                           int m, int n, int k, const __grid_constant__ ptx::TmaDesc map_a,
+                           const __grid_constant__ ptx::TmaDesc map_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace gemm;
+  constexpr int CONSUMERS = BM / 64, NI = BN / 8, BOX = 64 * 128;
+  constexpr int A_BYTES = CONSUMERS * BOX, STAGE_BYTES = A_BYTES + (BN / 64) * BOX;
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = ptx::smem_addr(smem_raw);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+  int* sched = reinterpret_cast<int*>(smem_raw + (empty + 8 * STAGES - raw));
+  int *lo = sched, *hi = lo + experts + 1, *first = hi + experts + 1;
+  const int tiles_m = (n + BM - 1) / BM, tiles_n = (k + BN - 1) / BN, per = tiles_m * tiles_n;
+  const int units = experts * per;
+  const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
+
+  if (threadIdx.x < 32) build_schedule<k_kgrouped, BM>(offs, experts, m, tiles_n, lo, hi, first);
+  if (threadIdx.x == 0)
+    for (int s = 0; s < STAGES; ++s) {
+      ptx::mbar_init(full + 8 * s, 1);
+      ptx::mbar_init(empty + 8 * s, CONSUMERS * 128);
+    }
+  __syncthreads();
+
+  if (wg == CONSUMERS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    if ((threadIdx.x / 32) % 4 == 0) {
+      int it = 0;
+      for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int e = u / per;
+        int tm, tn;
+        tile_coords<8>(u % per, tiles_m, tiles_n, tm, tn);
+        const int r0 = lo[e], ktiles = (hi[e] - r0 + 63) / 64;
+        for (int kt = 0; kt < ktiles; ++kt, ++it) {
+          const int s = it % STAGES;
+          if (it >= STAGES) ptx::mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
+          const unsigned st = base + s * STAGE_BYTES, bar = full + 8 * s;
+          if (lane == 0) {
+            ptx::mbar_arrive_expect_tx(bar, STAGE_BYTES);
+#pragma unroll
+            for (int j = 0; j < CONSUMERS; ++j)
+              ptx::tma_load_2d(st + j * BOX, &map_a, (tm * BM + j * 64) * int(sizeof(T)), r0 + kt * 64, bar);
+#pragma unroll
+            for (int j = 0; j < BN / 64; ++j)
+              ptx::tma_load_2d(st + A_BYTES + j * BOX, &map_b, (tn * BN + j * 64) * int(sizeof(T)), r0 + kt * 64, bar);
+          }
+          __syncwarp();
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMERS == 1 ? 240 : 224));
+  const int warp_in_wg = (threadIdx.x / 32) % 4, tid_in_wg = threadIdx.x % 128;
+  float acc[1][NI][4];
+  int it = 0;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int e = u / per;
+    int tm, tn;
+    tile_coords<8>(u % per, tiles_m, tiles_n, tm, tn);
+    const int rows = hi[e] - lo[e], ktiles = (rows + 63) / 64;
+    const int row0 = tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
+    T* const out_e = out + (long long)e * n * k;
+    if (ktiles == 0) {
+      // acc is written by wgmma only (any other write makes ptxas wait on every wgmma).
+      store_fragments<T, 1, NI>(out_e, n, k, row0, col0, [](int, int, int) { return 0.0f; });
+      continue;
+    }
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % STAGES;
+      const unsigned st = base + s * STAGE_BYTES, sa = st + wg * BOX;
+      ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
+      const int valid = rows - kt * 64;
+      if (valid < 64) {
+        // A swizzled row is still one 128-byte row: zero rows [valid, 64) of this warpgroup's box.
+        for (int i = valid * 8 + tid_in_wg; i < 64 * 8; i += 128)
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sa + i * 16), "r"(0) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+      }
+      fence_fragments(acc);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        WgmmaMn<T, BN>::run(acc, smem_desc_mn(sa + kk * 16 * 128, BOX),
+                            smem_desc_mn(st + A_BYTES + kk * 16 * 128, BOX), kt > 0 || kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_fragments(acc);
+      if (kt > 0) ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    fence_fragments(acc);
+    ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+    store_fragments<T, 1, NI>(out_e, n, k, row0, col0, [&](int, int ni, int q) { return acc[0][ni][q]; });
   }
 #endif
 }

@@ -18,6 +18,8 @@
 #pragma once
 
 #include "common/gemm/gemm_common.cuh"
+#include "common/gemm/wgmma_kn_ops.cuh"
+#include "common/gemm/wgmma_mn_ops.cuh"
 #include "common/gemm/wgmma_ops.cuh"
 #include "common/ptx.cuh"
 
@@ -28,6 +30,14 @@ namespace gemm {
 // offset); the leading byte offset is unused for this layout and set to 1 by convention.
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
   return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+// M- or N-major (transposed) operand, 128-byte swizzle: 64 elements of M or N in each 128-byte
+// row, 8-row atoms of K 1024 bytes apart (stride byte offset), the next 64 elements of M or N
+// `lbo` bytes on (leading byte offset, the panel stride).
+__device__ __forceinline__ unsigned long long smem_desc_mn(unsigned addr, unsigned lbo) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFFu) << 16) |
+         (64ull << 32) | (1ull << 62);
 }
 
 __device__ __forceinline__ void warpgroup_arrive() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

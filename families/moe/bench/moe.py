@@ -59,6 +59,25 @@ def eager_moe(x, logits, w_gate_up, w_down, top_k):
     return out.to(x.dtype)
 
 
+def kernel_breakdown(fn, top=12):
+    """The GPU time of one step of fn by kernel name (torch.profiler, after a warm-up step), the
+    largest first; printed, and returned as [name, us] pairs."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time_total
+    items = sorted(totals.items(), key=lambda kv: -kv[1])
+    print(f"  kernels of one step: {sum(totals.values()):.0f} us in all", flush=True)
+    for name, us in items[:top]:
+        print(f"    {us:10.1f} us  {name[:110]}", flush=True)
+    return [[name, us] for name, us in items[:top]]
+
+
 def run(quick: bool) -> list[dict]:
     dev = torch.device("cuda")
     bf = torch.bfloat16
@@ -141,9 +160,10 @@ def run(quick: bool) -> list[dict]:
         except (RuntimeError, TypeError, NotImplementedError) as e:  # _grouped_mm's backward needs a recent torch
             print(f"PyTorch MoE layer backward unavailable: {str(e).splitlines()[0]}", flush=True)
         if kt is not None:
-            report(row, "kiln_fused_moe_fwd_bwd",
-                   bench(step(lambda *a: kt.fused_moe(*a, activation="silu")), quick), flops)
+            kiln_step = step(lambda *a: kt.fused_moe(*a, activation="silu"))
+            report(row, "kiln_fused_moe_fwd_bwd", bench(kiln_step, quick), flops)
             if "torch_layer_fwd_bwd_us" in row:
                 row["kiln_over_torch"] = row["torch_layer_fwd_bwd_us"] / row["kiln_fused_moe_fwd_bwd_us"]
+            row["kiln_kernels"] = kernel_breakdown(kiln_step)
         rows_out.append(row)
     return rows_out

@@ -103,7 +103,7 @@ class MoeGpu : public testing::GpuFixture {
   // The paths this device runs for the layout.
   std::vector<std::string> paths(int layout) const {
     std::vector<std::string> p = {"mma"};
-    if (cc_ == 90 && layout != m::k_kgrouped) p.push_back("wgmma");
+    if (cc_ == 90) p.push_back("wgmma");
     return p;
   }
   // Launches grouped_gemm `params` on device buffers (a, b, offs, out); sms > 0 bounds the

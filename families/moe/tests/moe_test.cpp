@@ -496,7 +496,7 @@ TEST(MoeFamilies, HeuristicPicksCatalogVariantsForStandardShapes) {
         EXPECT_NE(std::find(catalog.begin(), catalog.end(), h), catalog.end()) << h.canonical() << " cc " << cc;
         EXPECT_TRUE(g.check_problem(h, p).ok()) << h.canonical() << ": " << g.check_problem(h, p).to_string();
         const bool wgmma = *h.get_str("path") == "wgmma";
-        EXPECT_EQ(wgmma, cc == 90 && p.as<m::GroupedGemmProblem>().layout != m::k_kgrouped) << h.canonical();
+        EXPECT_EQ(wgmma, cc == 90) << h.canonical();
       }
   // Decode (16 rows per expert) takes 64-row tiles; Mixtral prefill the 128 x 256 tile.
   EXPECT_EQ(*g.heuristic(grouped_problem(16, 4096, 7168, 256, m::k_masked, 90)).get_int("bm"), 64);
@@ -525,10 +525,15 @@ TEST(MoeFamilies, GroupedGemmRulesAndGeometry) {
   EXPECT_EQ(g.check_problem(wg, grouped_problem(4096, 4096, 7164, 8, m::k_contiguous, 90)).code(), Code::shape_mismatch);
   EXPECT_EQ(g.check_problem(wg, grouped_problem(4096, 4096, 7168, 2000, m::k_contiguous, 90)).code(),
             Code::shape_mismatch);
-  Params bad = wg;
-  bad.set("layout", "kgrouped");
-  EXPECT_FALSE(g.validate(bad).ok()) << "kgrouped has no wgmma kernel";
-  bad = g.heuristic(grouped_problem(4096, 4096, 7168, 8, m::k_contiguous, 80));
+  // The weight gradient runs on wgmma too: 128 x 256 tiles of out[e] where they cover the SMs.
+  const Params wgrad = g.heuristic(grouped_problem(8 * 4096, 4096, 14336, 8, m::k_kgrouped, 90));
+  EXPECT_EQ(*wgrad.get_str("path"), "wgmma");
+  EXPECT_EQ(*wgrad.get_int("bn"), 256);
+  EXPECT_EQ(*g.heuristic(grouped_problem(1000, 392, 264, 8, m::k_kgrouped, 90)).get_int("bn"), 128);
+  EXPECT_EQ(g.check_problem(wgrad, grouped_problem(8 * 4096, 4092, 14336, 8, m::k_kgrouped, 90)).code(),
+            Code::shape_mismatch)
+      << "kgrouped rows of a must be 16-byte multiples";
+  Params bad = g.heuristic(grouped_problem(4096, 4096, 7168, 8, m::k_contiguous, 80));
   bad.set("bn", std::int64_t(256));
   EXPECT_FALSE(g.validate(bad).ok()) << "mma takes bn <= 128";
   // The persistent wgmma grid never exceeds the SMs; mma covers every unit the layout may have.
