@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the `device` tool) from the repository root with gpu-dist/ carried (see
-# scripts/stage_gpu.sh, then scripts/stage_python.sh): the MoE GPU tests, kiln's MoE bench, and the
-# PyTorch anchors with kiln importable (torch._grouped_mm, torch._scaled_grouped_mm and the whole
+# scripts/stage_gpu.sh, then scripts/stage_python.sh): the MoE GPU tests (C++ and Python), kiln's
+# MoE bench, and the PyTorch anchors with kiln importable (torch._grouped_mm, torch._scaled_grouped_mm and the whole
 # layer beside kiln.torch.fused_moe) in the same command, so the ratios come from one run. Logs go
 # to $OUT.
 #   scripts/gpu_moe.sh [--quick]
-# Env: GPU_FILTER (gtest filter of the families binary; default the MoE tests), SKIP_TESTS=1
-# (benchmarks only).
+# Env: GPU_FILTER (gtest filter of the families binary; default the MoE tests), PYTEST_K (pytest
+# -k expression; default "moe"), SKIP_TESTS=1 (benchmarks only).
 set -uo pipefail
 quick=${1:-}
 out=${OUT:-gpu-out}
@@ -33,6 +33,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 timeout -k 5 400 "$dist/bench/kiln_bench_gpu" --json "$out/bench.json" --kilnd "$dist/kilnd" $quick --only moe 2>&1 |
   tee "$out/bench.log" || rc=1
-TORCH_ARGS="--only moe" OUT=$out bash "$root/scripts/python_gpu_run.sh" $quick anchors || rc=1
+# The Python MoE tests (kiln.torch's ops and the layer's gradients against PyTorch), then the anchors.
+py_parts=anchors
+[ "${SKIP_TESTS:-0}" != 1 ] && py_parts="tests anchors"
+PYTEST_K=${PYTEST_K:-moe} TORCH_ARGS="--only moe" OUT=$out bash "$root/scripts/python_gpu_run.sh" $quick $py_parts || rc=1
 echo "gpu_moe exit $rc"
 exit $rc

@@ -42,7 +42,7 @@ namespace {
 
 namespace g = gemm;
 
-const char* const k_layouts[] = {"contiguous", "masked", "kgrouped"};
+const char* const k_layouts[] = {"contiguous", "masked", "kgrouped", "dgrad"};
 
 struct Variant {
   bool wgmma;
@@ -50,7 +50,7 @@ struct Variant {
 };
 
 int layout_index(const std::string& s) {
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < 4; ++i)
     if (s == k_layouts[i]) return i;
   return 0;
 }
@@ -62,11 +62,13 @@ Variant variant_of(const Params& p) {
 
 std::int64_t schedule_bytes(std::int64_t experts) { return 12 * (experts + 1); }
 
-// One stage of the ring: 128-byte K rows of A and B (wgmma kgrouped: 64 reduction rows of both
-// operands' columns, the same bytes), or (mma kgrouped) 64 reduction rows of both operands'
-// columns with 16 bytes of padding, rounded to the 1024-byte swizzle atom.
+// One stage of the ring: 128-byte K rows of A and B (wgmma kgrouped and dgrad: 64 reduction rows
+// of the row-major operands' columns, the same bytes), or, on the mma path, 64 reduction rows of a
+// row-major operand's columns with 16 bytes of padding (kgrouped: both, dgrad: b), rounded to
+// the 1024-byte swizzle atom.
 std::int64_t stage_bytes(const Variant& v) {
   if (v.layout == k_kgrouped && !v.wgmma) return (64 * (2 * v.bm + 16) + 64 * (2 * v.bn + 16) + 1023) / 1024 * 1024;
+  if (v.layout == k_dgrad && !v.wgmma) return (128 * v.bm + 64 * (2 * v.bn + 16) + 1023) / 1024 * 1024;
   return std::int64_t(v.bm + v.bn) * 128;
 }
 
@@ -107,7 +109,8 @@ class GroupedGemm final : public Family {
     static const std::vector<ParamDef> defs = {
         {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
         {"dtype", {}, {"f16", "bf16"}, "element type of a, b and out"},
-        {"layout", {}, {"contiguous", "masked", "kgrouped"}, "rows grouped by offsets, per-expert counts, or the weight gradient"},
+        {"layout", {}, {"contiguous", "masked", "kgrouped", "dgrad"},
+         "rows grouped by offsets, per-expert counts, the weight gradient, or the input gradient (weight [experts, k, n])"},
         {"bm", {64, 128}, {}, "tile rows"},
         {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
         {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"}};
@@ -117,9 +120,9 @@ class GroupedGemm final : public Family {
     static const std::vector<ProblemField> fields = problem_fields_of<GroupedGemmProblem>(
         {bucketed(&GroupedGemmProblem::m, "m", "rows of a (masked: rows per expert)"),
          key(&GroupedGemmProblem::n, "n", "columns of out (kgrouped: columns of a)"),
-         key(&GroupedGemmProblem::k, "k", "the reduction (kgrouped: columns of b)"),
+         key(&GroupedGemmProblem::k, "k", "the reduction (kgrouped: columns of b; dgrad: rows of each b)"),
          key(&GroupedGemmProblem::experts, "experts", "experts (groups)"),
-         key(&GroupedGemmProblem::layout, "layout", "0 contiguous, 1 masked, 2 kgrouped")});
+         key(&GroupedGemmProblem::layout, "layout", "0 contiguous, 1 masked, 2 kgrouped, 3 dgrad")});
     return fields;
   }
 
@@ -160,7 +163,7 @@ class GroupedGemm final : public Family {
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* d : {"f16", "bf16"})
-      for (int layout = 0; layout < 3; ++layout) {
+      for (int layout = 0; layout < 4; ++layout) {
         for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
             Variant v{true, layout, bm, bn, 4};
             v.stages = default_stages(v, 90);
@@ -181,7 +184,7 @@ class GroupedGemm final : public Family {
     const auto q = p.as<GroupedGemmProblem>();
     const Variant v = variant_of(params);
     const std::string f = "grouped_gemm";
-    if (q.layout < 0 || q.layout > 2) return invalid_argument(f + ": unknown layout " + std::to_string(q.layout));
+    if (q.layout < 0 || q.layout > 3) return invalid_argument(f + ": unknown layout " + std::to_string(q.layout));
     if (q.layout != v.layout)
       return invalid_argument(f + ": kernel is for the " + k_layouts[v.layout] + " layout, the problem is " +
                               k_layouts[q.layout]);
@@ -196,8 +199,8 @@ class GroupedGemm final : public Family {
     if (rows_a >= lim || q.experts * q.n >= lim || q.k >= lim || unit_bound(v, q) >= lim)
       return shape_mismatch(f + ": rows, experts x n, k and the tile count must be below 2^31");
     if (q.k % 8) return shape_mismatch(f + ": k must be a multiple of 8 (rows are copied in 16-byte pieces)");
-    if (q.layout == k_kgrouped && q.n % 8)
-      return shape_mismatch(f + ": kgrouped needs n a multiple of 8 (rows are copied in 16-byte pieces)");
+    if ((q.layout == k_kgrouped || q.layout == k_dgrad) && q.n % 8)
+      return shape_mismatch(f + ": " + k_layouts[q.layout] + " needs n a multiple of 8 (rows are copied in 16-byte pieces)");
     if (p.alignment < 16) return invalid_argument(f + ": a, b and out need 16-byte aligned base addresses");
     const std::int64_t cc = g::device_cc(p);
     if (v.wgmma && cc != 90)
@@ -225,7 +228,7 @@ class GroupedGemm final : public Family {
     const auto q = p.as<GroupedGemmProblem>();
     const std::int64_t cc = g::device_cc(p);
     const std::string dtype = p.dtype == DType::f16 ? "f16" : "bf16";
-    const int layout = int(std::clamp<std::int64_t>(q.layout, 0, 2));
+    const int layout = int(std::clamp<std::int64_t>(q.layout, 0, 3));
     Variant v{cc == 90, layout, 128, 128, 4};
     if (v.wgmma && layout == k_kgrouped) {
       // out[e] is n x k: 128 x 256 tiles while they cover the SMs, else 128 x 128.
@@ -328,7 +331,10 @@ class GroupedGemm final : public Family {
     const std::uint64_t row_bytes = std::uint64_t(q.k * 2);
     const std::uint64_t rows_a = std::uint64_t(q.layout == k_masked ? q.experts * q.m : q.m);
     out.add_tensor_map({b[0], row_bytes, rows_a, std::uint32_t(v.bm), 0});
-    out.add_tensor_map({b[1], row_bytes, std::uint64_t(q.experts * q.n), std::uint32_t(v.bn), 0});
+    if (q.layout == k_dgrad)  // every expert's [k, n] weight as one matrix of experts x k rows
+      out.add_tensor_map({b[1], std::uint64_t(q.n * 2), std::uint64_t(q.experts * q.k), 64, 0});
+    else
+      out.add_tensor_map({b[1], row_bytes, std::uint64_t(q.experts * q.n), std::uint32_t(v.bn), 0});
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
@@ -357,8 +363,12 @@ class GroupedGemm final : public Family {
         for (std::int64_t x = 0; x < q.k; ++x) arow[x] = at(0, r * q.k + x);
         for (std::int64_t j = 0; j < q.n; ++j) {
           double s = 0;
-          const std::int64_t w0 = (e * q.n + j) * q.k;
-          for (std::int64_t x = 0; x < q.k; ++x) s += arow[x] * at(1, w0 + x);
+          if (q.layout == k_dgrad) {  // b [experts, k, n]
+            for (std::int64_t x = 0; x < q.k; ++x) s += arow[x] * at(1, (e * q.k + x) * q.n + j);
+          } else {
+            const std::int64_t w0 = (e * q.n + j) * q.k;
+            for (std::int64_t x = 0; x < q.k; ++x) s += arow[x] * at(1, w0 + x);
+          }
           store_from_double(b[3], p.dtype, r * q.n + j, s);
         }
       }

@@ -12,11 +12,13 @@
 //  - kgrouped: out [experts, n, k] with out[e] = a_e^T b_e, a [m, n] and b [m, k] grouped by
 //    rows as in the contiguous layout (the weight gradient dW_e = dY_e^T X_e); an expert without
 //    rows gets zeros.
+//  - dgrad: the contiguous layout with b [experts, k, n] (N-major): out = a b_e, the input
+//    gradient of a contiguous grouped GEMM that used the same weight, read as it is stored.
 // No expert is padded to a tile: a tile stops at its expert's last row (TMA and cp.async read
 // past it, into the next expert or zeros, and the stores leave those rows out).
 //
-// The sm_90a kernels: grouped_wgmma (contiguous and masked, K-major operands) and
-// grouped_wgmma_kgrouped (both operands row-major, read transposed).
+// The sm_90a kernels: grouped_wgmma (contiguous and masked with K-major operands, dgrad with an
+// N-major b) and grouped_wgmma_kgrouped (both operands row-major, read transposed).
 //
 // The tile scheduler runs on the device, so nothing waits for the host: every block builds the
 // table of expert row ranges and the prefix of per-expert tile counts (tiles_m(e) x tiles_n) in
@@ -31,7 +33,7 @@
 namespace kiln {
 namespace moe {
 
-enum Layout { k_contiguous = 0, k_masked = 1, k_kgrouped = 2 };
+enum Layout { k_contiguous = 0, k_masked = 1, k_kgrouped = 2, k_dgrad = 3 };
 // Scales of the e4m3 kernels (SCALING): none (f16/bf16), rowwise (a per row, b per expert and
 // column), or DeepSeek-V3's blocks (a 1x128 per row and 128 of K, b 128x128 per expert).
 enum Scaling { k_unscaled = 0, k_rowwise = 1, k_block = 2 };
@@ -102,9 +104,11 @@ __device__ __forceinline__ void unit_coords(int u, int experts, const int* lo, c
   gemm::tile_coords<GROUP>(u - first[e], tiles_m, tiles_n, tm, tn);
 }
 
-// The sm_90a path (contiguous and masked): gemm_wgmma_body's ring without clusters, split-K or
-// block scales, over the expert schedule. Warpgroups 0 .. BM/64 - 1 consume, the last produces
-// (one thread issues the TMA copies of A's rows at the expert's row and of B's rows e n + tn BN).
+// The sm_90a path (contiguous, masked and dgrad): gemm_wgmma_body's ring without clusters, split-K
+// or block scales, over the expert schedule. Warpgroups 0 .. BM/64 - 1 consume, the last produces
+// (one thread issues the TMA copies of A's rows at the expert's row and of B's rows e n + tn BN;
+// dgrad: of b's rows e k + 64 kt in 64-column boxes, read by wgmma N-major, the rows past k in
+// the last stage zeroed by the consumers, as they belong to the next expert).
 // The grid is persistent: block i takes units i, i + grid, ... TIn is f16/bf16 (TOut the same), or
 // e4m3 codes (u8) with SCALING rowwise, out = acc * a_scale[row] * b_scale[e n + col] (as
 // torch._scaled_grouped_mm takes them), or block, a_scale [rows, kblocks] and b_scale [experts,
@@ -121,6 +125,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   using namespace gemm;
   constexpr int CONSUMERS = BM / 64, NI = BN / 8;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
+  constexpr int B_BOX = 64 * k_row_bytes;  // dgrad: 64 rows of k by 64 columns
+  static_assert(LAYOUT != k_dgrad || (SCALING == k_unscaled && BN % 64 == 0), "dgrad: f16/bf16, 64-column boxes");
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = ptx::smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;
@@ -155,7 +161,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           if (lane == 0) {
             ptx::mbar_arrive_expect_tx(bar, STAGE_BYTES);
             ptx::tma_load_2d(st, &map_a, kt * k_row_bytes, row0, bar);
-            ptx::tma_load_2d(st + A_BYTES, &map_b, kt * k_row_bytes, brow, bar);
+            if constexpr (LAYOUT == k_dgrad) {
+#pragma unroll
+              for (int j = 0; j < BN / 64; ++j)
+                ptx::tma_load_2d(st + A_BYTES + j * B_BOX, &map_b, (tn * BN + j * 64) * int(sizeof(TIn)),
+                                 e * k + kt * 64, bar);
+            } else {
+              ptx::tma_load_2d(st + A_BYTES, &map_b, kt * k_row_bytes, brow, bar);
+            }
           }
           __syncwarp();
         }
@@ -176,7 +189,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     fence_fragments(d);
     warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<TIn, BN>::run(d, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
+    for (int kk = 0; kk < 4; ++kk)
+      if constexpr (LAYOUT == k_dgrad)
+        WgmmaKn<TIn, BN>::run(d, da + 2 * kk, smem_desc_mn(st + A_BYTES + kk * 16 * 128, B_BOX), accumulate || kk > 0);
+      else
+        Wgmma<TIn, BN>::run(d, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
     wgmma_commit();
   };
   int it = 0;
@@ -215,6 +232,23 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % STAGES;
       ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
+      if constexpr (LAYOUT == k_dgrad) {
+        const int valid = k - kt * 64;
+        if (valid < 64) {
+          // Rows [valid, 64) of every b box: a swizzled row is still one 128-byte row. The
+          // consumers split them, then wait for each other before either reads the stage.
+          const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
+          constexpr int CHUNKS = (BN / 64) * 64 * 8;
+          for (int i = threadIdx.x; i < CHUNKS; i += CONSUMERS * 128) {
+            const int box = i / 512, r = (i % 512) / 8;
+            if (r >= valid)
+              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sb + box * B_BOX + (i % 512) * 16), "r"(0)
+                           : "memory");
+          }
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS * 128) : "memory");
+        }
+      }
       issue_stage(acc, base + s * STAGE_BYTES, kt > 0);
       wgmma_wait<1>();
       fence_fragments(acc);
@@ -380,7 +414,8 @@ __device__ __forceinline__ void load_rows_tile(unsigned dst, const T* src, int c
 // the tile, a STAGES-deep cp.async ring, one block per unit (the grid covers every unit the
 // layout can have; blocks past the unit count return). Contiguous and masked stages hold 128-byte
 // K rows swizzled as the GEMM core's; kgrouped stages hold 64 reduction rows of a's and b's
-// columns (row pitch padded by 16 bytes: conflict-free), read by ldmatrix.trans. e4m3 operands
+// columns (row pitch padded by 16 bytes: conflict-free), read by ldmatrix.trans; dgrad stages
+// a's K rows as contiguous does and b's as kgrouped does (rows past k zero). e4m3 operands
 // (TIn u8, contiguous and masked, SCALING as grouped_wgmma's) are widened to f16 in registers as
 // gemm_mma.cuh does (exact, 2^-8 per operand, restored in the epilogue); block scales promote a
 // partial-sum set after each 128-wide k-block (one stage) with gemm_common.cuh's helpers.
@@ -393,10 +428,11 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a,
   using T = TIn;
   constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
   constexpr bool KG = LAYOUT == k_kgrouped, FP8 = sizeof(TIn) == 1;
-  static_assert(!(KG && FP8), "kgrouped takes f16/bf16 operands");
+  constexpr bool B_ROWS = KG || LAYOUT == k_dgrad;  // b staged as 64 rows of its columns
+  static_assert(!(B_ROWS && FP8), "kgrouped and dgrad take f16/bf16 operands");
   using MmaT = typename Select<FP8, f16_t, TIn>::type;
   constexpr int PA = 2 * BM + 16, PB = 2 * BN + 16;  // kgrouped row pitches
-  constexpr int A_BYTES = KG ? 64 * PA : BM * k_row_bytes, B_BYTES = KG ? 64 * PB : BN * k_row_bytes;
+  constexpr int A_BYTES = KG ? 64 * PA : BM * k_row_bytes, B_BYTES = B_ROWS ? 64 * PB : BN * k_row_bytes;
   constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + 1023) / 1024 * 1024;
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = ptx::smem_addr(smem_raw);
@@ -433,6 +469,9 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a,
     if (KG) {
       load_rows_tile<T, 64, BM, PA, NT>(s, a, n, r_lo + kt * 64, r_lo, r_hi, row_a, tid);
       load_rows_tile<T, 64, BN, PB, NT>(s + A_BYTES, b, k, r_lo + kt * 64, r_lo, r_hi, row_b, tid);
+    } else if (B_ROWS) {  // dgrad: expert e's [k, n] weight, rows past k zero
+      load_tile<BM, NT>(s, au, r_hi, ld, row_a, (long long)kt * k_row_bytes, tid);
+      load_rows_tile<T, 64, BN, PB, NT>(s + A_BYTES, b + (long long)e * k * n, n, kt * 64, 0, k, row_b, tid);
     } else {
       const long long kb = (long long)kt * k_row_bytes;
       load_tile<BM, NT>(s, au, r_hi, ld, row_a, kb, tid);
@@ -478,7 +517,7 @@ __global__ void __launch_bounds__(2 * BN) grouped_mma(const TIn* __restrict__ a,
 #pragma unroll
       for (int nj = 0; nj < NI / 2; ++nj) {
         const int q = lane >> 3;
-        if (KG) {
+        if (B_ROWS) {
           const int r = 16 * kk + (q & 1) * 8 + (lane & 7), c = wn * 32 + 16 * nj + (q >> 1) * 8;
           ldmatrix_x4_trans(sb + r * PB + c * 2, bf[nj]);
         } else {

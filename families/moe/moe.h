@@ -15,7 +15,7 @@
 //   row_of [tokens x top_k] i32, weights [tokens x top_k] f32 (weighted; else one element), out
 //   [tokens, hidden].
 // grouped_gemm: params path {mma, wgmma}, dtype {f16, bf16}, layout {contiguous, masked,
-//   kgrouped}, bm, bn, stages. Problem GroupedGemmProblem. Buffers: a, b, offs [experts] i32, out
+//   kgrouped, dgrad}, bm, bn, stages. Problem GroupedGemmProblem. Buffers: a, b, offs [experts] i32, out
 //   (families/moe/grouped_gemm.cuh has the layouts).
 // grouped_gemm_fp8: params path, out {f16, bf16}, layout {contiguous, masked}, scaling {rowwise,
 //   block}, bm, bn, stages. Problem GroupedGemmFp8Problem (dtype: out's). Buffers: a u8, weight
@@ -31,7 +31,7 @@
 namespace kiln::families::moe {
 
 enum Scoring { k_softmax = 0, k_sigmoid_group = 1 };
-enum Layout { k_contiguous = 0, k_masked = 1, k_kgrouped = 2 };
+enum Layout { k_contiguous = 0, k_masked = 1, k_kgrouped = 2, k_dgrad = 3 };
 
 // The most experts the routing and grouped GEMM kernels take (their shared-memory tables), and
 // the largest top_k (one lane of a warp per pick).
@@ -72,7 +72,7 @@ struct MoeCombineProblem {
 struct GroupedGemmProblem {
   std::int64_t m = 0;        // bucketed key: rows of a (contiguous, kgrouped), or rows per expert (masked)
   std::int64_t n = 0;        // key: columns of out (contiguous, masked: rows of each b); kgrouped: columns of a
-  std::int64_t k = 0;        // key: the reduction (contiguous, masked); kgrouped: columns of b
+  std::int64_t k = 0;        // key: the reduction (contiguous, masked, dgrad); kgrouped: columns of b
   std::int64_t experts = 0;  // key
   std::int64_t layout = 0;   // key: Layout
 };

@@ -128,7 +128,7 @@ Status run_grouped(const char* op, const TensorView& a, const TensorView& b, con
     return shape_mismatch(std::string(op) + ": experts must be in [1, " + std::to_string(m::k_max_experts) + "], got " +
                           std::to_string(experts));
   if (k % 8) return shape_mismatch(std::string(op) + ": k = " + std::to_string(k) + " must be a multiple of 8");
-  if (layout == m::k_kgrouped && n % 8)
+  if ((layout == m::k_kgrouped || layout == m::k_dgrad) && n % 8)
     return shape_mismatch(std::string(op) + ": n = " + std::to_string(n) + " must be a multiple of 8");
   KILN_ASSIGN_OR_RETURN(DeviceKind where,
                         common_device(op, {{&a, "a"}, {&b, "b"}, {&offs, "offs"}, {&out, "out"}}));
@@ -368,6 +368,25 @@ Status grouped_gemm_masked(const TensorView& a, const TensorView& weight, const 
   KILN_TRY(want_shape(op, "counts", counts, {experts}));
   KILN_TRY(want_shape(op, "out", out, {experts, mm, n}));
   return run_grouped(op, a, weight, counts, out, m::k_masked, mm, n, k, experts, stream, runtime);
+}
+
+Status grouped_gemm_dgrad(const TensorView& a, const TensorView& weight, const TensorView& offs, const TensorView& out,
+                          Stream stream, Runtime* runtime) {
+  constexpr const char* op = "grouped_gemm_dgrad";
+  for (const auto& [t, name] : {std::pair{&a, "a"}, {&weight, "weight"}, {&offs, "offs"}, {&out, "out"}})
+    KILN_TRY(client::check_view(*t, name));
+  KILN_TRY(check_half(op, {{&a, "a"}, {&weight, "weight"}, {&out, "out"}}));
+  KILN_TRY(want_dtype(op, "offs", offs, DType::i32));
+  if (a.rank != 2) return shape_mismatch("grouped_gemm_dgrad: a must be [m, k], got " + shape_text(a));
+  if (weight.rank != 3)
+    return shape_mismatch("grouped_gemm_dgrad: weight must be [experts, k, n], got " + shape_text(weight));
+  const std::int64_t mm = a.shape[0], k = a.shape[1], experts = weight.shape[0], n = weight.shape[2];
+  if (weight.shape[1] != k)
+    return shape_mismatch("grouped_gemm_dgrad: a is " + shape_text(a) + " but weight is " + shape_text(weight) +
+                          " (k does not match)");
+  KILN_TRY(want_shape(op, "offs", offs, {experts}));
+  KILN_TRY(want_shape(op, "out", out, {mm, n}));
+  return run_grouped(op, a, weight, offs, out, m::k_dgrad, mm, n, k, experts, stream, runtime);
 }
 
 Status grouped_gemm_wgrad(const TensorView& a, const TensorView& b, const TensorView& offs, const TensorView& out,
@@ -798,6 +817,25 @@ void kiln_register_ops_moe(kiln::Registry& r) {
     };
     (void)r.add_op(std::move(op));
   }
+  grouped("grouped_gemm_dgrad",
+          "out [m, n] = a [m, k] x weight[e] ([experts, k, n]) for expert e's rows as grouped_gemm's offs: the "
+          "input gradient of grouped_gemm with the same weight, read as stored (torch._grouped_mm(a, weight, "
+          "offs)). f16/bf16, n and k multiples of 8; rows past offs[-1] are not written.",
+          {{.name = "a", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2, .shape = "[m, k]"},
+           {.name = "weight", .dtypes = k_half_dtypes, .min_rank = 3, .max_rank = 3, .shape = "[experts, k, n]"},
+           {.name = "offs", .dtypes = i32, .max_rank = 1, .shape = "[experts]"},
+           {.name = "out", .role = TensorRole::output, .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2,
+            .shape = "[m, n]"}},
+          [](const OpCall& c) {
+            return grouped_gemm_dgrad(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.stream, c.runtime);
+          },
+          [](const OpCall& c, std::span<OutputShape> out) {
+            out[0].dtype = c.tensor(0).dtype;
+            out[0].rank = 2;
+            out[0].shape[0] = c.tensor(0).shape[0];
+            out[0].shape[1] = c.tensor(1).shape[2];
+            return Status{};
+          });
   grouped("grouped_gemm_wgrad",
           "out [experts, n, k]: out[e] = a_e^T b_e for a [m, n] and b [m, k] grouped by rows as grouped_gemm's offs "
           "(the weight gradient dW_e = dY_e^T X_e); experts without rows get zeros. n and k multiples of 8.",

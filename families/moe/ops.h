@@ -69,6 +69,13 @@ Status grouped_gemm_fp8_masked(const TensorView& a, const TensorView& weight, co
                                const TensorView& a_scale, const TensorView& b_scale, const TensorView& out,
                                Stream stream = nullptr, Runtime* runtime = nullptr);
 
+// The input gradient of grouped_gemm with the same weight: out [m, n] = a [m, k] x weight[e] for
+// weight [experts, k, n] as grouped_gemm stores it ([experts, n_fwd, k_fwd]; here k = n_fwd and
+// n = k_fwd), read as it is, without a transposed copy; rows and offs as in grouped_gemm. n and k
+// multiples of 8.
+Status grouped_gemm_dgrad(const TensorView& a, const TensorView& weight, const TensorView& offs, const TensorView& out,
+                          Stream stream = nullptr, Runtime* runtime = nullptr);
+
 // The K-grouped form (weight gradients): out[e] [n, k] = a_e^T b_e, a [m, n] and b [m, k] with
 // expert e's rows as in grouped_gemm; experts without rows get zeros. n and k multiples of 8.
 Status grouped_gemm_wgrad(const TensorView& a, const TensorView& b, const TensorView& offs, const TensorView& out,

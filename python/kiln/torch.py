@@ -1813,7 +1813,8 @@ def _moe_grad_with(op):
 
     def grad(ctx, dout, *_unused):
         # out = combine(y, w): dw[t, j] = <dout[t], y[row_of[t, j]]>, dy = gather(dout, w). Then
-        # through the down projection (dgrad with W_d^T per expert, wgrad dW_d[e] = dy_e^T a_e),
+        # through the down projection (dgrad dy_e W_d[e], the weight read as stored; wgrad
+        # dW_d[e] = dy_e^T a_e),
         # act_and_mul, the gate_up projection (dW_gu[e] = dh_e^T x_e), and dx = the unweighted
         # combine of dx_sorted.
         weights, w_gate_up, w_down, x_sorted, h, a, y_sorted, offsets, row_of, src_of = ctx.saved_tensors
@@ -1823,9 +1824,9 @@ def _moe_grad_with(op):
         offs = offsets[1:]
         dw = torch.einsum("tc,tjc->tj", dout.float(), y_sorted[row_of.long()].float())
         dy = op("moe_gather")(dout, src_of, weights, row_of.shape[1])
-        da = op("grouped_gemm")(dy, w_down.transpose(1, 2).contiguous(), offs)
+        da = op("grouped_gemm_dgrad")(dy, w_down, offs)
         dh = torch.ops.kiln.act_and_mul_backward(h, da, ctx.activation)
-        dxs = op("grouped_gemm")(dh, w_gate_up.transpose(1, 2).contiguous(), offs)
+        dxs = op("grouped_gemm_dgrad")(dh, w_gate_up, offs)
         dx = op("moe_combine")(dxs, row_of, None)
         d_w_down = op("grouped_gemm_wgrad")(dy, a, offs)
         d_w_gate_up = op("grouped_gemm_wgrad")(dh, x_sorted, offs)

@@ -699,6 +699,11 @@ def test_moe_ops_on_host_arrays(rng):
         rows = slice(offsets[e], offsets[e + 1])
         np.testing.assert_allclose(h[rows].astype(np.float64), xs[rows].astype(np.float64) @
                                    weight[e].astype(np.float64).T, rtol=2e-3, atol=2e-3)
+    dx = kiln.grouped_gemm_dgrad(h, weight, ends)  # weight [experts, inter, hidden] as stored
+    for e in range(experts):
+        rows = slice(offsets[e], offsets[e + 1])
+        np.testing.assert_allclose(dx[rows].astype(np.float64), h[rows].astype(np.float64) @
+                                   weight[e].astype(np.float64), rtol=2e-3, atol=2e-3)
     dw = kiln.grouped_gemm_wgrad(h, xs, ends)
     for e in range(experts):
         rows = slice(offsets[e], offsets[e + 1])

@@ -470,6 +470,7 @@ def test_moe_custom_ops_opcheck_and_the_module_compiles():
         (torch.ops.kiln.moe_topk.default, (logits, None, k, "softmax", True, 1, 1, 1.0)),
         (torch.ops.kiln.moe_permute.default, (x, ids, experts)),
         (torch.ops.kiln.grouped_gemm.default, (torch.randn(10, hidden, dtype=torch.bfloat16), wgu, offs)),
+        (torch.ops.kiln.grouped_gemm_dgrad.default, (torch.randn(10, 2 * inter, dtype=torch.bfloat16), wgu, offs)),
         (torch.ops.kiln.grouped_gemm_wgrad.default, (torch.randn(10, 16, dtype=torch.bfloat16),
                                                       torch.randn(10, 8, dtype=torch.bfloat16), offs)),
         (torch.ops.kiln.moe_experts.default, (x.clone().requires_grad_(), w.clone().requires_grad_(), ids,

@@ -1,8 +1,8 @@
 // The MoE grouped GEMM (bf16; FP8 rowwise and block-scaled on sm_90a), balanced and Zipf routing: Mixtral
 // gate_up (8 experts x 4096 tokens, K 4096, N 28672) and down (K 14336, N 4096), DeepSeek-V3
 // gate_up (256 experts x 1024 tokens, K 7168, N 4096) and down (K 2048, N 7168), DeepSeek-V3 decode
-// (256 x 16 tokens, gate_up) contiguous and masked; the weight-gradient form (kgrouped) at Mixtral
-// down; and the routing kernels (top-k, permute, combine) at Mixtral and DeepSeek-V3 prefill.
+// (256 x 16 tokens, gate_up) contiguous and masked; the weight-gradient form (kgrouped) and the
+// input-gradient form (dgrad, the weight as stored) at Mixtral down; and the routing kernels (top-k, permute, combine) at Mixtral and DeepSeek-V3 prefill.
 // Zipf routing gives expert e a share proportional to 1 / (e + 1) of the same total rows
 // (bench/moe.py builds the same counts). Sampled outputs are checked against fp64 first (every
 // output poisoned before the first call), then timed; TFLOP/s = 2 rows N K / time, the
@@ -174,7 +174,8 @@ int grouped(Context& ctx, nlohmann::json& rows) {
                              {"dsv3_down", 256, 1024, 7168, 2048, m::k_contiguous},
                              {"dsv3_decode", 256, 16, 4096, 7168, m::k_contiguous},
                              {"dsv3_decode_masked", 256, 16, 4096, 7168, m::k_masked},
-                             {"mixtral_down_wgrad", 8, 4096, 4096, 14336, m::k_kgrouped}};
+                             {"mixtral_down_wgrad", 8, 4096, 4096, 14336, m::k_kgrouped},
+                             {"mixtral_down_dgrad", 8, 4096, 14336, 4096, m::k_dgrad}};
   if (ctx.quick) cases = {cases[1], cases[3], cases[4]};
   const Family& f = *Registry::global().find("grouped_gemm");
   const auto cuda = Device::cuda(0);
@@ -187,11 +188,12 @@ int grouped(Context& ctx, nlohmann::json& rows) {
       const auto counts = expert_counts(c.experts, total, zipf);
       std::vector<std::int32_t> offs(counts.size());
       std::partial_sum(counts.begin(), counts.end(), offs.begin());
-      const bool masked = c.layout == m::k_masked, kg = c.layout == m::k_kgrouped;
+      const bool masked = c.layout == m::k_masked, kg = c.layout == m::k_kgrouped, dg = c.layout == m::k_dgrad;
       // Masked: max_tokens is the largest count (the fixed shape a decode graph would allocate).
       const std::int64_t max_t = *std::max_element(counts.begin(), counts.end());
       const std::int64_t a_rows = masked ? c.experts * max_t : total;
-      // kgrouped (dW = dY^T X): a = dY [rows, n], b = X [rows, k], out [experts, n, k].
+      // kgrouped (dW = dY^T X): a = dY [rows, n], b = X [rows, k], out [experts, n, k]. dgrad
+      // (dX = dY W): a = dY [rows, k], b = W [experts, k, n] as the forward stores it.
       Tiled a = tiled(ctx, DType::bf16, a_rows * (kg ? c.n : c.k), 1.0f);
       Tiled b = tiled(ctx, DType::bf16, kg ? total * c.k : c.experts * c.n * c.k, 1.0f / 64);
       const std::int64_t out_elems = kg ? c.experts * c.n * c.k : a_rows * c.n;
@@ -206,6 +208,12 @@ int grouped(Context& ctx, nlohmann::json& rows) {
                                    TensorView::contiguous(dout.get(), DType::bf16, {c.experts, c.n, c.k}, cuda), nullptr,
                                    ctx.runtime),
                 "grouped_gemm_wgrad");
+        else if (dg)
+          check(grouped_gemm_dgrad(TensorView::contiguous(a.dev->get(), DType::bf16, {total, c.k}, cuda),
+                                   TensorView::contiguous(b.dev->get(), DType::bf16, {c.experts, c.k, c.n}, cuda), ov,
+                                   TensorView::contiguous(dout.get(), DType::bf16, {total, c.n}, cuda), nullptr,
+                                   ctx.runtime),
+                "grouped_gemm_dgrad");
         else if (masked)
           check(grouped_gemm_masked(TensorView::contiguous(a.dev->get(), DType::bf16, {c.experts, max_t, c.k}, cuda),
                                     TensorView::contiguous(b.dev->get(), DType::bf16, {c.experts, c.n, c.k}, cuda), ov,
@@ -241,7 +249,8 @@ int grouped(Context& ctx, nlohmann::json& rows) {
         } else {
           const std::int64_t r = lo + pr(ctx.rng), j = pj(ctx.rng);
           for (std::int64_t q = 0; q < c.k; ++q)
-            want += a.at(r * c.k + q, DType::bf16) * b.at((e * c.n + j) * c.k + q, DType::bf16);
+            want += a.at(r * c.k + q, DType::bf16) *
+                    b.at(dg ? (e * c.k + q) * c.n + j : (e * c.n + j) * c.k + q, DType::bf16);
           g = load_as_double(got.data(), DType::bf16, r * c.n + j);
         }
         nan = nan || std::isnan(g);
@@ -267,7 +276,7 @@ int grouped(Context& ctx, nlohmann::json& rows) {
       rows.push_back({{"kind", "grouped_gemm"}, {"shape", c.name}, {"routing", zipf ? "zipf" : "balanced"},
                       {"rows", total}, {"n", c.n}, {"k", c.k}, {"experts", c.experts}, {"median_us", ms * 1e3},
                       {"tflops", tflops}, {"rel_err", err}, {"variant", variant}});
-      if (!kg && jit::device_info(0).value()->compute_capability == 90) {
+      if (!kg && !dg && jit::device_info(0).value()->compute_capability == 90) {
         a.dev.reset();
         b.dev.reset();
         for (bool block : {false, true}) check(fp8(ctx, rows, c, zipf, counts, offs, max_t, block), "grouped_gemm_fp8");

@@ -5,7 +5,8 @@ on x [rows, K] sorted by expert with int32 cumulative offsets and w the transpos
 contiguous [E, N, K] weight (kiln's grouped_gemm takes that [E, N, K] weight as it is). Routing
 balanced (every expert the same rows) and Zipf (expert e's share proportional to 1 / (e + 1), the
 same counts as moe.cpp). The weight-gradient form times torch._grouped_mm's 2-D x 2-D case
-(dY^T [N, rows] x X [rows, K] grouped along rows). Where kiln.torch imports, the whole MoE layer
+(dY^T [N, rows] x X [rows, K] grouped along rows), the input-gradient form dY [rows, K] x W [E, K, N]
+(the forward's weight as stored). Where kiln.torch imports, the whole MoE layer
 (forward + backward, bf16) is timed too: kiln.torch.fused_moe against a layer built from
 torch._grouped_mm with eager routing. Medians of triton.testing.do_bench; TFLOP/s = 2 rows N K /
 time (the layer: 6 rows H I x 3 for forward and backward, rows = tokens x top_k).
@@ -20,6 +21,7 @@ SHAPES = [("mixtral_gate_up", 8, 4096, 28672, 4096), ("mixtral_down", 8, 4096, 4
           ("dsv3_gate_up", 256, 1024, 4096, 7168), ("dsv3_down", 256, 1024, 7168, 2048),
           ("dsv3_decode", 256, 16, 4096, 7168)]
 WGRAD = [("mixtral_down_wgrad", 8, 4096, 4096, 14336)]
+DGRAD = [("mixtral_down_dgrad", 8, 4096, 14336, 4096)]
 LAYERS = [("mixtral_layer", 4096, 4096, 14336, 8, 2), ("qwen3_moe_layer", 4096, 2048, 768, 128, 8)]
 
 
@@ -133,6 +135,19 @@ def run(quick: bool) -> list[dict]:
                 print(f"_grouped_mm 2d x 2d unavailable: {str(e).splitlines()[0]}", flush=True)
             rows_out.append(row)
         del dy, xx
+
+    for name, experts, per, n, k in DGRAD:
+        total = experts * per
+        dy = torch.randn(total, k, device=dev, dtype=bf)
+        w = torch.randn(experts, k, n, device=dev, dtype=bf) * k ** -0.5
+        for zipf in (False, True):
+            offs = torch.tensor(counts(experts, total, zipf), device=dev, dtype=torch.int32).cumsum(0).to(torch.int32)
+            row = {"family": "moe", "kind": "grouped_gemm", "shape": name, "routing": "zipf" if zipf else "balanced",
+                   "rows": total, "n": n, "k": k, "experts": experts}
+            report(row, "grouped_mm_bf16", bench(lambda: torch._grouped_mm(dy, w, offs=offs), quick),
+                   2 * total * n * k)
+            rows_out.append(row)
+        del dy, w
 
     try:
         import kiln.torch as kt

@@ -334,6 +334,7 @@ std::vector<Params> device_variants(const Family& f, const char* type_key, const
   for (const Params& v : f.catalog())
     if (*v.get_str(type_key) == type && *v.get_str("layout") == (layout == m::k_contiguous ? "contiguous"
                                                                    : layout == m::k_masked  ? "masked"
+                                                                   : layout == m::k_dgrad   ? "dgrad"
                                                                                            : "kgrouped") &&
         (!scaling || *v.get_str("scaling") == scaling) && f.runs_on(v, arch))
       out.push_back(v);
@@ -355,7 +356,7 @@ TEST_F(MoeGpu, GroupedGemmMatchesTheReferenceOnEveryLayoutAndPath) {
         std::partial_sum(g.counts.begin(), g.counts.end(), g.offs.begin());
         g.rows = c.tokens * c.top_k;
         g.max_t = *std::max_element(g.counts.begin(), g.counts.end()) + 5;
-        for (int layout : {m::k_contiguous, m::k_masked, m::k_kgrouped}) {
+        for (int layout : {m::k_contiguous, m::k_masked, m::k_kgrouped, m::k_dgrad}) {
           const std::int64_t mm = layout == m::k_masked ? g.max_t : g.rows + 7;  // 7 rows no expert owns
           const std::int64_t a_rows = layout == m::k_masked ? c.experts * g.max_t : mm;
           const std::int64_t a_cols = layout == m::k_kgrouped ? c.n : c.k;

@@ -303,6 +303,36 @@ TEST_F(MoeOps, GroupedGemmContiguousAndMaskedMatchPerExpertLoops) {
   }
 }
 
+TEST_F(MoeOps, GroupedGemmDgradReadsTheWeightAsStored) {
+  const std::int64_t experts = 4, n = 16, k = 24;  // weight [experts, k, n]
+  const std::vector<std::int32_t> offs = {3, 3, 10, 11};
+  const std::int64_t mm = 12;  // row 11 belongs to no expert: not written
+  auto a = bf16s(std::size_t(mm * k)), w = bf16s(std::size_t(experts * k * n));
+  std::vector<std::uint16_t> out(mm * n, 0x7FC0);
+  ASSERT_TRUE(grouped_gemm_dgrad(host(a.data(), DType::bf16, {mm, k}), host(w.data(), DType::bf16, {experts, k, n}),
+                                 host((void*)offs.data(), DType::i32, {experts}), host(out.data(), DType::bf16, {mm, n}),
+                                 nullptr, rt_.get())
+                  .ok());
+  for (std::int64_t e = 0; e < experts; ++e)
+    for (std::int64_t r = e ? offs[e - 1] : 0; r < offs[e]; ++r)
+      for (std::int64_t j = 0; j < n; ++j) {
+        double s = 0;
+        for (std::int64_t x = 0; x < k; ++x)
+          s += double(bf16_to_float(a[r * k + x])) * bf16_to_float(w[(e * k + x) * n + j]);
+        EXPECT_EQ(out[r * n + j], float_to_bf16(float(s))) << e << " " << r << " " << j;
+      }
+  for (std::int64_t j = 0; j < n; ++j) EXPECT_EQ(out[11 * n + j], 0x7FC0) << "row past offs[-1] written";
+  // The weight's middle dimension is a's k; n a multiple of 8.
+  expect(grouped_gemm_dgrad(host(a.data(), DType::bf16, {mm, k}), host(w.data(), DType::bf16, {experts, n, k}),
+                            host((void*)offs.data(), DType::i32, {experts}), host(out.data(), DType::bf16, {mm, k}),
+                            nullptr, rt_.get()),
+         Code::shape_mismatch, "k mismatch");
+  expect(grouped_gemm_dgrad(host(a.data(), DType::bf16, {mm, 16}), host(w.data(), DType::bf16, {experts, 16, 12}),
+                            host((void*)offs.data(), DType::i32, {experts}), host(out.data(), DType::bf16, {mm, 12}),
+                            nullptr, rt_.get()),
+         Code::shape_mismatch, "n not a multiple of 8");
+}
+
 TEST_F(MoeOps, GroupedGemmWgradIsPerExpertTransposedProducts) {
   const std::int64_t experts = 4, n = 16, k = 8;
   const std::vector<std::int32_t> offs = {3, 3, 10, 11};  // expert 1 empty: zeros
@@ -556,7 +586,8 @@ TEST(MoeFamilies, GroupedGemmRulesAndGeometry) {
 
 TEST(MoeFamilies, OpsAreDeclared) {
   for (const char* name : {"moe_topk", "moe_permute", "moe_gather", "moe_combine", "grouped_gemm", "grouped_gemm_masked",
-                           "grouped_gemm_wgrad", "grouped_gemm_fp8", "grouped_gemm_fp8_masked", "fused_moe"}) {
+                           "grouped_gemm_dgrad", "grouped_gemm_wgrad", "grouped_gemm_fp8", "grouped_gemm_fp8_masked",
+                           "fused_moe"}) {
     const OpDecl* op = Registry::global().find_op(name);
     ASSERT_NE(op, nullptr) << name;
     EXPECT_TRUE(op->check().ok()) << name << ": " << op->check().to_string();

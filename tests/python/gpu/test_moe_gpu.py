@@ -72,12 +72,14 @@ def test_grouped_gemm_masked_and_wgrad():
     dy = torch.randn(rows, n, device=DEV, dtype=torch.bfloat16)
     xx = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
     dw = kt.grouped_gemm_wgrad(dy, xx, offs)
+    dx = kt.grouped_gemm_dgrad(dy, w, offs)  # w [experts, n, k] read as [experts, k', n']: dy_e w[e]
     start = 0
     for e in range(experts):
         c = int(counts[e])
         want = dy[start:start + c].double().t() @ xx[start:start + c].double()
         if c:
             assert rel(dw[e], want) < 1e-2
+            assert rel(dx[start:start + c], dy[start:start + c].double() @ w[e].double()) < 1e-2
         else:
             assert torch.count_nonzero(dw[e]) == 0
         start += c
