@@ -4,12 +4,15 @@
 // Heuristic and why: on compute capability 9.0 the wgmma path for every layout (kgrouped's
 // row-major operands are read transposed by wgmma itself), else mma. wgmma tiles: 64 x 128 when
 // experts average at most 64 rows (decode: a 128-row tile would be mostly rows of the next
-// expert, and each expert's weights stream once either way); else 128 x 256 where n reaches 1024
-// (the core's fastest bf16 shape per byte of A and B) and 128 x 128 below; kgrouped 128 x 256
-// while the units cover the SMs twice, else 128 x 128. mma: 128 x 128, then 64 x 128 and 64 x 64
-// while fewer units than SMs (the dense core's halving rule). Stages: at least 96 KiB of loads in
-// flight (4 to 6), the small wgmma tiles as many as fit (decode is bound by bytes in flight),
-// within the device's shared memory after the schedule table of the largest expert count.
+// expert, and each expert's weights stream once either way); contiguous and dgrad with k <= 4096
+// the pingpong schedule on 128 x 128 tiles (with a short reduction the cooperative schedule's
+// epilogue is a large share of a tile's time; at longer k its wider tile wins); else 128 x 256
+// where n reaches 1024 (the core's fastest bf16 shape per byte of A and B) and 128 x 128 below;
+// kgrouped 128 x 256 while the units cover the SMs twice, else 128 x 128. mma: 128 x 128, then
+// 64 x 128 and 64 x 64 while fewer units than SMs (the dense core's halving rule). Stages: at
+// least 96 KiB of loads in flight (4 to 6), the small wgmma tiles as many as fit (decode is bound
+// by bytes in flight), within the device's shared memory after the schedule table of the largest
+// expert count.
 #include <algorithm>
 #include <vector>
 
@@ -47,6 +50,7 @@ const char* const k_layouts[] = {"contiguous", "masked", "kgrouped", "dgrad"};
 struct Variant {
   bool wgmma;
   int layout, bm, bn, stages;
+  bool pingpong = false;  // wgmma: two consumer warpgroups taking whole tiles in turn
 };
 
 int layout_index(const std::string& s) {
@@ -57,8 +61,28 @@ int layout_index(const std::string& s) {
 
 Variant variant_of(const Params& p) {
   return {*p.get_str("path") == "wgmma", layout_index(*p.get_str("layout")), int(*p.get_int("bm")),
-          int(*p.get_int("bn")), int(*p.get_int("stages"))};
+          int(*p.get_int("bn")), int(*p.get_int("stages")), *p.get_str("schedule") == "pingpong"};
 }
+
+// The rules of the pingpong schedule: wgmma, a whole tile's accumulators in one warpgroup (128 a
+// thread), not the K-grouped kernel.
+std::string pingpong_error(const Variant& v) {
+  if (!v.pingpong) return {};
+  if (!v.wgmma) return "the pingpong schedule is wgmma's";
+  if (v.bm * v.bn > 128 * 128) return "pingpong tiles hold at most 128 x 128 elements (one warpgroup's accumulators)";
+  if (v.layout == k_kgrouped) return "kgrouped has no pingpong schedule";
+  return {};
+}
+
+// Threads of a block: wgmma, a producer warpgroup and BM / 64 consumers (pingpong: 2); mma, 2 BN.
+std::uint32_t block_threads(const Variant& v) {
+  if (!v.wgmma) return std::uint32_t(2 * v.bn);
+  return std::uint32_t(((v.pingpong ? 2 : v.bm / 64) + 1) * 128);
+}
+
+const ParamDef k_schedule_param = {"schedule", {}, {"cooperative", "pingpong"},
+                                   "wgmma: both consumer warpgroups on one tile, or each on its own tile in turn "
+                                   "(one's epilogue under the other's products)"};
 
 std::int64_t schedule_bytes(std::int64_t experts) { return 12 * (experts + 1); }
 
@@ -86,7 +110,8 @@ int default_stages(Variant v, std::int64_t cc) {
 
 Params make(const Variant& v, const std::string& dtype) {
   return Params{{"path", v.wgmma ? "wgmma" : "mma"}, {"dtype", dtype},          {"layout", k_layouts[v.layout]},
-                {"bm", std::int64_t(v.bm)},          {"bn", std::int64_t(v.bn)}, {"stages", std::int64_t(v.stages)}};
+                {"bm", std::int64_t(v.bm)},          {"bn", std::int64_t(v.bn)}, {"stages", std::int64_t(v.stages)},
+                {"schedule", v.pingpong ? "pingpong" : "cooperative"}};
 }
 
 std::int64_t cdiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -113,7 +138,8 @@ class GroupedGemm final : public Family {
          "rows grouped by offsets, per-expert counts, the weight gradient, or the input gradient (weight [experts, k, n])"},
         {"bm", {64, 128}, {}, "tile rows"},
         {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
-        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"}};
+        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"},
+        k_schedule_param};
     return defs;
   }
   const std::vector<ProblemField>& problem_fields() const override {
@@ -130,6 +156,7 @@ class GroupedGemm final : public Family {
     KILN_TRY(Family::validate(params));
     const Variant v = variant_of(params);
     if (!v.wgmma && v.bn > 128) return invalid_argument("grouped_gemm: the mma path takes bn <= 128");
+    if (const std::string e = pingpong_error(v); !e.empty()) return invalid_argument("grouped_gemm: " + e);
     if (shared_bytes(v, k_max_experts) > 227 * 1024)
       return invalid_argument("grouped_gemm: " + std::to_string(shared_bytes(v, k_max_experts)) +
                               " bytes of shared memory exceed 227 KiB");
@@ -154,7 +181,7 @@ class GroupedGemm final : public Family {
                           std::to_string(v.bn) + ", " + std::to_string(v.stages) + ">";
     else
       r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma<" : "grouped_mma<") + t + ", " + t +
-                          ", " + tile + ", 0>";
+                          ", " + tile + (v.pingpong ? ", 0, true>" : ", 0>");
     return r;
   }
 
@@ -166,6 +193,12 @@ class GroupedGemm final : public Family {
       for (int layout = 0; layout < 4; ++layout) {
         for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
             Variant v{true, layout, bm, bn, 4};
+            v.stages = default_stages(v, 90);
+            out.push_back(make(v, d));
+          }
+        if (layout == k_contiguous || layout == k_dgrad)
+          for (auto [bm, bn] : {std::pair{128, 128}, {64, 256}}) {
+            Variant v{true, layout, bm, bn, 4, true};
             v.stages = default_stages(v, 90);
             out.push_back(make(v, d));
           }
@@ -219,7 +252,7 @@ class GroupedGemm final : public Family {
     LaunchGeometry geo;
     const std::int64_t units = unit_bound(v, q);
     geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(units, g::device_sms(p)) : units, 1, 0x7fffffff));
-    geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : 2 * v.bn);
+    geo.block.x = block_threads(v);
     geo.shared_bytes = std::uint32_t(shared_bytes(v, q.experts));
     return geo;
   }
@@ -238,6 +271,8 @@ class GroupedGemm final : public Family {
       const std::int64_t rows = layout == k_masked ? q.m : q.m / std::max<std::int64_t>(1, q.experts);
       if (rows <= 64)
         v.bm = 64;
+      else if (layout != k_masked && q.k <= 4096)
+        v.pingpong = true;  // 128 x 128 tiles in turn: a short reduction leaves the epilogue exposed
       else if (q.n >= 1024)
         v.bn = 256;
     } else {
@@ -254,18 +289,19 @@ class GroupedGemm final : public Family {
     const Params h = heuristic(p);
     const Variant base = variant_of(h);
     std::vector<Params> out;
-    for (int bm : {64, 128})
-      for (int bn : {64, 128, 256}) {
-        Variant v{base.wgmma, base.layout, bm, bn, 4};
-        std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
-        std::sort(depths.begin(), depths.end());
-        depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
-        for (int s : depths) {
-          v.stages = s;
-          Params c = make(v, *h.get_str("dtype"));
-          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+    for (bool pp : {false, true})
+      for (int bm : {64, 128})
+        for (int bn : {64, 128, 256}) {
+          Variant v{base.wgmma, base.layout, bm, bn, 4, pp};
+          std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
+          std::sort(depths.begin(), depths.end());
+          depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
+          for (int s : depths) {
+            v.stages = s;
+            Params c = make(v, *h.get_str("dtype"));
+            if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+          }
         }
-      }
     return out;
   }
 
@@ -380,8 +416,10 @@ class GroupedGemm final : public Family {
 // masked layouts. Scales rowwise (a_scale per row of a, b_scale [experts, n] per expert and column,
 // as torch._scaled_grouped_mm takes them) or DeepSeek-V3's blocks (a_scale [rows, ceil(k/128)],
 // b_scale [experts, ceil(n/128), ceil(k/128)], promoted every 128 of K; tiles at most 128 wide).
-// The same paths, tiles and heuristic as grouped_gemm's (a stage is 128 bytes of K either way);
-// the mma path widens e4m3 to f16 in registers (sm_80 has no fp8 tensor-core instruction).
+// The same paths, tiles and heuristic as grouped_gemm's (a stage is 128 bytes of K either way),
+// except that rowwise prefill (contiguous, more than 64 rows an expert) takes the pingpong
+// schedule at every k: its epilogue (a scale per row and column) would otherwise stall the tensor
+// cores; the mma path widens e4m3 to f16 in registers (sm_80 has no fp8 tensor-core instruction).
 class GroupedGemmFp8 final : public Family {
  public:
   std::string_view name() const override { return "grouped_gemm_fp8"; }
@@ -395,7 +433,8 @@ class GroupedGemmFp8 final : public Family {
         {"scaling", {}, {"rowwise", "block"}, "a per row and b per expert and column, or DeepSeek-V3's 1x128 / 128x128 blocks"},
         {"bm", {64, 128}, {}, "tile rows"},
         {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
-        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"}};
+        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"},
+        k_schedule_param};
     return defs;
   }
   const std::vector<ProblemField>& problem_fields() const override {
@@ -407,15 +446,12 @@ class GroupedGemmFp8 final : public Family {
          key(&GroupedGemmFp8Problem::scaling, "scaling", "1 rowwise, 2 block (1x128 for a, 128x128 for b)")});
     return fields;
   }
-  static Variant variant(const Params& p) {
-    return {*p.get_str("path") == "wgmma", layout_index(*p.get_str("layout")), int(*p.get_int("bm")),
-            int(*p.get_int("bn")), int(*p.get_int("stages"))};
-  }
+  static Variant variant(const Params& p) { return variant_of(p); }
   static Params make8(const Variant& v, const std::string& out, bool block) {
     return Params{{"path", v.wgmma ? "wgmma" : "mma"}, {"out", out},
                   {"layout", k_layouts[v.layout]},        {"scaling", block ? "block" : "rowwise"},
                   {"bm", std::int64_t(v.bm)},             {"bn", std::int64_t(v.bn)},
-                  {"stages", std::int64_t(v.stages)}};
+                  {"stages", std::int64_t(v.stages)},     {"schedule", v.pingpong ? "pingpong" : "cooperative"}};
   }
   static bool block_of(const Params& p) { return *p.get_str("scaling") == "block"; }
   // GroupedGemmProblem's view of the problem (the shared helpers' type).
@@ -428,6 +464,9 @@ class GroupedGemmFp8 final : public Family {
     if (!v.wgmma && v.bn > 128) return invalid_argument("grouped_gemm_fp8: the mma path takes bn <= 128");
     if (block_of(params) && v.bn > 128)
       return invalid_argument("grouped_gemm_fp8: block scales take bn <= 128 (one scale block per tile)");
+    if (const std::string e = pingpong_error(v); !e.empty()) return invalid_argument("grouped_gemm_fp8: " + e);
+    if (block_of(params) && v.pingpong)
+      return invalid_argument("grouped_gemm_fp8: block scales run the cooperative schedule (two accumulator sets)");
     if (shared_bytes(v, k_max_experts) > 227 * 1024)
       return invalid_argument("grouped_gemm_fp8: " + std::to_string(shared_bytes(v, k_max_experts)) +
                               " bytes of shared memory exceed 227 KiB");
@@ -446,7 +485,7 @@ class GroupedGemmFp8 final : public Family {
     r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma" : "grouped_mma") +
                         "<kiln::gemm::u8, " + device_type(*params.get_str("out")) + ", " + std::to_string(v.layout) +
                         ", " + std::to_string(v.bm) + ", " + std::to_string(v.bn) + ", " + std::to_string(v.stages) +
-                        (block_of(params) ? ", 2>" : ", 1>");
+                        (block_of(params) ? ", 2>" : v.pingpong ? ", 1, true>" : ", 1>");
     return r;
   }
   // The heuristic's picks for both outputs, layouts and scalings (block: bn <= 128).
@@ -461,6 +500,12 @@ class GroupedGemmFp8 final : public Family {
             v.stages = default_stages(v, 90);
             out.push_back(make8(v, o, block));
           }
+          if (!block && layout == k_contiguous)
+            for (auto [bm, bn] : {std::pair{128, 128}, {64, 256}}) {
+              Variant v{true, layout, bm, bn, 4, true};
+              v.stages = default_stages(v, 90);
+              out.push_back(make8(v, o, block));
+            }
           for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
             for (std::int64_t cc : {80, 86}) {
               Variant v{false, layout, bm, bn, 4};
@@ -512,7 +557,7 @@ class GroupedGemmFp8 final : public Family {
     LaunchGeometry geo;
     const std::int64_t units = unit_bound(v, dense(q));
     geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(units, g::device_sms(p)) : units, 1, 0x7fffffff));
-    geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : 2 * v.bn);
+    geo.block.x = block_threads(v);
     geo.shared_bytes = std::uint32_t(shared_bytes(v, q.experts));
     return geo;
   }
@@ -521,17 +566,19 @@ class GroupedGemmFp8 final : public Family {
     const int layout = q.layout == k_masked ? k_masked : k_contiguous;
     const std::int64_t cc = g::device_cc(p);
     Variant v{cc == 90, layout, 128, 128, 4};
+    const bool block = q.scaling == k_fp8_block;
     if (v.wgmma) {
       const std::int64_t rows = layout == k_masked ? q.m : q.m / std::max<std::int64_t>(1, q.experts);
       if (rows <= 64)
         v.bm = 64;
+      else if (layout == k_contiguous && !block)
+        v.pingpong = true;  // 128 x 128 tiles in turn: the rowwise epilogue under the other tile's products
       else if (q.n >= 1024)
         v.bn = 256;
     } else {
       if (unit_bound(v, dense(q)) < g::device_sms(p)) v.bm = 64;
       if (unit_bound(v, dense(q)) < g::device_sms(p)) v.bn = 64;
     }
-    const bool block = q.scaling == k_fp8_block;
     if (block) v.bn = std::min(v.bn, 128);  // one 128-column scale block per tile
     v.stages = default_stages(v, cc);
     return make8(v, p.dtype == DType::f16 ? "f16" : "bf16", block);
@@ -539,18 +586,19 @@ class GroupedGemmFp8 final : public Family {
   std::vector<Params> tuning_space(const Problem& p) const override {
     const Params h = heuristic(p);
     std::vector<Params> out;
-    for (int bm : {64, 128})
-      for (int bn : {64, 128, 256}) {
-        Variant v{variant(h).wgmma, variant(h).layout, bm, bn, 4};
-        std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
-        std::sort(depths.begin(), depths.end());
-        depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
-        for (int s : depths) {
-          v.stages = s;
-          Params c = make8(v, *h.get_str("out"), block_of(h));
-          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+    for (bool pp : {false, true})
+      for (int bm : {64, 128})
+        for (int bn : {64, 128, 256}) {
+          Variant v{variant(h).wgmma, variant(h).layout, bm, bn, 4, pp};
+          std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
+          std::sort(depths.begin(), depths.end());
+          depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
+          for (int s : depths) {
+            v.stages = s;
+            Params c = make8(v, *h.get_str("out"), block_of(h));
+            if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+          }
         }
-      }
     return out;
   }
   Result<Problem> problem_from_shape(DType dtype,

@@ -115,17 +115,23 @@ __device__ __forceinline__ void unit_coords(int u, int experts, const int* lo, c
 // ceil(n / 128), kblocks]: a stage is exactly one 128-wide k-block, issued into a partial-sum set,
 // waited for, released, and promoted (acc += part * a_scale * b_scale) as the dense core's
 // block-scaled loop does; BN <= 128 keeps a tile within one 128-column scale block.
-template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int SCALING>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+// PINGPONG (unscaled and rowwise): two consumer warpgroups take the block's units in turn, each a
+// whole BM x BN tile (BM / 64 wgmma rows of it), so one's epilogue runs while the other's products
+// keep the tensor cores busy. A warpgroup starts waiting for its tile's stages only after the
+// other has issued its last product (named barriers 2 and 3, arrive / sync in turn): its first
+// stage is then at most one phase ahead, which the parity wait tells apart.
+template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int SCALING, bool PINGPONG = false>
+__global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
     grouped_wgmma(const TIn* __restrict__ a, const TIn* __restrict__ b, const int* __restrict__ offs,
                   const float* __restrict__ a_scale, const float* __restrict__ b_scale, TOut* __restrict__ out,
                   int experts, int m, int n, int k, const __grid_constant__ ptx::TmaDesc map_a,
                   const __grid_constant__ ptx::TmaDesc map_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace gemm;
-  constexpr int CONSUMERS = BM / 64, NI = BN / 8;
+  constexpr int CONSUMERS = PINGPONG ? 2 : BM / 64, NI = BN / 8;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr int B_BOX = 64 * k_row_bytes;  // dgrad: 64 rows of k by 64 columns
+  static_assert(!PINGPONG || (SCALING != k_block && BM * BN <= 128 * 128), "pingpong: 128 accumulators a thread");
   static_assert(LAYOUT != k_dgrad || (SCALING == k_unscaled && BN % 64 == 0), "dgrad: f16/bf16, 64-column boxes");
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = ptx::smem_addr(smem_raw);
@@ -141,7 +147,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   if (threadIdx.x == 0)
     for (int s = 0; s < STAGES; ++s) {
       ptx::mbar_init(full + 8 * s, 1);
-      ptx::mbar_init(empty + 8 * s, CONSUMERS * 128);
+      ptx::mbar_init(empty + 8 * s, PINGPONG ? 128 : CONSUMERS * 128);
     }
   __syncthreads();
   const int units = first[experts];
@@ -180,6 +186,83 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMERS == 1 ? 240 : 224));
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   static_assert(SCALING != k_block || BN <= k_scale_block, "block scales: one 128-column scale block per tile");
+  // dgrad: zero rows [valid, 64) of the stage's b boxes (a swizzled row is still one 128-byte row),
+  // split among `threads` consumer threads from `t0`, who then wait for each other on barrier `id`.
+  auto zero_b_tail = [&](unsigned st, int valid, int t0, int threads, int id) {
+    constexpr int CHUNKS = (BN / 64) * 64 * 8;
+    const unsigned sb = st + A_BYTES;
+    for (int i = t0; i < CHUNKS; i += threads) {
+      const int box = i / 512, r = (i % 512) / 8;
+      if (r >= valid)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sb + box * B_BOX + (i % 512) * 16), "r"(0)
+                     : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  };
+  if constexpr (PINGPONG) {
+    constexpr int MI = BM / 64;
+    float acc[MI][1][NI][4];
+    int it = 0, j = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, ++j) {
+      if ((j & 1) != wg) {  // the other warpgroup's tile: its stages go by
+        it += ktiles;
+        continue;
+      }
+      int e, tm, tn;
+      unit_coords<BM, 8>(u, experts, lo, hi, first, tiles_n, e, tm, tn);
+      if (j > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + ((j - 1) & 1)) : "memory");
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        const unsigned st = base + s * STAGE_BYTES;
+        ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
+        if constexpr (LAYOUT == k_dgrad)
+          if (k - kt * 64 < 64) zero_b_tail(st, k - kt * 64, threadIdx.x % 128, 128, 4 + wg);
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) fence_fragments(acc[mi]);
+        warpgroup_arrive();
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          const unsigned long long da = smem_desc(st + mi * 64 * k_row_bytes), db = smem_desc(st + A_BYTES);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            if constexpr (LAYOUT == k_dgrad)
+              WgmmaKn<TIn, BN>::run(acc[mi], da + 2 * kk, smem_desc_mn(st + A_BYTES + kk * 16 * 128, B_BOX),
+                                    kt > 0 || kk > 0);
+            else
+              Wgmma<TIn, BN>::run(acc[mi], da + 2 * kk, db + 2 * kk, kt > 0 || kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) fence_fragments(acc[mi]);
+        if (kt > 0) ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+      }
+      if (u + (int)gridDim.x < units) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (j & 1)) : "memory");
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) fence_fragments(acc[mi]);
+      ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+      const int col0 = tn * BN;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int row0 = lo[e] + tm * BM + mi * 64 + warp_in_wg * 16;
+        if constexpr (SCALING == k_rowwise) {
+          const float* sb = b_scale + (long long)e * n;
+          const float sa[2] = {row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f,
+                               row0 + (lane >> 2) + 8 < hi[e] ? __ldg(a_scale + row0 + (lane >> 2) + 8) : 0.0f};
+          store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) {
+            const int col = col0 + 8 * ni + 2 * (lane & 3) + (q & 1);
+            return col < n ? acc[mi][0][ni][q] * sa[q >> 1] * __ldg(sb + col) : 0.0f;
+          });
+        } else {
+          store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0,
+                                       [&](int, int ni, int q) { return acc[mi][0][ni][q]; });
+        }
+      }
+    }
+    return;
+  }
   // part: a k-block's partial sums (block scales; compiled away otherwise), written by wgmma only,
   // while acc then takes the promotions (a non-wgmma write to a wgmma accumulator would make
   // ptxas serialize every wgmma).
@@ -232,23 +315,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % STAGES;
       ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
-      if constexpr (LAYOUT == k_dgrad) {
-        const int valid = k - kt * 64;
-        if (valid < 64) {
-          // Rows [valid, 64) of every b box: a swizzled row is still one 128-byte row. The
-          // consumers split them, then wait for each other before either reads the stage.
-          const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
-          constexpr int CHUNKS = (BN / 64) * 64 * 8;
-          for (int i = threadIdx.x; i < CHUNKS; i += CONSUMERS * 128) {
-            const int box = i / 512, r = (i % 512) / 8;
-            if (r >= valid)
-              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sb + box * B_BOX + (i % 512) * 16), "r"(0)
-                           : "memory");
-          }
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS * 128) : "memory");
-        }
-      }
+      if constexpr (LAYOUT == k_dgrad)
+        if (k - kt * 64 < 64) zero_b_tail(base + s * STAGE_BYTES, k - kt * 64, threadIdx.x, CONSUMERS * 128, 1);
       issue_stage(acc, base + s * STAGE_BYTES, kt > 0);
       wgmma_wait<1>();
       fence_fragments(acc);

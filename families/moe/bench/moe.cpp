@@ -18,6 +18,7 @@
 #include "families/moe/moe.h"
 #include "families/moe/ops.h"
 #include "jit/device_info.h"
+#include "jit/tune_launch.h"
 
 namespace kiln::bench {
 namespace {
@@ -78,6 +79,34 @@ struct Case {
   std::int64_t experts, per_expert, n, k;
   m::Layout layout;
 };
+
+// The schedules beside the heuristic's pick: its path and layout with the pingpong schedule at the
+// tiles that fit it (128 x 128, 64 x 256), 4 and 6 stages, timed on the same buffers (the op's
+// order) and printed with their ratio to the heuristic's time `ms`. Shows where pingpong pays.
+void time_schedules(Context& ctx, const char* family, const Problem& base, const std::vector<void*>& bufs, double ms,
+                    double flops) {
+  const Family& f = *Registry::global().find(family);
+  Problem p = base;
+  jit::set_device(p, *jit::device_info(0).value());
+  const Params h = f.heuristic(p);
+  if (*h.get_str("path") != "wgmma") return;
+  for (auto [bm, bn] : {std::pair{128, 128}, {64, 256}})
+    for (std::int64_t stages : {4, 6}) {
+      Params c = h;
+      c.set("schedule", "pingpong");
+      c.set("bm", std::int64_t(bm));
+      c.set("bn", std::int64_t(bn));
+      c.set("stages", stages);
+      if (!f.validate(c).ok() || !f.check_problem(c, p).ok()) continue;
+      auto k = ctx.runtime->kernel(KernelSpec{family, c});
+      check(k.status(), "kernel");
+      const auto fn = static_cast<CUfunction>((*k)->function);
+      const double t = time_events([&](int) { check(jit::launch_candidate(f, c, p, fn, bufs), "launch"); }, 5,
+                                   ctx.quick ? 10 : 30);
+      std::printf("    %-60s %10.1f %9.1f  %.3fx the heuristic\n", c.canonical().c_str(), t * 1e3,
+                  flops / (t * 1e-3) / 1e12, ms / t);
+    }
+}
 
 // grouped_gemm_fp8 (e4m3, bf16 out; rowwise scales, or DeepSeek-V3's 1x128 / 128x128 blocks) on
 // one case: checked against fp64 on sampled outputs, then timed; the rows beside the bf16 one.
@@ -164,6 +193,9 @@ Status fp8(Context& ctx, nlohmann::json& rows, const Case& c, bool zipf, const s
                   {"routing", zipf ? "zipf" : "balanced"},
                   {"rows", total}, {"n", c.n}, {"k", c.k}, {"experts", c.experts}, {"median_us", ms * 1e3},
                   {"tflops", tflops}, {"rel_err", err}, {"variant", variant}});
+  if (!block && !masked)
+    time_schedules(ctx, "grouped_gemm_fp8", p, {a.dev->get(), b.dev->get(), doffs.get(), dsa.get(), dsb.get(), dout.get()},
+                   ms, 2.0 * double(total) * double(c.n) * double(c.k));
   return {};
 }
 
@@ -276,6 +308,9 @@ int grouped(Context& ctx, nlohmann::json& rows) {
       rows.push_back({{"kind", "grouped_gemm"}, {"shape", c.name}, {"routing", zipf ? "zipf" : "balanced"},
                       {"rows", total}, {"n", c.n}, {"k", c.k}, {"experts", c.experts}, {"median_us", ms * 1e3},
                       {"tflops", tflops}, {"rel_err", err}, {"variant", variant}});
+      if (c.layout == m::k_contiguous || dg)
+        time_schedules(ctx, "grouped_gemm", p, {a.dev->get(), b.dev->get(), doffs.get(), dout.get()}, ms,
+                       2.0 * double(total) * double(c.n) * double(c.k));
       if (!kg && !dg && jit::device_info(0).value()->compute_capability == 90) {
         a.dev.reset();
         b.dev.reset();

@@ -528,11 +528,19 @@ TEST(MoeFamilies, HeuristicPicksCatalogVariantsForStandardShapes) {
         const bool wgmma = *h.get_str("path") == "wgmma";
         EXPECT_EQ(wgmma, cc == 90) << h.canonical();
       }
-  // Decode (16 rows per expert) takes 64-row tiles; Mixtral prefill the 128 x 256 tile.
+  // Decode (16 rows per expert) takes 64-row tiles; prefill with k <= 4096 (Mixtral gate_up) the
+  // pingpong schedule on 128 x 128 tiles, with a longer k (Mixtral down) the cooperative 128 x 256.
   EXPECT_EQ(*g.heuristic(grouped_problem(16, 4096, 7168, 256, m::k_masked, 90)).get_int("bm"), 64);
-  const Params big = g.heuristic(grouped_problem(8 * 4096, 28672, 4096, 8, m::k_contiguous, 90));
-  EXPECT_EQ(*big.get_int("bm"), 128);
-  EXPECT_EQ(*big.get_int("bn"), 256);
+  const Params gate_up = g.heuristic(grouped_problem(8 * 4096, 28672, 4096, 8, m::k_contiguous, 90));
+  EXPECT_EQ(*gate_up.get_str("schedule"), "pingpong");
+  EXPECT_EQ(*gate_up.get_int("bm"), 128);
+  EXPECT_EQ(*gate_up.get_int("bn"), 128);
+  const Params down = g.heuristic(grouped_problem(8 * 4096, 4096, 14336, 8, m::k_contiguous, 90));
+  EXPECT_EQ(*down.get_str("schedule"), "cooperative");
+  EXPECT_EQ(*down.get_int("bn"), 256);
+  EXPECT_EQ(*g.heuristic(grouped_problem(8 * 4096, 14336, 4096, 8, m::k_dgrad, 90)).get_str("schedule"), "pingpong");
+  EXPECT_EQ(*g.heuristic(grouped_problem(8 * 4096, 28672, 4096, 8, m::k_masked, 90)).get_str("schedule"),
+            "cooperative");
   // Every other family's heuristic is in its catalog (grouped_gemm_fp8: on sm_90a, its only arch).
   for (const char* name : {"moe_topk", "moe_sort", "moe_gather", "moe_combine", "grouped_gemm_fp8"}) {
     const Family& f = fam(name);
@@ -582,6 +590,48 @@ TEST(MoeFamilies, GroupedGemmRulesAndGeometry) {
   EXPECT_EQ(args.tensor_map_request(0).rows, 8u * 4096);
   EXPECT_EQ(args.tensor_map_request(1).rows, 8u * 28672);
   EXPECT_EQ(args.tensor_map_request(1).row_bytes, 4096u * 2);
+  // The dgrad layout views every expert's [k, n] weight as experts x k rows of n.
+  const Problem dq = grouped_problem(8 * 4096, 14336, 4096, 8, m::k_dgrad, 90);
+  ArgPack dargs;
+  g.pack_args(g.heuristic(dq), dq, ptrs, dargs);
+  ASSERT_EQ(dargs.tensor_maps(), 2u);
+  EXPECT_EQ(dargs.tensor_map_request(1).rows, 8u * 4096);
+  EXPECT_EQ(dargs.tensor_map_request(1).row_bytes, 14336u * 2);
+  EXPECT_EQ(dargs.tensor_map_request(1).box_rows, 64u);
+}
+
+TEST(MoeFamilies, PingpongScheduleRules) {
+  const Family& g = fam("grouped_gemm");
+  const Problem p = grouped_problem(8 * 4096, 28672, 4096, 8, m::k_contiguous, 90);
+  const Params pp = g.heuristic(p);
+  ASSERT_EQ(*pp.get_str("schedule"), "pingpong");
+  EXPECT_TRUE(g.validate(pp).ok());
+  EXPECT_EQ(g.geometry(pp, p).block.x, 384u) << "a producer and two consumer warpgroups";
+  Params bad = pp;
+  bad.set("bn", std::int64_t(256));
+  EXPECT_EQ(g.validate(bad).code(), Code::invalid_argument) << "128 x 256 is two warpgroups' accumulators";
+  bad = pp;
+  bad.set("path", "mma");
+  EXPECT_EQ(g.validate(bad).code(), Code::invalid_argument) << "mma has no pingpong schedule";
+  bad = pp;
+  bad.set("layout", "kgrouped");
+  EXPECT_EQ(g.validate(bad).code(), Code::invalid_argument) << "kgrouped has no pingpong schedule";
+  // FP8: rowwise prefill takes pingpong at any k, block scales and decode the cooperative schedule.
+  const Family& f8 = fam("grouped_gemm_fp8");
+  auto fp8 = [](std::int64_t mm, std::int64_t k, std::int64_t e, std::int64_t scaling) {
+    Problem q = Problem::of(DType::bf16, 16,
+                            m::GroupedGemmFp8Problem{.m = mm, .n = 4096, .k = k, .experts = e,
+                                                     .layout = m::k_contiguous, .scaling = scaling});
+    q.cc = 90;
+    q.sm_count = 132;
+    return q;
+  };
+  EXPECT_EQ(*f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_rowwise)).get_str("schedule"), "pingpong");
+  EXPECT_EQ(*f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_block)).get_str("schedule"), "cooperative");
+  EXPECT_EQ(*f8.heuristic(fp8(256 * 16, 7168, 256, m::k_fp8_rowwise)).get_str("schedule"), "cooperative");
+  Params blockpp = f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_block));
+  blockpp.set("schedule", "pingpong");
+  EXPECT_EQ(f8.validate(blockpp).code(), Code::invalid_argument) << "block scales keep two accumulator sets";
 }
 
 TEST(MoeFamilies, OpsAreDeclared) {
