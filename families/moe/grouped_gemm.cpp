@@ -485,7 +485,7 @@ class GroupedGemmFp8 final : public Family {
     r.name_expression = std::string("kiln::moe::") + (v.wgmma ? "grouped_wgmma" : "grouped_mma") +
                         "<kiln::gemm::u8, " + device_type(*params.get_str("out")) + ", " + std::to_string(v.layout) +
                         ", " + std::to_string(v.bm) + ", " + std::to_string(v.bn) + ", " + std::to_string(v.stages) +
-                        (block_of(params) ? ", 2>" : v.pingpong ? ", 1, true>" : ", 1>");
+                        (block_of(params) ? ", 2" : ", 1") + (v.pingpong ? ", true>" : ">");
     return r;
   }
   // The heuristic's picks for both outputs, layouts and scalings (block: bn <= 128).

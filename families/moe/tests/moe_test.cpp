@@ -632,6 +632,15 @@ TEST(MoeFamilies, PingpongScheduleRules) {
   Params blockpp = f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_block));
   blockpp.set("schedule", "pingpong");
   EXPECT_EQ(f8.validate(blockpp).code(), Code::invalid_argument) << "block scales keep two accumulator sets";
+  // Every pingpong variant instantiates the pingpong kernel (its launch has 384 threads).
+  for (const Family* f : {&g, &f8})
+    for (const Params& v : f->catalog()) {
+      const auto r = f->render(v);
+      ASSERT_TRUE(r.ok()) << v.canonical();
+      const std::string& name = r->name_expression;
+      const bool pp = *v.get_str("schedule") == "pingpong";
+      EXPECT_EQ(name.size() > 7 && name.compare(name.size() - 7, 7, ", true>") == 0, pp) << v.canonical() << ": " << name;
+    }
 }
 
 TEST(MoeFamilies, OpsAreDeclared) {
