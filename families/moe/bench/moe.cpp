@@ -1,8 +1,9 @@
 // The MoE grouped GEMM (bf16; FP8 rowwise and block-scaled on sm_90a), balanced and Zipf routing: Mixtral
 // gate_up (8 experts x 4096 tokens, K 4096, N 28672) and down (K 14336, N 4096), DeepSeek-V3
 // gate_up (256 experts x 1024 tokens, K 7168, N 4096) and down (K 2048, N 7168), DeepSeek-V3 decode
-// (256 x 16 tokens, gate_up) contiguous and masked; the weight-gradient form (kgrouped) and the
-// input-gradient form (dgrad, the weight as stored) at Mixtral down; and the routing kernels (top-k, permute, combine) at Mixtral and DeepSeek-V3 prefill.
+// (256 x 16 tokens, gate_up) contiguous and masked; the weight-gradient form (kgrouped) at Mixtral
+// down and Qwen3-MoE down (128 experts x 256 rows), the input-gradient form (dgrad, the weight as
+// stored) at Mixtral down; and the routing kernels (top-k, permute, combine) at Mixtral and DeepSeek-V3 prefill.
 // Zipf routing gives expert e a share proportional to 1 / (e + 1) of the same total rows
 // (bench/moe.py builds the same counts). Sampled outputs are checked against fp64 first (every
 // output poisoned before the first call), then timed; TFLOP/s = 2 rows N K / time, the
@@ -207,6 +208,7 @@ int grouped(Context& ctx, nlohmann::json& rows) {
                              {"dsv3_decode", 256, 16, 4096, 7168, m::k_contiguous},
                              {"dsv3_decode_masked", 256, 16, 4096, 7168, m::k_masked},
                              {"mixtral_down_wgrad", 8, 4096, 4096, 14336, m::k_kgrouped},
+                             {"qwen3_down_wgrad", 128, 256, 2048, 768, m::k_kgrouped},
                              {"mixtral_down_dgrad", 8, 4096, 14336, 4096, m::k_dgrad}};
   if (ctx.quick) cases = {cases[1], cases[3], cases[4]};
   const Family& f = *Registry::global().find("grouped_gemm");

@@ -20,7 +20,7 @@ from triton.testing import do_bench
 SHAPES = [("mixtral_gate_up", 8, 4096, 28672, 4096), ("mixtral_down", 8, 4096, 4096, 14336),
           ("dsv3_gate_up", 256, 1024, 4096, 7168), ("dsv3_down", 256, 1024, 7168, 2048),
           ("dsv3_decode", 256, 16, 4096, 7168)]
-WGRAD = [("mixtral_down_wgrad", 8, 4096, 4096, 14336)]
+WGRAD = [("mixtral_down_wgrad", 8, 4096, 4096, 14336), ("qwen3_down_wgrad", 128, 256, 2048, 768)]
 DGRAD = [("mixtral_down_dgrad", 8, 4096, 14336, 4096)]
 LAYERS = [("mixtral_layer", 4096, 4096, 14336, 8, 2), ("qwen3_moe_layer", 4096, 2048, 768, 128, 8)]
 
