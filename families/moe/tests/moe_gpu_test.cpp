@@ -100,12 +100,6 @@ class MoeGpu : public testing::GpuFixture {
     for (auto& e : v) e = t == DType::bf16 ? float_to_bf16(d(rng_)) : float_to_f16(d(rng_));
     return v;
   }
-  // The paths this device runs for the layout.
-  std::vector<std::string> paths(int layout) const {
-    std::vector<std::string> p = {"mma"};
-    if (cc_ == 90) p.push_back("wgmma");
-    return p;
-  }
   // Launches grouped_gemm `params` on device buffers (a, b, offs, out); sms > 0 bounds the
   // persistent grid.
   void launch_grouped(const Params& params, Problem p, const std::vector<void*>& ptrs, int sms = 0) {
