@@ -16,16 +16,8 @@ case "$part" in
   *) echo "usage: scripts/gpu_attention.sh backward|masks [--quick]" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
-dist=$(cd "$(dirname "$0")/.." && pwd)
-[ -x "$dist/kilnd" ] || dist=$PWD/gpu-dist
 root=$PWD
-mkdir -p "$out"
-build_path=$(cat "$dist/BUILD_PATH")
-if [ ! -e "$build_path" ]; then mkdir -p "$(dirname "$build_path")" && ln -s "$dist" "$build_path"; fi
-export KILN_CACHE_DIR=$(mktemp -d)
-export XDG_RUNTIME_DIR=$(mktemp -d)
-chmod 700 "$XDG_RUNTIME_DIR"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
+. "$(dirname "$0")/gpu_env.sh"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout -k 5 400 "$dist/tests/kiln_gpu_tests_families" --gtest_filter="${GPU_FILTER:-$filter}" 2>&1 |

@@ -12,21 +12,12 @@ TORCH_ARGS=${TORCH_ARGS:-}
 out=${OUT:-gpu-out}
 # Staged copies of this script live in gpu-dist/scripts/ (scripts/stage_gpu.sh), beside the
 # binaries and the PyTorch anchors they go with.
-dist=$(cd "$(dirname "$0")/.." && pwd)
-[ -x "$dist/kilnd" ] || dist=$PWD/gpu-dist
-mkdir -p "$out"
-# The test binaries name kilnd by the absolute path it had on the build machine.
-build_path=$(cat "$dist/BUILD_PATH")
-if [ ! -e "$build_path" ]; then mkdir -p "$(dirname "$build_path")" && ln -s "$dist" "$build_path"; fi
+. "$(dirname "$0")/gpu_env.sh"
 # The GPU machine has no redis-server: the fleet's GPU test starts the one staged in gpu-dist/redis
 # (scripts/stage_redis.sh), whose wrapper gives it its own libraries and nothing else.
 if [ -z "${KILN_REDIS_SERVER:-}" ] && [ -x "$dist/redis/bin/redis-server" ]; then
   export KILN_REDIS_SERVER="$dist/redis/bin/redis-server"
 fi
-export KILN_CACHE_DIR=$(mktemp -d)
-export XDG_RUNTIME_DIR=$(mktemp -d)
-chmod 700 "$XDG_RUNTIME_DIR"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
 rc=0
 # Every catalog for this GPU first, on all cores: the tests start from copies of this cache
 # (KILN_GPU_TEST_CACHE) and the bench's variants section reads it.
