@@ -200,6 +200,21 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
   };
+  // A warp's 16 rows of a 64-row accumulator tile into out (expert e's rows below hi[e]); rowwise:
+  // times a_scale per row and b_scale per column (columns past n are computed and dropped).
+  auto store_tile = [&](const float(&d)[1][NI][4], int e, int row0, int col0) {
+    if constexpr (SCALING == k_rowwise) {
+      const float* sb = b_scale + (long long)e * n;
+      const float sa[2] = {row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f,
+                           row0 + (lane >> 2) + 8 < hi[e] ? __ldg(a_scale + row0 + (lane >> 2) + 8) : 0.0f};
+      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) {
+        const int col = col0 + 8 * ni + 2 * (lane & 3) + (q & 1);
+        return col < n ? d[0][ni][q] * sa[q >> 1] * __ldg(sb + col) : 0.0f;
+      });
+    } else {
+      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) { return d[0][ni][q]; });
+    }
+  };
   if constexpr (PINGPONG) {
     constexpr int MI = BM / 64;
     float acc[MI][1][NI][4];
@@ -245,21 +260,7 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
       ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
       const int col0 = tn * BN;
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        const int row0 = lo[e] + tm * BM + mi * 64 + warp_in_wg * 16;
-        if constexpr (SCALING == k_rowwise) {
-          const float* sb = b_scale + (long long)e * n;
-          const float sa[2] = {row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f,
-                               row0 + (lane >> 2) + 8 < hi[e] ? __ldg(a_scale + row0 + (lane >> 2) + 8) : 0.0f};
-          store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) {
-            const int col = col0 + 8 * ni + 2 * (lane & 3) + (q & 1);
-            return col < n ? acc[mi][0][ni][q] * sa[q >> 1] * __ldg(sb + col) : 0.0f;
-          });
-        } else {
-          store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0,
-                                       [&](int, int ni, int q) { return acc[mi][0][ni][q]; });
-        }
-      }
+      for (int mi = 0; mi < MI; ++mi) store_tile(acc[mi], e, lo[e] + tm * BM + mi * 64 + warp_in_wg * 16, col0);
     }
     return;
   }
@@ -309,7 +310,7 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
           acc[0][ni][3] += part[0][ni][3] * sc1;
         }
       }
-      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) { return acc[0][ni][q]; });
+      store_tile(acc, e, row0, col0);
       continue;
     }
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
@@ -326,18 +327,7 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
     fence_fragments(acc);
     ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
     const int row0 = lo[e] + tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
-    if (SCALING == k_rowwise) {
-      // store_fragments asks only for rows below hi[e]; columns past n are computed and dropped.
-      const float* sb = b_scale + (long long)e * n;
-      const float sa[2] = {row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f,
-                           row0 + (lane >> 2) + 8 < hi[e] ? __ldg(a_scale + row0 + (lane >> 2) + 8) : 0.0f};
-      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) {
-        const int col = col0 + 8 * ni + 2 * (lane & 3) + (q & 1);
-        return col < n ? acc[0][ni][q] * sa[q >> 1] * __ldg(sb + col) : 0.0f;
-      });
-    } else {
-      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) { return acc[0][ni][q]; });
-    }
+    store_tile(acc, e, row0, col0);
   }
 #endif
 }
