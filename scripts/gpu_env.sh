@@ -1,4 +1,4 @@
-# Sourced by the GPU machine's run scripts (gpu_run.sh, gpu_attention.sh, gpu_moe.sh), from the
+# Sourced by the GPU machine's run scripts (gpu_run.sh, gpu_attention.sh, gpu_family.sh), from the
 # repository root: sets `dist` (the staged binaries: the script's own gpu-dist/ when it is the
 # staged copy, else ./gpu-dist), creates $out, links gpu-dist where the test binaries look for
 # kilnd (the absolute build path they were linked with), gives the run a private kernel cache and

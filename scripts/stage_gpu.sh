@@ -29,7 +29,7 @@ cp "$src/build-gpu/tests/test_plugins/libc_ok.so" "$root/gpu-dist/tests/test_plu
 # runs what was built even when the checkout it copies holds other work in progress.
 mkdir -p "$root/gpu-dist/scripts"
 cp "$src/scripts/gpu_run.sh" "$src/scripts/gpu_env.sh" "$root/gpu-dist/scripts/"
-cp "$src/bench/torch_anchors.py" "$root/gpu-dist/bench/"
+cp "$src/bench/torch_anchors.py" "$src/bench/anchor_util.py" "$root/gpu-dist/bench/"
 for f in "$src"/families/*/bench/*.py; do
   rel=${f#"$src"/}
   mkdir -p "$root/gpu-dist/$(dirname "$rel")"

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from anchor_util import kernel_breakdown
+
 SHAPES = [("mixtral_gate_up", 8, 4096, 28672, 4096), ("mixtral_down", 8, 4096, 4096, 14336),
           ("dsv3_gate_up", 256, 1024, 4096, 7168), ("dsv3_down", 256, 1024, 7168, 2048),
           ("dsv3_decode", 256, 16, 4096, 7168)]
@@ -59,25 +61,6 @@ def eager_moe(x, logits, w_gate_up, w_down, top_k):
     out = torch.zeros_like(x, dtype=torch.float32)
     out.index_add_(0, order // top_k, ys.float() * w.reshape(-1)[order].unsqueeze(1))
     return out.to(x.dtype)
-
-
-def kernel_breakdown(fn, top=12):
-    """The GPU time of one step of fn by kernel name (torch.profiler, after a warm-up step), the
-    largest first; printed, and returned as [name, us] pairs."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    totals = {}
-    for ev in prof.events():
-        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time_total
-    items = sorted(totals.items(), key=lambda kv: -kv[1])
-    print(f"  kernels of one step: {sum(totals.values()):.0f} us in all", flush=True)
-    for name, us in items[:top]:
-        print(f"    {us:10.1f} us  {name[:110]}", flush=True)
-    return [[name, us] for name, us in items[:top]]
 
 
 def run(quick: bool) -> list[dict]:
