@@ -7,9 +7,19 @@
 //    64 x 128 and 64 x 64 while fewer tiles than SMs. Stages: at least 96 KiB of loads in flight
 //    (4 to 6), 8 for the 64 x 128 wgmma tile (decode is bound by bytes in flight), within the
 //    device's shared memory.
+//  - lora_gemm core (one adapter, sm_90a, more than 64 rows: core_path): the GEMM core's tiles by
+//    its cost model (gemm::wgmma_cost over 128 x 256, 128 x 128, 128 x 64), those whose width
+//    divides the slice ends; the core's stage depths. No clusters: two CTAs sharing x by multicast
+//    were slower at 8192 x 4096 x 4096 on Hopper.
 //  - lora_shrink: one 64 x 64 mma tile (the rank side is at most 3 x 128 columns; the cost is
 //    reading x and A once), 4 stages; the K splits (shrink_splits) are part of the problem because
-//    lora_gemm reads that many partial sums.
+//    lora_gemm reads that many partial sums. Writing t (one split): stages of several k-steps, so
+//    each row of x is read 256 or 512 contiguous bytes at a time (one k-step, 128-byte pieces of
+//    64 rows, is clearly slower). 32-row tiles, 4 stages of 4 k-steps, while even those do not
+//    outnumber the SMs; 64-row tiles, 3 stages of 4 k-steps, while those fill at most one wave;
+//    past that 3 stages of 2 k-steps, small enough for two CTAs on an SM. On Hopper at 4096 x
+//    4096 the 32-row tiles are the fastest the tuner finds; at 8192 x 4096 (rank 16, one slice)
+//    64-row tiles of 4 k-steps; with two slices, 2 k-steps.
 #include "families/lora/lora.h"
 
 #include <algorithm>
@@ -30,15 +40,19 @@ std::int64_t cdiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 // Elements of K per 128-byte stage (f16/bf16).
 constexpr std::int64_t k_step = 64;
 
+// path: lora_gemm's (mma, wgmma, core); lora_shrink has none (mma).
 struct Variant {
   bool wgmma;
   int bm, bn, stages;
+  bool core = false;
 };
 
 Variant variant_of(const Params& p) {
   const auto path = p.get_str("path");
   const auto bn = p.get_int("bn");
-  return {path && *path == "wgmma", int(*p.get_int("bm")), bn ? int(*bn) : 64, int(*p.get_int("stages"))};
+  const bool core = path && *path == "core";
+  return {path && (*path == "wgmma" || core), int(*p.get_int("bm")), bn ? int(*bn) : 64, int(*p.get_int("stages")),
+          core};
 }
 
 std::int64_t stage_bytes(const Variant& v) { return std::int64_t(v.bm + v.bn) * 128; }
@@ -83,16 +97,35 @@ Status check_common(const std::string& f, DType kernel, const Problem& p, std::i
   return {};
 }
 
+bool writes_t(const Params& p) {
+  const auto o = p.get_str("output");
+  return o && *o == "t";
+}
+
+// lora_shrink's shared memory: stages of ksub k-steps of its 64-column tile.
+std::int64_t shrink_shared_bytes(const Params& p) {
+  return 1024 + *p.get_int("stages") * *p.get_int("ksub") * (*p.get_int("bm") + 64) * 128;
+}
+
 class LoraShrink final : public Family {
  public:
   std::string_view name() const override { return "lora_shrink"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
-    static const std::vector<ParamDef> defs = {{"dtype", {}, {"f16", "bf16"}, "element type of x and A"},
-                                               {"bm", {64}, {}, "tile rows"},
-                                               {"stages", {2, 3, 4, 5, 6}, {}, "shared-memory pipeline depth"}};
+    static const std::vector<ParamDef> defs = {
+        {"dtype", {}, {"f16", "bf16"}, "element type of x and A"},
+        {"bm", {32, 64}, {}, "tile rows"},
+        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"},
+        {"output", {}, {"partials", "t"}, "partials: f32 partial sums u; t: the fused GEMM's operand (problem t = 1)"},
+        {"ksub", {1, 2, 4}, {}, "k-steps of 128 bytes per stage (each row of x read ksub x 128 bytes at a time)"}};
     return defs;
+  }
+  Status validate(const Params& params) const override {
+    KILN_TRY(Family::validate(params));
+    if (shrink_shared_bytes(params) > 227 * 1024)
+      return invalid_argument("lora_shrink: the stages exceed 227 KiB of shared memory");
+    return {};
   }
   const std::vector<ProblemField>& problem_fields() const override {
     static const std::vector<ProblemField> fields = problem_fields_of<LoraShrinkProblem>(
@@ -102,8 +135,13 @@ class LoraShrink final : public Family {
          key(&LoraShrinkProblem::adapters, "adapters", "adapters in A's stack"),
          key(&LoraShrinkProblem::slices, "slices", "output slices (merged QKV: 3, gate_up: 2)"),
          key(&LoraShrinkProblem::splits, "splits", "partial sums over ranges of K"),
-         key(&LoraShrinkProblem::multi, "multi", "1: per-row adapter indices and per-adapter ranks")});
+         key(&LoraShrinkProblem::multi, "multi", "1: per-row adapter indices and per-adapter ranks"),
+         key(&LoraShrinkProblem::t, "t", "1: write t = scale (x A^T) in the element type (one split, no multi)"),
+         value(&LoraShrinkProblem::scale, "scale", "t's scale")});
     return fields;
+  }
+  static Params make(const std::string& dtype, std::int64_t bm, std::int64_t stages, bool t, std::int64_t ksub) {
+    return Params{{"dtype", dtype}, {"bm", bm}, {"stages", stages}, {"output", t ? "t" : "partials"}, {"ksub", ksub}};
   }
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
@@ -111,24 +149,41 @@ class LoraShrink final : public Family {
     out.source = "#include \"lora/lora.cuh\"\n";
     out.name_expression = std::string("kiln::lora::lora_shrink_mma<") + device_type(*params.get_str("dtype")) + ", " +
                           std::to_string(*params.get_int("bm")) + ", 64, " + std::to_string(*params.get_int("stages")) +
-                          ">";
+                          (writes_t(params) ? ", true, " : ", false, ") + std::to_string(*params.get_int("ksub")) + ">";
     return out;
   }
   bool runs_on(const Params& params, const GpuArch& arch) const override {
-    return arch.capability >= 80 && shared_bytes(variant_of(params)) <= g::max_shared_bytes(arch.capability);
+    // t feeds lora_gemm's core path, which is sm_90a's alone.
+    if (writes_t(params) && arch.capability != 90) return false;
+    return arch.capability >= 80 && shrink_shared_bytes(params) <= g::max_shared_bytes(arch.capability);
   }
+  // The heuristic's picks: partial sums (64-row tiles, 4 stages of one k-step), and t in 64-row
+  // tiles (stages of 4 and of 2 k-steps) and 32-row ones (4 k-steps).
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
-    for (const char* d : {"f16", "bf16"}) out.push_back(Params{{"dtype", d}, {"bm", std::int64_t(64)}, {"stages", std::int64_t(4)}});
+    for (const char* d : {"f16", "bf16"}) {
+      out.push_back(make(d, 64, 4, false, 1));
+      out.push_back(make(d, 64, 3, true, 4));
+      out.push_back(make(d, 64, 3, true, 2));
+      out.push_back(make(d, 32, 4, true, 4));
+    }
     return out;
   }
   Status check_problem(const Params& params, const Problem& p) const override {
     const auto q = p.as<LoraShrinkProblem>();
     KILN_TRY(check_common("lora_shrink", *parse_dtype(*params.get_str("dtype")), p, q.m, q.k, q.r, q.adapters, q.slices,
                           q.splits));
+    if (q.t != 0 && q.t != 1) return invalid_argument("lora_shrink: t must be 0 or 1");
+    if (writes_t(params) != (q.t == 1))
+      return invalid_argument(std::string("lora_shrink: the variant writes ") + (writes_t(params) ? "t" : "partial sums") +
+                              ", the problem asks for " + (q.t ? "t" : "partial sums"));
+    if (q.t && (q.splits != 1 || q.multi))
+      return invalid_argument("lora_shrink: t is written in one split, for one adapter");
+    if (q.t && !std::isfinite(q.scale)) return invalid_argument("lora_shrink: scale must be finite");
     const std::int64_t cc = g::device_cc(p);
     if (cc < 80) return invalid_argument("lora_shrink: needs compute capability 8.0 or later");
-    if (shared_bytes(variant_of(params)) > g::max_shared_bytes(cc))
+    if (q.t && cc != 90) return invalid_argument("lora_shrink: t is for lora_gemm's core path, on sm_90a");
+    if (shrink_shared_bytes(params) > g::max_shared_bytes(cc))
       return invalid_argument("lora_shrink: the variant needs more shared memory than the device grants");
     return {};
   }
@@ -136,34 +191,44 @@ class LoraShrink final : public Family {
     const auto q = p.as<LoraShrinkProblem>();
     const Variant v = variant_of(params);
     LaunchGeometry geo;
-    geo.grid.x = std::uint32_t(std::max<std::int64_t>(1, cdiv(q.m, v.bm) * cdiv(q.slices * rank_pitch(q.r), 64)));
+    geo.grid.x = std::uint32_t(std::max<std::int64_t>(1, cdiv(q.m, v.bm) * cdiv(q.slices * pitch(q), 64)));
     geo.grid.y = std::uint32_t(q.splits);
     geo.block.x = 128;
-    geo.shared_bytes = std::uint32_t(shared_bytes(v));
+    geo.shared_bytes = std::uint32_t(shrink_shared_bytes(params));
     return geo;
   }
   Params heuristic(const Problem& p) const override {
-    return Params{{"dtype", dtype_of(p)}, {"bm", std::int64_t(64)}, {"stages", std::int64_t(4)}};
+    const auto q = p.as<LoraShrinkProblem>();
+    if (!q.t) return make(dtype_of(p), 64, 4, false, 1);
+    const std::int64_t tiles = cdiv(q.m, 64) * cdiv(q.slices * pitch(q), 64), sms = g::device_sms(p);
+    if (2 * tiles <= sms) return make(dtype_of(p), 32, 4, true, 4);
+    return tiles <= sms ? make(dtype_of(p), 64, 3, true, 4) : make(dtype_of(p), 64, 3, true, 2);
   }
   std::vector<Params> tuning_space(const Problem& p) const override {
     std::vector<Params> out;
-    for (std::int64_t s : {2, 3, 4, 5, 6}) {
-      Params c{{"dtype", dtype_of(p)}, {"bm", std::int64_t(64)}, {"stages", s}};
-      if (check_problem(c, p).ok()) out.push_back(c);
-    }
+    for (std::int64_t bm : {32, 64})
+      for (std::int64_t ksub : {1, 2, 4})
+        for (std::int64_t s : {2, 3, 4, 5, 6, 7, 8}) {
+          Params c = make(dtype_of(p), bm, s, p.as<LoraShrinkProblem>().t == 1, ksub);
+          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+        }
     return out;
   }
+  // u's columns per slice: rank_pitch for partial sums, t_pitch for t.
+  static std::int64_t pitch(const LoraShrinkProblem& q) { return q.t ? t_pitch(q.r) : rank_pitch(q.r); }
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     return Family::problem_from_shape(
-        dtype, with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}}));
+        dtype, with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}, {"t", 0}}));
   }
-  // Llama hidden 4096 at ranks 16 and 64: prefill (one split) and decode (16 splits, 16 adapters),
-  // and a small ragged multi-adapter case with merged QKV slices.
+  // Llama hidden 4096 at ranks 16 and 64: prefill (t, and partial sums) and decode (16 splits, 16
+  // adapters), and a small ragged multi-adapter case with merged QKV slices.
   std::vector<Problem> benchmark_problems(DType dtype) const override {
     std::vector<Problem> out;
     if (dtype != DType::f16 && dtype != DType::bf16) return out;
     auto add = [&](LoraShrinkProblem q) { out.push_back(Problem::of(dtype, 16, q)); };
+    add({.m = 8192, .k = 4096, .r = 16, .t = 1, .scale = 2.0});
+    add({.m = 8192, .k = 4096, .r = 64, .slices = 2, .t = 1, .scale = 0.5});
     add({.m = 8192, .k = 4096, .r = 16, .splits = shrink_splits(8192, 4096, 16, 1, g::k_reference_sms)});
     add({.m = 8192, .k = 4096, .r = 64, .splits = shrink_splits(8192, 4096, 64, 1, g::k_reference_sms)});
     add({.m = 16, .k = 4096, .r = 16, .adapters = 16, .splits = shrink_splits(16, 4096, 16, 1, g::k_reference_sms),
@@ -177,7 +242,7 @@ class LoraShrink final : public Family {
             {"a", BufferRole::input, p.dtype, q.adapters * q.slices * q.r * q.k},
             {"idx", BufferRole::input, DType::i32, q.multi ? q.m : 1, q.adapters},
             {"ranks", BufferRole::input, DType::i32, q.multi ? q.adapters : 1, q.r + 1},
-            {"u", BufferRole::output, DType::f32, q.splits * q.m * q.slices * rank_pitch(q.r)}};
+            {"u", BufferRole::output, q.t ? p.dtype : DType::f32, q.splits * q.m * q.slices * pitch(q)}};
   }
   void pack_args(const Params&, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto q = p.as<LoraShrinkProblem>();
@@ -187,16 +252,18 @@ class LoraShrink final : public Family {
     out.add(q.multi ? b[3] : static_cast<void*>(nullptr));
     out.add(b[4]);
     for (std::int64_t v : {q.m, q.k, q.r, q.adapters, q.slices, q.splits}) out.add(int(v));
+    out.add(float(q.scale));
   }
   // fp64 sums over each split's K range (the kernel's: split z takes 64-column steps [z s / splits,
-  // (z + 1) s / splits) of the s steps), stored f32.
+  // (z + 1) s / splits) of the s steps), stored f32; t: the one sum times the fp32 scale, stored in
+  // the element type, zeros past the rank.
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 5) return invalid_argument("lora_shrink: reference takes 5 buffers (x, a, idx, ranks, u)");
     const auto q = p.as<LoraShrinkProblem>();
     const auto* idx = q.multi ? static_cast<const std::int32_t*>(b[2]) : nullptr;
     const auto* ranks = q.multi ? static_cast<const std::int32_t*>(b[3]) : nullptr;
     auto* u = static_cast<float*>(b[4]);
-    const std::int64_t rp = rank_pitch(q.r), ucols = q.slices * rp, steps = cdiv(q.k, k_step);
+    const std::int64_t rp = pitch(q), ucols = q.slices * rp, steps = cdiv(q.k, k_step);
     for (std::int64_t z = 0; z < q.splits; ++z) {
       const std::int64_t k0 = steps * z / q.splits * k_step, k1 = std::min(q.k, steps * (z + 1) / q.splits * k_step);
       for (std::int64_t row = 0; row < q.m; ++row) {
@@ -210,7 +277,10 @@ class LoraShrink final : public Family {
             for (std::int64_t x = k0; x < k1; ++x)
               sum += load_as_double(b[0], p.dtype, row * q.k + x) * load_as_double(b[1], p.dtype, arow * q.k + x);
           }
-          u[(z * q.m + row) * ucols + c] = float(sum);
+          if (q.t)
+            store_from_double(b[4], p.dtype, row * ucols + c, double(float(sum) * float(q.scale)));
+          else
+            u[(z * q.m + row) * ucols + c] = float(sum);
         }
       }
     }
@@ -221,15 +291,17 @@ class LoraShrink final : public Family {
 class LoraGemm final : public Family {
  public:
   std::string_view name() const override { return "lora_gemm"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
-        {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
+        {"path", {}, {"mma", "wgmma", "core"},
+         "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a), the tail written from the "
+         "partial sums; core: the GEMM core's wgmma kernel, the tail loaded by TMA from t (problem t = 1)"},
         {"dtype", {}, {"f16", "bf16"}, "element type of x, W, B, bias and out"},
         {"bm", {64, 128}, {}, "tile rows"},
         {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
-        {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"}};
+        {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, {}, "shared-memory pipeline depth"}};
     return defs;
   }
   const std::vector<ProblemField>& problem_fields() const override {
@@ -242,18 +314,43 @@ class LoraGemm final : public Family {
          key(&LoraGemmProblem::splits, "splits", "lora_shrink's partial sums"),
          key(&LoraGemmProblem::multi, "multi", "1: per-row adapter indices, per-adapter ranks and scales"),
          key(&LoraGemmProblem::bias, "bias", "1: a bias [n]"),
+         key(&LoraGemmProblem::t, "t", "1: u holds t (lora_shrink's output t), for the core path"),
          value(&LoraGemmProblem::n1, "n1", "end of slice 0"), value(&LoraGemmProblem::n2, "n2", "end of slice 1"),
          value(&LoraGemmProblem::scale, "scale", "the adapter's scale without multi")});
     return fields;
   }
   static Params make(const Variant& v, const std::string& dtype) {
-    return Params{{"path", v.wgmma ? "wgmma" : "mma"}, {"dtype", dtype}, {"bm", std::int64_t(v.bm)},
+    return Params{{"path", v.core ? "core" : v.wgmma ? "wgmma" : "mma"}, {"dtype", dtype}, {"bm", std::int64_t(v.bm)},
                   {"bn", std::int64_t(v.bn)}, {"stages", std::int64_t(v.stages)}};
+  }
+  static g::Tile core_tile(const Variant& v) { return g::Tile{true, v.bm, v.bn, v.stages, 8}; }
+  static g::GemmProblem core_problem(const LoraGemmProblem& q) {
+    return g::GemmProblem{.m = q.m, .n = q.n, .k = q.k + q.slices * t_pitch(q.r)};
+  }
+  // The core path's tile for a problem: the GEMM core's cost model over its candidates whose width
+  // divides the slice ends (a tile lies in one slice), and the core's stage depth.
+  static Variant core_variant(const LoraGemmProblem& q, const Problem& p) {
+    Problem gp = Problem::of(p.dtype, 16, core_problem(q));
+    gp.sm_count = p.sm_count;
+    gp.cc = p.cc;
+    Variant best{true, 128, 64, 4, true};
+    std::int64_t best_cost = -1;
+    for (auto [bm, bn] : {std::pair{128, 256}, {128, 128}, {128, 64}}) {
+      if ((q.slices >= 2 && q.n1 % bn) || (q.slices >= 3 && q.n2 % bn)) continue;
+      const std::int64_t cost = g::wgmma_cost(g::k_half, g::Tile{true, bm, bn, 4, 8}, gp);
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        best = Variant{true, bm, bn, 4, true};
+      }
+    }
+    best.stages = g::default_stages(g::k_half, core_tile(best), g::device_cc(p));
+    return best;
   }
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     const Variant v = variant_of(params);
     if (!v.wgmma && v.bn > 128) return invalid_argument("lora_gemm: the mma path takes bn <= 128");
+    if (v.core) KILN_TRY(g::validate_tile("lora_gemm", g::k_half, core_tile(v)));
     if (shared_bytes(v) > 227 * 1024) return invalid_argument("lora_gemm: the stages exceed 227 KiB of shared memory");
     return {};
   }
@@ -267,16 +364,22 @@ class LoraGemm final : public Family {
     const Variant v = variant_of(params);
     Rendered out;
     out.source = "#include \"lora/lora.cuh\"\n";
-    out.name_expression = std::string("kiln::lora::") + (v.wgmma ? "lora_gemm_wgmma<" : "lora_gemm_mma<") +
+    out.name_expression = std::string("kiln::lora::") +
+                          (v.core ? "lora_gemm_core<" : v.wgmma ? "lora_gemm_wgmma<" : "lora_gemm_mma<") +
                           device_type(*params.get_str("dtype")) + ", " + std::to_string(v.bm) + ", " +
                           std::to_string(v.bn) + ", " + std::to_string(v.stages) + ">";
     return out;
   }
-  // The heuristic's picks: wgmma's three tiles (sm_90a), mma's three at the stages of sm_80 and
-  // sm_86, both dtypes.
+  // The heuristic's picks: the core's three tiles and wgmma's three (sm_90a), mma's three at the
+  // stages of sm_80 and sm_86, both dtypes.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* d : {"f16", "bf16"}) {
+      for (int bn : {256, 128, 64}) {
+        Variant v{true, 128, bn, 4, true};
+        v.stages = g::default_stages(g::k_half, core_tile(v), 90);
+        out.push_back(make(v, d));
+      }
       for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
         Variant v{true, bm, bn, 4};
         v.stages = default_stages(v, 90);
@@ -303,6 +406,17 @@ class LoraGemm final : public Family {
     if (q.slices >= 2 && !(0 <= q.n1 && q.n1 <= q.n && (q.slices < 3 || (q.n1 <= q.n2 && q.n2 <= q.n))))
       return invalid_argument(f + ": slice ends must be non-decreasing within [0, n]");
     if (!std::isfinite(q.scale)) return invalid_argument(f + ": scale must be finite");
+    if (q.t != 0 && q.t != 1) return invalid_argument(f + ": t must be 0 or 1");
+    if (v.core != (q.t == 1))
+      return invalid_argument(f + ": the " + (v.core ? "core path takes t (problem t = 1)" : "mma and wgmma paths take "
+                                                                                            "partial sums (problem t = 0)"));
+    if (v.core) {
+      if (q.multi || q.splits != 1) return invalid_argument(f + ": the core path is for one adapter and one split");
+      if (q.r % 8) return shape_mismatch(f + ": the core path needs a rank that is a multiple of 8");
+      if ((q.slices >= 2 && q.n1 % v.bn) || (q.slices >= 3 && q.n2 % v.bn))
+        return invalid_argument(f + ": the core path needs slice ends that are multiples of bn = " +
+                                std::to_string(v.bn));
+    }
     const std::int64_t cc = g::device_cc(p);
     if (v.wgmma && cc != 90)
       return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
@@ -315,6 +429,12 @@ class LoraGemm final : public Family {
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const auto q = p.as<LoraGemmProblem>();
     const Variant v = variant_of(params);
+    if (v.core) {
+      Problem gp = Problem::of(p.dtype, 16, core_problem(q));
+      gp.sm_count = p.sm_count;
+      gp.cc = p.cc;
+      return g::geometry(g::k_half, core_tile(v), gp);
+    }
     const std::int64_t tiles = cdiv(q.m, v.bm) * cdiv(q.n, v.bn);
     LaunchGeometry geo;
     geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(tiles, g::device_sms(p)) : tiles, 1, 0x7fffffff));
@@ -325,6 +445,7 @@ class LoraGemm final : public Family {
   Params heuristic(const Problem& p) const override {
     const auto q = p.as<LoraGemmProblem>();
     const std::int64_t cc = g::device_cc(p);
+    if (q.t) return make(core_variant(q, p), dtype_of(p));
     Variant v{cc == 90, 128, 128, 4};
     if (v.wgmma) {
       if (q.m <= 64)
@@ -344,7 +465,7 @@ class LoraGemm final : public Family {
     std::vector<Params> out;
     for (int bm : {64, 128})
       for (int bn : {64, 128, 256}) {
-        Variant v{base.wgmma, bm, bn, 4};
+        Variant v{base.wgmma, bm, bn, 4, base.core};
         std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
         std::sort(depths.begin(), depths.end());
         depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
@@ -359,7 +480,8 @@ class LoraGemm final : public Family {
   Result<Problem> problem_from_shape(DType dtype,
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     return Family::problem_from_shape(
-        dtype, with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}, {"bias", 0}}));
+        dtype,
+        with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}, {"bias", 0}, {"t", 0}}));
   }
   // Llama projection shapes (M 8192 and 16, K 4096, N 4096 rank 16, N 14336 rank 64), decode over 16
   // adapters, and a small ragged merged-QKV case with a bias.
@@ -367,11 +489,13 @@ class LoraGemm final : public Family {
     std::vector<Problem> out;
     if (dtype != DType::f16 && dtype != DType::bf16) return out;
     auto add = [&](LoraGemmProblem q) {
-      q.splits = shrink_splits(q.m, q.k, q.r, q.slices, g::k_reference_sms);
+      q.splits = q.t ? 1 : shrink_splits(q.m, q.k, q.r, q.slices, g::k_reference_sms);
       out.push_back(Problem::of(dtype, 16, q));
     };
+    add({.m = 8192, .n = 4096, .k = 4096, .r = 16, .t = 1});
+    add({.m = 8192, .n = 14336, .k = 4096, .r = 64, .t = 1});
+    add({.m = 4096, .n = 22016, .k = 4096, .r = 16, .slices = 2, .bias = 1, .t = 1, .n1 = 11008});
     add({.m = 8192, .n = 4096, .k = 4096, .r = 16});
-    add({.m = 8192, .n = 14336, .k = 4096, .r = 64});
     add({.m = 16, .n = 4096, .k = 4096, .r = 16});
     add({.m = 16, .n = 4096, .k = 4096, .r = 16, .adapters = 16, .multi = 1});
     add({.m = 100, .n = 200, .k = 264, .r = 24, .adapters = 3, .slices = 3, .multi = 1, .bias = 1, .n1 = 136,
@@ -383,7 +507,8 @@ class LoraGemm final : public Family {
     return {{"x", BufferRole::input, p.dtype, q.m * q.k},
             {"w", BufferRole::input, p.dtype, q.n * q.k},
             {"b", BufferRole::input, p.dtype, q.adapters * q.n * q.r},
-            {"u", BufferRole::input, DType::f32, q.splits * q.m * q.slices * rank_pitch(q.r)},
+            {"u", BufferRole::input, q.t ? p.dtype : DType::f32,
+             q.t ? q.m * q.slices * t_pitch(q.r) : q.splits * q.m * q.slices * rank_pitch(q.r)},
             {"idx", BufferRole::input, DType::i32, q.multi ? q.m : 1, q.adapters},
             {"ranks", BufferRole::input, DType::i32, q.multi ? q.adapters : 1, q.r + 1},
             {"scales", BufferRole::input, DType::f32, q.multi ? q.adapters : 1},
@@ -394,6 +519,20 @@ class LoraGemm final : public Family {
     const auto q = p.as<LoraGemmProblem>();
     const Variant v = variant_of(params);
     void* const none = nullptr;
+    const std::uint64_t es = std::uint64_t(dtype_size(p.dtype));
+    if (v.core) {
+      // x, w, bias, out, m, n, k, n1, n2, slices, chunks; tensor maps of x, W, t and B.
+      out.add(b[0]);
+      out.add(b[1]);
+      out.add(q.bias ? b[7] : none);
+      out.add(b[8]);
+      for (std::int64_t x : {q.m, q.n, q.k, q.n1, q.n2, q.slices, t_pitch(q.r) / 64}) out.add(int(x));
+      out.add_tensor_map({b[0], std::uint64_t(q.k) * es, std::uint64_t(q.m), std::uint32_t(v.bm), 0});
+      out.add_tensor_map({b[1], std::uint64_t(q.k) * es, std::uint64_t(q.n), std::uint32_t(v.bn), 0});
+      out.add_tensor_map({b[3], std::uint64_t(q.slices * t_pitch(q.r)) * es, std::uint64_t(q.m), std::uint32_t(v.bm), 0});
+      out.add_tensor_map({b[2], std::uint64_t(q.r) * es, std::uint64_t(q.n), std::uint32_t(v.bn), 0});
+      return;
+    }
     for (int i = 0; i < 4; ++i) out.add(b[i]);
     for (int i = 4; i < 7; ++i) out.add(q.multi ? b[i] : none);
     out.add(q.bias ? b[7] : none);
@@ -411,7 +550,7 @@ class LoraGemm final : public Family {
     if (b.size() != 9)
       return invalid_argument("lora_gemm: reference takes 9 buffers (x, w, b, u, idx, ranks, scales, bias, out)");
     const auto q = p.as<LoraGemmProblem>();
-    const auto* u = static_cast<const float*>(b[3]);
+    const auto* u = static_cast<const float*>(b[3]);  // f32 partial sums; with t, read as t below
     const auto* idx = q.multi ? static_cast<const std::int32_t*>(b[4]) : nullptr;
     const auto* ranks = q.multi ? static_cast<const std::int32_t*>(b[5]) : nullptr;
     const auto* scales = q.multi ? static_cast<const float*>(b[6]) : nullptr;
@@ -423,6 +562,10 @@ class LoraGemm final : public Family {
       const float sc = a < 0 ? 0.0f : scales ? scales[a] : float(q.scale);
       for (std::int64_t s = 0; s < q.slices; ++s)
         for (std::int64_t rr = 0; rr < q.r; ++rr) {
+          if (q.t) {
+            t[s * q.r + rr] = load_as_double(b[3], p.dtype, row * q.slices * t_pitch(q.r) + s * t_pitch(q.r) + rr);
+            continue;
+          }
           float v = 0.0f;
           for (std::int64_t z = 0; z < q.splits && rr < rank; ++z) v += u[(z * q.m + row) * ucols + s * rp + rr];
           v = rr < rank ? v * sc : 0.0f;

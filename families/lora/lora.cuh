@@ -4,14 +4,16 @@
 //   [x | t] @ [W | B]^T,  t = s x A^T (M x rank),
 // so the low-rank term lands in the base GEMM's accumulators and the output is written once.
 //
-// Two kernels:
+// The kernels:
 //  - lora_shrink_mma: u = x A^T in fp32 (tensor cores, mma.sync), written as `splits` partial
 //    sums over ranges of K (u [splits, m, slices * rp], rp = rank rounded up to 8), so small-M
-//    calls spread over the SMs. Deterministic: no atomics.
+//    calls spread over the SMs. Deterministic: no atomics. Or (TOUT) t = scale x A^T itself.
 //  - lora_gemm_{mma,wgmma}: the base GEMM's K loop over x and W (cp.async / TMA into the core's
 //    128-byte swizzled stages), then "tail" stages of 64 rank columns each: the A side of a tail
 //    stage is t = scale * (sum of u's partials, in split order) rounded to the operand type, the B
 //    side rows of the adapter's B. Bias in the epilogue.
+//  - lora_gemm_core (sm_90a, one adapter): the GEMM core's kernel with its tail k-steps loaded by
+//    TMA from the shrink's t and B.
 //
 // Adapters (multi-adapter serving, Punica / S-LoRA style): `idx` [m] gives each row's adapter
 // (null: every row uses adapter 0; an index outside [0, adapters), -1 included, means none). A is
@@ -233,20 +235,29 @@ __device__ __forceinline__ void load_tail(unsigned dst_a, unsigned dst_b, const 
 // rows is one pass over the split's K range with the other rows loaded as zeros; passes
 // accumulate into the same fragments (their rows are disjoint). A's rows past an adapter's rank
 // load as zeros, so u is zero there.
-template <class T, int BM, int BN, int STAGES>
+//
+// A stage holds KSUB k-steps (128 bytes of K each, in the core's swizzled tiles): each row of x is
+// read KSUB x 128 contiguous bytes at a time. The shrink is a read of x, and 128-byte pieces of 64
+// rows per stage leave DRAM far below its bandwidth.
+//
+// TOUT: the fused GEMM's operand itself, t = scale0 (x A^T) rounded to T, in one split, each
+// slice's rank columns padded with zeros to whole 64-column chunks (t [m, slices * chunks * 64]):
+// lora_gemm_core loads its rank tail from it by TMA.
+template <class T, int BM, int BN, int STAGES, bool TOUT, int KSUB>
 __global__ void __launch_bounds__(2 * BN)
     lora_shrink_mma(const T* __restrict__ x, const T* __restrict__ a, const int* __restrict__ idx,
-                    const int* __restrict__ ranks, float* __restrict__ u, int m, int k, int r, int adapters,
-                    int slices, int splits) {
+                    const int* __restrict__ ranks, void* __restrict__ u_out, int m, int k, int r, int adapters,
+                    int slices, int splits, float scale0) {
   using namespace gemm;
   constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
-  constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
+  constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, SUB_BYTES = A_BYTES + B_BYTES,
+                STAGE_BYTES = KSUB * SUB_BYTES;
   extern __shared__ unsigned char smem_raw[];
   __shared__ int row_ad[BM], passes[BM + 1];
   const unsigned base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp / WN, wn = warp % WN;
-  const int rp = (r + 7) & ~7, ucols = slices * rp;
+  const int rp = TOUT ? (r + k_chunk - 1) / k_chunk * k_chunk : (r + 7) & ~7, ucols = slices * rp;
   const int tiles_c = (ucols + BN - 1) / BN;
   const int tm = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c, z = blockIdx.y;
   const int row0 = tm * BM, c0 = tc * BN;
@@ -266,30 +277,37 @@ __global__ void __launch_bounds__(2 * BN)
     if (lane == 0) passes[BM] = c;
   }
   __syncthreads();
-  const int steps = passes[BM] * nk;
+  // Stages per pass (KSUB k-steps each; a stage never spans two passes), and stages in all.
+  const int per_pass = (nk + KSUB - 1) / KSUB;
+  const int steps = passes[BM] * per_pass;
   const u8* xb = reinterpret_cast<const u8*>(x);
   const u8* ab = reinterpret_cast<const u8*>(a);
+  // The end of this split's K range in bytes (the last stage of a pass may run past it).
+  const long long kend = min((long long)(kt0 + nk) * k_row_bytes, ld);
 
+  // Stage j: its k-step q in sub-tile q; a row's 16-byte chunks go to consecutive threads, so each
+  // row is read KSUB x 128 contiguous bytes.
   auto load_stage = [&](int j) {
     const unsigned st = base + (j % STAGES) * STAGE_BYTES;
-    const int ad = passes[j / nk];
+    const int ad = passes[j / per_pass];
     const int rank = ranks ? min(max(__ldg(ranks + ad), 0), r) : r;
-    const long long kb = (long long)(kt0 + j % nk) * k_row_bytes;
+    const long long kb = (long long)(kt0 + (j % per_pass) * KSUB) * k_row_bytes;
 #pragma unroll
-    for (int i = tid; i < BM * 8; i += NT) {
-      const int rr = i >> 3, c = i & 7;
-      const long long gk = kb + c * 16;
-      const bool ok = row_ad[rr] == ad && gk < ld;
-      cp_async_16(st + rr * k_row_bytes + ((c ^ (rr & 7)) << 4), ok ? xb + (row0 + rr) * ld + gk : xb, ok ? 16 : 0);
+    for (int i = tid; i < BM * 8 * KSUB; i += NT) {
+      const int rr = i / (8 * KSUB), q = (i / 8) % KSUB, c = i & 7;
+      const long long gk = kb + q * k_row_bytes + c * 16;
+      const bool ok = row_ad[rr] == ad && gk < kend;
+      cp_async_16(st + q * SUB_BYTES + rr * k_row_bytes + ((c ^ (rr & 7)) << 4), ok ? xb + (row0 + rr) * ld + gk : xb,
+                  ok ? 16 : 0);
     }
 #pragma unroll
-    for (int i = tid; i < BN * 8; i += NT) {
-      const int rr = i >> 3, c = i & 7;
-      const int col = c0 + rr, s = col / rp, q = col - s * rp;
-      const long long gk = kb + c * 16;
-      const bool ok = s < slices && q < rank && gk < ld;
-      const u8* p = ok ? ab + ((long long)ad * slices * r + s * r + q) * ld + gk : ab;
-      cp_async_16(st + A_BYTES + rr * k_row_bytes + ((c ^ (rr & 7)) << 4), p, ok ? 16 : 0);
+    for (int i = tid; i < BN * 8 * KSUB; i += NT) {
+      const int rr = i / (8 * KSUB), q = (i / 8) % KSUB, c = i & 7;
+      const int col = c0 + rr, s = col / rp, qq = col - s * rp;
+      const long long gk = kb + q * k_row_bytes + c * 16;
+      const bool ok = s < slices && qq < rank && gk < kend;
+      const u8* p = ok ? ab + ((long long)ad * slices * r + s * r + qq) * ld + gk : ab;
+      cp_async_16(st + q * SUB_BYTES + A_BYTES + rr * k_row_bytes + ((c ^ (rr & 7)) << 4), p, ok ? 16 : 0);
     }
   };
 
@@ -305,9 +323,10 @@ __global__ void __launch_bounds__(2 * BN)
     __syncthreads();
     if (j + STAGES - 1 < steps) load_stage(j + STAGES - 1);
     cp_async_commit();
-    const unsigned sa = base + (j % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kq = 0; kq < 4 * KSUB; ++kq) {
+      const int kk = kq & 3;
+      const unsigned sa = base + (j % STAGES) * STAGE_BYTES + (kq >> 2) * SUB_BYTES, sb = sa + A_BYTES;
       unsigned af[MI][4], bf[NI / 2][4];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
@@ -330,8 +349,12 @@ __global__ void __launch_bounds__(2 * BN)
     }
   }
   cp_async_wait<0>();
-  store_fragments<float, MI, NI>(u + (long long)z * m * ucols, m, ucols, row0 + wm * (BM / 2), c0 + wn * 32,
-                                 [&](int mi, int ni, int e) { return acc[mi][ni][e]; });
+  if constexpr (TOUT)
+    store_fragments<T, MI, NI>(static_cast<T*>(u_out), m, ucols, row0 + wm * (BM / 2), c0 + wn * 32,
+                               [&](int mi, int ni, int e) { return acc[mi][ni][e] * scale0; });
+  else
+    store_fragments<float, MI, NI>(static_cast<float*>(u_out) + (long long)z * m * ucols, m, ucols,
+                                   row0 + wm * (BM / 2), c0 + wn * 32, [&](int mi, int ni, int e) { return acc[mi][ni][e]; });
 }
 
 // ---- the fused GEMM ----
@@ -538,6 +561,45 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                         [&](int, int ni, int e) { return acc[0][ni][e]; });
   }
 #endif
+}
+
+// sm_90a, one adapter: the GEMM core's kernel (gemm_wgmma.cuh: persistent, warp-specialized, TMA)
+// over x and W, its K loop running on into the rank tail: `chunks` more k-steps per tile whose A
+// box is t's (the shrink's TOUT output) and whose B box is the tile's rows of B at the chunk's
+// columns (B [n, r]: the copy engine reads zeros past column r). A column tile lies in one slice
+// (the host keeps the slice ends on tile boundaries), so its tail is its slice's chunks of t.
+template <class T>
+struct CoreTail {
+  const ptx::TmaDesc* map_t;
+  const ptx::TmaDesc* map_b;
+  const T* bias_ptr;
+  int n, n1, n2, slices, chunks, bn;
+
+  __device__ __forceinline__ int steps(int) const { return chunks; }
+  __device__ __forceinline__ void step(int j, int tn, const ptx::TmaDesc*& ma, int& a_col, const ptx::TmaDesc*& mb,
+                                       int& b_col, int&) const {
+    const int col0 = tn * bn;
+    const int s = slices > 2 && col0 >= n2 ? 2 : slices > 1 && col0 >= n1 ? 1 : 0;
+    ma = map_t;
+    a_col = (s * chunks + j) * gemm::k_row_bytes;
+    mb = map_b;
+    b_col = j * gemm::k_row_bytes;
+  }
+  __device__ __forceinline__ float bias(int col) const {
+    return bias_ptr && col < n ? to_float(bias_ptr[col]) : 0.0f;
+  }
+};
+
+template <class T, int BM, int BN, int STAGES>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+    lora_gemm_core(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ out,
+                   int m, int n, int k, int n1, int n2, int slices, int chunks,
+                   const __grid_constant__ ptx::TmaDesc map_x, const __grid_constant__ ptx::TmaDesc map_w,
+                   const __grid_constant__ ptx::TmaDesc map_t, const __grid_constant__ ptx::TmaDesc map_b) {
+  const CoreTail<T> tail{&map_t, &map_b, bias, n, n1, n2, slices, chunks, BN};
+  gemm::gemm_wgmma_body<gemm::k_half, T, T, 0, BM, BN, STAGES, 8, 1, 1, CoreTail<T>>(
+      reinterpret_cast<const u8*>(x), reinterpret_cast<const u8*>(w), nullptr, nullptr, nullptr, out, m, n, k,
+      (m + BM - 1) / BM, (n + BN - 1) / BN, map_x, map_w, map_w, tail);
 }
 
 }  // namespace lora

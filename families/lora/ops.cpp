@@ -80,18 +80,21 @@ Status run_lora(const char* op, const LoraArgs& g, std::int64_t r, std::int64_t 
     if (where == DeviceKind::cuda && t->device.index != x.device.index)
       return device_error(std::string(op) + ": tensors are on different GPUs");
   }
-  std::int64_t sms = families::gemm::k_reference_sms;
+  std::int64_t sms = families::gemm::k_reference_sms, cc = 0;
   if (where == DeviceKind::cuda) {
     KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(x.device.index));
     sms = dev->sm_count;
+    cc = dev->compute_capability;
   }
   const std::int64_t mm = std::max<std::int64_t>(m, 1);
-  const std::int64_t splits = l::shrink_splits(mm, k, r, slices, sms);
+  // The core path on sm_90a: the shrink writes the rank tail's operand t itself (one split).
+  const bool t = l::core_path(cc, mm, r, multi ? 1 : 0, slices, n1, n2);
+  const std::int64_t splits = t ? 1 : l::shrink_splits(mm, k, r, slices, sms);
   const l::LoraShrinkProblem sq{.m = mm, .k = k, .r = r, .adapters = adapters, .slices = slices, .splits = splits,
-                                .multi = multi ? 1 : 0};
+                                .multi = multi ? 1 : 0, .t = t ? 1 : 0, .scale = scale};
   const l::LoraGemmProblem gq{.m = mm, .n = std::max<std::int64_t>(n, 1), .k = k, .r = r, .adapters = adapters,
                               .slices = slices, .splits = splits, .multi = multi ? 1 : 0, .bias = g.bias ? 1 : 0,
-                              .n1 = n1, .n2 = n2, .scale = scale};
+                              .t = t ? 1 : 0, .n1 = n1, .n2 = n2, .scale = scale};
   const Problem sp = Problem::of(x.dtype, 16, sq), gp = Problem::of(x.dtype, 16, gq);
   const Family* shrink = Registry::global().find("lora_shrink");
   const Family* gemm = Registry::global().find("lora_gemm");
@@ -102,7 +105,8 @@ Status run_lora(const char* op, const LoraArgs& g, std::int64_t r, std::int64_t 
   KILN_TRY(gemm->check_problem(gemm->heuristic(gp), gp));
   if (m == 0 || n == 0) return {};
 
-  const std::int64_t u_elems = splits * m * slices * l::rank_pitch(r);
+  // f32 elements: the partial sums, or t's 16-bit values two to an element.
+  const std::int64_t u_elems = t ? (m * slices * l::t_pitch(r) + 1) / 2 : splits * m * slices * l::rank_pitch(r);
   std::vector<float> host;
   void* u;
   if (where == DeviceKind::cpu) {
@@ -147,17 +151,20 @@ Status check_base(const char* op, const TensorView& x, const TensorView& weight,
 }  // namespace
 
 Status lora_linear(const TensorView& x, const TensorView& weight, const TensorView& lora_a, const TensorView& lora_b,
-                   const TensorView* bias, const TensorView& out, double scale, Stream stream, Runtime* runtime) {
+                   const TensorView* bias, const TensorView& out, double scale, std::int64_t slice_end0,
+                   std::int64_t slice_end1, Stream stream, Runtime* runtime) {
   constexpr const char* op = "lora_linear";
   KILN_TRY(check_base(op, x, weight, lora_a, lora_b, bias, out));
   const std::int64_t k = x.shape[x.rank - 1], n = weight.shape[0];
-  KILN_TRY(want(lora_a.rank == 2 && lora_a.shape[1] == k, op,
-                "lora_a must be [r, " + std::to_string(k) + "], got " + client::dims(lora_a)));
-  const std::int64_t r = lora_a.shape[0];
-  KILN_TRY(want(lora_b.rank == 2 && lora_b.shape[0] == n && lora_b.shape[1] == r, op,
-                "lora_b must be [" + std::to_string(n) + ", " + std::to_string(r) + "], got " + client::dims(lora_b)));
+  KILN_TRY(want(lora_b.rank == 2 && lora_b.shape[0] == n && lora_b.shape[1] >= 1, op,
+                "lora_b must be [" + std::to_string(n) + ", r], got " + client::dims(lora_b)));
+  const std::int64_t r = lora_b.shape[1];
+  KILN_TRY(want(lora_a.rank == 2 && lora_a.shape[1] == k && lora_a.shape[0] % r == 0 && lora_a.shape[0] / r >= 1 &&
+                    lora_a.shape[0] / r <= l::k_max_slices,
+                op, "lora_a must be [slices x " + std::to_string(r) + ", " + std::to_string(k) +
+                        "] with 1 to 3 slices, got " + client::dims(lora_a)));
   const LoraArgs g{&x, &weight, &lora_a, &lora_b, nullptr, nullptr, nullptr, bias, &out};
-  return run_lora(op, g, r, 1, 1, 0, 0, scale, stream, runtime);
+  return run_lora(op, g, r, 1, lora_a.shape[0] / r, slice_end0, slice_end1, scale, stream, runtime);
 }
 
 Status lora_linear_multi(const TensorView& x, const TensorView& weight, const TensorView& lora_a,
@@ -205,18 +212,22 @@ void kiln_register_ops_lora(kiln::Registry& r) {
     OpDecl op;
     op.name = "lora_linear";
     op.doc = "out [..., n] = x [..., k] W^T + scale (x A^T) B^T + bias: weight [n, k], lora_a [r, k], lora_b [n, r], "
-             "bias [n]; the low-rank product accumulated in the base GEMM (one output write). f16/bf16, k a multiple "
-             "of 8, r in [1, 128]; not during CUDA-graph capture (stream workspace).";
+             "bias [n]; the low-rank product accumulated in the base GEMM (one output write). Merged projections: "
+             "lora_a [slices r, k] (2 or 3 slices), out's columns split at slice_end0, slice_end1 (0: equal parts), "
+             "slice s using A rows [s r, s r + r) and its own rows of lora_b. f16/bf16, k a multiple of 8, r in "
+             "[1, 128]; not during CUDA-graph capture (stream workspace).";
     op.tensors = {{.name = "x", .dtypes = k_half_dtypes, .shape = "[..., k]"},
                   {.name = "weight", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2, .shape = "[n, k]"},
-                  {.name = "lora_a", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2, .shape = "[r, k]"},
+                  {.name = "lora_a", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2, .shape = "[slices r, k]"},
                   {.name = "lora_b", .dtypes = k_half_dtypes, .min_rank = 2, .max_rank = 2, .shape = "[n, r]"},
                   {.name = "bias", .optional = true, .dtypes = k_half_dtypes, .max_rank = 1, .shape = "[n]"},
                   {.name = "out", .role = TensorRole::output, .dtypes = k_half_dtypes, .shape = "[..., n]"}};
-    op.scalars = {{.name = "scale", .kind = ScalarKind::f64, .has_default = true, .default_value = 1.0}};
+    op.scalars = {{.name = "scale", .kind = ScalarKind::f64, .has_default = true, .default_value = 1.0},
+                  {.name = "slice_end0", .kind = ScalarKind::i64, .has_default = true, .default_value = 0},
+                  {.name = "slice_end1", .kind = ScalarKind::i64, .has_default = true, .default_value = 0}};
     op.run = [](const OpCall& c) {
       return lora_linear(c.tensor(0), c.tensor(1), c.tensor(2), c.tensor(3), c.optional(4), c.tensor(5), c.f64(0),
-                         c.stream, c.runtime);
+                         c.i64(1), c.i64(2), c.stream, c.runtime);
     };
     op.infer = infer_out;
     (void)r.add_op(std::move(op));

@@ -2,9 +2,12 @@
 // (kiln_op_call, kiln.lora_linear, torch.ops.kiln.lora_linear, ...); kiln.torch adds autograd and
 // the LoRA_MLP / LoRA_QKV modules on top.
 //
-// Both ops run two kernels: lora_shrink (x A^T into fp32 partial sums, in the stream's workspace:
-// client/workspace.h, so not during CUDA-graph capture) and lora_gemm (the base GEMM whose K loop
-// runs on into the low-rank tail, bias in its epilogue). Every op validates before anything is
+// Both ops run two kernels: lora_shrink (x A^T, in the stream's workspace: client/workspace.h, so
+// not during CUDA-graph capture) and lora_gemm (the base GEMM whose K loop runs on into the
+// low-rank tail, bias in its epilogue). On sm_90a with one adapter and more than 64 rows
+// (lora_linear; families/lora/lora.h: core_path), the shrink writes the tail's operand t =
+// scale x A^T itself and the GEMM core's kernel loads it by TMA; otherwise the shrink writes fp32
+// partial sums that the GEMM's tail sums, scales and rounds. Every op validates before anything is
 // compiled or launched: device_error, unsupported_dtype, shape_mismatch, invalid_argument. Host
 // tensors run the CPU references. On the GPU, adapter indices outside [0, adapters) (-1 included)
 // mean no adapter, and ranks are clamped to [0, r]; the host checks neither, since reading them
@@ -18,10 +21,12 @@ namespace kiln {
 // out [..., n] = x [..., k] W^T + scale (x A^T) B^T (+ bias): weight [n, k], lora_a [r, k], lora_b
 // [n, r], bias [n] or null. f16/bf16 (all one dtype), contiguous, 16-byte aligned; k a multiple of
 // 8, r in [1, 128]. The low-rank product goes through the operand type (t = scale x A^T rounded to
-// it, as PEFT's eager path rounds x A^T).
+// it, as PEFT's eager path rounds x A^T). Merged projections (gate_up: 2 slices, QKV: 3): lora_a
+// [slices r, k] stacks each slice's A rows, and out's columns split at slice_end0 and slice_end1
+// (0: equal parts of n); slice s is x A_s^T B_s^T over its own columns, B_s its rows of lora_b.
 Status lora_linear(const TensorView& x, const TensorView& weight, const TensorView& lora_a, const TensorView& lora_b,
-                   const TensorView* bias, const TensorView& out, double scale, Stream stream = nullptr,
-                   Runtime* runtime = nullptr);
+                   const TensorView* bias, const TensorView& out, double scale = 1.0, std::int64_t slice_end0 = 0,
+                   std::int64_t slice_end1 = 0, Stream stream = nullptr, Runtime* runtime = nullptr);
 
 // Multi-adapter serving (Punica / S-LoRA): row i of x uses adapter indices[i] (i32 [rows]; outside
 // [0, adapters), -1 included: no adapter, the base GEMM alone) with rank ranks[a] (i32 [adapters],

@@ -1971,17 +1971,9 @@ def _lora_sliced_impl(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
-    if slices == 1:
-        out = _DECLARED_IMPLS["lora_linear"](x2, weight.contiguous(), lora_a.contiguous(), lora_b.contiguous(),
-                                            None if bias is None else bias.contiguous(), scale)
-    else:
-        idx = torch.zeros(x2.shape[0], dtype=torch.int32, device=x.device)
-        r = lora_b.shape[-1]
-        ranks = torch.full((1,), r, dtype=torch.int32, device=x.device)
-        scales = torch.full((1,), scale, dtype=torch.float32, device=x.device)
-        out = _DECLARED_IMPLS["lora_linear_multi"](x2, weight.contiguous(), lora_a.contiguous()[None],
-                                                  lora_b.contiguous()[None], idx, ranks, scales,
-                                                  None if bias is None else bias.contiguous(), end0, end1)
+    out = _DECLARED_IMPLS["lora_linear"](x2, weight.contiguous(), lora_a.contiguous(), lora_b.contiguous(),
+                                        None if bias is None else bias.contiguous(), scale,
+                                        end0 if slices > 1 else 0, end1 if slices > 2 else 0)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -2051,7 +2043,7 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, bias:
     """x W^T + scale (x A^T) B^T + bias (PEFT's LoRA Linear: weight [out, in], lora_a [r, in],
     lora_b [out, r], scale = alpha / r) in one GEMM whose accumulators take the low-rank product;
     differentiable in x, the adapters, the bias (and the weight when it requires grad)."""
-    if lora_a.dim() != 2 or lora_b.dim() != 2:
+    if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != lora_b.shape[1]:
         raise ShapeMismatchError(f"lora_linear: lora_a must be [r, in] and lora_b [out, r] (got "
                                  f"{tuple(lora_a.shape)}, {tuple(lora_b.shape)})")
     return _lora_apply(x, weight, lora_a, lora_b, bias, scale)

@@ -21,8 +21,9 @@ namespace gemm {
 typedef unsigned char u8;
 
 // What a kernel computes (the families' KIND): fp8 with one scale per tensor, fp8 with 1x128 (A)
-// and 128x128 (B) block scales, and the gated MLP act(A Bg^T) * (A Bu^T) in f16/bf16.
-enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2 };
+// and 128x128 (B) block scales, the gated MLP act(A Bg^T) * (A Bu^T) in f16/bf16, and a plain
+// f16/bf16 A B^T (wgmma only; the fused LoRA runs it with a tail of extra K steps and a bias).
+enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2, k_half = 3 };
 enum Act { k_silu = 0, k_gelu = 1 };
 
 template <bool C, class A, class B>

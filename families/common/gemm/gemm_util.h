@@ -40,7 +40,7 @@ inline std::int64_t device_sms(const Problem& p) { return p.sm_count ? std::int6
 inline std::int64_t device_cc(const Problem& p) { return p.cc ? std::int64_t(p.cc) : k_reference_cc; }
 
 // Kernel kinds (families/common/gemm/gemm_common.cuh).
-enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2 };
+enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2, k_half = 3 };
 
 // The parameters every GEMM variant has.
 inline std::vector<ParamDef> tile_params() {
@@ -66,7 +66,8 @@ inline Tile tile_of(const Params& p) {
           int(*p.get_int("group")), int(*p.get_int("cluster")), int(*p.get_int("split"))};
 }
 
-inline std::int64_t element_bytes(Kind kind, DType operand) { return kind == k_gated ? dtype_size(operand) : 1; }
+inline bool fp8_kind(Kind kind) { return kind == k_fp8_tensor || kind == k_fp8_block; }
+inline std::int64_t element_bytes(Kind kind, DType operand) { return fp8_kind(kind) ? 1 : dtype_size(operand); }
 
 // Dynamic shared memory: the stages (128 bytes of K per row of A and of each B), 1024 bytes of
 // slack to align them to the swizzle atom, and the wgmma path's two mbarriers per stage and, for

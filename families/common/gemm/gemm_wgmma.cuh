@@ -111,15 +111,30 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
 // sets alike: the consumer is not the limit) and close to a probe without scales at all; DIRECT
 // with one set is slower than either. On larger tiles DIRECT is slower (64 x 64 at 128 x 4096 x
 // 7168, 128 x 256 at 8192^3, 128 x 192 at 4096 x 2112), so they keep the scale warp.
-template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
+//
+// A tail (k_half): after a tile's K loop, Tail::steps(tn) more k-steps whose A and B boxes come
+// from the tail's own tensor maps (Tail::step), through the same ring: the producer loads them by
+// TMA like any k-step, so they are in flight under the K loop. The epilogue adds Tail::bias(col).
+// NoTail is the plain GEMM.
+struct NoTail {
+  __device__ __forceinline__ int steps(int) const { return 0; }
+  // The maps and coordinates of tail step j of column tile tn (A's box at column a_col, row tile
+  // tm's rows; B's at b_col, b_row).
+  __device__ __forceinline__ void step(int, int, const ptx::TmaDesc*&, int&, const ptx::TmaDesc*&, int&, int&) const {}
+  __device__ __forceinline__ float bias(int) const { return 0.0f; }
+};
+
+template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT,
+          class Tail = NoTail>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::TmaDesc& map_a,
-                                                const ptx::TmaDesc& map_b0, const ptx::TmaDesc& map_b1) {
+                                                const ptx::TmaDesc& map_b0, const ptx::TmaDesc& map_b1,
+                                                const Tail& tail = Tail{}) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int CONSUMERS = BM / 64, NI = BN / 8;
-  constexpr bool DUAL = KIND == k_gated, FP8 = KIND != k_gated, BLOCK = KIND == k_fp8_block, MC = CLUSTER > 1,
-                 SK = SPLIT > 1;
+  constexpr bool DUAL = KIND == k_gated, FP8 = KIND == k_fp8_tensor || KIND == k_fp8_block,
+                 BLOCK = KIND == k_fp8_block, MC = CLUSTER > 1, SK = SPLIT > 1;
   constexpr int CL = CLUSTER * SPLIT;  // CTAs per cluster
-  static_assert(!(SK && (MC || DUAL)), "split-K is for fp8 without A multicast");
+  static_assert(!(SK && (MC || !FP8)), "split-K is for fp8 without A multicast");
   static_assert(!BLOCK || BN <= 128 || BN == 192 || BN == 160 || BN == 144 || BN == 256,
                 "block scales: bn - gcd(bn, 128) <= 128 keeps a tile within two scale blocks (256: two halves)");
   constexpr bool HALVES = BLOCK && BN == 256;  // see above; part0 holds one half
@@ -184,19 +199,23 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
         const int tn = tnc * CLUSTER + rank;
         const bool b_valid = !MC || tn < tiles_n;
         const unsigned bytes = A_BYTES + (b_valid ? (DUAL ? 2 : 1) * B_BYTES : 0);
-        for (int kt = kt0; kt < kt1; ++kt, ++it) {
+        const int kend = kt1 + tail.steps(tn);
+        for (int kt = kt0; kt < kend; ++kt, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) ptx::mbar_wait(empty + 8 * s, ((it / STAGES) + 1) & 1);
           const unsigned st = base + s * STAGE_BYTES, bar = full + 8 * s;
+          const ptx::TmaDesc *ma = &map_a, *mb = &map_b0;
+          int a_col = kt * k_row_bytes, b_col = a_col, b_row = tn * BN;
+          if (kt >= kt1) tail.step(kt - kt1, tn, ma, a_col, mb, b_col, b_row);
           if (lane == 0) {
             ptx::mbar_arrive_expect_tx(bar, bytes);
             if (MC)
-              ptx::tma_load_2d_multicast(st + rank * (A_BYTES / CLUSTER), &map_a, kt * k_row_bytes,
-                                    tm * BM + rank * (BM / CLUSTER), bar, (unsigned short)((1u << CLUSTER) - 1));
+              ptx::tma_load_2d_multicast(st + rank * (A_BYTES / CLUSTER), ma, a_col, tm * BM + rank * (BM / CLUSTER),
+                                         bar, (unsigned short)((1u << CLUSTER) - 1));
             else
-              ptx::tma_load_2d(st, &map_a, kt * k_row_bytes, tm * BM, bar);
+              ptx::tma_load_2d(st, ma, a_col, tm * BM, bar);
             if (b_valid) {
-              ptx::tma_load_2d(st + A_BYTES, &map_b0, kt * k_row_bytes, tn * BN, bar);
+              ptx::tma_load_2d(st + A_BYTES, mb, b_col, b_row, bar);
               if (DUAL) ptx::tma_load_2d(st + A_BYTES + B_BYTES, &map_b1, kt * k_row_bytes, tn * BN, bar);
             }
           }
@@ -460,7 +479,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
       // zero. (acc is left alone: a non-wgmma write to it anywhere makes ptxas serialize every
       // wgmma of the kernel, C7515.)
     } else {
-      for (int kt = 0; kt < nk; ++kt, ++it) {
+      const int steps = nk + tail.steps(tn);
+      for (int kt = 0; kt < steps; ++kt, ++it) {
         const int s = it % STAGES;
         ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
         // Keep one batch in flight: when the previous one is done, its stage goes back.
@@ -536,9 +556,13 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
       store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) {
         return gemm_activate(ACT, acc[0][ni][e]) * acc1[0][ni][e];
       });
-    } else {
+    } else if (FP8) {
       const float mul = BLOCK ? 1.0f : __ldg(a_scale) * __ldg(b_scale);
       store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) { return acc[0][ni][e] * mul; });
+    } else {
+      store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) {
+        return acc[0][ni][e] + tail.bias(col0 + 8 * ni + 2 * (lane & 3) + (e & 1));
+      });
     }
   }
   if (CL > 1) ptx::cluster_sync();

@@ -62,7 +62,7 @@ int linear(Context& ctx, nlohmann::json& rows) {
                         TensorView::contiguous(dw.get(), t, {sh.n, sh.k}, cuda),
                         TensorView::contiguous(da.get(), t, {sh.r, sh.k}, cuda),
                         TensorView::contiguous(db.get(), t, {sh.n, sh.r}, cuda), nullptr,
-                        TensorView::contiguous(dout.get(), t, {sh.m, sh.n}, cuda), s, nullptr, ctx.runtime),
+                        TensorView::contiguous(dout.get(), t, {sh.m, sh.n}, cuda), s, 0, 0, nullptr, ctx.runtime),
             "lora_linear");
     };
     call(0);

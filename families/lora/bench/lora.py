@@ -6,11 +6,15 @@ kiln.torch imports, kiln.torch.lora_linear; the ratios to the base GEMM are what
 (fused <= 1.10x at M >= 4096, <= 1.25x at M <= 16). Then a LoRA MLP training step (forward +
 backward, hidden 4096, intermediate 11008, rank 16, 8192 tokens): PEFT-style eager, the same under
 torch.compile, and kt.LoRA_MLP; and a decode batch of 16 rows over 16 adapters against one
-adapter through kt.lora_linear_multi. Medians of triton.testing.do_bench.
+adapter through kt.lora_linear_multi. Medians of triton.testing.do_bench. Each lora_linear shape
+also times the multi-adapter path on one adapter (kt.lora_linear_multi, every row on adapter 0);
+kiln's first shape and its MLP step print one call's GPU time by kernel.
 """
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
+
+from anchor_util import kernel_breakdown
 
 SHAPES = [("llama_4096_r16", 8192, 4096, 4096, 16), ("llama_mlp_up_r64", 8192, 14336, 4096, 64),
           ("m4096_r16", 4096, 4096, 4096, 16), ("decode16_r16", 16, 4096, 4096, 16)]
@@ -55,6 +59,15 @@ def run(quick: bool) -> list[dict]:
         report(row, "eager_base_plus_adapter", bench(lambda: F.linear(x, w) + F.linear(F.linear(x, a), b) * s, quick))
         if kt is not None:
             report(row, "kiln_lora_linear", bench(lambda: kt.lora_linear(x, w, a, b, None, s), quick))
+            # The multi-adapter path (one adapter, every row on it): the wgmma kernel whose tail
+            # sums the shrink's partial sums, beside lora_linear's core path.
+            idx0 = torch.zeros(m, dtype=torch.int32, device=dev)
+            ranks1 = torch.full((1,), r, dtype=torch.int32, device=dev)
+            scales1 = torch.full((1,), s, dtype=torch.float32, device=dev)
+            report(row, "kiln_multi_path_one_adapter",
+                   bench(lambda: kt.lora_linear_multi(x, w, a[None], b[None], idx0, ranks1, scales1), quick))
+            if name == SHAPES[0][0]:
+                row["kiln_kernels"] = kernel_breakdown(lambda: kt.lora_linear(x, w, a, b, None, s))
         rows_out.append(row)
 
     hidden, inter, r, tokens = 4096, 11008, 16, 2048 if quick else 8192
@@ -93,6 +106,8 @@ def run(quick: bool) -> list[dict]:
             mlp(x).backward(dout)
 
         report(row, "kiln_lora_mlp_fwd_bwd", bench(kiln_step, quick))
+        row["kiln_kernels"] = kernel_breakdown(kiln_step)
+        row["peft_eager_kernels"] = kernel_breakdown(step(peft))
         row["kiln_speedup_over_eager"] = row["peft_eager_fwd_bwd_us"] / row["kiln_lora_mlp_fwd_bwd_us"]
         row["kiln_speedup_over_compile"] = row["peft_compile_fwd_bwd_us"] / row["kiln_lora_mlp_fwd_bwd_us"]
     rows_out.append(row)

@@ -1,9 +1,10 @@
 // The LoRA families on the GPU, fresh random data every run:
-//  - every catalog variant of lora_shrink and lora_gemm that runs on this device (both paths on
-//    sm_90a; mma.sync also runs there) against the family's CPU reference on the same inputs,
+//  - every catalog variant of lora_shrink and lora_gemm that runs on this device (all three paths
+//    on sm_90a; mma.sync also runs there) against the family's CPU reference on the same inputs,
 //    outputs poisoned (NaN bytes) first so an element never written fails: one adapter with rank
 //    1 (B rows of 2 bytes: the elementwise tail loads), ragged sizes; three adapters with merged
-//    QKV slices and a bias; sixteen adapters over 16 decode rows with ranks up to 128;
+//    QKV slices and a bias; sixteen adapters over 16 decode rows with ranks up to 128; the core
+//    path's t with ragged sizes, slices and ranks of one and two 64-column chunks; the shrink's t;
 //  - lora_linear through the op against the fp64 reference of tests/lora_reference.h at ranks 1,
 //    8, 64 and 128 for 1, 16 and 300 rows, k and n not multiples of any tile, scale 0;
 //  - lora_linear_multi for a decode batch (unsorted rows, 16 adapters of ranks 8 to 128, rows
@@ -89,9 +90,10 @@ class LoraGpu : public testing::GpuFixture {
   }
   // Every catalog variant of `name` that runs here, on problem p with the buffers the family
   // lists (random inputs; integer ones below their bound; the output poisoned), against the CPU
-  // reference. `fix` may overwrite inputs (indices with -1) before the upload.
+  // reference. `fix` may overwrite inputs (indices with -1) before the upload; `extra` variants
+  // (outside the catalog) run too.
   template <class Fix>
-  void every_variant(const char* name, const Problem& p, Fix fix) {
+  void every_variant(const char* name, const Problem& p, Fix fix, std::vector<Params> extra = {}) {
     const Family& f = *Registry::global().find(name);
     const auto specs = f.buffers(f.heuristic(p), p);
     std::vector<std::vector<unsigned char>> host;
@@ -116,7 +118,9 @@ class LoraGpu : public testing::GpuFixture {
     const DType ot = specs.back().dtype;
     const std::int64_t n_out = specs.back().elements;
     int ran = 0;
-    for (const Params& v : f.catalog()) {
+    std::vector<Params> variants = f.catalog();
+    variants.insert(variants.end(), extra.begin(), extra.end());
+    for (const Params& v : variants) {
       if (!f.runs_on(v, arch_)) continue;
       Problem pv = p;
       pv.cc = std::uint8_t(cc_);
@@ -170,20 +174,46 @@ TEST_F(LoraGpu, EveryGemmVariantMatchesTheReference) {
                   Problem::of(t, 16, l::LoraGemmProblem{.m = 16, .n = 520, .k = 1024, .r = 128, .adapters = 16,
                                                         .splits = 16, .multi = 1}),
                   some_without_adapter);
+    // The core path (t given): ragged m, n and k with a bias; merged QKV slices on 128-column
+    // boundaries with a rank of two chunks (the second past B's 144-byte rows); gate_up halves.
+    every_variant("lora_gemm",
+                  Problem::of(t, 16, l::LoraGemmProblem{.m = 300, .n = 392, .k = 520, .r = 24, .bias = 1, .t = 1}),
+                  some_without_adapter);
+    every_variant("lora_gemm",
+                  Problem::of(t, 16, l::LoraGemmProblem{.m = 200, .n = 440, .k = 264, .r = 72, .slices = 3, .t = 1,
+                                                        .n1 = 128, .n2 = 256}),
+                  some_without_adapter);
+    every_variant("lora_gemm",
+                  Problem::of(t, 16, l::LoraGemmProblem{.m = 129, .n = 1024, .k = 4096, .r = 128, .slices = 2,
+                                                        .bias = 1, .t = 1, .n1 = 512}),
+                  some_without_adapter);
   }
 }
 
 TEST_F(LoraGpu, EveryShrinkVariantMatchesTheReference) {
   for (DType t : {DType::bf16, DType::f16}) {
+    // Partial sums with stages of 2 and 4 k-steps too (the tuner's): a split's K range ends inside
+    // a stage.
+    std::vector<Params> ksub;
+    for (std::int64_t k : {2, 4})
+      ksub.push_back(Params{{"dtype", t == DType::bf16 ? "bf16" : "f16"}, {"bm", std::int64_t(32)},
+                            {"stages", std::int64_t(3)}, {"output", "partials"}, {"ksub", k}});
     every_variant("lora_shrink", Problem::of(t, 16, l::LoraShrinkProblem{.m = 37, .k = 392, .r = 1, .splits = 3}),
-                  some_without_adapter);
+                  some_without_adapter, ksub);
     every_variant("lora_shrink",
                   Problem::of(t, 16, l::LoraShrinkProblem{.m = 300, .k = 264, .r = 24, .adapters = 3, .slices = 3,
                                                           .splits = 2, .multi = 1}),
-                  some_without_adapter);
+                  some_without_adapter, ksub);
     every_variant("lora_shrink",
                   Problem::of(t, 16, l::LoraShrinkProblem{.m = 16, .k = 1024, .r = 128, .adapters = 16, .splits = 16,
                                                           .multi = 1}),
+                  some_without_adapter);
+    // t: scaled, rounded, zeros past the rank in each slice's 64-column chunks.
+    every_variant("lora_shrink",
+                  Problem::of(t, 16, l::LoraShrinkProblem{.m = 300, .k = 264, .r = 24, .slices = 3, .t = 1, .scale = 0.5}),
+                  some_without_adapter);
+    every_variant("lora_shrink",
+                  Problem::of(t, 16, l::LoraShrinkProblem{.m = 77, .k = 520, .r = 72, .t = 1, .scale = 2.0}),
                   some_without_adapter);
   }
 }
@@ -206,7 +236,7 @@ TEST_F(LoraGpu, LinearMatchesFp64) {
           const TensorView bv = gpu(bias, t, {c.n});
           const Status s = lora_linear(gpu(x, t, {m, c.k}), gpu(w, t, {c.n, c.k}), gpu(a, t, {r, c.k}),
                                        gpu(b, t, {c.n, r}), c.bias ? &bv : nullptr, gpu(out, t, {m, c.n}), scale,
-                                       nullptr, rt_.get());
+                                       0, 0, nullptr, rt_.get());
           ASSERT_TRUE(s.ok()) << s.to_string();
           const auto raw = down(out);
           std::vector<std::uint16_t> got(raw.size() / 2);
@@ -214,6 +244,40 @@ TEST_F(LoraGpu, LinearMatchesFp64) {
           EXPECT_LT(rel_l2(got, c.reference(), t), t == DType::bf16 ? 8e-3 : 2e-3)
               << dtype_name(t) << " m " << m << " r " << r << " scale " << scale << " seed " << seed_;
         }
+}
+
+// Merged projections through lora_linear: slice ends on the 64-column grid (the core path at 300
+// rows) and off it (the wgmma path's tail), 16 rows (decode), ranks of one and two chunks.
+TEST_F(LoraGpu, SlicedLinearMatchesFp64) {
+  const DType t = DType::bf16;
+  struct S {
+    std::int64_t slices, n, end0, end1;
+  };
+  for (const S sl : {S{2, 512, 256, 0}, S{3, 384, 256, 320}, S{3, 300, 100, 200}})
+    for (std::int64_t m : {16, 300})
+      for (std::int64_t r : {16, 72}) {
+        Case c{.m = m, .n = sl.n, .k = 264, .r = r, .slices = sl.slices, .end0 = sl.end0, .end1 = sl.end1,
+               .bias = true};
+        if (sl.slices == 2 && sl.end0 == 0) c.end0 = c.n / 2;
+        c.scales = {1.5f};
+        const auto hx = draw(c.x, std::size_t(m * c.k), t, 1.0, rng_);
+        const auto hw = draw(c.w, std::size_t(c.n * c.k), t, 1.0 / std::sqrt(double(c.k)), rng_);
+        const auto ha = draw(c.a, std::size_t(sl.slices * r * c.k), t, 1.0 / std::sqrt(double(c.k)), rng_);
+        const auto hb = draw(c.b, std::size_t(c.n * r), t, 1.0 / std::sqrt(double(r)), rng_);
+        const auto hbias = draw(c.bias_v, std::size_t(c.n), t, 1.0, rng_);
+        Dev x = up(hx), w = up(hw), a = up(ha), b = up(hb), bias = up(hbias), out = poisoned(std::size_t(m * c.n) * 2);
+        const TensorView bv = gpu(bias, t, {c.n});
+        const Status s = lora_linear(gpu(x, t, {m, c.k}), gpu(w, t, {c.n, c.k}), gpu(a, t, {sl.slices * r, c.k}),
+                                     gpu(b, t, {c.n, r}), &bv, gpu(out, t, {m, c.n}), 1.5, sl.end0, sl.end1, nullptr,
+                                     rt_.get());
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        const auto raw = down(out);
+        std::vector<std::uint16_t> got(raw.size() / 2);
+        std::memcpy(got.data(), raw.data(), raw.size());
+        EXPECT_LT(rel_l2(got, c.reference(), t), 8e-3)
+            << "slices " << sl.slices << " ends " << sl.end0 << ", " << sl.end1 << " m " << m << " r " << r
+            << " seed " << seed_;
+      }
 }
 
 TEST_F(LoraGpu, MultiAdapterDecodeAndPrefillMatchFp64) {

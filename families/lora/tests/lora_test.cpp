@@ -80,7 +80,7 @@ TEST_F(LoraCpu, LinearMatchesFp64AtEveryRank) {
         const TensorView bv = host(h.bias.data(), t, {c.n});
         const Status s = lora_linear(host(h.x.data(), t, {c.m, c.k}), host(h.w.data(), t, {c.n, c.k}),
                                      host(h.a.data(), t, {r, c.k}), host(h.b.data(), t, {c.n, r}), bias ? &bv : nullptr,
-                                     host(out.data(), t, {c.m, c.n}), 2.0, nullptr, rt_.get());
+                                     host(out.data(), t, {c.m, c.n}), 2.0, 0, 0, nullptr, rt_.get());
         ASSERT_TRUE(s.ok()) << s.to_string();
         out.resize(std::size_t(c.m * c.n));
         const auto want = c.reference();
@@ -95,6 +95,26 @@ TEST_F(LoraCpu, LinearMatchesFp64AtEveryRank) {
       }
 }
 
+// Merged projections through lora_linear: gate_up (2 slices, equal halves) and QKV (3, unequal).
+TEST_F(LoraCpu, SlicedLinearMatchesFp64) {
+  const DType t = DType::bf16;
+  for (std::int64_t slices : {2, 3}) {
+    Case c{.m = 41, .n = 192, .k = 136, .r = 16, .slices = slices, .bias = true};
+    c.end0 = slices == 2 ? 96 : 128;
+    c.end1 = slices == 3 ? 160 : 0;
+    Bits h = fill(c, t, 1.5);
+    std::vector<std::uint16_t> out(std::size_t(c.m * c.n) + 8, 0xFFFF);
+    const TensorView bv = host(h.bias.data(), t, {c.n});
+    const Status s = lora_linear(host(h.x.data(), t, {c.m, c.k}), host(h.w.data(), t, {c.n, c.k}),
+                                 host(h.a.data(), t, {slices * c.r, c.k}), host(h.b.data(), t, {c.n, c.r}), &bv,
+                                 host(out.data(), t, {c.m, c.n}), 1.5, slices == 3 ? c.end0 : 0, c.end1, nullptr,
+                                 rt_.get());
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    out.resize(std::size_t(c.m * c.n));
+    EXPECT_LT(rel_l2(out, c.reference(), t), 8e-3) << "slices " << slices << " seed " << seed_;
+  }
+}
+
 TEST_F(LoraCpu, ScaleZeroIsTheBaseGemm) {
   const DType t = DType::bf16;
   Case c{.m = 19, .n = 72, .k = 136, .r = 16, .bias = true};
@@ -104,7 +124,7 @@ TEST_F(LoraCpu, ScaleZeroIsTheBaseGemm) {
   auto run = [&](std::vector<std::uint16_t>& b, std::vector<std::uint16_t>& o, double scale) {
     const Status s = lora_linear(host(h.x.data(), t, {c.m, c.k}), host(h.w.data(), t, {c.n, c.k}),
                                  host(h.a.data(), t, {c.r, c.k}), host(b.data(), t, {c.n, c.r}), &bv,
-                                 host(o.data(), t, {c.m, c.n}), scale, nullptr, rt_.get());
+                                 host(o.data(), t, {c.m, c.n}), scale, 0, 0, nullptr, rt_.get());
     ASSERT_TRUE(s.ok()) << s.to_string();
   };
   run(h.b, out, 0.0);
@@ -217,6 +237,10 @@ TEST(LoraHeuristic, PicksCatalogVariants) {
     for (std::uint8_t cc : {80, 86, 90})
       for (DType t : {DType::f16, DType::bf16})
         for (Problem p : f.benchmark_problems(t)) {
+          // t (the core path's operand) is for sm_90a only: ops ask for it there (core_path).
+          const bool with_t = std::string(name) == "lora_gemm" ? p.as<l::LoraGemmProblem>().t == 1
+                                                                : p.as<l::LoraShrinkProblem>().t == 1;
+          if (with_t && cc != 90) continue;
           p.cc = cc;
           p.sm_count = cc == 90 ? 132 : cc == 80 ? 108 : 84;
           const Params v = f.heuristic(p);
@@ -224,10 +248,39 @@ TEST(LoraHeuristic, PicksCatalogVariants) {
           EXPECT_TRUE(f.check_problem(v, p).ok()) << name << " " << v.canonical() << ": " << f.check_problem(v, p).to_string();
           EXPECT_FALSE(f.tuning_space(p).empty());
           if (std::string(name) == "lora_gemm") {
-            EXPECT_EQ(*v.get_str("path"), cc == 90 ? "wgmma" : "mma");
+            EXPECT_EQ(*v.get_str("path"), with_t ? "core" : cc == 90 ? "wgmma" : "mma");
+          } else {
+            EXPECT_EQ(*v.get_str("output"), with_t ? "t" : "partials");
           }
         }
   }
+  // The core path and t go together: a variant of the other kind is refused.
+  const Family& gemm = fam("lora_gemm");
+  Problem pt = Problem::of(DType::bf16, 16, l::LoraGemmProblem{.m = 8192, .n = 4096, .k = 4096, .r = 16, .t = 1});
+  pt.cc = 90;
+  Problem pu = pt;
+  pu.set(l::LoraGemmProblem{.m = 8192, .n = 4096, .k = 4096, .r = 16, .splits = 2});
+  EXPECT_EQ(gemm.check_problem(gemm.heuristic(pu), pt).code(), Code::invalid_argument);
+  EXPECT_EQ(gemm.check_problem(gemm.heuristic(pt), pu).code(), Code::invalid_argument);
+  // Its tile divides the slice ends: 128 x 256 at gate_up 11008 + 11008, not at 11008 + 11072.
+  Problem ps = Problem::of(DType::bf16, 16, l::LoraGemmProblem{.m = 4096, .n = 22016, .k = 4096, .r = 16, .slices = 2,
+                                                               .t = 1, .n1 = 11008});
+  ps.cc = 90;
+  EXPECT_EQ(*gemm.heuristic(ps).get_int("bn"), 256);
+  ps.set(l::LoraGemmProblem{.m = 4096, .n = 22080, .k = 4096, .r = 16, .slices = 2, .t = 1, .n1 = 11072});
+  EXPECT_EQ(11072 % *gemm.heuristic(ps).get_int("bn"), 0);
+  EXPECT_TRUE(gemm.check_problem(gemm.heuristic(ps), ps).ok());
+  Params wide = gemm.heuristic(ps);
+  wide.set("bn", std::int64_t(256));
+  wide.set("stages", std::int64_t(4));
+  EXPECT_EQ(gemm.check_problem(wide, ps).code(), Code::invalid_argument);
+  // Which calls take it.
+  EXPECT_TRUE(l::core_path(90, 8192, 16, 0, 1, 0, 0));
+  EXPECT_FALSE(l::core_path(80, 8192, 16, 0, 1, 0, 0));    // not sm_90a
+  EXPECT_FALSE(l::core_path(90, 16, 16, 0, 1, 0, 0));      // decode: split shrink
+  EXPECT_FALSE(l::core_path(90, 8192, 12, 0, 1, 0, 0));    // B rows of 24 bytes
+  EXPECT_FALSE(l::core_path(90, 8192, 16, 1, 1, 0, 0));    // several adapters
+  EXPECT_FALSE(l::core_path(90, 8192, 16, 0, 3, 64, 100)); // a slice end off the 64-column grid
   // Decode-sized rows take the 64-row wgmma tile, large ones the widest.
   const Family& g = fam("lora_gemm");
   const Params small = g.heuristic(Problem::of(DType::bf16, 16, l::LoraGemmProblem{.m = 16, .n = 4096, .k = 4096, .r = 16}));
@@ -243,7 +296,7 @@ TEST_F(LoraCpu, TypedErrorsBeforeAnythingResolves) {
   std::vector<std::int32_t> idx(8, 0), rk(2, 16);
   const DType t = DType::bf16;
   auto lin = [&](TensorView xv, TensorView wv, TensorView av, TensorView bv, TensorView ov, double s = 1.0) {
-    return lora_linear(xv, wv, av, bv, nullptr, ov, s, nullptr, rt_.get());
+    return lora_linear(xv, wv, av, bv, nullptr, ov, s, 0, 0, nullptr, rt_.get());
   };
   const TensorView X = host(x.data(), t, {8, 64}), W = host(w.data(), t, {32, 64}), A = host(a.data(), t, {16, 64}),
                    B = host(b.data(), t, {32, 16}), O = host(o.data(), t, {8, 32});
@@ -254,7 +307,13 @@ TEST_F(LoraCpu, TypedErrorsBeforeAnythingResolves) {
   expect(lin(X, host(w.data(), DType::f16, {32, 64}), A, B, O), Code::unsupported_dtype, "f16 weight");
   expect(lin(X, host(w.data(), t, {32, 56}), A, B, O), Code::shape_mismatch, "weight k");
   expect(lin(X, W, host(a.data(), t, {16, 56}), B, O), Code::shape_mismatch, "lora_a k");
-  expect(lin(X, W, A, host(b.data(), t, {32, 8}), O), Code::shape_mismatch, "lora_b rank");
+  expect(lin(X, W, A, host(b.data(), t, {32, 5}), O), Code::shape_mismatch, "lora_a rows not slices x r");
+  expect(lin(X, W, A, host(b.data(), t, {32, 4}), O), Code::shape_mismatch, "4 slices");
+  ASSERT_TRUE(lin(X, W, A, host(b.data(), t, {32, 8}), O).ok());  // 2 slices of rank 8
+  expect(lora_linear(X, W, A, B, nullptr, O, 1.0, 8, 0, nullptr, rt_.get()), Code::invalid_argument,
+         "slice ends with one slice");
+  expect(lora_linear(X, W, A, host(b.data(), t, {32, 8}), nullptr, O, 1.0, 40, 0, nullptr, rt_.get()),
+         Code::invalid_argument, "slice end past n");
   expect(lin(X, W, A, B, host(o.data(), t, {8, 31})), Code::shape_mismatch, "out columns");
   expect(lin(host(x.data(), t, {8, 60}), host(w.data(), t, {32, 60}), host(a.data(), t, {16, 60}), B, O),
          Code::shape_mismatch, "k not a multiple of 8");
@@ -265,7 +324,7 @@ TEST_F(LoraCpu, TypedErrorsBeforeAnythingResolves) {
   strided.strides[0] = 128;
   expect(lin(strided, W, A, B, O), Code::shape_mismatch, "strided x");
   const TensorView bad_bias = host(w.data(), t, {31});
-  expect(lora_linear(X, W, A, B, &bad_bias, O, 1.0, nullptr, rt_.get()), Code::shape_mismatch, "bias length");
+  expect(lora_linear(X, W, A, B, &bad_bias, O, 1.0, 0, 0, nullptr, rt_.get()), Code::shape_mismatch, "bias length");
   expect(lin(X, W, A, B, O, NAN), Code::invalid_argument, "NaN scale");
 
   const TensorView A3 = host(a.data(), t, {2, 16, 64}), B3 = host(b.data(), t, {2, 32, 8});
