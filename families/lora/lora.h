@@ -1,11 +1,13 @@
-// The LoRA kernel families (families/lora/lora.cuh): lora_shrink (u = x A^T as fp32 partial sums
-// over ranges of K) and lora_gemm (x W^T + s (x A^T) B^T + bias in one GEMM whose K loop runs on
-// into the low-rank tail). Their problems, and the host rules the ops, references and tests share.
+// The LoRA kernel families (families/lora/lora.cuh): lora_shrink (x A^T as fp32 partial sums over
+// ranges of K, or the scaled operand t) and lora_gemm (x W^T + s (x A^T) B^T + bias in one GEMM
+// whose K loop runs on into the low-rank tail). Their problems, and the host rules the ops,
+// references and tests share.
 //
-// lora_shrink: params dtype {f16, bf16}, bm {32, 64}, stages. Problem LoraShrinkProblem. Buffers: x
-//   [m, k], a [adapters, slices r, k], idx [m] i32 (multi), ranks [adapters] i32 (multi), u out:
-//   [splits, m, slices rp] f32 (rp = r rounded up to 8), or with `t` the fused GEMM's operand
-//   t = scale (x A^T) in the element type, [m, slices tp] (tp = r rounded up to 64, zeros past r).
+// lora_shrink: params dtype {f16, bf16}, bm {32, 64}, stages, output {partials, t}, ksub (k-steps
+//   per stage). Problem LoraShrinkProblem. Buffers: x [m, k], a [adapters, slices r, k], idx [m]
+//   i32 (multi), ranks [adapters] i32 (multi), u out: [splits, m, slices rp] f32 (rp = r rounded
+//   up to 8), or with `t` the fused GEMM's operand t = scale (x A^T) in the element type,
+//   [m, slices tp] (tp = r rounded up to 64, zeros past r).
 // lora_gemm: params path {mma, wgmma, core}, dtype, bm, bn, stages. Problem LoraGemmProblem.
 //   Buffers: x [m, k], w [n, k], b [adapters, n, r], u (lora_shrink's: f32 partials, or t with
 //   `t`, which the core path takes and the others do not), idx, ranks, scales [adapters] f32
