@@ -11,8 +11,8 @@ set -uo pipefail
 part=${1:-}
 quick=${2:-}
 case "$part" in
-  backward) filter='AttentionBwdGpu.*:AttentionSm90Gpu.*' anchor=run_backward ;;
-  masks) filter='AttentionGpu.*:AttentionSm90Gpu.*' anchor=run_masks ;;
+  backward) filter='AttentionBwdGpu.*:AttentionSm90Gpu.*' conformance=attention_bwd anchor=run_backward ;;
+  masks) filter='AttentionGpu.*:AttentionSm90Gpu.*' conformance='' anchor=run_masks ;;
   *) echo "usage: scripts/gpu_attention.sh backward|masks [--quick]" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
@@ -20,16 +20,7 @@ root=$PWD
 . "$(dirname "$0")/gpu_env.sh"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout -k 5 400 "$dist/tests/kiln_gpu_tests_families" --gtest_filter="${GPU_FILTER:-$filter}" 2>&1 |
-    tee "$out/gpu_tests.log" || rc=1
-  if [ "$part" = backward ]; then
-    timeout -k 5 300 "$dist/tests/kiln_gpu_tests_conformance" \
-      --gtest_filter='AllFamilies/ConformanceGpu.*/attention_bwd' 2>&1 | tee "$out/conformance.log" || rc=1
-  fi
-  if grep -q "SKIPPED \]" "$out"/gpu_tests.log "$out"/conformance.log 2>/dev/null; then
-    echo "GPU TESTS WERE SKIPPED"
-    rc=1
-  fi
+  gpu_tests "$filter" "$conformance" || rc=1
 fi
 KILN_BENCH_ATTENTION_PART=$part timeout -k 5 400 "$dist/bench/kiln_bench_gpu" --json "$out/bench.json" \
   --kilnd "$dist/kilnd" $quick --only attention 2>&1 | tee "$out/bench.log" || rc=1

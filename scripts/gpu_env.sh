@@ -2,7 +2,7 @@
 # repository root: sets `dist` (the staged binaries: the script's own gpu-dist/ when it is the
 # staged copy, else ./gpu-dist), creates $out, links gpu-dist where the test binaries look for
 # kilnd (the absolute build path they were linked with), gives the run a private kernel cache and
-# runtime directory, and records the device in $out/device.txt.
+# runtime directory, records the device in $out/device.txt, and defines gpu_tests.
 dist=$(cd "$(dirname "$0")/.." && pwd)
 [ -x "$dist/kilnd" ] || dist=$PWD/gpu-dist
 mkdir -p "$out"
@@ -12,3 +12,22 @@ export KILN_CACHE_DIR=$(mktemp -d)
 export XDG_RUNTIME_DIR=$(mktemp -d)
 chmod 700 "$XDG_RUNTIME_DIR"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
+
+# gpu_tests FILTER [CONFORMANCE]: the families binary's GPU tests matching FILTER (GPU_FILTER
+# overrides it) and, with CONFORMANCE, the GPU conformance of the families it names (a gtest
+# pattern on the family); logs in $out. Fails on a failed test, and on a skipped one: a skipped
+# GPU test is not a pass on a machine that has a GPU.
+gpu_tests() {
+  local r=0
+  timeout -k 5 400 "$dist/tests/kiln_gpu_tests_families" --gtest_filter="${GPU_FILTER:-$1}" 2>&1 |
+    tee "$out/gpu_tests.log" || r=1
+  if [ -n "${2:-}" ]; then
+    timeout -k 5 300 "$dist/tests/kiln_gpu_tests_conformance" --gtest_filter="AllFamilies/ConformanceGpu.*/$2" 2>&1 |
+      tee "$out/conformance.log" || r=1
+  fi
+  if grep -q "SKIPPED \]" "$out"/gpu_tests.log "$out"/conformance.log 2>/dev/null; then
+    echo "GPU TESTS WERE SKIPPED"
+    r=1
+  fi
+  return $r
+}

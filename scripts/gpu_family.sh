@@ -21,14 +21,7 @@ root=$PWD
 . "$(dirname "$0")/gpu_env.sh"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout -k 5 400 "$dist/tests/kiln_gpu_tests_families" --gtest_filter="${GPU_FILTER:-$tests}" 2>&1 |
-    tee "$out/gpu_tests.log" || rc=1
-  timeout -k 5 300 "$dist/tests/kiln_gpu_tests_conformance" \
-    --gtest_filter="AllFamilies/ConformanceGpu.*/$conformance" 2>&1 | tee "$out/conformance.log" || rc=1
-  if grep -q "SKIPPED \]" "$out"/gpu_tests.log "$out"/conformance.log 2>/dev/null; then
-    echo "GPU TESTS WERE SKIPPED"
-    rc=1
-  fi
+  gpu_tests "$tests" "$conformance" || rc=1
 fi
 timeout -k 5 400 "$dist/bench/kiln_bench_gpu" --json "$out/bench.json" --kilnd "$dist/kilnd" $quick --only "$group" 2>&1 |
   tee "$out/bench.log" || rc=1
