@@ -324,15 +324,17 @@ class LoraGemm final : public Family {
                   {"bn", std::int64_t(v.bn)}, {"stages", std::int64_t(v.stages)}};
   }
   static g::Tile core_tile(const Variant& v) { return g::Tile{true, v.bm, v.bn, v.stages, 8}; }
-  static g::GemmProblem core_problem(const LoraGemmProblem& q) {
-    return g::GemmProblem{.m = q.m, .n = q.n, .k = q.k + q.slices * t_pitch(q.r)};
+  // The core path's GEMM as the core's host side sees it: K runs on over the tail's chunks.
+  static Problem core_problem(const LoraGemmProblem& q, const Problem& p) {
+    Problem gp = Problem::of(p.dtype, 16, g::GemmProblem{.m = q.m, .n = q.n, .k = q.k + q.slices * t_pitch(q.r)});
+    gp.sm_count = p.sm_count;
+    gp.cc = p.cc;
+    return gp;
   }
   // The core path's tile for a problem: the GEMM core's cost model over its candidates whose width
   // divides the slice ends (a tile lies in one slice), and the core's stage depth.
   static Variant core_variant(const LoraGemmProblem& q, const Problem& p) {
-    Problem gp = Problem::of(p.dtype, 16, core_problem(q));
-    gp.sm_count = p.sm_count;
-    gp.cc = p.cc;
+    const Problem gp = core_problem(q, p);
     Variant best{true, 128, 64, 4, true};
     std::int64_t best_cost = -1;
     for (auto [bm, bn] : {std::pair{128, 256}, {128, 128}, {128, 64}}) {
@@ -429,12 +431,7 @@ class LoraGemm final : public Family {
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const auto q = p.as<LoraGemmProblem>();
     const Variant v = variant_of(params);
-    if (v.core) {
-      Problem gp = Problem::of(p.dtype, 16, core_problem(q));
-      gp.sm_count = p.sm_count;
-      gp.cc = p.cc;
-      return g::geometry(g::k_half, core_tile(v), gp);
-    }
+    if (v.core) return g::geometry(g::k_half, core_tile(v), core_problem(q, p));
     const std::int64_t tiles = cdiv(q.m, v.bm) * cdiv(q.n, v.bn);
     LaunchGeometry geo;
     geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(tiles, g::device_sms(p)) : tiles, 1, 0x7fffffff));
