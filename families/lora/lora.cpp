@@ -7,6 +7,11 @@
 //    64 x 128 and 64 x 64 while fewer tiles than SMs. Stages: at least 96 KiB of loads in flight
 //    (4 to 6), 8 for the 64 x 128 wgmma tile (decode is bound by bytes in flight), within the
 //    device's shared memory.
+//  - lora_gemm decode (at most 64 rows, compute capability 9.0 and later, without t): the
+//    smallest of 16, 32, 64 rows holding them, 128 columns, split-K over a cluster of the widest
+//    split in {8, 4, 2} whose CTAs number at most two per SM with at least 4 k-steps each (a few
+//    rows stream W over every SM, not one CTA per 128 columns); 3 stages, small enough that every
+//    cluster fits the first wave (one 6-stage CTA per SM left clusters for a second wave).
 //  - lora_gemm core (one adapter, sm_90a, more than 64 rows: core_path): the GEMM core's tiles by
 //    its cost model (gemm::wgmma_cost over 128 x 256, 128 x 128, 128 x 64), those whose width
 //    divides the slice ends; the core's stage depths. No clusters: two CTAs sharing x by multicast
@@ -40,23 +45,32 @@ std::int64_t cdiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 // Elements of K per 128-byte stage (f16/bf16).
 constexpr std::int64_t k_step = 64;
 
-// path: lora_gemm's (mma, wgmma, core); lora_shrink has none (mma).
+// path: lora_gemm's (mma, wgmma, core, decode); lora_shrink has none (mma).
 struct Variant {
   bool wgmma;
   int bm, bn, stages;
   bool core = false;
+  bool decode = false;
+  int split = 1;
 };
 
 Variant variant_of(const Params& p) {
   const auto path = p.get_str("path");
   const auto bn = p.get_int("bn");
+  const auto split = p.get_int("split");
   const bool core = path && *path == "core";
   return {path && (*path == "wgmma" || core), int(*p.get_int("bm")), bn ? int(*bn) : 64, int(*p.get_int("stages")),
-          core};
+          core, path && *path == "decode", split ? int(*split) : 1};
 }
 
 std::int64_t stage_bytes(const Variant& v) { return std::int64_t(v.bm + v.bn) * 128; }
-std::int64_t shared_bytes(const Variant& v) { return 1024 + v.stages * (stage_bytes(v) + (v.wgmma ? 16 : 0)); }
+// The decode path adds the low-rank rows it finishes (fp32, own = ceil(bm / split) rows of bn) and
+// min(own, 8) rows of t (3 slices x 128 ranks, fp32) to its ring.
+std::int64_t shared_bytes(const Variant& v) {
+  const std::int64_t own = (v.bm + v.split - 1) / v.split;
+  const std::int64_t extra = v.decode ? own * v.bn * 4 + std::min<std::int64_t>(own, 8) * 384 * 4 : 0;
+  return 1024 + v.stages * (stage_bytes(v) + (v.wgmma ? 16 : 0)) + extra;
+}
 
 int default_stages(Variant v, std::int64_t cc) {
   const std::int64_t stage = stage_bytes(v);
@@ -191,8 +205,13 @@ class LoraShrink final : public Family {
     const auto q = p.as<LoraShrinkProblem>();
     const Variant v = variant_of(params);
     LaunchGeometry geo;
-    geo.grid.x = std::uint32_t(std::max<std::int64_t>(1, cdiv(q.m, v.bm) * cdiv(q.slices * pitch(q), 64)));
+    const std::int64_t tiles = std::max<std::int64_t>(1, cdiv(q.m, v.bm) * cdiv(q.slices * pitch(q), 64));
+    geo.grid.x = std::uint32_t(tiles);
     geo.grid.y = std::uint32_t(q.splits);
+    // Multi-adapter: the tiles' adapter passes spread over z while the blocks leave SMs idle (decode).
+    if (q.multi)
+      geo.grid.z = std::uint32_t(
+          std::clamp<std::int64_t>(g::device_sms(p) / (tiles * q.splits), 1, std::min<std::int64_t>(q.adapters, v.bm)));
     geo.block.x = 128;
     geo.shared_bytes = std::uint32_t(shrink_shared_bytes(params));
     return geo;
@@ -291,17 +310,19 @@ class LoraShrink final : public Family {
 class LoraGemm final : public Family {
  public:
   std::string_view name() const override { return "lora_gemm"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
-        {"path", {}, {"mma", "wgmma", "core"},
+        {"path", {}, {"mma", "wgmma", "core", "decode"},
          "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a), the tail written from the "
-         "partial sums; core: the GEMM core's wgmma kernel, the tail loaded by TMA from t (problem t = 1)"},
+         "partial sums; core: the GEMM core's wgmma kernel, the tail loaded by TMA from t (problem t = 1); decode: "
+         "split-K over a cluster (sm_90), the low-rank term on CUDA cores"},
         {"dtype", {}, {"f16", "bf16"}, "element type of x, W, B, bias and out"},
-        {"bm", {64, 128}, {}, "tile rows"},
-        {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma only)"},
-        {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, {}, "shared-memory pipeline depth"}};
+        {"bm", {16, 32, 64, 128}, {}, "tile rows (16, 32: decode only; 128: not decode)"},
+        {"bn", {64, 128, 256}, {}, "tile columns (256: wgmma and core only)"},
+        {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, {}, "shared-memory pipeline depth"},
+        {"split", {1, 2, 4, 8}, {}, "decode: CTAs of a cluster sharing a tile's K (1 for the other paths)"}};
     return defs;
   }
   const std::vector<ProblemField>& problem_fields() const override {
@@ -320,8 +341,26 @@ class LoraGemm final : public Family {
     return fields;
   }
   static Params make(const Variant& v, const std::string& dtype) {
-    return Params{{"path", v.core ? "core" : v.wgmma ? "wgmma" : "mma"}, {"dtype", dtype}, {"bm", std::int64_t(v.bm)},
-                  {"bn", std::int64_t(v.bn)}, {"stages", std::int64_t(v.stages)}};
+    return Params{{"path", v.core ? "core" : v.wgmma ? "wgmma" : v.decode ? "decode" : "mma"},
+                  {"dtype", dtype},
+                  {"bm", std::int64_t(v.bm)},
+                  {"bn", std::int64_t(v.bn)},
+                  {"stages", std::int64_t(v.stages)},
+                  {"split", std::int64_t(v.split)}};
+  }
+  // The decode path for a problem: the smallest tile height holding its rows (at most 64), 128
+  // columns, 3 stages, and the widest split whose CTAs number at most two per SM with at least 4
+  // k-steps each. Small CTAs leave room on the SMs, so every cluster finds a place in the first
+  // wave (6 stages, one CTA per SM, ran a second wave of clusters of 4 on an H100).
+  static Variant decode_variant(const LoraGemmProblem& q, const Problem& p) {
+    Variant v{false, q.m <= 16 ? 16 : q.m <= 32 ? 32 : 64, 128, 3, false, true, 1};
+    const std::int64_t tiles = cdiv(q.m, v.bm) * cdiv(q.n, v.bn), ktiles = cdiv(q.k, k_step);
+    for (int s : {8, 4, 2})
+      if (tiles * s <= 2 * g::device_sms(p) && ktiles >= 4 * s) {
+        v.split = s;
+        break;
+      }
+    return v;
   }
   static g::Tile core_tile(const Variant& v) { return g::Tile{true, v.bm, v.bn, v.stages, 8}; }
   // The core path's GEMM as the core's host side sees it: K runs on over the tail's chunks.
@@ -351,14 +390,16 @@ class LoraGemm final : public Family {
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     const Variant v = variant_of(params);
-    if (!v.wgmma && v.bn > 128) return invalid_argument("lora_gemm: the mma path takes bn <= 128");
+    if (!v.wgmma && v.bn > 128) return invalid_argument("lora_gemm: the mma and decode paths take bn <= 128");
+    if (v.decode ? v.bm > 64 : v.bm < 64) return invalid_argument("lora_gemm: bm 16 and 32 are the decode path's, 128 the others'");
+    if (!v.decode && v.split != 1) return invalid_argument("lora_gemm: split is the decode path's");
     if (v.core) KILN_TRY(g::validate_tile("lora_gemm", g::k_half, core_tile(v)));
     if (shared_bytes(v) > 227 * 1024) return invalid_argument("lora_gemm: the stages exceed 227 KiB of shared memory");
     return {};
   }
   bool runs_on(const Params& params, const GpuArch& arch) const override {
     const Variant v = variant_of(params);
-    if (v.wgmma ? !(arch.capability == 90 && arch.suffix == 'a') : arch.capability < 80) return false;
+    if (v.wgmma ? !(arch.capability == 90 && arch.suffix == 'a') : arch.capability < (v.decode ? 90 : 80)) return false;
     return shared_bytes(v) <= g::max_shared_bytes(arch.capability);
   }
   Result<Rendered> render(const Params& params) const override {
@@ -367,13 +408,17 @@ class LoraGemm final : public Family {
     Rendered out;
     out.source = "#include \"lora/lora.cuh\"\n";
     out.name_expression = std::string("kiln::lora::") +
-                          (v.core ? "lora_gemm_core<" : v.wgmma ? "lora_gemm_wgmma<" : "lora_gemm_mma<") +
+                          (v.core     ? "lora_gemm_core<"
+                           : v.wgmma  ? "lora_gemm_wgmma<"
+                           : v.decode ? "lora_gemm_decode<"
+                                      : "lora_gemm_mma<") +
                           device_type(*params.get_str("dtype")) + ", " + std::to_string(v.bm) + ", " +
-                          std::to_string(v.bn) + ", " + std::to_string(v.stages) + ">";
+                          std::to_string(v.bn) + ", " + std::to_string(v.stages) +
+                          (v.decode ? ", " + std::to_string(v.split) : std::string()) + ">";
     return out;
   }
-  // The heuristic's picks: the core's three tiles and wgmma's three (sm_90a), mma's three at the
-  // stages of sm_80 and sm_86, both dtypes.
+  // The heuristic's picks: the core's three tiles and wgmma's three (sm_90a), decode's three tile
+  // heights at each split (sm_90), mma's three at the stages of sm_80 and sm_86, both dtypes.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* d : {"f16", "bf16"}) {
@@ -387,6 +432,8 @@ class LoraGemm final : public Family {
         v.stages = default_stages(v, 90);
         out.push_back(make(v, d));
       }
+      for (int bm : {16, 32, 64})
+        for (int split : {1, 2, 4, 8}) out.push_back(make(Variant{false, bm, 128, 3, false, true, split}, d));
       for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
         for (std::int64_t cc : {80, 86}) {
           Variant v{false, bm, bn, 4};
@@ -404,14 +451,15 @@ class LoraGemm final : public Family {
     KILN_TRY(check_common(f, *parse_dtype(*params.get_str("dtype")), p, q.m, q.k, q.r, q.adapters, q.slices, q.splits));
     if (q.n < 1 || q.n >= (std::int64_t(1) << 31)) return shape_mismatch(f + ": n must be in [1, 2^31)");
     if (q.adapters * q.n * q.r >= (std::int64_t(1) << 40)) return shape_mismatch(f + ": B's stack is too large");
-    if (cdiv(q.m, v.bm) * cdiv(q.n, v.bn) >= (std::int64_t(1) << 31)) return shape_mismatch(f + ": too many tiles");
+    if (cdiv(q.m, v.bm) * cdiv(q.n, v.bn) * v.split >= (std::int64_t(1) << 31))
+      return shape_mismatch(f + ": too many tiles");
     if (q.slices >= 2 && !(0 <= q.n1 && q.n1 <= q.n && (q.slices < 3 || (q.n1 <= q.n2 && q.n2 <= q.n))))
       return invalid_argument(f + ": slice ends must be non-decreasing within [0, n]");
     if (!std::isfinite(q.scale)) return invalid_argument(f + ": scale must be finite");
     if (q.t != 0 && q.t != 1) return invalid_argument(f + ": t must be 0 or 1");
     if (v.core != (q.t == 1))
-      return invalid_argument(f + ": the " + (v.core ? "core path takes t (problem t = 1)" : "mma and wgmma paths take "
-                                                                                            "partial sums (problem t = 0)"));
+      return invalid_argument(f + ": the " + (v.core ? "core path takes t (problem t = 1)"
+                                                     : "mma, wgmma and decode paths take partial sums (problem t = 0)"));
     if (v.core) {
       if (q.multi || q.splits != 1) return invalid_argument(f + ": the core path is for one adapter and one split");
       if (q.r % 8) return shape_mismatch(f + ": the core path needs a rank that is a multiple of 8");
@@ -424,6 +472,7 @@ class LoraGemm final : public Family {
       return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
                               std::to_string(cc / 10) + "." + std::to_string(cc % 10));
     if (!v.wgmma && cc < 80) return invalid_argument(f + ": needs compute capability 8.0 or later");
+    if (v.decode && cc < 90) return invalid_argument(f + ": the decode path needs thread-block clusters (sm_90)");
     if (shared_bytes(v) > g::max_shared_bytes(cc))
       return invalid_argument(f + ": the variant needs more shared memory than the device grants");
     return {};
@@ -434,8 +483,9 @@ class LoraGemm final : public Family {
     if (v.core) return g::geometry(g::k_half, core_tile(v), core_problem(q, p));
     const std::int64_t tiles = cdiv(q.m, v.bm) * cdiv(q.n, v.bn);
     LaunchGeometry geo;
-    geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(v.wgmma ? std::min(tiles, g::device_sms(p)) : tiles, 1, 0x7fffffff));
-    geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : 2 * v.bn);
+    geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(
+        v.wgmma ? std::min(tiles, g::device_sms(p)) : tiles * v.split, 1, 0x7fffffff));
+    geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : v.decode ? 192 : 2 * v.bn);
     geo.shared_bytes = std::uint32_t(shared_bytes(v));
     return geo;
   }
@@ -443,6 +493,7 @@ class LoraGemm final : public Family {
     const auto q = p.as<LoraGemmProblem>();
     const std::int64_t cc = g::device_cc(p);
     if (q.t) return make(core_variant(q, p), dtype_of(p));
+    if (cc >= 90 && q.m <= 64) return make(decode_variant(q, p), dtype_of(p));
     Variant v{cc == 90, 128, 128, 4};
     if (v.wgmma) {
       if (q.m <= 64)
@@ -460,6 +511,16 @@ class LoraGemm final : public Family {
   std::vector<Params> tuning_space(const Problem& p) const override {
     const Variant base = variant_of(heuristic(p));
     std::vector<Params> out;
+    if (base.decode) {
+      for (int bm : {16, 32, 64})
+        for (int bn : {64, 128})
+          for (int split : {1, 2, 4, 8})
+            for (int st : {3, 4, 6, 8}) {
+              Params c = make(Variant{false, bm, bn, st, false, true, split}, dtype_of(p));
+              if (bm >= base.bm && validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+            }
+      return out;
+    }
     for (int bm : {64, 128})
       for (int bn : {64, 128, 256}) {
         Variant v{base.wgmma, bm, bn, 4, base.core};

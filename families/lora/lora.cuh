@@ -240,6 +240,11 @@ __device__ __forceinline__ void load_tail(unsigned dst_a, unsigned dst_b, const 
 // read KSUB x 128 contiguous bytes at a time. The shrink is a read of x, and 128-byte pieces of 64
 // rows per stage leave DRAM far below its bandwidth.
 //
+// Passes over the grid's z dimension: block z takes passes z, z + Z, ... (Z = gridDim.z) and stores
+// only the rows of its passes' adapters (block 0 also the rows with no adapter, zeros), so a
+// decode batch of many adapters spreads over more SMs; every row is still one pass's sum over
+// the same k-steps, so u does not depend on Z.
+//
 // TOUT: the fused GEMM's operand itself, t = scale0 (x A^T) rounded to T, in one split, each
 // slice's rank columns padded with zeros to whole 64-column chunks (t [m, slices * chunks * 64]):
 // lora_gemm_core loads its rank tail from it by TMA.
@@ -254,6 +259,7 @@ __global__ void __launch_bounds__(2 * BN)
                 STAGE_BYTES = KSUB * SUB_BYTES;
   extern __shared__ unsigned char smem_raw[];
   __shared__ int row_ad[BM], passes[BM + 1];
+  __shared__ bool mine[BM];
   const unsigned base = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp / WN, wn = warp % WN;
@@ -277,9 +283,16 @@ __global__ void __launch_bounds__(2 * BN)
     if (lane == 0) passes[BM] = c;
   }
   __syncthreads();
+  const int pz = blockIdx.z, pstride = gridDim.z, count = passes[BM];
+  for (int i = tid; i < BM; i += NT) {
+    int p = 0;
+    while (p < count && passes[p] != row_ad[i]) ++p;
+    mine[i] = row_ad[i] < 0 ? pz == 0 : p % pstride == pz;
+  }
+  __syncthreads();
   // Stages per pass (KSUB k-steps each; a stage never spans two passes), and stages in all.
   const int per_pass = (nk + KSUB - 1) / KSUB;
-  const int steps = passes[BM] * per_pass;
+  const int steps = (count > pz ? (count - pz + pstride - 1) / pstride : 0) * per_pass;
   const u8* xb = reinterpret_cast<const u8*>(x);
   const u8* ab = reinterpret_cast<const u8*>(a);
   // The end of this split's K range in bytes (the last stage of a pass may run past it).
@@ -289,7 +302,7 @@ __global__ void __launch_bounds__(2 * BN)
   // row is read KSUB x 128 contiguous bytes.
   auto load_stage = [&](int j) {
     const unsigned st = base + (j % STAGES) * STAGE_BYTES;
-    const int ad = passes[j / per_pass];
+    const int ad = passes[pz + (j / per_pass) * pstride];
     const int rank = ranks ? min(max(__ldg(ranks + ad), 0), r) : r;
     const long long kb = (long long)(kt0 + (j % per_pass) * KSUB) * k_row_bytes;
 #pragma unroll
@@ -352,9 +365,21 @@ __global__ void __launch_bounds__(2 * BN)
   if constexpr (TOUT)
     store_fragments<T, MI, NI>(static_cast<T*>(u_out), m, ucols, row0 + wm * (BM / 2), c0 + wn * 32,
                                [&](int mi, int ni, int e) { return acc[mi][ni][e] * scale0; });
-  else
-    store_fragments<float, MI, NI>(static_cast<float*>(u_out) + (long long)z * m * ucols, m, ucols,
-                                   row0 + wm * (BM / 2), c0 + wn * 32, [&](int mi, int ni, int e) { return acc[mi][ni][e]; });
+  else {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rr = wm * (BM / 2) + 16 * mi + (lane >> 2) + 8 * h;
+        if (row0 + rr >= m || !mine[rr]) continue;
+        float* urow = static_cast<float*>(u_out) + ((long long)z * m + row0 + rr) * ucols;
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const int col = c0 + wn * 32 + 8 * ni + 2 * (lane & 3);  // ucols is even
+          if (col < ucols) *reinterpret_cast<float2*>(urow + col) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        }
+      }
+  }
 }
 
 // ---- the fused GEMM ----
@@ -560,6 +585,248 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     store_out<T, 1, NI>(out, bias, m, n, tm * BM + wg * 64 + warp_in_wg * 16, tn * BN,
                         [&](int, int ni, int e) { return acc[0][ni][e]; });
   }
+#endif
+}
+
+// sm_90, decode-sized calls: split-K over a thread-block cluster, the low-rank term on CUDA cores.
+// CTA `krank` of a SPLIT-wide cluster takes k-steps [krank ktiles / SPLIT, (krank + 1) ktiles /
+// SPLIT) of one BM x BN output tile, so a few rows of x stream W over tiles x SPLIT CTAs instead
+// of one CTA per tile. Warps 0-3 run the K loop (side by side along N, each every row of the tile,
+// in mma.sync m16n8k16 fragments, a STAGES-deep cp.async ring over x and W). Each CTA finishes rows
+// [r_begin, r_end) of the tile (an even share of the rows below m), and warps 4-5 compute their
+// low-rank term meanwhile: lr[row][col] = sum_r t[row][r] B_a[col][r], t = scale_a times u's
+// partials summed in split order, rounded to T, B's rows of each row's own adapter, any rank, read
+// only where a row needs them (a decode batch over many adapters costs their B bytes and no extra
+// passes). That work is a chain of dependent loads (the row's adapter, then its rank, t and B):
+// beside the K loop it costs nothing. Then every CTA writes its fp32 partial tile to its own
+// shared memory (over the ring), the cluster syncs, and each CTA sums its rows of all SPLIT
+// partial tiles in rank order through distributed shared memory (deterministic), adds lr and the
+// bias, and stores them.
+template <class T, int BM, int BN, int STAGES, int SPLIT>
+__global__ void __launch_bounds__(192, BM <= 16 ? 3 : 2)
+#if __CUDA_ARCH__ >= 900
+__cluster_dims__(SPLIT, 1, 1)
+#endif
+    lora_gemm_decode(KILN_LORA_GEMM_PARAMS) {
+#if __CUDA_ARCH__ >= 900
+  using namespace gemm;
+  constexpr int NT = 192, NM = 128, NL = 64, WCOLS = BN / 4, NI = WCOLS / 8, MI = BM / 16;
+  constexpr int A_BYTES = BM * k_row_bytes, STAGE_BYTES = (BM + BN) * k_row_bytes;
+  constexpr int OWN = (BM + SPLIT - 1) / SPLIT, RED_LD = BN + 4, TROWS = OWN < 8 ? OWN : 8, TLD = 3 * 128;
+  static_assert(STAGES * STAGE_BYTES >= BM * RED_LD * 4, "the partial tile reuses the ring");
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int own_a[OWN], own_rank[OWN];
+  __shared__ float own_scale[OWN];
+  const unsigned raw = ptx::smem_addr(smem_raw);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  float* lr = reinterpret_cast<float*>(smem_raw + (base - raw) + STAGES * STAGE_BYTES);  // [OWN][BN]
+  float* tbuf = lr + OWN * BN;                                                           // [TROWS][TLD]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int krank = SPLIT > 1 ? int(ptx::cluster_ctarank()) : 0;
+  const int tiles_n = (n + BN - 1) / BN, unit = blockIdx.x / SPLIT;
+  const int row0 = (unit / tiles_n) * BM, col0 = (unit % tiles_n) * BN;
+  const int rows_here = min(BM, m - row0), share = (rows_here + SPLIT - 1) / SPLIT;
+  const int r_begin = min(rows_here, krank * share), r_end = min(rows_here, r_begin + share);
+
+  float acc[MI][NI][4];
+  zero_fragments(acc);
+  if (warp < 4) {
+    const long long ld = (long long)k * sizeof(T);
+    const int ktiles = int((ld + k_row_bytes - 1) / k_row_bytes);
+    const int kt0 = int((long long)ktiles * krank / SPLIT), nk = int((long long)ktiles * (krank + 1) / SPLIT) - kt0;
+    auto load_stage = [&](int j) {
+      const unsigned st = base + (j % STAGES) * STAGE_BYTES;
+      const long long kb = (long long)(kt0 + j) * k_row_bytes;
+      load_tile<BM, NM>(st, reinterpret_cast<const u8*>(x), m, ld, row0, kb, tid);
+      load_tile<BN, NM>(st + A_BYTES, reinterpret_cast<const u8*>(w), n, ld, col0, kb, tid);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < nk) load_stage(s);
+      cp_async_commit();
+    }
+    for (int j = 0; j < nk; ++j) {
+      cp_async_wait<STAGES - 2>();
+      ptx::bar_sync<1, NM>();
+      if (j + STAGES - 1 < nk) load_stage(j + STAGES - 1);
+      cp_async_commit();
+      const unsigned sa = base + (j % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        unsigned af[MI][4], bf[NI / 2][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          const int rr = 16 * mi + (lane & 15), c = 2 * kk + (lane >> 4);
+          ldmatrix_x4(sa + rr * k_row_bytes + ((c ^ (rr & 7)) << 4), af[mi]);
+        }
+#pragma unroll
+        for (int nj = 0; nj < NI / 2; ++nj) {
+          const int q = lane >> 3;
+          const int rr = warp * WCOLS + 16 * nj + (q >> 1) * 8 + (lane & 7), c = 2 * kk + (q & 1);
+          ldmatrix_x4(sb + rr * k_row_bytes + ((c ^ (rr & 7)) << 4), bf[nj]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NI; ++ni) {
+            const unsigned* bq = bf[ni >> 1] + 2 * (ni & 1);
+            mma_16816<T>(acc[mi][ni], af[mi], bq[0], bq[1]);
+          }
+      }
+    }
+    cp_async_wait<0>();
+  } else {
+    // The low-rank term of rows [r_begin, r_end), TROWS rows of t at a time.
+    const int lt = tid - NM;
+    const Tail<T> tail{u, b, idx, ranks, scales, m, n, r, adapters, slices, n1, n2, splits, scale0};
+    for (int i = lt; i < OWN; i += NL) {
+      int a = -1, rank = 0;
+      float sc = 0.0f;
+      if (r_begin + i < r_end) {
+        a = adapter_of(idx, row0 + r_begin + i, adapters);
+        if (a >= 0) {
+          rank = tail.rank(a);
+          sc = tail.scale(a);
+        }
+      }
+      own_a[i] = a;
+      own_rank[i] = rank;
+      own_scale[i] = sc;
+    }
+    ptx::bar_sync<2, NL>();
+    const int rp = tail.rp(), ucols = slices * rp;
+    const long long split_stride = (long long)m * ucols;
+    const bool vec = (r & 7) == 0;
+    for (int g0 = r_begin; g0 < r_end; g0 += TROWS) {
+      const int gn = min(TROWS, r_end - g0), o0 = g0 - r_begin;
+      for (int e = lt; e < gn * ucols; e += NL) {
+        const int i = e / ucols, c = e % ucols;
+        float v = 0.0f;
+        if (c % rp < own_rank[o0 + i]) {
+          const float* p = u + (long long)(row0 + g0 + i) * ucols + c;
+          float part[16];
+#pragma unroll
+          for (int z = 0; z < 16; ++z) part[z] = z < splits ? __ldg(p + z * split_stride) : 0.0f;
+#pragma unroll
+          for (int z = 0; z < 16; ++z)
+            if (z < splits) v += part[z];
+          v = to_float(from_float<T>(v * own_scale[o0 + i]));
+        }
+        tbuf[i * TLD + c] = v;
+      }
+      ptx::bar_sync<2, NL>();
+      for (int j = lt; j < BN; j += NL) {
+        const int col = col0 + j;
+        int sl = 0;
+        while (sl + 1 < slices && col >= tail.hi(sl)) ++sl;
+        const bool in_slice = col < n && col >= tail.lo(sl) && col < tail.hi(sl);
+        float* lrow = lr + o0 * BN + j;
+        for (int i = 0; i < gn; ++i) lrow[i * BN] = 0.0f;
+        if (!in_slice) continue;
+        const float* tcol = tbuf + sl * rp;
+        if (vec) {
+          // (row, chunk) items in order; a batch loads up to 8 of them, then walks them again.
+          auto chunks = [&](int i) { return (own_rank[o0 + i] + 7) >> 3; };
+          auto advance = [&](int& i, int& c) {
+            if (++c >= chunks(i)) {
+              c = 0;
+              do ++i;
+              while (i < gn && chunks(i) == 0);
+            }
+          };
+          int ci = 0, cc = 0;
+          while (ci < gn && chunks(ci) == 0) ++ci;
+          while (ci < gn) {
+            const int si = ci, sc = cc;
+            uint4 q[8];
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+              if (ci < gn) {
+                q[t] = __ldg(reinterpret_cast<const uint4*>(b + ((long long)own_a[o0 + ci] * n + col) * r) + cc);
+                advance(ci, cc);
+              }
+            ci = si;
+            cc = sc;
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+              if (ci < gn) {
+                const T* e8 = reinterpret_cast<const T*>(&q[t]);
+                const int rank = own_rank[o0 + ci];
+                const float* tr = tcol + ci * TLD + 8 * cc;
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                  if (8 * cc + e < rank) d += tr[e] * to_float(e8[e]);
+                lrow[ci * BN] += d;
+                advance(ci, cc);
+              }
+          }
+        } else {
+          for (int i = 0; i < gn; ++i) {
+            const int rank = own_rank[o0 + i];
+            const T* bp = rank > 0 ? b + ((long long)own_a[o0 + i] * n + col) * r : b;
+            float d = 0.0f;
+#pragma unroll 8
+            for (int c = 0; c < rank; ++c) d += tcol[i * TLD + c] * to_float(bp[c]);
+            lrow[i * BN] = d;
+          }
+        }
+      }
+      ptx::bar_sync<2, NL>();
+    }
+  }
+  __syncthreads();
+
+  // The partial tile, over the ring.
+  if (warp < 4)
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const int rr = 16 * mi + (lane >> 2) + 8 * h, c = warp * WCOLS + 8 * ni + 2 * (lane & 3);
+          ptx::st_shared_f2(base + 4u * unsigned(rr * RED_LD + c), acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        }
+  if (SPLIT > 1)
+    ptx::cluster_sync_aligned();
+  else
+    __syncthreads();
+  const bool pairs = (n & 1) == 0;
+  for (int e = tid; e < (r_end - r_begin) * (BN / 4); e += NT) {
+    const int rr = r_begin + e / (BN / 4), c = (e % (BN / 4)) * 4;
+    const unsigned addr = base + 4u * unsigned(rr * RED_LD + c);
+    float4 sum = SPLIT > 1 ? ptx::ld_remote_f4(addr, 0)
+                           : *reinterpret_cast<const float4*>(smem_raw + (base - raw) + 4 * (rr * RED_LD + c));
+#pragma unroll
+    for (int q = 1; q < SPLIT; ++q) {
+      const float4 v = ptx::ld_remote_f4(addr, q);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    const float* l4 = lr + (rr - r_begin) * BN + c;
+    const float vals[4] = {sum.x + l4[0], sum.y + l4[1], sum.z + l4[2], sum.w + l4[3]};
+    const int col = col0 + c;
+    T* orow = out + (long long)(row0 + rr) * n;
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {
+      const T v0 = from_float<T>(vals[j] + (bias && col + j < n ? to_float(bias[col + j]) : 0.0f));
+      const T v1 = from_float<T>(vals[j + 1] + (bias && col + j + 1 < n ? to_float(bias[col + j + 1]) : 0.0f));
+      if (pairs && col + j + 1 < n) {
+        Pack<T, 2> pk;
+        pk.v[0] = v0;
+        pk.v[1] = v1;
+        store_pack<T, 2>(orow + col + j, pk);
+      } else {
+        if (col + j < n) orow[col + j] = v0;
+        if (col + j + 1 < n) orow[col + j + 1] = v1;
+      }
+    }
+  }
+  // Every CTA's partial tile stays until the whole cluster has read it.
+  if (SPLIT > 1) ptx::cluster_sync_aligned();
 #endif
 }
 

@@ -1,6 +1,6 @@
 // Fused LoRA (bf16): lora_linear at LLM projection shapes (M 8192 and 16, K 4096, N 4096 rank 16; N
 // 14336 rank 64; M 4096), and lora_linear_multi for a decode batch of 16 rows over 16 adapters
-// against the same batch on one adapter. Sampled outputs are checked against fp64 first (outputs
+// (ranks 16 and 64) against the same batch on one adapter. Sampled outputs are checked against fp64 first (outputs
 // poisoned before the first call), then timed; TFLOP/s counts the base GEMM's 2 M N K. The cuBLAS
 // base GEMM and PyTorch's eager base + adapter are timed on the same shapes by
 // families/lora/bench/lora.py in the same run (bench/torch_anchors.py), which gives the ratios.
@@ -91,10 +91,10 @@ int linear(Context& ctx, nlohmann::json& rows) {
   return 0;
 }
 
-// A decode batch: 16 rows, K 4096, N 4096, a stack of 16 adapters of rank 64; every row on its
+// A decode batch: 16 rows, K 4096, N 4096, a stack of 16 adapters of rank r; every row on its
 // own adapter against every row on adapter 0.
-int multi(Context& ctx, nlohmann::json& rows) {
-  const std::int64_t m = 16, n = 4096, k = 4096, r = 64, adapters = 16;
+int multi(Context& ctx, nlohmann::json& rows, std::int64_t r) {
+  const std::int64_t m = 16, n = 4096, k = 4096, adapters = 16;
   const auto cuda = Device::cuda(0);
   const DType t = DType::bf16;
   auto x = random_values(t, m * k, ctx.rng);
@@ -129,9 +129,9 @@ int multi(Context& ctx, nlohmann::json& rows) {
   };
   // time_events: milliseconds.
   const double t16 = time_events(call(dspread), 5, 50) * 1e-3, t1 = time_events(call(done), 5, 50) * 1e-3;
-  std::printf("\nlora_linear_multi decode (16 rows, K 4096, N 4096, rank 64)\n16 adapters %8.1f us, one adapter %8.1f us, "
+  std::printf("\nlora_linear_multi decode (16 rows, K 4096, N 4096, rank %lld)\n16 adapters %8.1f us, one adapter %8.1f us, "
               "ratio %.2f\n",
-              t16 * 1e6, t1 * 1e6, t16 / t1);
+              (long long)r, t16 * 1e6, t1 * 1e6, t16 / t1);
   rows.push_back({{"kind", "lora_multi_decode"}, {"m", m}, {"n", n}, {"k", k}, {"r", r}, {"us_16_adapters", t16 * 1e6},
                   {"us_1_adapter", t1 * 1e6}, {"ratio", t16 / t1}});
   return 0;
@@ -140,7 +140,8 @@ int multi(Context& ctx, nlohmann::json& rows) {
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
   int rc = linear(ctx, rows);
-  if (rc == 0) rc = multi(ctx, rows);
+  for (std::int64_t r : {16, 64})
+    if (rc == 0) rc = multi(ctx, rows, r);
   (*ctx.out)["lora"] = rows;
   return rc;
 }

@@ -5,10 +5,11 @@ Per shape (bf16, rank r, scale 2): the cuBLAS base GEMM alone (F.linear(x, W)), 
 kiln.torch imports, kiln.torch.lora_linear; the ratios to the base GEMM are what the targets read
 (fused <= 1.10x at M >= 4096, <= 1.25x at M <= 16). Then a LoRA MLP training step (forward +
 backward, hidden 4096, intermediate 11008, rank 16, 8192 tokens): PEFT-style eager, the same under
-torch.compile, and kt.LoRA_MLP; and a decode batch of 16 rows over 16 adapters against one
-adapter through kt.lora_linear_multi. Medians of triton.testing.do_bench. Each lora_linear shape
-also times the multi-adapter path on one adapter (kt.lora_linear_multi, every row on adapter 0);
-kiln's first shape and its MLP step print one call's GPU time by kernel.
+torch.compile, and kt.LoRA_MLP; and a decode batch of 16 rows over 16 adapters (ranks 16 and 64)
+against one adapter through kt.lora_linear_multi. Medians of triton.testing.do_bench. Each
+lora_linear shape also times the multi-adapter path on one adapter (kt.lora_linear_multi, every
+row on adapter 0); kiln's first shape, its MLP step and the 16-adapter batches print one call's
+GPU time by kernel.
 """
 import torch
 import torch.nn.functional as F
@@ -112,8 +113,10 @@ def run(quick: bool) -> list[dict]:
         row["kiln_speedup_over_compile"] = row["peft_compile_fwd_bwd_us"] / row["kiln_lora_mlp_fwd_bwd_us"]
     rows_out.append(row)
 
-    if kt is not None:
-        m, n, k, r, adapters = 16, 4096, 4096, 64, 16
+    for r in (16, 64):
+        if kt is None:
+            break
+        m, n, k, adapters = 16, 4096, 4096, 16
         x = torch.randn(m, k, device=dev, dtype=bf)
         w = torch.randn(n, k, device=dev, dtype=bf) * k ** -0.5
         a = torch.randn(adapters, r, k, device=dev, dtype=bf) * k ** -0.5
@@ -122,9 +125,10 @@ def run(quick: bool) -> list[dict]:
         scales = torch.ones(adapters, device=dev)
         spread = torch.arange(m, dtype=torch.int32, device=dev) % adapters
         one = torch.zeros(m, dtype=torch.int32, device=dev)
-        row = {"family": "lora", "kind": "lora_multi_decode", "shape": "decode16_16_adapters_r64"}
+        row = {"family": "lora", "kind": "lora_multi_decode", "shape": f"decode16_16_adapters_r{r}"}
         report(row, "kiln_one_adapter", bench(lambda: kt.lora_linear_multi(x, w, a, b, one, ranks, scales), quick))
         report(row, "kiln_16_adapters", bench(lambda: kt.lora_linear_multi(x, w, a, b, spread, ranks, scales), quick))
         row["ratio_16_over_1"] = row["kiln_16_adapters_us"] / row["kiln_one_adapter_us"]
+        row["kiln_16_adapters_kernels"] = kernel_breakdown(lambda: kt.lora_linear_multi(x, w, a, b, spread, ranks, scales))
         rows_out.append(row)
     return rows_out

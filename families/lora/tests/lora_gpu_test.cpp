@@ -1,10 +1,12 @@
 // The LoRA families on the GPU, fresh random data every run:
-//  - every catalog variant of lora_shrink and lora_gemm that runs on this device (all three paths
+//  - every catalog variant of lora_shrink and lora_gemm that runs on this device (all four paths
 //    on sm_90a; mma.sync also runs there) against the family's CPU reference on the same inputs,
 //    outputs poisoned (NaN bytes) first so an element never written fails: one adapter with rank
 //    1 (B rows of 2 bytes: the elementwise tail loads), ragged sizes; three adapters with merged
-//    QKV slices and a bias; sixteen adapters over 16 decode rows with ranks up to 128; the core
-//    path's t with ragged sizes, slices and ranks of one and two 64-column chunks; the shrink's t;
+//    QKV slices and a bias, at 300 rows and at 9 (the decode path's split-K with slices); sixteen
+//    adapters over 16 decode rows with ranks up to 128 (the shrink's passes spread over blocks);
+//    the core path's t with ragged sizes, slices and ranks of one and two 64-column chunks; the
+//    shrink's t;
 //  - lora_linear through the op against the fp64 reference of tests/lora_reference.h at ranks 1,
 //    8, 64 and 128 for 1, 16 and 300 rows, k and n not multiples of any tile, scale 0;
 //  - lora_linear_multi for a decode batch (unsorted rows, 16 adapters of ranks 8 to 128, rows
@@ -173,6 +175,12 @@ TEST_F(LoraGpu, EveryGemmVariantMatchesTheReference) {
     every_variant("lora_gemm",
                   Problem::of(t, 16, l::LoraGemmProblem{.m = 16, .n = 520, .k = 1024, .r = 128, .adapters = 16,
                                                         .splits = 16, .multi = 1}),
+                  some_without_adapter);
+    // Decode-sized rows over merged QKV slices with a bias (the decode path's finishing rows).
+    every_variant("lora_gemm",
+                  Problem::of(t, 16, l::LoraGemmProblem{.m = 9, .n = 200, .k = 2056, .r = 20, .adapters = 5,
+                                                        .slices = 3, .splits = 7, .multi = 1, .bias = 1, .n1 = 136,
+                                                        .n2 = 168}),
                   some_without_adapter);
     // The core path (t given): ragged m, n and k with a bias; merged QKV slices on 128-column
     // boundaries with a rank of two chunks (the second past B's 144-byte rows); gate_up halves.

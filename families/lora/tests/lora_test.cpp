@@ -248,7 +248,8 @@ TEST(LoraHeuristic, PicksCatalogVariants) {
           EXPECT_TRUE(f.check_problem(v, p).ok()) << name << " " << v.canonical() << ": " << f.check_problem(v, p).to_string();
           EXPECT_FALSE(f.tuning_space(p).empty());
           if (std::string(name) == "lora_gemm") {
-            EXPECT_EQ(*v.get_str("path"), with_t ? "core" : cc == 90 ? "wgmma" : "mma");
+            const bool decode = cc == 90 && !with_t && p.as<l::LoraGemmProblem>().m <= 64;
+            EXPECT_EQ(*v.get_str("path"), with_t ? "core" : decode ? "decode" : cc == 90 ? "wgmma" : "mma");
           } else {
             EXPECT_EQ(*v.get_str("output"), with_t ? "t" : "partials");
           }
@@ -281,10 +282,27 @@ TEST(LoraHeuristic, PicksCatalogVariants) {
   EXPECT_FALSE(l::core_path(90, 8192, 12, 0, 1, 0, 0));    // B rows of 24 bytes
   EXPECT_FALSE(l::core_path(90, 8192, 16, 1, 1, 0, 0));    // several adapters
   EXPECT_FALSE(l::core_path(90, 8192, 16, 0, 3, 64, 100)); // a slice end off the 64-column grid
-  // Decode-sized rows take the 64-row wgmma tile, large ones the widest.
+  // Decode-sized rows take the decode path on sm_90: the smallest tile height holding them, and the
+  // widest split whose CTAs fit the SMs with at least 4 k-steps each; sm_80 keeps mma.
   const Family& g = fam("lora_gemm");
-  const Params small = g.heuristic(Problem::of(DType::bf16, 16, l::LoraGemmProblem{.m = 16, .n = 4096, .k = 4096, .r = 16}));
-  EXPECT_EQ(*small.get_int("bm"), 64);
+  auto decode_pick = [&](std::int64_t m, std::int64_t n, std::int64_t k, std::uint8_t cc = 90) {
+    Problem p = Problem::of(DType::bf16, 16, l::LoraGemmProblem{.m = m, .n = n, .k = k, .r = 16});
+    p.cc = cc;
+    p.sm_count = 132;
+    return g.heuristic(p);
+  };
+  const Params small = decode_pick(16, 4096, 4096);
+  EXPECT_EQ(*small.get_str("path"), "decode");
+  EXPECT_EQ(*small.get_int("bm"), 16);
+  EXPECT_EQ(*small.get_int("split"), 8);  // 32 tiles x 8 = 256 CTAs, two per SM
+  EXPECT_EQ(*decode_pick(20, 4096, 4096).get_int("bm"), 32);
+  EXPECT_EQ(*decode_pick(64, 4096, 4096).get_int("bm"), 64);
+  EXPECT_EQ(*decode_pick(16, 14336, 4096).get_int("split"), 2);  // 112 tiles
+  EXPECT_EQ(*decode_pick(16, 28672, 4096).get_int("split"), 1);  // 224 tiles
+  EXPECT_EQ(*decode_pick(16, 1024, 4096).get_int("split"), 8);
+  EXPECT_EQ(*decode_pick(16, 1024, 512).get_int("split"), 2);    // 8 k-steps: 4 a CTA
+  EXPECT_EQ(*decode_pick(65, 4096, 4096).get_str("path"), "wgmma");
+  EXPECT_EQ(*decode_pick(16, 4096, 4096, 80).get_str("path"), "mma");
   const Params big = g.heuristic(Problem::of(DType::bf16, 16, l::LoraGemmProblem{.m = 8192, .n = 4096, .k = 4096, .r = 16}));
   EXPECT_EQ(*big.get_int("bn"), 256);
 }
