@@ -18,7 +18,10 @@
 //    were slower at 8192 x 4096 x 4096 on Hopper.
 //  - lora_shrink: one 64 x 64 mma tile (the rank side is at most 3 x 128 columns; the cost is
 //    reading x and A once), 4 stages; the K splits (shrink_splits) are part of the problem because
-//    lora_gemm reads that many partial sums. Writing t (one split): stages of several k-steps, so
+//    lora_gemm reads that many partial sums. At 32 rows or fewer (decode) 32-row tiles and 2 stages
+//    of 4 k-steps: a split's range, often 4 k-steps, is then one trip to memory per adapter pass
+//    (the tuner's pick on Hopper for 16 rows at ranks 16 and 64), and multi-adapter passes spread
+//    over z up to two blocks per SM. Writing t (one split): stages of several k-steps, so
 //    each row of x is read 256 or 512 contiguous bytes at a time (one k-step, 128-byte pieces of
 //    64 rows, is clearly slower). 32-row tiles, 4 stages of 4 k-steps, while even those do not
 //    outnumber the SMs; 64-row tiles, 3 stages of 4 k-steps, while those fill at most one wave;
@@ -124,7 +127,7 @@ std::int64_t shrink_shared_bytes(const Params& p) {
 class LoraShrink final : public Family {
  public:
   std::string_view name() const override { return "lora_shrink"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -171,12 +174,14 @@ class LoraShrink final : public Family {
     if (writes_t(params) && arch.capability != 90) return false;
     return arch.capability >= 80 && shrink_shared_bytes(params) <= g::max_shared_bytes(arch.capability);
   }
-  // The heuristic's picks: partial sums (64-row tiles, 4 stages of one k-step), and t in 64-row
-  // tiles (stages of 4 and of 2 k-steps) and 32-row ones (4 k-steps).
+  // The heuristic's picks: partial sums (64-row tiles, 4 stages of one k-step; decode: 32-row
+  // tiles, 2 stages of 4 k-steps), and t in 64-row tiles (stages of 4 and of 2 k-steps) and 32-row
+  // ones (4 k-steps).
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (const char* d : {"f16", "bf16"}) {
       out.push_back(make(d, 64, 4, false, 1));
+      out.push_back(make(d, 32, 2, false, 4));
       out.push_back(make(d, 64, 3, true, 4));
       out.push_back(make(d, 64, 3, true, 2));
       out.push_back(make(d, 32, 4, true, 4));
@@ -208,17 +213,18 @@ class LoraShrink final : public Family {
     const std::int64_t tiles = std::max<std::int64_t>(1, cdiv(q.m, v.bm) * cdiv(q.slices * pitch(q), 64));
     geo.grid.x = std::uint32_t(tiles);
     geo.grid.y = std::uint32_t(q.splits);
-    // Multi-adapter: the tiles' adapter passes spread over z while the blocks leave SMs idle (decode).
+    // Multi-adapter: the tiles' adapter passes spread over z while the blocks number under two per
+    // SM (decode).
     if (q.multi)
-      geo.grid.z = std::uint32_t(
-          std::clamp<std::int64_t>(g::device_sms(p) / (tiles * q.splits), 1, std::min<std::int64_t>(q.adapters, v.bm)));
+      geo.grid.z = std::uint32_t(std::clamp<std::int64_t>(2 * g::device_sms(p) / (tiles * q.splits), 1,
+                                                          std::min<std::int64_t>(q.adapters, v.bm)));
     geo.block.x = 128;
     geo.shared_bytes = std::uint32_t(shrink_shared_bytes(params));
     return geo;
   }
   Params heuristic(const Problem& p) const override {
     const auto q = p.as<LoraShrinkProblem>();
-    if (!q.t) return make(dtype_of(p), 64, 4, false, 1);
+    if (!q.t) return q.m <= 32 ? make(dtype_of(p), 32, 2, false, 4) : make(dtype_of(p), 64, 4, false, 1);
     const std::int64_t tiles = cdiv(q.m, 64) * cdiv(q.slices * pitch(q), 64), sms = g::device_sms(p);
     if (2 * tiles <= sms) return make(dtype_of(p), 32, 4, true, 4);
     return tiles <= sms ? make(dtype_of(p), 64, 3, true, 4) : make(dtype_of(p), 64, 3, true, 2);
@@ -311,6 +317,9 @@ class LoraGemm final : public Family {
  public:
   std::string_view name() const override { return "lora_gemm"; }
   int version() const override { return 3; }
+  // Every kernel waits (griddepcontrol.wait) before it touches memory; the decode path first
+  // prefetches its W rows into L2, which changes nothing. So lora_gemm starts while lora_shrink runs.
+  bool programmatic_launch() const override { return true; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {

@@ -64,6 +64,21 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
                : "memory");
 }
 
+// lora_gemm launches as a programmatic dependent of the kernel before it (LoraGemm's
+// programmatic_launch): it may start while lora_shrink runs, and waits here, before it reads or
+// writes anything, until the shrink has finished and its writes are visible. The shrink lets its
+// dependent launch at once. Both are no-ops before sm_90 and without such a launch.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // The low-rank side of a lora_gemm launch.
 template <class T>
 struct Tail {
@@ -254,6 +269,7 @@ __global__ void __launch_bounds__(2 * BN)
                     const int* __restrict__ ranks, void* __restrict__ u_out, int m, int k, int r, int adapters,
                     int slices, int splits, float scale0) {
   using namespace gemm;
+  let_dependents_launch();
   constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, SUB_BYTES = A_BYTES + B_BYTES,
                 STAGE_BYTES = KSUB * SUB_BYTES;
@@ -284,12 +300,14 @@ __global__ void __launch_bounds__(2 * BN)
   }
   __syncthreads();
   const int pz = blockIdx.z, pstride = gridDim.z, count = passes[BM];
-  for (int i = tid; i < BM; i += NT) {
-    int p = 0;
-    while (p < count && passes[p] != row_ad[i]) ++p;
-    mine[i] = row_ad[i] < 0 ? pz == 0 : p % pstride == pz;
+  if constexpr (!TOUT) {
+    for (int i = tid; i < BM; i += NT) {
+      int p = 0;
+      while (p < count && passes[p] != row_ad[i]) ++p;
+      mine[i] = row_ad[i] < 0 ? pz == 0 : p % pstride == pz;
+    }
+    __syncthreads();
   }
-  __syncthreads();
   // Stages per pass (KSUB k-steps each; a stage never spans two passes), and stages in all.
   const int per_pass = (nk + KSUB - 1) / KSUB;
   const int steps = (count > pz ? (count - pz + pstride - 1) / pstride : 0) * per_pass;
@@ -407,6 +425,7 @@ __device__ __forceinline__ void store_out(T* out, const T* bias, int m, int n, i
 template <class T, int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(2 * BN, 1) lora_gemm_mma(KILN_LORA_GEMM_PARAMS) {
   using namespace gemm;
+  wait_for_previous_kernel();
   constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
   extern __shared__ unsigned char smem_raw[];
@@ -492,6 +511,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     lora_gemm_wgmma(KILN_LORA_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_x,
                     const __grid_constant__ ptx::TmaDesc map_w) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wait_for_previous_kernel();
   using namespace gemm;
   constexpr int CONSUMERS = BM / 64, NI = BN / 8;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
@@ -627,13 +647,27 @@ __cluster_dims__(SPLIT, 1, 1)
   const int row0 = (unit / tiles_n) * BM, col0 = (unit % tiles_n) * BN;
   const int rows_here = min(BM, m - row0), share = (rows_here + SPLIT - 1) / SPLIT;
   const int r_begin = min(rows_here, krank * share), r_end = min(rows_here, r_begin + share);
+  const long long ld = (long long)k * sizeof(T);
+  const int ktiles = int((ld + k_row_bytes - 1) / k_row_bytes);
+  const int kt0 = int((long long)ktiles * krank / SPLIT), nk = int((long long)ktiles * (krank + 1) / SPLIT) - kt0;
+
+  // W does not depend on the shrink: this CTA's rows of W over its first k-steps go into L2 while
+  // the shrink still runs (at most 32 MiB over the grid, so the lines stay until the ring reads
+  // them). A prefetch changes no memory and reads nothing the kernel uses before the wait.
+  if (tid < BN && col0 + tid < n && nk > 0) {
+    const int pf = min(nk, int((32ll << 20) / ((long long)gridDim.x * BN * k_row_bytes)));
+    const long long bytes = min((long long)pf * k_row_bytes, ld - (long long)kt0 * k_row_bytes);
+    if (bytes > 0)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<const u8*>(w) +
+                                                                        (col0 + tid) * ld + (long long)kt0 * k_row_bytes),
+                   "r"(unsigned(bytes))
+                   : "memory");
+  }
+  wait_for_previous_kernel();
 
   float acc[MI][NI][4];
   zero_fragments(acc);
   if (warp < 4) {
-    const long long ld = (long long)k * sizeof(T);
-    const int ktiles = int((ld + k_row_bytes - 1) / k_row_bytes);
-    const int kt0 = int((long long)ktiles * krank / SPLIT), nk = int((long long)ktiles * (krank + 1) / SPLIT) - kt0;
     auto load_stage = [&](int j) {
       const unsigned st = base + (j % STAGES) * STAGE_BYTES;
       const long long kb = (long long)(kt0 + j) * k_row_bytes;
@@ -863,6 +897,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                    int m, int n, int k, int n1, int n2, int slices, int chunks,
                    const __grid_constant__ ptx::TmaDesc map_x, const __grid_constant__ ptx::TmaDesc map_w,
                    const __grid_constant__ ptx::TmaDesc map_t, const __grid_constant__ ptx::TmaDesc map_b) {
+  wait_for_previous_kernel();
   const CoreTail<T> tail{&map_t, &map_b, bias, n, n1, n2, slices, chunks, BN};
   gemm::gemm_wgmma_body<gemm::k_half, T, T, 0, BM, BN, STAGES, 8, 1, 1, CoreTail<T>>(
       reinterpret_cast<const u8*>(x), reinterpret_cast<const u8*>(w), nullptr, nullptr, nullptr, out, m, n, k,

@@ -302,6 +302,14 @@ TEST(LoraHeuristic, PicksCatalogVariants) {
   EXPECT_EQ(*decode_pick(16, 1024, 4096).get_int("split"), 8);
   EXPECT_EQ(*decode_pick(16, 1024, 512).get_int("split"), 2);    // 8 k-steps: 4 a CTA
   EXPECT_EQ(*decode_pick(65, 4096, 4096).get_str("path"), "wgmma");
+  // The shrink's decode pick: a split's 4 k-steps in one stage of a 32-row tile.
+  const Params shrink16 = fam("lora_shrink").heuristic(
+      Problem::of(DType::bf16, 16, l::LoraShrinkProblem{.m = 16, .k = 4096, .r = 16, .splits = 16}));
+  EXPECT_EQ(*shrink16.get_int("bm"), 32);
+  EXPECT_EQ(*shrink16.get_int("ksub"), 4);
+  // lora_gemm starts while the shrink runs (its kernels wait for it first).
+  EXPECT_TRUE(g.programmatic_launch());
+  EXPECT_FALSE(fam("lora_shrink").programmatic_launch());
   EXPECT_EQ(*decode_pick(16, 4096, 4096, 80).get_str("path"), "mma");
   const Params big = g.heuristic(Problem::of(DType::bf16, 16, l::LoraGemmProblem{.m = 8192, .n = 4096, .k = 4096, .r = 16}));
   EXPECT_EQ(*big.get_int("bn"), 256);
