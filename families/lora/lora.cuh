@@ -66,8 +66,9 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
 
 // lora_gemm launches as a programmatic dependent of the kernel before it (LoraGemm's
 // programmatic_launch): it may start while lora_shrink runs, and waits here, before it reads or
-// writes anything, until the shrink has finished and its writes are visible. The shrink lets its
-// dependent launch at once. Both are no-ops before sm_90 and without such a launch.
+// writes anything (the decode kernel first prefetches W into L2, which changes nothing), until the
+// shrink has finished and its writes are visible. The shrink lets its dependent launch at once.
+// Both are no-ops before sm_90 and without such a launch.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -617,11 +618,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 // low-rank term meanwhile: lr[row][col] = sum_r t[row][r] B_a[col][r], t = scale_a times u's
 // partials summed in split order, rounded to T, B's rows of each row's own adapter, any rank, read
 // only where a row needs them (a decode batch over many adapters costs their B bytes and no extra
-// passes). That work is a chain of dependent loads (the row's adapter, then its rank, t and B):
-// beside the K loop it costs nothing. Then every CTA writes its fp32 partial tile to its own
-// shared memory (over the ring), the cluster syncs, and each CTA sums its rows of all SPLIT
-// partial tiles in rank order through distributed shared memory (deterministic), adds lr and the
-// bias, and stores them.
+// passes). That work is a chain of dependent loads (the row's adapter, then its rank, t and B),
+// so it runs beside the K loop rather than before it. Then every CTA writes its fp32 partial tile
+// to its own shared memory (over the ring), the cluster syncs, and each CTA sums its rows of all
+// SPLIT partial tiles in rank order through distributed shared memory (deterministic), adds lr and
+// the bias, and stores them.
 template <class T, int BM, int BN, int STAGES, int SPLIT>
 __global__ void __launch_bounds__(192, BM <= 16 ? 3 : 2)
 #if __CUDA_ARCH__ >= 900
