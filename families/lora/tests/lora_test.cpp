@@ -307,6 +307,19 @@ TEST(LoraHeuristic, PicksCatalogVariants) {
       Problem::of(DType::bf16, 16, l::LoraShrinkProblem{.m = 16, .k = 4096, .r = 16, .splits = 16}));
   EXPECT_EQ(*shrink16.get_int("bm"), 32);
   EXPECT_EQ(*shrink16.get_int("ksub"), 4);
+  // Its adapter passes spread over z at decode sizes (16 rows in 16 splits over 16 adapters: one pass
+  // per block, 256 blocks on 132 SMs), not for one adapter nor at prefill sizes.
+  auto shrink_z = [&](l::LoraShrinkProblem q) {
+    Problem p = Problem::of(DType::bf16, 16, q);
+    p.cc = 90;
+    p.sm_count = 132;
+    const Family& f = fam("lora_shrink");
+    return f.geometry(f.heuristic(p), p).grid.z;
+  };
+  EXPECT_EQ(shrink_z({.m = 16, .k = 4096, .r = 64, .adapters = 16, .splits = 16, .multi = 1}), 16u);
+  EXPECT_EQ(shrink_z({.m = 16, .k = 4096, .r = 64, .adapters = 4, .splits = 16, .multi = 1}), 4u);
+  EXPECT_EQ(shrink_z({.m = 16, .k = 4096, .r = 64, .splits = 16}), 1u);
+  EXPECT_EQ(shrink_z({.m = 8192, .k = 4096, .r = 64, .adapters = 16, .splits = 2, .multi = 1}), 1u);
   // lora_gemm starts while the shrink runs (its kernels wait for it first).
   EXPECT_TRUE(g.programmatic_launch());
   EXPECT_FALSE(fam("lora_shrink").programmatic_launch());
