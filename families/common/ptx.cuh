@@ -287,5 +287,19 @@ __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90 and later; no-ops before, and without such a launch):
+// `grid_dependency_wait` returns once the kernel before this one in the stream has finished and its
+// writes are visible; `launch_dependents` lets the kernel after this one launch before this one ends.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace ptx
 }  // namespace kiln

@@ -65,20 +65,10 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
 }
 
 // lora_gemm launches as a programmatic dependent of the kernel before it (LoraGemm's
-// programmatic_launch): it may start while lora_shrink runs, and waits here, before it reads or
-// writes anything (the decode kernel first prefetches W into L2, which changes nothing), until the
-// shrink has finished and its writes are visible. The shrink lets its dependent launch at once.
-// Both are no-ops before sm_90 and without such a launch.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_dependents_launch() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// programmatic_launch): it may start while lora_shrink runs, and waits (ptx::grid_dependency_wait),
+// before it reads or writes anything (the decode kernel first prefetches W into L2, which changes
+// nothing), until the shrink has finished and its writes are visible. The shrink lets its dependent
+// launch at once (ptx::launch_dependents).
 
 // The low-rank side of a lora_gemm launch.
 template <class T>
@@ -270,7 +260,7 @@ __global__ void __launch_bounds__(2 * BN)
                     const int* __restrict__ ranks, void* __restrict__ u_out, int m, int k, int r, int adapters,
                     int slices, int splits, float scale0) {
   using namespace gemm;
-  let_dependents_launch();
+  ptx::launch_dependents();
   constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, SUB_BYTES = A_BYTES + B_BYTES,
                 STAGE_BYTES = KSUB * SUB_BYTES;
@@ -426,7 +416,7 @@ __device__ __forceinline__ void store_out(T* out, const T* bias, int m, int n, i
 template <class T, int BM, int BN, int STAGES>
 __global__ void __launch_bounds__(2 * BN, 1) lora_gemm_mma(KILN_LORA_GEMM_PARAMS) {
   using namespace gemm;
-  wait_for_previous_kernel();
+  ptx::grid_dependency_wait();
   constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
   extern __shared__ unsigned char smem_raw[];
@@ -512,7 +502,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     lora_gemm_wgmma(KILN_LORA_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_x,
                     const __grid_constant__ ptx::TmaDesc map_w) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  wait_for_previous_kernel();
+  ptx::grid_dependency_wait();
   using namespace gemm;
   constexpr int CONSUMERS = BM / 64, NI = BN / 8;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
@@ -664,7 +654,7 @@ __cluster_dims__(SPLIT, 1, 1)
                    "r"(unsigned(bytes))
                    : "memory");
   }
-  wait_for_previous_kernel();
+  ptx::grid_dependency_wait();
 
   float acc[MI][NI][4];
   zero_fragments(acc);
@@ -898,7 +888,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                    int m, int n, int k, int n1, int n2, int slices, int chunks,
                    const __grid_constant__ ptx::TmaDesc map_x, const __grid_constant__ ptx::TmaDesc map_w,
                    const __grid_constant__ ptx::TmaDesc map_t, const __grid_constant__ ptx::TmaDesc map_b) {
-  wait_for_previous_kernel();
+  ptx::grid_dependency_wait();
   const CoreTail<T> tail{&map_t, &map_b, bias, n, n1, n2, slices, chunks, BN};
   gemm::gemm_wgmma_body<gemm::k_half, T, T, 0, BM, BN, STAGES, 8, 1, 1, CoreTail<T>>(
       reinterpret_cast<const u8*>(x), reinterpret_cast<const u8*>(w), nullptr, nullptr, nullptr, out, m, n, k,

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "common/dtype.cuh"
+#include "common/ptx.cuh"
 
 namespace kiln {
 
@@ -24,12 +25,10 @@ template <typename T, int BLOCK, int COLUMNS>
 __global__ void __launch_bounds__(BLOCK)
 rmsnorm_bwd_reduce(const float* __restrict__ partial, T* __restrict__ dw, long long slabs, long long cols) {
   static_assert(COLUMNS == 8 || COLUMNS == 16 || COLUMNS == 32, "COLUMNS divides a warp");
-#if __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the first stage (the family's programmatic_launch):
   // the blocks may start while that kernel runs, and wait here until its partial rows are
   // written and visible.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+  ptx::grid_dependency_wait();
   constexpr int k_lanes = BLOCK / COLUMNS, k_warps = BLOCK / 32, k_unroll = 4;
   __shared__ float sums[k_warps][COLUMNS];
   const int c = int(threadIdx.x) % COLUMNS, lane = int(threadIdx.x) / COLUMNS;
