@@ -48,22 +48,26 @@ std::int64_t cdiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 // Elements of K per 128-byte stage (f16/bf16).
 constexpr std::int64_t k_step = 64;
 
-// path: lora_gemm's (mma, wgmma, core, decode); lora_shrink has none (mma).
+// lora_gemm's param `path`, in the schema's order; lora_shrink has none (mma).
+enum class Path { mma, wgmma, core, decode };
+constexpr const char* k_path_names[] = {"mma", "wgmma", "core", "decode"};
+
 struct Variant {
-  bool wgmma;
+  Path path;
   int bm, bn, stages;
-  bool core = false;
-  bool decode = false;
   int split = 1;
+  // The warp-specialized ring of TMA loads and mbarriers (sm_90a): the wgmma and core paths.
+  bool ring() const { return path == Path::wgmma || path == Path::core; }
 };
 
 Variant variant_of(const Params& p) {
-  const auto path = p.get_str("path");
+  const auto name = p.get_str("path");
+  Path path = Path::mma;
+  for (int i = 0; i < 4; ++i)
+    if (name && *name == k_path_names[i]) path = Path(i);
   const auto bn = p.get_int("bn");
   const auto split = p.get_int("split");
-  const bool core = path && *path == "core";
-  return {path && (*path == "wgmma" || core), int(*p.get_int("bm")), bn ? int(*bn) : 64, int(*p.get_int("stages")),
-          core, path && *path == "decode", split ? int(*split) : 1};
+  return {path, int(*p.get_int("bm")), bn ? int(*bn) : 64, int(*p.get_int("stages")), split ? int(*split) : 1};
 }
 
 std::int64_t stage_bytes(const Variant& v) { return std::int64_t(v.bm + v.bn) * 128; }
@@ -71,14 +75,14 @@ std::int64_t stage_bytes(const Variant& v) { return std::int64_t(v.bm + v.bn) * 
 // min(own, 8) rows of t (3 slices x 128 ranks, fp32) to its ring.
 std::int64_t shared_bytes(const Variant& v) {
   const std::int64_t own = (v.bm + v.split - 1) / v.split;
-  const std::int64_t extra = v.decode ? own * v.bn * 4 + std::min<std::int64_t>(own, 8) * 384 * 4 : 0;
-  return 1024 + v.stages * (stage_bytes(v) + (v.wgmma ? 16 : 0)) + extra;
+  const std::int64_t extra = v.path == Path::decode ? own * v.bn * 4 + std::min<std::int64_t>(own, 8) * 384 * 4 : 0;
+  return 1024 + v.stages * (stage_bytes(v) + (v.ring() ? 16 : 0)) + extra;
 }
 
 int default_stages(Variant v, std::int64_t cc) {
   const std::int64_t stage = stage_bytes(v);
   v.stages = int(std::clamp<std::int64_t>((96 * 1024 + stage - 1) / stage, 4, 6));
-  if (v.wgmma && stage <= 24 * 1024) v.stages = 8;
+  if (v.ring() && stage <= 24 * 1024) v.stages = 8;
   while (v.stages > 2 && shared_bytes(v) > g::max_shared_bytes(cc)) --v.stages;
   return v.stages;
 }
@@ -350,7 +354,7 @@ class LoraGemm final : public Family {
     return fields;
   }
   static Params make(const Variant& v, const std::string& dtype) {
-    return Params{{"path", v.core ? "core" : v.wgmma ? "wgmma" : v.decode ? "decode" : "mma"},
+    return Params{{"path", k_path_names[int(v.path)]},
                   {"dtype", dtype},
                   {"bm", std::int64_t(v.bm)},
                   {"bn", std::int64_t(v.bn)},
@@ -362,7 +366,7 @@ class LoraGemm final : public Family {
   // k-steps each. Small CTAs leave room on the SMs, so every cluster finds a place in the first
   // wave (6 stages, one CTA per SM, ran a second wave of clusters of 4 on an H100).
   static Variant decode_variant(const LoraGemmProblem& q, const Problem& p) {
-    Variant v{false, q.m <= 16 ? 16 : q.m <= 32 ? 32 : 64, 128, 3, false, true, 1};
+    Variant v{Path::decode, q.m <= 16 ? 16 : q.m <= 32 ? 32 : 64, 128, 3};
     const std::int64_t tiles = cdiv(q.m, v.bm) * cdiv(q.n, v.bn), ktiles = cdiv(q.k, k_step);
     for (int s : {8, 4, 2})
       if (tiles * s <= 2 * g::device_sms(p) && ktiles >= 4 * s) {
@@ -383,14 +387,14 @@ class LoraGemm final : public Family {
   // divides the slice ends (a tile lies in one slice), and the core's stage depth.
   static Variant core_variant(const LoraGemmProblem& q, const Problem& p) {
     const Problem gp = core_problem(q, p);
-    Variant best{true, 128, 64, 4, true};
+    Variant best{Path::core, 128, 64, 4};
     std::int64_t best_cost = -1;
     for (auto [bm, bn] : {std::pair{128, 256}, {128, 128}, {128, 64}}) {
       if ((q.slices >= 2 && q.n1 % bn) || (q.slices >= 3 && q.n2 % bn)) continue;
       const std::int64_t cost = g::wgmma_cost(g::k_half, g::Tile{true, bm, bn, 4, 8}, gp);
       if (best_cost < 0 || cost < best_cost) {
         best_cost = cost;
-        best = Variant{true, bm, bn, 4, true};
+        best = Variant{Path::core, bm, bn, 4};
       }
     }
     best.stages = g::default_stages(g::k_half, core_tile(best), g::device_cc(p));
@@ -399,16 +403,18 @@ class LoraGemm final : public Family {
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
     const Variant v = variant_of(params);
-    if (!v.wgmma && v.bn > 128) return invalid_argument("lora_gemm: the mma and decode paths take bn <= 128");
-    if (v.decode ? v.bm > 64 : v.bm < 64) return invalid_argument("lora_gemm: bm 16 and 32 are the decode path's, 128 the others'");
-    if (!v.decode && v.split != 1) return invalid_argument("lora_gemm: split is the decode path's");
-    if (v.core) KILN_TRY(g::validate_tile("lora_gemm", g::k_half, core_tile(v)));
+    const bool decode = v.path == Path::decode;
+    if (!v.ring() && v.bn > 128) return invalid_argument("lora_gemm: the mma and decode paths take bn <= 128");
+    if (decode ? v.bm > 64 : v.bm < 64) return invalid_argument("lora_gemm: bm 16 and 32 are the decode path's, 128 the others'");
+    if (!decode && v.split != 1) return invalid_argument("lora_gemm: split is the decode path's");
+    if (v.path == Path::core) KILN_TRY(g::validate_tile("lora_gemm", g::k_half, core_tile(v)));
     if (shared_bytes(v) > 227 * 1024) return invalid_argument("lora_gemm: the stages exceed 227 KiB of shared memory");
     return {};
   }
   bool runs_on(const Params& params, const GpuArch& arch) const override {
     const Variant v = variant_of(params);
-    if (v.wgmma ? !(arch.capability == 90 && arch.suffix == 'a') : arch.capability < (v.decode ? 90 : 80)) return false;
+    if (v.ring() ? !(arch.capability == 90 && arch.suffix == 'a') : arch.capability < (v.path == Path::decode ? 90 : 80))
+      return false;
     return shared_bytes(v) <= g::max_shared_bytes(arch.capability);
   }
   Result<Rendered> render(const Params& params) const override {
@@ -416,14 +422,11 @@ class LoraGemm final : public Family {
     const Variant v = variant_of(params);
     Rendered out;
     out.source = "#include \"lora/lora.cuh\"\n";
-    out.name_expression = std::string("kiln::lora::") +
-                          (v.core     ? "lora_gemm_core<"
-                           : v.wgmma  ? "lora_gemm_wgmma<"
-                           : v.decode ? "lora_gemm_decode<"
-                                      : "lora_gemm_mma<") +
+    const bool decode = v.path == Path::decode;
+    out.name_expression = std::string("kiln::lora::lora_gemm_") + k_path_names[int(v.path)] + "<" +
                           device_type(*params.get_str("dtype")) + ", " + std::to_string(v.bm) + ", " +
                           std::to_string(v.bn) + ", " + std::to_string(v.stages) +
-                          (v.decode ? ", " + std::to_string(v.split) : std::string()) + ">";
+                          (decode ? ", " + std::to_string(v.split) : std::string()) + ">";
     return out;
   }
   // The heuristic's picks: the core's three tiles and wgmma's three (sm_90a), decode's three tile
@@ -432,20 +435,20 @@ class LoraGemm final : public Family {
     std::vector<Params> out;
     for (const char* d : {"f16", "bf16"}) {
       for (int bn : {256, 128, 64}) {
-        Variant v{true, 128, bn, 4, true};
+        Variant v{Path::core, 128, bn, 4};
         v.stages = g::default_stages(g::k_half, core_tile(v), 90);
         out.push_back(make(v, d));
       }
       for (auto [bm, bn] : {std::pair{64, 128}, {128, 128}, {128, 256}}) {
-        Variant v{true, bm, bn, 4};
+        Variant v{Path::wgmma, bm, bn, 4};
         v.stages = default_stages(v, 90);
         out.push_back(make(v, d));
       }
       for (int bm : {16, 32, 64})
-        for (int split : {1, 2, 4, 8}) out.push_back(make(Variant{false, bm, 128, 3, false, true, split}, d));
+        for (int split : {1, 2, 4, 8}) out.push_back(make(Variant{Path::decode, bm, 128, 3, split}, d));
       for (auto [bm, bn] : {std::pair{128, 128}, {64, 128}, {64, 64}})
         for (std::int64_t cc : {80, 86}) {
-          Variant v{false, bm, bn, 4};
+          Variant v{Path::mma, bm, bn, 4};
           v.stages = default_stages(v, cc);
           Params p = make(v, d);
           if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
@@ -466,10 +469,11 @@ class LoraGemm final : public Family {
       return invalid_argument(f + ": slice ends must be non-decreasing within [0, n]");
     if (!std::isfinite(q.scale)) return invalid_argument(f + ": scale must be finite");
     if (q.t != 0 && q.t != 1) return invalid_argument(f + ": t must be 0 or 1");
-    if (v.core != (q.t == 1))
-      return invalid_argument(f + ": the " + (v.core ? "core path takes t (problem t = 1)"
+    const bool core = v.path == Path::core;
+    if (core != (q.t == 1))
+      return invalid_argument(f + ": the " + (core ? "core path takes t (problem t = 1)"
                                                      : "mma, wgmma and decode paths take partial sums (problem t = 0)"));
-    if (v.core) {
+    if (core) {
       if (q.multi || q.splits != 1) return invalid_argument(f + ": the core path is for one adapter and one split");
       if (q.r % 8) return shape_mismatch(f + ": the core path needs a rank that is a multiple of 8");
       if ((q.slices >= 2 && q.n1 % v.bn) || (q.slices >= 3 && q.n2 % v.bn))
@@ -477,11 +481,11 @@ class LoraGemm final : public Family {
                                 std::to_string(v.bn));
     }
     const std::int64_t cc = g::device_cc(p);
-    if (v.wgmma && cc != 90)
+    if (v.ring() && cc != 90)
       return invalid_argument(f + ": the wgmma path needs sm_90a (compute capability 9.0), the device has " +
                               std::to_string(cc / 10) + "." + std::to_string(cc % 10));
-    if (!v.wgmma && cc < 80) return invalid_argument(f + ": needs compute capability 8.0 or later");
-    if (v.decode && cc < 90) return invalid_argument(f + ": the decode path needs thread-block clusters (sm_90)");
+    if (!v.ring() && cc < 80) return invalid_argument(f + ": needs compute capability 8.0 or later");
+    if (v.path == Path::decode && cc < 90) return invalid_argument(f + ": the decode path needs thread-block clusters (sm_90)");
     if (shared_bytes(v) > g::max_shared_bytes(cc))
       return invalid_argument(f + ": the variant needs more shared memory than the device grants");
     return {};
@@ -489,12 +493,12 @@ class LoraGemm final : public Family {
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const auto q = p.as<LoraGemmProblem>();
     const Variant v = variant_of(params);
-    if (v.core) return g::geometry(g::k_half, core_tile(v), core_problem(q, p));
+    if (v.path == Path::core) return g::geometry(g::k_half, core_tile(v), core_problem(q, p));
     const std::int64_t tiles = cdiv(q.m, v.bm) * cdiv(q.n, v.bn);
     LaunchGeometry geo;
     geo.grid.x = std::uint32_t(std::clamp<std::int64_t>(
-        v.wgmma ? std::min(tiles, g::device_sms(p)) : tiles * v.split, 1, 0x7fffffff));
-    geo.block.x = std::uint32_t(v.wgmma ? (v.bm / 64 + 1) * 128 : v.decode ? 192 : 2 * v.bn);
+        v.ring() ? std::min(tiles, g::device_sms(p)) : tiles * v.split, 1, 0x7fffffff));
+    geo.block.x = std::uint32_t(v.ring() ? (v.bm / 64 + 1) * 128 : v.path == Path::decode ? 192 : 2 * v.bn);
     geo.shared_bytes = std::uint32_t(shared_bytes(v));
     return geo;
   }
@@ -503,8 +507,8 @@ class LoraGemm final : public Family {
     const std::int64_t cc = g::device_cc(p);
     if (q.t) return make(core_variant(q, p), dtype_of(p));
     if (cc >= 90 && q.m <= 64) return make(decode_variant(q, p), dtype_of(p));
-    Variant v{cc == 90, 128, 128, 4};
-    if (v.wgmma) {
+    Variant v{cc == 90 ? Path::wgmma : Path::mma, 128, 128, 4};
+    if (v.ring()) {
       if (q.m <= 64)
         v.bm = 64;
       else if (q.n >= 1024)
@@ -520,19 +524,19 @@ class LoraGemm final : public Family {
   std::vector<Params> tuning_space(const Problem& p) const override {
     const Variant base = variant_of(heuristic(p));
     std::vector<Params> out;
-    if (base.decode) {
+    if (base.path == Path::decode) {
       for (int bm : {16, 32, 64})
         for (int bn : {64, 128})
           for (int split : {1, 2, 4, 8})
             for (int st : {3, 4, 6, 8}) {
-              Params c = make(Variant{false, bm, bn, st, false, true, split}, dtype_of(p));
+              Params c = make(Variant{Path::decode, bm, bn, st, split}, dtype_of(p));
               if (bm >= base.bm && validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
             }
       return out;
     }
     for (int bm : {64, 128})
       for (int bn : {64, 128, 256}) {
-        Variant v{base.wgmma, bm, bn, 4, base.core};
+        Variant v{base.path, bm, bn, 4};
         std::vector<int> depths = {3, 4, 5, 6, default_stages(v, g::device_cc(p))};
         std::sort(depths.begin(), depths.end());
         depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
@@ -587,7 +591,7 @@ class LoraGemm final : public Family {
     const Variant v = variant_of(params);
     void* const none = nullptr;
     const std::uint64_t es = std::uint64_t(dtype_size(p.dtype));
-    if (v.core) {
+    if (v.path == Path::core) {
       // x, w, bias, out, m, n, k, n1, n2, slices, chunks; tensor maps of x, W, t and B.
       out.add(b[0]);
       out.add(b[1]);
@@ -606,7 +610,7 @@ class LoraGemm final : public Family {
     out.add(b[8]);
     for (std::int64_t x : {q.m, q.n, q.k, q.r, q.adapters, q.slices, q.n1, q.n2, q.splits}) out.add(int(x));
     out.add(float(q.scale));
-    if (!v.wgmma) return;
+    if (!v.ring()) return;
     const std::uint64_t row_bytes = std::uint64_t(q.k) * dtype_size(p.dtype);
     out.add_tensor_map({b[0], row_bytes, std::uint64_t(q.m), std::uint32_t(v.bm), 0});
     out.add_tensor_map({b[1], row_bytes, std::uint64_t(q.n), std::uint32_t(v.bn), 0});
