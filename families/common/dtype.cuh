@@ -38,6 +38,23 @@ template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float f) {
   return r;
 }
 
+// Two floats as one 32-bit pair of 16-bit elements, `lo` at the lower address (f16_t, bf16_t).
+template <typename T> __device__ __forceinline__ unsigned pack_float2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack_float2<f16_t>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ unsigned pack_float2<bf16_t>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return unsigned(from_float<bf16_t>(lo).bits) | (unsigned(from_float<bf16_t>(hi).bits) << 16);
+#endif
+}
+
 // N elements moved as one aligned access (N * sizeof(T) is 2, 4, 8 or 16 bytes).
 template <typename T, int N>
 struct __align__(sizeof(T) * N) Pack {

@@ -199,6 +199,57 @@ __device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TmaDes
 #endif
 }
 
+// ---- Bulk stores (shared -> global) ----
+
+// Orders this thread's earlier generic-proxy writes to shared memory before later async-proxy
+// reads of it (a bulk store issued after a barrier or __syncwarp).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// Stores the box at shared address `src` to (col, row) of the tensor map (the map's box and
+// swizzle; parts past the tensor's edges are not written), in this thread's bulk group.
+__device__ __forceinline__ void tma_store_2d(const TmaDesc* map, int col, int row, unsigned src) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(col), "r"(row), "r"(src)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's bulk groups are still reading their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+#endif
+}
+// Waits until at most N of this thread's bulk groups are incomplete (writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Four 8 x 8 matrices of 16-bit elements to shared memory: lanes 8 i .. 8 i + 7 give the row
+// addresses of matrix i, and every lane's r[i] holds the two elements of matrix i at row lane / 4,
+// columns 2 (lane % 4) and 2 (lane % 4) + 1 (the mma accumulator fragment layout).
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+
 // ---- Thread-block clusters ----
 
 // This CTA's rank in its cluster (0 without clusters).

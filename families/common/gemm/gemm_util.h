@@ -69,16 +69,26 @@ inline Tile tile_of(const Params& p) {
 inline bool fp8_kind(Kind kind) { return kind == k_fp8_tensor || kind == k_fp8_block; }
 inline std::int64_t element_bytes(Kind kind, DType operand) { return fp8_kind(kind) ? 1 : dtype_size(operand); }
 
+// Whether a wgmma tile of the GEMM families' kernels (gemm_wgmma, gemm_wgmma_cluster) stores its
+// output through the staged epilogue's shared memory: 128-row tiles (the 64-row ones are for
+// decode-sized problems, whose rings take all the shared memory) without split-K, a width in
+// boxes of 64 columns. Other families that run the core (k_half) store fragments directly.
+inline bool staged_epilogue(Kind kind, const Tile& t) {
+  return t.wgmma && kind != k_half && t.split == 1 && t.bm == 128 && t.bn % 64 == 0;
+}
+
 // Dynamic shared memory: the stages (128 bytes of K per row of A and of each B), 1024 bytes of
-// slack to align them to the swizzle atom, and the wgmma path's two mbarriers per stage and, for
-// block scales, each stage's scales (bm a scales, the b scale, padded to 16 bytes).
+// slack to align them to the swizzle atom, the staged epilogue's 2 KiB per consumer warp, and the
+// wgmma path's two mbarriers per stage and, for block scales, each stage's scales (bm a scales,
+// the b scale, padded to 16 bytes).
 inline std::uint32_t shared_bytes(Kind kind, const Tile& t) {
   const int b_tiles = kind == k_gated ? 2 : 1;
   const int scales = t.wgmma && kind == k_fp8_block ? t.stages * (t.bm + 4) * 4 : 0;
   // Split-K: two mbarriers and the fp32 partial tile (rows of bn + 4 floats).
   const int partial = t.split > 1 ? 16 + t.bm * (t.bn + 4) * 4 : 0;
-  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + (t.wgmma ? 16 * t.stages : 0) + scales +
-                       partial);
+  const int staged = staged_epilogue(kind, t) ? (t.bm / 16) * 2048 : 0;
+  return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + staged + (t.wgmma ? 16 * t.stages : 0) +
+                       scales + partial);
 }
 
 // What one block may use on a device of compute capability cc (the opt-in maximum).
@@ -179,8 +189,9 @@ inline std::string name_expression(Kind kind, const std::string& operand, const 
 
 // Buffers in kernel order: a, b0, b1, a_scale, b_scale, out (unused ones passed as null), then
 // m, n, k, tiles_m, tiles_n; the wgmma path adds tensor maps of a, b0 and b1 (b0's again when
-// there is no b1); a's box is bm / cluster rows (each CTA of a cluster copies its share of A).
-// `es`: operand element bytes.
+// there is no b1; a's box is bm / cluster rows: each CTA of a cluster copies its share of A) and
+// of the 16-bit output in boxes of 16 rows (when n is not a multiple of 8 the kernels store
+// directly, and A's map stands in). `es`: operand element bytes.
 inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void* b0, void* b1, void* a_scale,
                  void* b_scale, void* out, ArgPack& args) {
   const GemmProblem q = p.as<GemmProblem>();
@@ -200,6 +211,10 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add_tensor_map({a, row_bytes, std::uint64_t(q.m), std::uint32_t(t.bm / t.cluster), 0});
   args.add_tensor_map({b0, row_bytes, std::uint64_t(q.n), std::uint32_t(t.bn), 0});
   args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(q.n), std::uint32_t(t.bn), 0});
+  if (q.n % 8 == 0)
+    args.add_tensor_map({out, std::uint64_t(q.n) * 2, std::uint64_t(q.m), 16, 0});
+  else
+    args.add_tensor_map({a, row_bytes, std::uint64_t(q.m), 16, 0});
 }
 
 // Stages for a tile: at least 96 KiB of loads in flight, 4 to 6; on the wgmma path, tiles whose

@@ -125,10 +125,10 @@ struct NoTail {
 };
 
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT,
-          class Tail = NoTail>
+          class Tail = NoTail, bool OUT_MAP = false>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::TmaDesc& map_a,
                                                 const ptx::TmaDesc& map_b0, const ptx::TmaDesc& map_b1,
-                                                const Tail& tail = Tail{}) {
+                                                const Tail& tail = Tail{}, const ptx::TmaDesc* map_out = nullptr) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int CONSUMERS = BM / 64, NI = BN / 8;
   constexpr bool DUAL = KIND == k_gated, FP8 = KIND == k_fp8_tensor || KIND == k_fp8_block,
@@ -147,10 +147,15 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
   constexpr int SCALE_FLOATS = BM + 4;  // per stage: BM a scales, the b scale, padding to 16 bytes
+  // The staged epilogue (OUT_MAP; see the notes before the kernels): 2 KiB per consumer warp after
+  // the ring, one box of its 16 rows x 64 columns.
+  constexpr bool STAGED = OUT_MAP && !SK && BM == 128 && BN % 64 == 0 && sizeof(TOut) == 2;
+  constexpr int OUT_STAGE_BYTES = STAGED ? CONSUMERS * 4 * 2048 : 0;
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = ptx::smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;
-  const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES, scales = empty + 8 * STAGES;
+  const unsigned out_stage = base + STAGES * STAGE_BYTES;
+  const unsigned full = out_stage + OUT_STAGE_BYTES, empty = full + 8 * STAGES, scales = empty + 8 * STAGES;
   // Split-K: the ready and done barriers, then the partial tile (rows of RED_LD floats).
   constexpr int RED_LD = BN + 4;
   const unsigned red_bar = scales + (BLOCK ? STAGES * SCALE_FLOATS * 4 : 0), red = red_bar + 16;
@@ -552,19 +557,53 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
       ++uiter;
       continue;
     }
-    if (DUAL) {
-      store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) {
+    const float mul = FP8 && !BLOCK ? __ldg(a_scale) * __ldg(b_scale) : 1.0f;
+    auto value = [&](int, int ni, int e) {
+      if constexpr (DUAL)
         return gemm_activate(ACT, acc[0][ni][e]) * acc1[0][ni][e];
-      });
-    } else if (FP8) {
-      const float mul = BLOCK ? 1.0f : __ldg(a_scale) * __ldg(b_scale);
-      store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) { return acc[0][ni][e] * mul; });
-    } else {
-      store_fragments<TOut, 1, NI>(out, m, n, row0, col0, [&](int, int ni, int e) {
+      else if constexpr (FP8)
+        return acc[0][ni][e] * mul;
+      else
         return acc[0][ni][e] + tail.bias(col0 + 8 * ni + 2 * (lane & 3) + (e & 1));
-      });
+    };
+    if constexpr (STAGED) {
+      if ((n & 7) == 0) {
+        // Each warp stores its 16 rows in boxes of 64 columns through its own 2 KiB of shared
+        // memory: four stmatrix (two fragments x two row halves each) into the 128-byte swizzle
+        // of the box, then one bulk tensor store that runs on while the warp moves on (to the next
+        // box, or the next tile's K loop). The buffer is rewritten once the store has read it.
+        if (row0 < m) {
+          const unsigned buf = out_stage + unsigned((wg * 4 + warp_in_wg) * 2048);
+          const int q = lane >> 3, srow = (q & 1) * 8 + (lane & 7);
+#pragma unroll
+          for (int c = 0; c < BN / 64; ++c) {
+            if (col0 + 64 * c >= n) break;
+            if (lane == 0) ptx::bulk_wait_read<0>();
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int ni = 8 * c + 2 * j;
+              const unsigned addr = buf + unsigned(srow * 128 + (((2 * j + (q >> 1)) ^ (srow & 7)) << 4));
+              ptx::stmatrix_x4(addr, pack_float2<TOut>(value(0, ni, 0), value(0, ni, 1)),
+                               pack_float2<TOut>(value(0, ni, 2), value(0, ni, 3)),
+                               pack_float2<TOut>(value(0, ni + 1, 0), value(0, ni + 1, 1)),
+                               pack_float2<TOut>(value(0, ni + 1, 2), value(0, ni + 1, 3)));
+            }
+            ptx::fence_proxy_async_shared();
+            __syncwarp();
+            if (lane == 0) {
+              ptx::tma_store_2d(map_out, (col0 + 64 * c) * int(sizeof(TOut)), row0, buf);
+              ptx::bulk_commit();
+            }
+          }
+        }
+        continue;
+      }
     }
+    store_fragments<TOut, 1, NI>(out, m, n, row0, col0, value);
   }
+  // Shared memory lives until the block exits: the bulk stores must be done reading it.
+  if (STAGED && lane == 0) ptx::bulk_wait<0>();
   if (CL > 1) ptx::cluster_sync();
 #else
   // Not sm_90a: nothing to run. check_problem refuses this path for such devices; a tuner timing a
@@ -575,13 +614,19 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
 
 // The kernels: without clusters, and with CLUSTER-wide clusters (the attribute fixes the
 // cluster shape at compile time, so a plain launch with a grid that is a multiple of CLUSTER
-// forms them).
+// forms them). Both take a fourth tensor map, of the output (boxes of 16 rows x 128 bytes): with
+// it, tiles whose width is a multiple of 64 (no split-K) leave through the staged epilogue when
+// n is a multiple of 8 (rows in whole 16-byte pieces). Storing each thread's fragments straight
+// to global memory (store_fragments, the other case) writes 16 of every 32-byte sector per
+// instruction and holds the consumers until the stores have left; staged, a tile's stores are a
+// few shared-memory instructions and bulk copies that run under the next tile's K loop.
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     gemm_wgmma(KILN_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_a,
-               const __grid_constant__ ptx::TmaDesc map_b0, const __grid_constant__ ptx::TmaDesc map_b1) {
-  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1>(a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m,
-                                                                  tiles_n, map_a, map_b0, map_b1);
+               const __grid_constant__ ptx::TmaDesc map_b0, const __grid_constant__ ptx::TmaDesc map_b1,
+               const __grid_constant__ ptx::TmaDesc map_out) {
+  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1, NoTail, true>(
+      a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m, tiles_n, map_a, map_b0, map_b1, NoTail{}, &map_out);
 }
 
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
@@ -590,9 +635,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 __cluster_dims__(CLUSTER * SPLIT, 1, 1)
 #endif
     gemm_wgmma_cluster(KILN_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_a,
-                       const __grid_constant__ ptx::TmaDesc map_b0, const __grid_constant__ ptx::TmaDesc map_b1) {
-  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, CLUSTER, SPLIT>(a, b0, b1, a_scale, b_scale, out, m, n, k,
-                                                                        tiles_m, tiles_n, map_a, map_b0, map_b1);
+                       const __grid_constant__ ptx::TmaDesc map_b0, const __grid_constant__ ptx::TmaDesc map_b1,
+                       const __grid_constant__ ptx::TmaDesc map_out) {
+  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, CLUSTER, SPLIT, NoTail, true>(
+      a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m, tiles_n, map_a, map_b0, map_b1, NoTail{}, &map_out);
 }
 
 }  // namespace gemm

@@ -299,9 +299,10 @@ TEST(GemmFamilies, ClusterGridsAndTensorMaps) {
       void* bufs[5] = {&a, &b, &sa, &sb, &out};
       ArgPack args;
       f.pack_args(h, p, bufs, args);
-      ASSERT_EQ(args.tensor_maps(), 3u);
+      ASSERT_EQ(args.tensor_maps(), 4u);
       EXPECT_EQ(args.tensor_map_request(0).box_rows, std::uint32_t(*h.get_int("bm") / 2));
       EXPECT_EQ(args.tensor_map_request(1).box_rows, std::uint32_t(*h.get_int("bn")));
+      EXPECT_EQ(args.tensor_map_request(3).base, &out);
     }
   // 13 column tiles in clusters of 2: 7 units; 3 SMs hold one cluster.
   Params c = f.heuristic(gemm_problem(DType::bf16, 128, 7168, 16384, 0));
@@ -410,7 +411,7 @@ TEST(GemmFamilies, ArgumentsPackInKernelOrder) {
   f.pack_args(h, p, bufs, args);
   ASSERT_FALSE(args.overflow());
   ASSERT_EQ(*h.get_str("path"), "wgmma");
-  ASSERT_EQ(args.count(), 14u);  // 11 values, then the tensor maps of x, wg and wu
+  ASSERT_EQ(args.count(), 15u);  // 11 values, then the tensor maps of x, wg, wu and out
   EXPECT_EQ(*static_cast<void**>(args.pointers()[0]), &x);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[1]), &wg);
   EXPECT_EQ(*static_cast<void**>(args.pointers()[2]), &wu);
@@ -422,7 +423,24 @@ TEST(GemmFamilies, ArgumentsPackInKernelOrder) {
   const auto bm = *h.get_int("bm"), bn = *h.get_int("bn");
   EXPECT_EQ(*static_cast<int*>(args.pointers()[9]), (300 + bm - 1) / bm);
   EXPECT_EQ(*static_cast<int*>(args.pointers()[10]), (1000 + bn - 1) / bn);
-  ASSERT_EQ(args.tensor_maps(), 3u);
+  ASSERT_EQ(args.tensor_maps(), 4u);
+  // The output's map: 16-bit elements seen as bytes, boxes of 16 rows (the staged epilogue).
+  const TensorMapRequest& o = args.tensor_map_request(3);
+  EXPECT_EQ(o.base, &out);
+  EXPECT_EQ(o.row_bytes, 1000u * 2);
+  EXPECT_EQ(o.rows, 300u);
+  EXPECT_EQ(o.box_rows, 16u);
+  EXPECT_EQ(args.tensor_map_slot(3), args.pointers()[14]);
+  // n not a multiple of 8: rows are not whole 16-byte pieces, the kernel stores directly and A's
+  // map stands in for the output's.
+  {
+    const Problem odd = gemm_problem(DType::bf16, 300, 1001, 512, families::k_gated_gelu);
+    ArgPack odd_args;
+    f.pack_args(f.heuristic(odd), odd, bufs, odd_args);
+    ASSERT_EQ(odd_args.tensor_maps(), 4u);
+    EXPECT_EQ(odd_args.tensor_map_request(3).base, &x);
+    EXPECT_EQ(odd_args.tensor_map_request(3).row_bytes, 512u * 2);
+  }
   const void* bases[3] = {&x, &wg, &wu};
   for (std::size_t i = 0; i < 3; ++i) {
     const TensorMapRequest& r = args.tensor_map_request(i);
@@ -651,6 +669,30 @@ TEST_F(GemmOps, QuantizeErrors) {
          Code::invalid_argument, "misaligned scale");
   expect(call(xv, qv, TensorView::contiguous(s.data(), DType::f32, {1}, cpu), static_cast<Fp8Granularity>(5)),
          Code::invalid_argument, "granularity");
+}
+
+
+// The staged epilogue's shared memory (2 KiB per consumer warp) goes to the GEMM families' 128-row
+// tiles whose width is whole 64-column boxes, without split-K; the core's other users (k_half),
+// the decode-sized 64-row tiles and split-K keep storing directly and their stages.
+TEST(GemmFamilies, StagedEpilogueSharedMemory) {
+  const g::Tile big{true, 128, 256, 4, 8};
+  EXPECT_TRUE(g::staged_epilogue(g::k_fp8_tensor, big));
+  EXPECT_EQ(g::shared_bytes(g::k_fp8_tensor, big), 4u * 384 * 128 + 1024 + 8 * 2048 + 16 * 4);
+  EXPECT_FALSE(g::staged_epilogue(g::k_half, big));
+  EXPECT_EQ(g::shared_bytes(g::k_half, big), 4u * 384 * 128 + 1024 + 16 * 4);
+  EXPECT_TRUE(g::staged_epilogue(g::k_gated, g::Tile{true, 128, 128, 4, 8}));
+  EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{true, 128, 176, 4, 8}));
+  EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{true, 64, 128, 9, 8}));
+  EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{true, 128, 128, 4, 8, 1, 2}));
+  EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{false, 128, 128, 4, 8}));
+  // Every staged tile of the heuristic still gets its stages within the limit.
+  for (g::Kind kind : {g::k_fp8_tensor, g::k_fp8_block, g::k_gated})
+    for (const g::Tile& t : g::default_tiles(kind)) {
+      SCOPED_TRACE(std::to_string(t.bm) + "x" + std::to_string(t.bn) + " stages " + std::to_string(t.stages));
+      EXPECT_LE(g::shared_bytes(kind, t), g::max_shared_bytes(t.wgmma ? 90 : 80));
+      if (g::staged_epilogue(kind, t)) EXPECT_GE(t.stages, 4);
+    }
 }
 
 }  // namespace
