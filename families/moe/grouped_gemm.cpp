@@ -4,10 +4,10 @@
 // Heuristic and why: on compute capability 9.0 the wgmma path for every layout (kgrouped's
 // row-major operands are read transposed by wgmma itself), else mma. wgmma tiles: 64 x 128 when
 // experts average at most 64 rows (decode: a 128-row tile would be mostly rows of the next
-// expert, and each expert's weights stream once either way); contiguous and dgrad with k <= 4096
-// the pingpong schedule on 128 x 128 tiles (with a short reduction the cooperative schedule's
-// epilogue is a large share of a tile's time; at longer k its wider tile wins); else 128 x 256
-// where n reaches 1024 (the core's fastest bf16 shape per byte of A and B) and 128 x 128 below;
+// expert, and each expert's weights stream once either way); else the cooperative schedule on
+// 128 x 256 where n reaches 1024 (the core's fastest bf16 shape per byte of A and B; with the
+// staged epilogue it is ahead of the pingpong schedule on 128 x 128 tiles at every prefill shape
+// of the bench, k 2048 to 14336) and 128 x 128 below;
 // kgrouped 128 x 256 while the units cover the SMs twice, else 128 x 128. mma: 128 x 128, then
 // 64 x 128 and 64 x 64 while fewer units than SMs (the dense core's halving rule). Stages: at
 // least 96 KiB of loads in flight (4 to 6), the small wgmma tiles as many as fit (decode is bound
@@ -96,8 +96,13 @@ std::int64_t stage_bytes(const Variant& v) {
   return std::int64_t(v.bm + v.bn) * 128;
 }
 
+// The wgmma kernels store tiles whose width is whole 64-column boxes through 2 KiB of shared
+// memory per consumer warp (the staged epilogue; kgrouped tiles are always 64-column boxes).
+bool staged_epilogue(const Variant& v) { return v.wgmma && v.bn % 64 == 0; }
+
 std::int64_t shared_bytes(const Variant& v, std::int64_t experts) {
-  return 1024 + v.stages * (stage_bytes(v) + (v.wgmma ? 16 : 0)) + schedule_bytes(experts);
+  const std::int64_t staged = staged_epilogue(v) ? (v.pingpong ? 2 : v.bm / 64) * 4 * 2048 : 0;
+  return 1024 + v.stages * (stage_bytes(v) + (v.wgmma ? 16 : 0)) + staged + schedule_bytes(experts);
 }
 
 int default_stages(Variant v, std::int64_t cc) {
@@ -116,6 +121,16 @@ Params make(const Variant& v, const std::string& dtype) {
 
 std::int64_t cdiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// The output's tensor map for the staged epilogue: `rows` rows of `width` 16-bit elements seen as
+// bytes, boxes of 16 rows. When the width is not a multiple of 8 (rows not in whole 16-byte
+// pieces) the kernel stores with its lanes and `stand_in` (a map of an input) takes the slot.
+void add_out_map(ArgPack& args, void* out, std::int64_t width, std::uint64_t rows, const TensorMapRequest& stand_in) {
+  if (width % 8 == 0)
+    args.add_tensor_map({out, std::uint64_t(width) * 2, rows, 16, 0});
+  else
+    args.add_tensor_map(stand_in);
+}
+
 // Work units a launch may have: the exact count for masked and kgrouped, a bound for contiguous
 // (each expert adds at most one partial m-tile).
 std::int64_t unit_bound(const Variant& v, const GroupedGemmProblem& q) {
@@ -128,7 +143,7 @@ std::int64_t unit_bound(const Variant& v, const GroupedGemmProblem& q) {
 class GroupedGemm final : public Family {
  public:
   std::string_view name() const override { return "grouped_gemm"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -271,8 +286,6 @@ class GroupedGemm final : public Family {
       const std::int64_t rows = layout == k_masked ? q.m : q.m / std::max<std::int64_t>(1, q.experts);
       if (rows <= 64)
         v.bm = 64;
-      else if (layout != k_masked && q.k <= 4096)
-        v.pingpong = true;  // 128 x 128 tiles in turn: a short reduction leaves the epilogue exposed
       else if (q.n >= 1024)
         v.bn = 256;
     } else {
@@ -362,6 +375,8 @@ class GroupedGemm final : public Family {
       // Both operands row-major over the m reduction rows, in 64-row boxes of 64 columns.
       out.add_tensor_map({b[0], std::uint64_t(q.n * 2), std::uint64_t(q.m), 64, 0});
       out.add_tensor_map({b[1], std::uint64_t(q.k * 2), std::uint64_t(q.m), 64, 0});
+      // out [experts, n, k] as experts x n rows of k.
+      add_out_map(out, b[3], q.k, std::uint64_t(q.experts * q.n), {b[0], std::uint64_t(q.n * 2), std::uint64_t(q.m), 16, 0});
       return;
     }
     const std::uint64_t row_bytes = std::uint64_t(q.k * 2);
@@ -371,6 +386,7 @@ class GroupedGemm final : public Family {
       out.add_tensor_map({b[1], std::uint64_t(q.n * 2), std::uint64_t(q.experts * q.k), 64, 0});
     else
       out.add_tensor_map({b[1], row_bytes, std::uint64_t(q.experts * q.n), std::uint32_t(v.bn), 0});
+    add_out_map(out, b[3], q.n, rows_a, {b[0], row_bytes, rows_a, 16, 0});
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
@@ -417,13 +433,15 @@ class GroupedGemm final : public Family {
 // as torch._scaled_grouped_mm takes them) or DeepSeek-V3's blocks (a_scale [rows, ceil(k/128)],
 // b_scale [experts, ceil(n/128), ceil(k/128)], promoted every 128 of K; tiles at most 128 wide).
 // The same paths, tiles and heuristic as grouped_gemm's (a stage is 128 bytes of K either way),
-// except that rowwise prefill (contiguous, more than 64 rows an expert) takes the pingpong
-// schedule at every k: its epilogue (a scale per row and column) would otherwise stall the tensor
-// cores; the mma path widens e4m3 to f16 in registers (sm_80 has no fp8 tensor-core instruction).
+// except that rowwise prefill (contiguous, more than 64 rows an expert) with k <= 4096 takes the
+// pingpong schedule on 128 x 128 tiles: a short fp8 reduction leaves the epilogue (a scale per row
+// and column) a large share of a tile, which pingpong hides under the other tile's products (at
+// longer k the cooperative 128 x 256 tile is ahead); the mma path widens e4m3 to f16 in registers
+// (sm_80 has no fp8 tensor-core instruction).
 class GroupedGemmFp8 final : public Family {
  public:
   std::string_view name() const override { return "grouped_gemm_fp8"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -571,7 +589,7 @@ class GroupedGemmFp8 final : public Family {
       const std::int64_t rows = layout == k_masked ? q.m : q.m / std::max<std::int64_t>(1, q.experts);
       if (rows <= 64)
         v.bm = 64;
-      else if (layout == k_contiguous && !block)
+      else if (layout == k_contiguous && !block && q.k <= 4096)
         v.pingpong = true;  // 128 x 128 tiles in turn: the rowwise epilogue under the other tile's products
       else if (q.n >= 1024)
         v.bn = 256;
@@ -648,6 +666,7 @@ class GroupedGemmFp8 final : public Family {
     const std::uint64_t rows_a = std::uint64_t(q.layout == k_masked ? q.experts * q.m : q.m);
     out.add_tensor_map({b[0], std::uint64_t(q.k), rows_a, std::uint32_t(v.bm), 0});
     out.add_tensor_map({b[1], std::uint64_t(q.k), std::uint64_t(q.experts * q.n), std::uint32_t(v.bn), 0});
+    add_out_map(out, b[5], q.n, rows_a, {b[0], std::uint64_t(q.k), rows_a, 16, 0});
   }
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 6)

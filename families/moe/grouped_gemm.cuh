@@ -120,15 +120,22 @@ __device__ __forceinline__ void unit_coords(int u, int experts, const int* lo, c
 // keep the tensor cores busy. A warpgroup starts waiting for its tile's stages only after the
 // other has issued its last product (named barriers 2 and 3, arrive / sync in turn): its first
 // stage is then at most one phase ahead, which the parity wait tells apart.
+// The epilogue (tiles whose width is whole 64-column boxes): each warp stages its 16 rows through
+// 2 KiB of shared memory (common/gemm/staged_store.cuh); a warp whose rows all belong to the tile's
+// expert, n a multiple of 8, stores them by bulk tensor copies of map_out (the output, boxes of
+// 16 rows x 128 bytes), a warp holding an expert's last rows with its lanes' own stores, so no
+// row of the next expert is written.
 template <class TIn, class TOut, int LAYOUT, int BM, int BN, int STAGES, int SCALING, bool PINGPONG = false>
 __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
     grouped_wgmma(const TIn* __restrict__ a, const TIn* __restrict__ b, const int* __restrict__ offs,
                   const float* __restrict__ a_scale, const float* __restrict__ b_scale, TOut* __restrict__ out,
                   int experts, int m, int n, int k, const __grid_constant__ ptx::TmaDesc map_a,
-                  const __grid_constant__ ptx::TmaDesc map_b) {
+                  const __grid_constant__ ptx::TmaDesc map_b, const __grid_constant__ ptx::TmaDesc map_out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace gemm;
   constexpr int CONSUMERS = PINGPONG ? 2 : BM / 64, NI = BN / 8;
+  constexpr bool STAGED = BN % 64 == 0 && sizeof(TOut) == 2;
+  constexpr int OUT_STAGE_BYTES = STAGED ? CONSUMERS * 4 * 2048 : 0;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr int B_BOX = 64 * k_row_bytes;  // dgrad: 64 rows of k by 64 columns
   static_assert(!PINGPONG || (SCALING != k_block && BM * BN <= 128 * 128), "pingpong: 128 accumulators a thread");
@@ -136,7 +143,8 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = ptx::smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;
-  const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+  const unsigned out_stage = base + STAGES * STAGE_BYTES;
+  const unsigned full = out_stage + OUT_STAGE_BYTES, empty = full + 8 * STAGES;
   int* sched = reinterpret_cast<int*>(smem_raw + (empty + 8 * STAGES - raw));
   int *lo = sched, *hi = lo + experts + 1, *first = hi + experts + 1;
   const int tiles_n = (n + BN - 1) / BN;
@@ -202,17 +210,39 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
   };
   // A warp's 16 rows of a 64-row accumulator tile into out (expert e's rows below hi[e]); rowwise:
   // times a_scale per row and b_scale per column (columns past n are computed and dropped).
+  const unsigned warp_buf = out_stage + unsigned((wg * 4 + (threadIdx.x / 32) % 4) * 2048);
   auto store_tile = [&](const float(&d)[1][NI][4], int e, int row0, int col0) {
+    const float* sb = b_scale + (long long)e * n;
+    float sa[2] = {1.0f, 1.0f};
     if constexpr (SCALING == k_rowwise) {
-      const float* sb = b_scale + (long long)e * n;
-      const float sa[2] = {row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f,
-                           row0 + (lane >> 2) + 8 < hi[e] ? __ldg(a_scale + row0 + (lane >> 2) + 8) : 0.0f};
-      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) {
+      sa[0] = row0 + (lane >> 2) < hi[e] ? __ldg(a_scale + row0 + (lane >> 2)) : 0.0f;
+      sa[1] = row0 + (lane >> 2) + 8 < hi[e] ? __ldg(a_scale + row0 + (lane >> 2) + 8) : 0.0f;
+    }
+    auto value = [&](int, int ni, int q) {
+      if constexpr (SCALING == k_rowwise) {
         const int col = col0 + 8 * ni + 2 * (lane & 3) + (q & 1);
         return col < n ? d[0][ni][q] * sa[q >> 1] * __ldg(sb + col) : 0.0f;
-      });
+      } else {
+        return d[0][ni][q];
+      }
+    };
+    if constexpr (STAGED) {
+      const bool bulk = (n & 7) == 0 && row0 + 16 <= hi[e];
+      const int rows = min(16, hi[e] - row0);
+      if (rows <= 0) return;
+#pragma unroll
+      for (int c = 0; c < BN / 64; ++c) {
+        if (col0 + 64 * c >= n) break;
+        if (lane == 0) ptx::bulk_wait_read<0>();
+        __syncwarp();
+        stage_box<TOut>(warp_buf, 8 * c, value);
+        if (bulk)
+          bulk_store_box(warp_buf, &map_out, (col0 + 64 * c) * int(sizeof(TOut)), row0);
+        else
+          copy_box<TOut>(warp_buf, out, row0, rows, n, col0 + 64 * c);
+      }
     } else {
-      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, [&](int, int ni, int q) { return d[0][ni][q]; });
+      store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, value);
     }
   };
   if constexpr (PINGPONG) {
@@ -262,6 +292,8 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) store_tile(acc[mi], e, lo[e] + tm * BM + mi * 64 + warp_in_wg * 16, col0);
     }
+    // Shared memory lives until the block exits: the bulk stores must be done reading it.
+    if (STAGED && lane == 0) ptx::bulk_wait<0>();
     return;
   }
   // part: a k-block's partial sums (block scales; compiled away otherwise), written by wgmma only,
@@ -329,6 +361,7 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
     const int row0 = lo[e] + tm * BM + wg * 64 + warp_in_wg * 16, col0 = tn * BN;
     store_tile(acc, e, row0, col0);
   }
+  if (STAGED && lane == 0) ptx::bulk_wait<0>();
 #endif
 }
 
@@ -340,21 +373,23 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
 // The rows past the expert's last row in its last stage belong to the next expert (or are TMA's
 // zeros past m): the consumer zeroes them in its A box before the wgmma, so they add nothing.
 // Units are (expert, m-tile, n-tile), expert by expert; the grid is persistent. An expert without
-// rows stores zeros.
+// rows stores zeros. Tiles leave through the staged epilogue, as grouped_wgmma's do.
 template <class T, int BM, int BN, int STAGES>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     grouped_wgmma_kgrouped(const T* __restrict__ a, const T* __restrict__ b, const int* __restrict__ offs,
                            const float* __restrict__, const float* __restrict__, T* __restrict__ out, int experts,
                            int m, int n, int k, const __grid_constant__ ptx::TmaDesc map_a,
-                           const __grid_constant__ ptx::TmaDesc map_b) {
+                           const __grid_constant__ ptx::TmaDesc map_b, const __grid_constant__ ptx::TmaDesc map_out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace gemm;
   constexpr int CONSUMERS = BM / 64, NI = BN / 8, BOX = 64 * 128;
   constexpr int A_BYTES = CONSUMERS * BOX, STAGE_BYTES = A_BYTES + (BN / 64) * BOX;
+  static_assert(BN % 64 == 0, "kgrouped: 64-column boxes");
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = ptx::smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;
-  const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+  const unsigned out_stage = base + STAGES * STAGE_BYTES;
+  const unsigned full = out_stage + CONSUMERS * 4 * 2048, empty = full + 8 * STAGES;
   int* sched = reinterpret_cast<int*>(smem_raw + (empty + 8 * STAGES - raw));
   int *lo = sched, *hi = lo + experts + 1, *first = hi + experts + 1;
   const int tiles_m = (n + BM - 1) / BM, tiles_n = (k + BN - 1) / BN, per = tiles_m * tiles_n;
@@ -440,8 +475,27 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     wgmma_wait<0>();
     fence_fragments(acc);
     ptx::mbar_arrive(empty + 8 * ((it - 1) % STAGES));
-    store_fragments<T, 1, NI>(out_e, n, k, row0, col0, [&](int, int ni, int q) { return acc[0][ni][q]; });
+    // The staged epilogue (common/gemm/staged_store.cuh): bulk tensor stores of map_out (every
+    // expert's [n, k] as experts x n rows) where the warp's 16 rows are all below n and k is a
+    // multiple of 8, else the lanes' own stores.
+    if (row0 < n) {
+      const unsigned buf = out_stage + unsigned((wg * 4 + warp_in_wg) * 2048);
+      const bool bulk = (k & 7) == 0 && row0 + 16 <= n;
+#pragma unroll
+      for (int c = 0; c < BN / 64; ++c) {
+        if (col0 + 64 * c >= k) break;
+        if (lane == 0) ptx::bulk_wait_read<0>();
+        __syncwarp();
+        stage_box<T>(buf, 8 * c, [&](int, int ni, int q) { return acc[0][ni][q]; });
+        if (bulk)
+          bulk_store_box(buf, &map_out, (col0 + 64 * c) * int(sizeof(T)), e * n + row0);
+        else
+          copy_box<T>(buf, out_e, row0, min(16, n - row0), k, col0 + 64 * c);
+      }
+    }
   }
+  // Shared memory lives until the block exits: the bulk stores must be done reading it.
+  if (lane == 0) ptx::bulk_wait<0>();
 #endif
 }
 

@@ -18,6 +18,7 @@
 #pragma once
 
 #include "common/gemm/gemm_common.cuh"
+#include "common/gemm/staged_store.cuh"
 #include "common/gemm/wgmma_kn_ops.cuh"
 #include "common/gemm/wgmma_mn_ops.cuh"
 #include "common/gemm/wgmma_ops.cuh"
@@ -147,8 +148,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
   constexpr int SCALE_FLOATS = BM + 4;  // per stage: BM a scales, the b scale, padding to 16 bytes
-  // The staged epilogue (OUT_MAP; see the notes before the kernels): 2 KiB per consumer warp after
-  // the ring, one box of its 16 rows x 64 columns.
+  // The staged epilogue (OUT_MAP; staged_store.cuh): 2 KiB per consumer warp after the ring, one
+  // box of its 16 rows x 64 columns.
   constexpr bool STAGED = OUT_MAP && !SK && BM == 128 && BN % 64 == 0 && sizeof(TOut) == 2;
   constexpr int OUT_STAGE_BYTES = STAGED ? CONSUMERS * 4 * 2048 : 0;
   extern __shared__ unsigned char smem_raw[];
@@ -567,40 +568,27 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
         return acc[0][ni][e] + tail.bias(col0 + 8 * ni + 2 * (lane & 3) + (e & 1));
     };
     if constexpr (STAGED) {
-      if ((n & 7) == 0) {
-        // Each warp stores its 16 rows in boxes of 64 columns through its own 2 KiB of shared
-        // memory: four stmatrix (two fragments x two row halves each) into the 128-byte swizzle
-        // of the box, then one bulk tensor store that runs on while the warp moves on (to the next
-        // box, or the next tile's K loop). The buffer is rewritten once the store has read it.
-        if (row0 < m) {
-          const unsigned buf = out_stage + unsigned((wg * 4 + warp_in_wg) * 2048);
-          const int q = lane >> 3, srow = (q & 1) * 8 + (lane & 7);
+      // Each warp's 16 rows, a box of 64 columns at a time, through its own 2 KiB (staged_store.cuh):
+      // bulk tensor stores when rows are whole 16-byte pieces (the map clips rows past m), else
+      // the lanes' own stores.
+      if (row0 < m) {
+        const unsigned buf = out_stage + unsigned((wg * 4 + warp_in_wg) * 2048);
+        const bool bulk = (n & 7) == 0;
 #pragma unroll
-          for (int c = 0; c < BN / 64; ++c) {
-            if (col0 + 64 * c >= n) break;
-            if (lane == 0) ptx::bulk_wait_read<0>();
-            __syncwarp();
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int ni = 8 * c + 2 * j;
-              const unsigned addr = buf + unsigned(srow * 128 + (((2 * j + (q >> 1)) ^ (srow & 7)) << 4));
-              ptx::stmatrix_x4(addr, pack_float2<TOut>(value(0, ni, 0), value(0, ni, 1)),
-                               pack_float2<TOut>(value(0, ni, 2), value(0, ni, 3)),
-                               pack_float2<TOut>(value(0, ni + 1, 0), value(0, ni + 1, 1)),
-                               pack_float2<TOut>(value(0, ni + 1, 2), value(0, ni + 1, 3)));
-            }
-            ptx::fence_proxy_async_shared();
-            __syncwarp();
-            if (lane == 0) {
-              ptx::tma_store_2d(map_out, (col0 + 64 * c) * int(sizeof(TOut)), row0, buf);
-              ptx::bulk_commit();
-            }
-          }
+        for (int c = 0; c < BN / 64; ++c) {
+          if (col0 + 64 * c >= n) break;
+          if (lane == 0) ptx::bulk_wait_read<0>();
+          __syncwarp();
+          stage_box<TOut>(buf, 8 * c, value);
+          if (bulk)
+            bulk_store_box(buf, map_out, (col0 + 64 * c) * int(sizeof(TOut)), row0);
+          else
+            copy_box<TOut>(buf, out, row0, min(16, m - row0), n, col0 + 64 * c);
         }
-        continue;
       }
+    } else {
+      store_fragments<TOut, 1, NI>(out, m, n, row0, col0, value);
     }
-    store_fragments<TOut, 1, NI>(out, m, n, row0, col0, value);
   }
   // Shared memory lives until the block exits: the bulk stores must be done reading it.
   if (STAGED && lane == 0) ptx::bulk_wait<0>();
@@ -614,12 +602,10 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
 
 // The kernels: without clusters, and with CLUSTER-wide clusters (the attribute fixes the
 // cluster shape at compile time, so a plain launch with a grid that is a multiple of CLUSTER
-// forms them). Both take a fourth tensor map, of the output (boxes of 16 rows x 128 bytes): with
-// it, tiles whose width is a multiple of 64 (no split-K) leave through the staged epilogue when
-// n is a multiple of 8 (rows in whole 16-byte pieces). Storing each thread's fragments straight
-// to global memory (store_fragments, the other case) writes 16 of every 32-byte sector per
-// instruction and holds the consumers until the stores have left; staged, a tile's stores are a
-// few shared-memory instructions and bulk copies that run under the next tile's K loop.
+// forms them). Both take a fourth tensor map, of the output (boxes of 16 rows x 128 bytes), for
+// the staged epilogue (staged_store.cuh) of 128-row tiles whose width is a multiple of 64 (no
+// split-K): a tile's stores are then a few shared-memory instructions and bulk copies that run
+// under the next tile's K loop.
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     gemm_wgmma(KILN_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_a,

@@ -82,8 +82,9 @@ struct Case {
 };
 
 // The schedules beside the heuristic's pick: its path and layout with the pingpong schedule at the
-// tiles that fit it (128 x 128, 64 x 256), 4 and 6 stages, timed on the same buffers (the op's
-// order) and printed with their ratio to the heuristic's time `ms`. Shows where pingpong pays.
+// tiles that fit it (128 x 128, 64 x 256) and the cooperative one at 128 x 256 and 128 x 128, 4
+// stages, timed on the same buffers (the op's order) and printed with their ratio to the
+// heuristic's time `ms`. Shows which schedule pays where.
 void time_schedules(Context& ctx, const char* family, const Problem& base, const std::vector<void*>& bufs, double ms,
                     double flops) {
   const Family& f = *Registry::global().find(family);
@@ -91,22 +92,26 @@ void time_schedules(Context& ctx, const char* family, const Problem& base, const
   jit::set_device(p, *jit::device_info(0).value());
   const Params h = f.heuristic(p);
   if (*h.get_str("path") != "wgmma") return;
-  for (auto [bm, bn] : {std::pair{128, 128}, {64, 256}})
-    for (std::int64_t stages : {4, 6}) {
-      Params c = h;
-      c.set("schedule", "pingpong");
-      c.set("bm", std::int64_t(bm));
-      c.set("bn", std::int64_t(bn));
-      c.set("stages", stages);
-      if (!f.validate(c).ok() || !f.check_problem(c, p).ok()) continue;
-      auto k = ctx.runtime->kernel(KernelSpec{family, c});
-      check(k.status(), "kernel");
-      const auto fn = static_cast<CUfunction>((*k)->function);
-      const double t = time_events([&](int) { check(jit::launch_candidate(f, c, p, fn, bufs), "launch"); }, 5,
-                                   ctx.quick ? 10 : 30);
-      std::printf("    %-60s %10.1f %9.1f  %.3fx the heuristic\n", c.canonical().c_str(), t * 1e3,
-                  flops / (t * 1e-3) / 1e12, ms / t);
-    }
+  struct Cand {
+    const char* schedule;
+    int bm, bn;
+  };
+  for (const Cand& cand : {Cand{"pingpong", 128, 128}, Cand{"pingpong", 64, 256}, Cand{"cooperative", 128, 256},
+                           Cand{"cooperative", 128, 128}}) {
+    Params c = h;
+    c.set("schedule", cand.schedule);
+    c.set("bm", std::int64_t(cand.bm));
+    c.set("bn", std::int64_t(cand.bn));
+    c.set("stages", std::int64_t(4));
+    if (c == h || !f.validate(c).ok() || !f.check_problem(c, p).ok()) continue;
+    auto k = ctx.runtime->kernel(KernelSpec{family, c});
+    check(k.status(), "kernel");
+    const auto fn = static_cast<CUfunction>((*k)->function);
+    const double t = time_events([&](int) { check(jit::launch_candidate(f, c, p, fn, bufs), "launch"); }, 5,
+                                 ctx.quick ? 10 : 30);
+    std::printf("    %-60s %10.1f %9.1f  %.3fx the heuristic\n", c.canonical().c_str(), t * 1e3,
+                flops / (t * 1e-3) / 1e12, ms / t);
+  }
 }
 
 // grouped_gemm_fp8 (e4m3, bf16 out; rowwise scales, or DeepSeek-V3's 1x128 / 128x128 blocks) on

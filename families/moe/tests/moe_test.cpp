@@ -581,30 +581,56 @@ TEST(MoeFamilies, GroupedGemmRulesAndGeometry) {
   const Params hq = g.heuristic(q);
   const auto bm = *hq.get_int("bm"), bn = *hq.get_int("bn");
   EXPECT_EQ(g.geometry(hq, q).grid.x, std::uint32_t(((1000 + bm - 1) / bm + 8) * ((392 + bn - 1) / bn)));
-  // The wgmma variant packs two tensor maps: a's rows and every expert's weight rows.
+  // The wgmma variant packs three tensor maps: a's rows, every expert's weight rows and the
+  // output's rows (boxes of 16 rows, for the staged epilogue).
   ArgPack args;
   std::vector<void*> ptrs = {reinterpret_cast<void*>(4096), reinterpret_cast<void*>(8192),
                              reinterpret_cast<void*>(12288), reinterpret_cast<void*>(16384)};
   g.pack_args(wg, p, ptrs, args);
-  ASSERT_EQ(args.tensor_maps(), 2u);
+  ASSERT_EQ(args.tensor_maps(), 3u);
   EXPECT_EQ(args.tensor_map_request(0).rows, 8u * 4096);
   EXPECT_EQ(args.tensor_map_request(1).rows, 8u * 28672);
   EXPECT_EQ(args.tensor_map_request(1).row_bytes, 4096u * 2);
+  EXPECT_EQ(args.tensor_map_request(2).base, ptrs[3]);
+  EXPECT_EQ(args.tensor_map_request(2).rows, 8u * 4096);
+  EXPECT_EQ(args.tensor_map_request(2).row_bytes, 28672u * 2);
+  EXPECT_EQ(args.tensor_map_request(2).box_rows, 16u);
+  {
+    // n not a multiple of 8: the kernel stores directly; a's map stands in for the output's.
+    const Problem odd = grouped_problem(8 * 4096, 28668, 4096, 8, m::k_contiguous, 90);
+    ArgPack oargs;
+    g.pack_args(g.heuristic(odd), odd, ptrs, oargs);
+    ASSERT_EQ(oargs.tensor_maps(), 3u);
+    EXPECT_EQ(oargs.tensor_map_request(2).base, ptrs[0]);
+  }
   // The dgrad layout views every expert's [k, n] weight as experts x k rows of n.
   const Problem dq = grouped_problem(8 * 4096, 14336, 4096, 8, m::k_dgrad, 90);
   ArgPack dargs;
   g.pack_args(g.heuristic(dq), dq, ptrs, dargs);
-  ASSERT_EQ(dargs.tensor_maps(), 2u);
+  ASSERT_EQ(dargs.tensor_maps(), 3u);
   EXPECT_EQ(dargs.tensor_map_request(1).rows, 8u * 4096);
   EXPECT_EQ(dargs.tensor_map_request(1).row_bytes, 14336u * 2);
   EXPECT_EQ(dargs.tensor_map_request(1).box_rows, 64u);
+  // kgrouped: out [experts, n, k] as experts x n rows of k for the staged epilogue.
+  const Problem kq = grouped_problem(8 * 4096, 4096, 14336, 8, m::k_kgrouped, 90);
+  ArgPack kargs;
+  g.pack_args(g.heuristic(kq), kq, ptrs, kargs);
+  ASSERT_EQ(kargs.tensor_maps(), 3u);
+  EXPECT_EQ(kargs.tensor_map_request(2).base, ptrs[3]);
+  EXPECT_EQ(kargs.tensor_map_request(2).rows, 8u * 4096);
+  EXPECT_EQ(kargs.tensor_map_request(2).row_bytes, 14336u * 2);
 }
 
 TEST(MoeFamilies, PingpongScheduleRules) {
   const Family& g = fam("grouped_gemm");
   const Problem p = grouped_problem(8 * 4096, 28672, 4096, 8, m::k_contiguous, 90);
-  const Params pp = g.heuristic(p);
-  ASSERT_EQ(*pp.get_str("schedule"), "pingpong");
+  // bf16 prefill takes the cooperative 128 x 256 tile at every k.
+  const Params coop = g.heuristic(p);
+  EXPECT_EQ(*coop.get_str("schedule"), "cooperative");
+  EXPECT_EQ(*coop.get_int("bn"), 256);
+  EXPECT_EQ(*g.heuristic(grouped_problem(8 * 4096, 14336, 4096, 8, m::k_dgrad, 90)).get_str("schedule"), "cooperative");
+  Params pp = coop;
+  pp.set("schedule", "pingpong").set("bn", std::int64_t(128));
   EXPECT_TRUE(g.validate(pp).ok());
   EXPECT_EQ(g.geometry(pp, p).block.x, 384u) << "a producer and two consumer warpgroups";
   Params bad = pp;
@@ -616,7 +642,8 @@ TEST(MoeFamilies, PingpongScheduleRules) {
   bad = pp;
   bad.set("layout", "kgrouped");
   EXPECT_EQ(g.validate(bad).code(), Code::invalid_argument) << "kgrouped has no pingpong schedule";
-  // FP8: rowwise prefill takes pingpong at any k, block scales and decode the cooperative schedule.
+  // FP8: rowwise prefill takes pingpong up to k 4096, block scales, longer k and decode the
+  // cooperative schedule.
   const Family& f8 = fam("grouped_gemm_fp8");
   auto fp8 = [](std::int64_t mm, std::int64_t k, std::int64_t e, std::int64_t scaling) {
     Problem q = Problem::of(DType::bf16, 16,
@@ -626,7 +653,8 @@ TEST(MoeFamilies, PingpongScheduleRules) {
     q.sm_count = 132;
     return q;
   };
-  EXPECT_EQ(*f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_rowwise)).get_str("schedule"), "pingpong");
+  EXPECT_EQ(*f8.heuristic(fp8(8 * 4096, 4096, 8, m::k_fp8_rowwise)).get_str("schedule"), "pingpong");
+  EXPECT_EQ(*f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_rowwise)).get_str("schedule"), "cooperative");
   EXPECT_EQ(*f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_block)).get_str("schedule"), "cooperative");
   EXPECT_EQ(*f8.heuristic(fp8(256 * 16, 7168, 256, m::k_fp8_rowwise)).get_str("schedule"), "cooperative");
   Params blockpp = f8.heuristic(fp8(8 * 4096, 14336, 8, m::k_fp8_block));
