@@ -528,17 +528,18 @@ TEST(MoeFamilies, HeuristicPicksCatalogVariantsForStandardShapes) {
         const bool wgmma = *h.get_str("path") == "wgmma";
         EXPECT_EQ(wgmma, cc == 90) << h.canonical();
       }
-  // Decode (16 rows per expert) takes 64-row tiles; prefill with k <= 4096 (Mixtral gate_up) the
-  // pingpong schedule on 128 x 128 tiles, with a longer k (Mixtral down) the cooperative 128 x 256.
+  // Decode (16 rows per expert) takes 64-row tiles; prefill (Mixtral gate_up with k 4096, Mixtral
+  // down with k 14336, the input gradient) the cooperative schedule on 128 x 256 tiles.
   EXPECT_EQ(*g.heuristic(grouped_problem(16, 4096, 7168, 256, m::k_masked, 90)).get_int("bm"), 64);
   const Params gate_up = g.heuristic(grouped_problem(8 * 4096, 28672, 4096, 8, m::k_contiguous, 90));
-  EXPECT_EQ(*gate_up.get_str("schedule"), "pingpong");
+  EXPECT_EQ(*gate_up.get_str("schedule"), "cooperative");
   EXPECT_EQ(*gate_up.get_int("bm"), 128);
-  EXPECT_EQ(*gate_up.get_int("bn"), 128);
+  EXPECT_EQ(*gate_up.get_int("bn"), 256);
   const Params down = g.heuristic(grouped_problem(8 * 4096, 4096, 14336, 8, m::k_contiguous, 90));
   EXPECT_EQ(*down.get_str("schedule"), "cooperative");
   EXPECT_EQ(*down.get_int("bn"), 256);
-  EXPECT_EQ(*g.heuristic(grouped_problem(8 * 4096, 14336, 4096, 8, m::k_dgrad, 90)).get_str("schedule"), "pingpong");
+  EXPECT_EQ(*g.heuristic(grouped_problem(8 * 4096, 14336, 4096, 8, m::k_dgrad, 90)).get_str("schedule"),
+            "cooperative");
   EXPECT_EQ(*g.heuristic(grouped_problem(8 * 4096, 28672, 4096, 8, m::k_masked, 90)).get_str("schedule"),
             "cooperative");
   // Every other family's heuristic is in its catalog (grouped_gemm_fp8: on sm_90a, its only arch).
