@@ -72,10 +72,12 @@ Variant variant_of(const Params& p) {
 
 std::int64_t stage_bytes(const Variant& v) { return std::int64_t(v.bm + v.bn) * 128; }
 // The decode path adds the low-rank rows it finishes (fp32, own = ceil(bm / split) rows of bn) and
-// min(own, 8) rows of t (3 slices x 128 ranks, fp32) to its ring.
+// min(own, 8) rows of t (3 slices x 128 ranks, fp32) to its ring; the core path the GEMM core's
+// staged epilogue.
 std::int64_t shared_bytes(const Variant& v) {
   const std::int64_t own = (v.bm + v.split - 1) / v.split;
-  const std::int64_t extra = v.path == Path::decode ? own * v.bn * 4 + std::min<std::int64_t>(own, 8) * 384 * 4 : 0;
+  std::int64_t extra = v.path == Path::decode ? own * v.bn * 4 + std::min<std::int64_t>(own, 8) * 384 * 4 : 0;
+  if (v.path == Path::core) extra = g::staged_epilogue_bytes(g::k_half, g::Tile{true, v.bm, v.bn, v.stages, 8});
   return 1024 + v.stages * (stage_bytes(v) + (v.ring() ? 16 : 0)) + extra;
 }
 
@@ -320,7 +322,7 @@ class LoraShrink final : public Family {
 class LoraGemm final : public Family {
  public:
   std::string_view name() const override { return "lora_gemm"; }
-  int version() const override { return 3; }
+  int version() const override { return 4; }
   // Every kernel waits (griddepcontrol.wait) before it touches memory; the decode path first
   // prefetches its W rows into L2, which changes nothing. So lora_gemm starts while lora_shrink runs.
   bool programmatic_launch() const override { return true; }

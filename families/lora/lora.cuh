@@ -890,7 +890,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                    const __grid_constant__ ptx::TmaDesc map_t, const __grid_constant__ ptx::TmaDesc map_b) {
   ptx::grid_dependency_wait();
   const CoreTail<T> tail{&map_t, &map_b, bias, n, n1, n2, slices, chunks, BN};
-  gemm::gemm_wgmma_body<gemm::k_half, T, T, 0, BM, BN, STAGES, 8, 1, 1, CoreTail<T>>(
+  // The output leaves through the staged epilogue, copied out by the warps' lanes (the kernel's
+  // four tensor maps are the operands').
+  gemm::gemm_wgmma_body<gemm::k_half, T, T, 0, BM, BN, STAGES, 8, 1, 1, CoreTail<T>, gemm::k_out_copy>(
       reinterpret_cast<const u8*>(x), reinterpret_cast<const u8*>(w), nullptr, nullptr, nullptr, out, m, n, k,
       (m + BM - 1) / BM, (n + BN - 1) / BN, map_x, map_w, map_w, tail);
 }

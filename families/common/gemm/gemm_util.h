@@ -69,12 +69,15 @@ inline Tile tile_of(const Params& p) {
 inline bool fp8_kind(Kind kind) { return kind == k_fp8_tensor || kind == k_fp8_block; }
 inline std::int64_t element_bytes(Kind kind, DType operand) { return fp8_kind(kind) ? 1 : dtype_size(operand); }
 
-// Whether a wgmma tile of the GEMM families' kernels (gemm_wgmma, gemm_wgmma_cluster) stores its
-// output through the staged epilogue's shared memory: 128-row tiles (the 64-row ones are for
+// Whether a wgmma tile stores its output through the staged epilogue's shared memory (gemm_wgmma,
+// gemm_wgmma_cluster, and lora_gemm_core for k_half): 128-row tiles (the 64-row ones are for
 // decode-sized problems, whose rings take all the shared memory) without split-K, a width in
-// boxes of 64 columns. Other families that run the core (k_half) store fragments directly.
-inline bool staged_epilogue(Kind kind, const Tile& t) {
-  return t.wgmma && kind != k_half && t.split == 1 && t.bm == 128 && t.bn % 64 == 0;
+// boxes of 64 columns.
+inline bool staged_epilogue(Kind, const Tile& t) {
+  return t.wgmma && t.split == 1 && t.bm == 128 && t.bn % 64 == 0;
+}
+inline std::int64_t staged_epilogue_bytes(Kind kind, const Tile& t) {
+  return staged_epilogue(kind, t) ? (t.bm / 16) * 2048 : 0;
 }
 
 // Dynamic shared memory: the stages (128 bytes of K per row of A and of each B), 1024 bytes of
@@ -86,7 +89,7 @@ inline std::uint32_t shared_bytes(Kind kind, const Tile& t) {
   const int scales = t.wgmma && kind == k_fp8_block ? t.stages * (t.bm + 4) * 4 : 0;
   // Split-K: two mbarriers and the fp32 partial tile (rows of bn + 4 floats).
   const int partial = t.split > 1 ? 16 + t.bm * (t.bn + 4) * 4 : 0;
-  const int staged = staged_epilogue(kind, t) ? (t.bm / 16) * 2048 : 0;
+  const int staged = int(staged_epilogue_bytes(kind, t));
   return std::uint32_t(t.stages * (t.bm + b_tiles * t.bn) * 128 + 1024 + staged + (t.wgmma ? 16 * t.stages : 0) +
                        scales + partial);
 }

@@ -117,6 +117,13 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
 // from the tail's own tensor maps (Tail::step), through the same ring: the producer loads them by
 // TMA like any k-step, so they are in flight under the K loop. The epilogue adds Tail::bias(col).
 // NoTail is the plain GEMM.
+// How a kernel's tiles leave (gemm_wgmma_body's OUT): fragments stored straight to global memory
+// (k_out_direct), or the staged epilogue of staged_store.cuh for 128-row tiles whose width is
+// whole 64-column boxes, leaving by bulk tensor stores of an output map when rows are whole 16-byte
+// pieces (k_out_map; else the warp's lanes copy them out), or always by the lanes (k_out_copy:
+// kernels whose four tensor maps are taken).
+enum OutStore { k_out_direct = 0, k_out_map = 1, k_out_copy = 2 };
+
 struct NoTail {
   __device__ __forceinline__ int steps(int) const { return 0; }
   // The maps and coordinates of tail step j of column tile tn (A's box at column a_col, row tile
@@ -126,7 +133,7 @@ struct NoTail {
 };
 
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT,
-          class Tail = NoTail, bool OUT_MAP = false>
+          class Tail = NoTail, int OUT = k_out_direct>
 __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::TmaDesc& map_a,
                                                 const ptx::TmaDesc& map_b0, const ptx::TmaDesc& map_b1,
                                                 const Tail& tail = Tail{}, const ptx::TmaDesc* map_out = nullptr) {
@@ -148,9 +155,9 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes;
   constexpr int STAGE_BYTES = A_BYTES + (DUAL ? 2 : 1) * B_BYTES;
   constexpr int SCALE_FLOATS = BM + 4;  // per stage: BM a scales, the b scale, padding to 16 bytes
-  // The staged epilogue (OUT_MAP; staged_store.cuh): 2 KiB per consumer warp after the ring, one
-  // box of its 16 rows x 64 columns.
-  constexpr bool STAGED = OUT_MAP && !SK && BM == 128 && BN % 64 == 0 && sizeof(TOut) == 2;
+  // The staged epilogue (OUT; staged_store.cuh): 2 KiB per consumer warp after the ring, one box
+  // of its 16 rows x 64 columns.
+  constexpr bool STAGED = OUT != k_out_direct && !SK && BM == 128 && BN % 64 == 0 && sizeof(TOut) == 2;
   constexpr int OUT_STAGE_BYTES = STAGED ? CONSUMERS * 4 * 2048 : 0;
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = ptx::smem_addr(smem_raw);
@@ -573,7 +580,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
       // the lanes' own stores.
       if (row0 < m) {
         const unsigned buf = out_stage + unsigned((wg * 4 + warp_in_wg) * 2048);
-        const bool bulk = (n & 7) == 0;
+        const bool bulk = OUT == k_out_map && (n & 7) == 0;
 #pragma unroll
         for (int c = 0; c < BN / 64; ++c) {
           if (col0 + 64 * c >= n) break;
@@ -611,7 +618,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     gemm_wgmma(KILN_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_a,
                const __grid_constant__ ptx::TmaDesc map_b0, const __grid_constant__ ptx::TmaDesc map_b1,
                const __grid_constant__ ptx::TmaDesc map_out) {
-  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1, NoTail, true>(
+  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, 1, 1, NoTail, k_out_map>(
       a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m, tiles_n, map_a, map_b0, map_b1, NoTail{}, &map_out);
 }
 
@@ -623,7 +630,7 @@ __cluster_dims__(CLUSTER * SPLIT, 1, 1)
     gemm_wgmma_cluster(KILN_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_a,
                        const __grid_constant__ ptx::TmaDesc map_b0, const __grid_constant__ ptx::TmaDesc map_b1,
                        const __grid_constant__ ptx::TmaDesc map_out) {
-  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, CLUSTER, SPLIT, NoTail, true>(
+  gemm_wgmma_body<KIND, TIn, TOut, ACT, BM, BN, STAGES, GROUP, CLUSTER, SPLIT, NoTail, k_out_map>(
       a, b0, b1, a_scale, b_scale, out, m, n, k, tiles_m, tiles_n, map_a, map_b0, map_b1, NoTail{}, &map_out);
 }
 

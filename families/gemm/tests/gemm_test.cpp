@@ -672,22 +672,24 @@ TEST_F(GemmOps, QuantizeErrors) {
 }
 
 
-// The staged epilogue's shared memory (2 KiB per consumer warp) goes to the GEMM families' 128-row
-// tiles whose width is whole 64-column boxes, without split-K; the core's other users (k_half),
+// The staged epilogue's shared memory (2 KiB per consumer warp) goes to 128-row tiles whose width
+// is whole 64-column boxes, without split-K (the GEMM families' kernels and the LoRA core, k_half);
 // the decode-sized 64-row tiles and split-K keep storing directly and their stages.
 TEST(GemmFamilies, StagedEpilogueSharedMemory) {
   const g::Tile big{true, 128, 256, 4, 8};
   EXPECT_TRUE(g::staged_epilogue(g::k_fp8_tensor, big));
   EXPECT_EQ(g::shared_bytes(g::k_fp8_tensor, big), 4u * 384 * 128 + 1024 + 8 * 2048 + 16 * 4);
-  EXPECT_FALSE(g::staged_epilogue(g::k_half, big));
-  EXPECT_EQ(g::shared_bytes(g::k_half, big), 4u * 384 * 128 + 1024 + 16 * 4);
+  EXPECT_TRUE(g::staged_epilogue(g::k_half, big));
+  EXPECT_EQ(g::shared_bytes(g::k_half, big), 4u * 384 * 128 + 1024 + 8 * 2048 + 16 * 4);
+  // A 24 KiB stage takes as many stages as fit beside the staging: 8, not 9.
+  EXPECT_EQ(g::default_stages(g::k_half, g::Tile{true, 128, 64, 4, 8}, 90), 8);
   EXPECT_TRUE(g::staged_epilogue(g::k_gated, g::Tile{true, 128, 128, 4, 8}));
   EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{true, 128, 176, 4, 8}));
   EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{true, 64, 128, 9, 8}));
   EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{true, 128, 128, 4, 8, 1, 2}));
   EXPECT_FALSE(g::staged_epilogue(g::k_fp8_tensor, g::Tile{false, 128, 128, 4, 8}));
   // Every staged tile of the heuristic still gets its stages within the limit.
-  for (g::Kind kind : {g::k_fp8_tensor, g::k_fp8_block, g::k_gated})
+  for (g::Kind kind : {g::k_fp8_tensor, g::k_fp8_block, g::k_gated, g::k_half})
     for (const g::Tile& t : g::default_tiles(kind)) {
       SCOPED_TRACE(std::to_string(t.bm) + "x" + std::to_string(t.bn) + " stages " + std::to_string(t.stages));
       EXPECT_LE(g::shared_bytes(kind, t), g::max_shared_bytes(t.wgmma ? 90 : 80));
