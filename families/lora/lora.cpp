@@ -133,7 +133,7 @@ std::int64_t shrink_shared_bytes(const Params& p) {
 class LoraShrink final : public Family {
  public:
   std::string_view name() const override { return "lora_shrink"; }
-  int version() const override { return 3; }
+  int version() const override { return 4; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -141,11 +141,15 @@ class LoraShrink final : public Family {
         {"bm", {32, 64}, {}, "tile rows"},
         {"stages", {2, 3, 4, 5, 6, 7, 8}, {}, "shared-memory pipeline depth"},
         {"output", {}, {"partials", "t"}, "partials: f32 partial sums u; t: the fused GEMM's operand (problem t = 1)"},
-        {"ksub", {1, 2, 4}, {}, "k-steps of 128 bytes per stage (each row of x read ksub x 128 bytes at a time)"}};
+        {"ksub", {1, 2, 4}, {}, "k-steps of 128 bytes per stage (each row of x read ksub x 128 bytes at a time)"},
+        {"wm", {2, 4}, {}, "warps along the tile's rows (2 x wm warps)"}};
     return defs;
   }
   Status validate(const Params& params) const override {
     KILN_TRY(Family::validate(params));
+    // Each warp takes 16 rows or more (an mma.sync fragment).
+    if (*params.get_int("bm") < 16 * *params.get_int("wm"))
+      return invalid_argument("lora_shrink: bm must be at least 16 x wm");
     if (shrink_shared_bytes(params) > 227 * 1024)
       return invalid_argument("lora_shrink: the stages exceed 227 KiB of shared memory");
     return {};
@@ -163,8 +167,10 @@ class LoraShrink final : public Family {
          value(&LoraShrinkProblem::scale, "scale", "t's scale")});
     return fields;
   }
-  static Params make(const std::string& dtype, std::int64_t bm, std::int64_t stages, bool t, std::int64_t ksub) {
-    return Params{{"dtype", dtype}, {"bm", bm}, {"stages", stages}, {"output", t ? "t" : "partials"}, {"ksub", ksub}};
+  static Params make(const std::string& dtype, std::int64_t bm, std::int64_t stages, bool t, std::int64_t ksub,
+                     std::int64_t wm = 2) {
+    return Params{{"dtype", dtype}, {"bm", bm}, {"stages", stages}, {"output", t ? "t" : "partials"}, {"ksub", ksub},
+                  {"wm", wm}};
   }
   Result<Rendered> render(const Params& params) const override {
     KILN_TRY(validate(params));
@@ -172,7 +178,8 @@ class LoraShrink final : public Family {
     out.source = "#include \"lora/lora.cuh\"\n";
     out.name_expression = std::string("kiln::lora::lora_shrink_mma<") + device_type(*params.get_str("dtype")) + ", " +
                           std::to_string(*params.get_int("bm")) + ", 64, " + std::to_string(*params.get_int("stages")) +
-                          (writes_t(params) ? ", true, " : ", false, ") + std::to_string(*params.get_int("ksub")) + ">";
+                          (writes_t(params) ? ", true, " : ", false, ") + std::to_string(*params.get_int("ksub")) + ", " +
+                          std::to_string(*params.get_int("wm")) + ">";
     return out;
   }
   bool runs_on(const Params& params, const GpuArch& arch) const override {
@@ -188,8 +195,8 @@ class LoraShrink final : public Family {
     for (const char* d : {"f16", "bf16"}) {
       out.push_back(make(d, 64, 4, false, 1));
       out.push_back(make(d, 32, 2, false, 4));
-      out.push_back(make(d, 64, 3, true, 4));
-      out.push_back(make(d, 64, 3, true, 2));
+      out.push_back(make(d, 64, 3, true, 4, 4));
+      out.push_back(make(d, 64, 3, true, 2, 4));
       out.push_back(make(d, 32, 4, true, 4));
     }
     return out;
@@ -224,7 +231,7 @@ class LoraShrink final : public Family {
     if (q.multi)
       geo.grid.z = std::uint32_t(std::clamp<std::int64_t>(2 * g::device_sms(p) / (tiles * q.splits), 1,
                                                           std::min<std::int64_t>(q.adapters, v.bm)));
-    geo.block.x = 128;
+    geo.block.x = std::uint32_t(64 * *params.get_int("wm"));
     geo.shared_bytes = std::uint32_t(shrink_shared_bytes(params));
     return geo;
   }
@@ -233,16 +240,17 @@ class LoraShrink final : public Family {
     if (!q.t) return q.m <= 32 ? make(dtype_of(p), 32, 2, false, 4) : make(dtype_of(p), 64, 4, false, 1);
     const std::int64_t tiles = cdiv(q.m, 64) * cdiv(q.slices * pitch(q), 64), sms = g::device_sms(p);
     if (2 * tiles <= sms) return make(dtype_of(p), 32, 4, true, 4);
-    return tiles <= sms ? make(dtype_of(p), 64, 3, true, 4) : make(dtype_of(p), 64, 3, true, 2);
+    return tiles <= sms ? make(dtype_of(p), 64, 3, true, 4, 4) : make(dtype_of(p), 64, 3, true, 2, 4);
   }
   std::vector<Params> tuning_space(const Problem& p) const override {
     std::vector<Params> out;
     for (std::int64_t bm : {32, 64})
       for (std::int64_t ksub : {1, 2, 4})
-        for (std::int64_t s : {2, 3, 4, 5, 6, 7, 8}) {
-          Params c = make(dtype_of(p), bm, s, p.as<LoraShrinkProblem>().t == 1, ksub);
-          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
-        }
+        for (std::int64_t s : {2, 3, 4, 5, 6, 7, 8})
+          for (std::int64_t wm : {2, 4}) {
+            Params c = make(dtype_of(p), bm, s, p.as<LoraShrinkProblem>().t == 1, ksub, wm);
+            if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+          }
     return out;
   }
   // u's columns per slice: rank_pitch for partial sums, t_pitch for t.

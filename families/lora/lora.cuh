@@ -254,14 +254,14 @@ __device__ __forceinline__ void load_tail(unsigned dst_a, unsigned dst_b, const 
 // TOUT: the fused GEMM's operand itself, t = scale0 (x A^T) rounded to T, in one split, each
 // slice's rank columns padded with zeros to whole 64-column chunks (t [m, slices * chunks * 64]):
 // lora_gemm_core loads its rank tail from it by TMA.
-template <class T, int BM, int BN, int STAGES, bool TOUT, int KSUB>
-__global__ void __launch_bounds__(2 * BN)
+template <class T, int BM, int BN, int STAGES, bool TOUT, int KSUB, int WM>
+__global__ void __launch_bounds__(WM * BN)
     lora_shrink_mma(const T* __restrict__ x, const T* __restrict__ a, const int* __restrict__ idx,
                     const int* __restrict__ ranks, void* __restrict__ u_out, int m, int k, int r, int adapters,
                     int slices, int splits, float scale0) {
   using namespace gemm;
   ptx::launch_dependents();
-  constexpr int NT = 2 * BN, WN = BN / 32, MI = BM / 32, NI = 4;
+  constexpr int NT = WM * BN, WN = BN / 32, MI = BM / (16 * WM), NI = 4;
   constexpr int A_BYTES = BM * k_row_bytes, B_BYTES = BN * k_row_bytes, SUB_BYTES = A_BYTES + B_BYTES,
                 STAGE_BYTES = KSUB * SUB_BYTES;
   extern __shared__ unsigned char smem_raw[];
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(2 * BN)
       unsigned af[MI][4], bf[NI / 2][4];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
-        const int rr = wm * (BM / 2) + 16 * mi + (lane & 15), c = 2 * kk + (lane >> 4);
+        const int rr = wm * (BM / WM) + 16 * mi + (lane & 15), c = 2 * kk + (lane >> 4);
         ldmatrix_x4(sa + rr * k_row_bytes + ((c ^ (rr & 7)) << 4), af[mi]);
       }
 #pragma unroll
@@ -372,14 +372,14 @@ __global__ void __launch_bounds__(2 * BN)
   }
   cp_async_wait<0>();
   if constexpr (TOUT)
-    store_fragments<T, MI, NI>(static_cast<T*>(u_out), m, ucols, row0 + wm * (BM / 2), c0 + wn * 32,
+    store_fragments<T, MI, NI>(static_cast<T*>(u_out), m, ucols, row0 + wm * (BM / WM), c0 + wn * 32,
                                [&](int mi, int ni, int e) { return acc[mi][ni][e] * scale0; });
   else {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int rr = wm * (BM / 2) + 16 * mi + (lane >> 2) + 8 * h;
+        const int rr = wm * (BM / WM) + 16 * mi + (lane >> 2) + 8 * h;
         if (row0 + rr >= m || !mine[rr]) continue;
         float* urow = static_cast<float*>(u_out) + ((long long)z * m + row0 + rr) * ucols;
 #pragma unroll

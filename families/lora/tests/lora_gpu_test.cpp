@@ -204,8 +204,8 @@ TEST_F(LoraGpu, EveryShrinkVariantMatchesTheReference) {
     // a stage.
     std::vector<Params> ksub;
     for (std::int64_t k : {2, 4})
-      ksub.push_back(Params{{"dtype", t == DType::bf16 ? "bf16" : "f16"}, {"bm", std::int64_t(32)},
-                            {"stages", std::int64_t(3)}, {"output", "partials"}, {"ksub", k}});
+      ksub.push_back(Params{{"dtype", t == DType::bf16 ? "bf16" : "f16"}, {"bm", std::int64_t(k == 2 ? 32 : 64)},
+                            {"stages", std::int64_t(3)}, {"output", "partials"}, {"ksub", k}, {"wm", std::int64_t(k == 2 ? 2 : 4)}});
     every_variant("lora_shrink", Problem::of(t, 16, l::LoraShrinkProblem{.m = 37, .k = 392, .r = 1, .splits = 3}),
                   some_without_adapter, ksub);
     every_variant("lora_shrink",
