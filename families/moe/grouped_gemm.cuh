@@ -227,20 +227,10 @@ __global__ void __launch_bounds__((PINGPONG ? 2 : BM / 64) * 128 + 128, 1)
       }
     };
     if constexpr (STAGED) {
-      const bool bulk = (n & 7) == 0 && row0 + 16 <= hi[e];
       const int rows = min(16, hi[e] - row0);
-      if (rows <= 0) return;
-#pragma unroll
-      for (int c = 0; c < BN / 64; ++c) {
-        if (col0 + 64 * c >= n) break;
-        if (lane == 0) ptx::bulk_wait_read<0>();
-        __syncwarp();
-        stage_box<TOut>(warp_buf, 8 * c, value);
-        if (bulk)
-          bulk_store_box(warp_buf, &map_out, (col0 + 64 * c) * int(sizeof(TOut)), row0);
-        else
-          copy_box<TOut>(warp_buf, out, row0, rows, n, col0 + 64 * c);
-      }
+      if (rows > 0)
+        store_rows_staged<TOut, BN>(warp_buf, &map_out, (n & 7) == 0 && rows == 16, row0, out, row0, rows, n, col0,
+                                    value);
     } else {
       store_fragments<TOut, 1, NI>(out, hi[e], n, row0, col0, value);
     }
@@ -478,21 +468,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // The staged epilogue (common/gemm/staged_store.cuh): bulk tensor stores of map_out (every
     // expert's [n, k] as experts x n rows) where the warp's 16 rows are all below n and k is a
     // multiple of 8, else the lanes' own stores.
-    if (row0 < n) {
-      const unsigned buf = out_stage + unsigned((wg * 4 + warp_in_wg) * 2048);
-      const bool bulk = (k & 7) == 0 && row0 + 16 <= n;
-#pragma unroll
-      for (int c = 0; c < BN / 64; ++c) {
-        if (col0 + 64 * c >= k) break;
-        if (lane == 0) ptx::bulk_wait_read<0>();
-        __syncwarp();
-        stage_box<T>(buf, 8 * c, [&](int, int ni, int q) { return acc[0][ni][q]; });
-        if (bulk)
-          bulk_store_box(buf, &map_out, (col0 + 64 * c) * int(sizeof(T)), e * n + row0);
-        else
-          copy_box<T>(buf, out_e, row0, min(16, n - row0), k, col0 + 64 * c);
-      }
-    }
+    if (row0 < n)
+      store_rows_staged<T, BN>(out_stage + unsigned((wg * 4 + warp_in_wg) * 2048), &map_out,
+                               (k & 7) == 0 && row0 + 16 <= n, e * n + row0, out_e, row0, min(16, n - row0), k, col0,
+                               [&](int, int ni, int q) { return acc[0][ni][q]; });
   }
   // Shared memory lives until the block exits: the bulk stores must be done reading it.
   if (lane == 0) ptx::bulk_wait<0>();

@@ -113,10 +113,6 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
 // with one set is slower than either. On larger tiles DIRECT is slower (64 x 64 at 128 x 4096 x
 // 7168, 128 x 256 at 8192^3, 128 x 192 at 4096 x 2112), so they keep the scale warp.
 //
-// A tail (k_half): after a tile's K loop, Tail::steps(tn) more k-steps whose A and B boxes come
-// from the tail's own tensor maps (Tail::step), through the same ring: the producer loads them by
-// TMA like any k-step, so they are in flight under the K loop. The epilogue adds Tail::bias(col).
-// NoTail is the plain GEMM.
 // How a kernel's tiles leave (gemm_wgmma_body's OUT): fragments stored straight to global memory
 // (k_out_direct), or the staged epilogue of staged_store.cuh for 128-row tiles whose width is
 // whole 64-column boxes, leaving by bulk tensor stores of an output map when rows are whole 16-byte
@@ -124,6 +120,10 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
 // kernels whose four tensor maps are taken).
 enum OutStore { k_out_direct = 0, k_out_map = 1, k_out_copy = 2 };
 
+// A tail (k_half): after a tile's K loop, Tail::steps(tn) more k-steps whose A and B boxes come
+// from the tail's own tensor maps (Tail::step), through the same ring: the producer loads them by
+// TMA like any k-step, so they are in flight under the K loop. The epilogue adds Tail::bias(col).
+// NoTail is the plain GEMM.
 struct NoTail {
   __device__ __forceinline__ int steps(int) const { return 0; }
   // The maps and coordinates of tail step j of column tile tn (A's box at column a_col, row tile
@@ -578,21 +578,10 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
       // Each warp's 16 rows, a box of 64 columns at a time, through its own 2 KiB (staged_store.cuh):
       // bulk tensor stores when rows are whole 16-byte pieces (the map clips rows past m), else
       // the lanes' own stores.
-      if (row0 < m) {
-        const unsigned buf = out_stage + unsigned((wg * 4 + warp_in_wg) * 2048);
-        const bool bulk = OUT == k_out_map && (n & 7) == 0;
-#pragma unroll
-        for (int c = 0; c < BN / 64; ++c) {
-          if (col0 + 64 * c >= n) break;
-          if (lane == 0) ptx::bulk_wait_read<0>();
-          __syncwarp();
-          stage_box<TOut>(buf, 8 * c, value);
-          if (bulk)
-            bulk_store_box(buf, map_out, (col0 + 64 * c) * int(sizeof(TOut)), row0);
-          else
-            copy_box<TOut>(buf, out, row0, min(16, m - row0), n, col0 + 64 * c);
-        }
-      }
+      if (row0 < m)
+        store_rows_staged<TOut, BN>(out_stage + unsigned((wg * 4 + warp_in_wg) * 2048), map_out,
+                                    OUT == k_out_map && (n & 7) == 0, row0, out, row0, min(16, m - row0), n, col0,
+                                    value);
     } else {
       store_fragments<TOut, 1, NI>(out, m, n, row0, col0, value);
     }

@@ -75,5 +75,25 @@ __device__ __forceinline__ void copy_box(unsigned buf, TOut* out, long long row0
   __syncwarp();
 }
 
+// The warp's 16 rows x BN columns (fragments 0 .. BN / 8 - 1 of value) to rows row0 .., columns
+// col0 .. of out (n columns), box by box through buf: by bulk tensor stores of the map at row
+// map_row when `bulk`, else by the lanes (the first `rows` rows, columns below n).
+template <class TOut, int BN, class F>
+__device__ __forceinline__ void store_rows_staged(unsigned buf, const ptx::TmaDesc* map, bool bulk, int map_row,
+                                                  TOut* out, long long row0, int rows, int n, int col0, F value) {
+  static_assert(BN % 64 == 0, "whole 64-column boxes");
+#pragma unroll
+  for (int c = 0; c < BN / 64; ++c) {
+    if (col0 + 64 * c >= n) break;
+    if ((threadIdx.x & 31) == 0) ptx::bulk_wait_read<0>();
+    __syncwarp();
+    stage_box<TOut>(buf, 8 * c, value);
+    if (bulk)
+      bulk_store_box(buf, map, (col0 + 64 * c) * int(sizeof(TOut)), map_row);
+    else
+      copy_box<TOut>(buf, out, row0, rows, n, col0 + 64 * c);
+  }
+}
+
 }  // namespace gemm
 }  // namespace kiln
