@@ -121,16 +121,6 @@ Params make(const Variant& v, const std::string& dtype) {
 
 std::int64_t cdiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-// The output's tensor map for the staged epilogue: `rows` rows of `width` 16-bit elements seen as
-// bytes, boxes of 16 rows. When the width is not a multiple of 8 (rows not in whole 16-byte
-// pieces) the kernel stores with its lanes and `stand_in` (a map of an input) takes the slot.
-void add_out_map(ArgPack& args, void* out, std::int64_t width, std::uint64_t rows, const TensorMapRequest& stand_in) {
-  if (width % 8 == 0)
-    args.add_tensor_map({out, std::uint64_t(width) * 2, rows, 16, 0});
-  else
-    args.add_tensor_map(stand_in);
-}
-
 // Work units a launch may have: the exact count for masked and kgrouped, a bound for contiguous
 // (each expert adds at most one partial m-tile).
 std::int64_t unit_bound(const Variant& v, const GroupedGemmProblem& q) {
@@ -376,7 +366,8 @@ class GroupedGemm final : public Family {
       out.add_tensor_map({b[0], std::uint64_t(q.n * 2), std::uint64_t(q.m), 64, 0});
       out.add_tensor_map({b[1], std::uint64_t(q.k * 2), std::uint64_t(q.m), 64, 0});
       // out [experts, n, k] as experts x n rows of k.
-      add_out_map(out, b[3], q.k, std::uint64_t(q.experts * q.n), {b[0], std::uint64_t(q.n * 2), std::uint64_t(q.m), 16, 0});
+      out.add_tensor_map(g::out_map_request(b[3], q.k, std::uint64_t(q.experts * q.n),
+                                            {b[0], std::uint64_t(q.n * 2), std::uint64_t(q.m), 16, 0}));
       return;
     }
     const std::uint64_t row_bytes = std::uint64_t(q.k * 2);
@@ -386,7 +377,7 @@ class GroupedGemm final : public Family {
       out.add_tensor_map({b[1], std::uint64_t(q.n * 2), std::uint64_t(q.experts * q.k), 64, 0});
     else
       out.add_tensor_map({b[1], row_bytes, std::uint64_t(q.experts * q.n), std::uint32_t(v.bn), 0});
-    add_out_map(out, b[3], q.n, rows_a, {b[0], row_bytes, rows_a, 16, 0});
+    out.add_tensor_map(g::out_map_request(b[3], q.n, rows_a, {b[0], row_bytes, rows_a, 16, 0}));
   }
 
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
@@ -666,7 +657,7 @@ class GroupedGemmFp8 final : public Family {
     const std::uint64_t rows_a = std::uint64_t(q.layout == k_masked ? q.experts * q.m : q.m);
     out.add_tensor_map({b[0], std::uint64_t(q.k), rows_a, std::uint32_t(v.bm), 0});
     out.add_tensor_map({b[1], std::uint64_t(q.k), std::uint64_t(q.experts * q.n), std::uint32_t(v.bn), 0});
-    add_out_map(out, b[5], q.n, rows_a, {b[0], std::uint64_t(q.k), rows_a, 16, 0});
+    out.add_tensor_map(g::out_map_request(b[5], q.n, rows_a, {b[0], std::uint64_t(q.k), rows_a, 16, 0}));
   }
   Status cpu_reference(const Params&, const Problem& p, std::span<void* const> b) const override {
     if (b.size() != 6)

@@ -190,6 +190,15 @@ inline std::string name_expression(Kind kind, const std::string& operand, const 
          (clustered ? ", " + std::to_string(t.cluster) + ", " + std::to_string(t.split) : std::string()) + ">";
 }
 
+// The output's tensor map for the staged epilogue: `rows` rows of `width` 16-bit elements seen as
+// bytes, boxes of 16 rows. When the width is not a multiple of 8 (rows not in whole 16-byte
+// pieces) the kernels store with their lanes and `stand_in` (a map of an input) takes the slot.
+inline TensorMapRequest out_map_request(void* out, std::int64_t width, std::uint64_t rows,
+                                        const TensorMapRequest& stand_in) {
+  if (width % 8 != 0) return stand_in;
+  return {out, std::uint64_t(width) * 2, rows, 16, 0};
+}
+
 // Buffers in kernel order: a, b0, b1, a_scale, b_scale, out (unused ones passed as null), then
 // m, n, k, tiles_m, tiles_n; the wgmma path adds tensor maps of a, b0 and b1 (b0's again when
 // there is no b1; a's box is bm / cluster rows: each CTA of a cluster copies its share of A) and
@@ -214,10 +223,7 @@ inline void pack(const Tile& t, const Problem& p, std::int64_t es, void* a, void
   args.add_tensor_map({a, row_bytes, std::uint64_t(q.m), std::uint32_t(t.bm / t.cluster), 0});
   args.add_tensor_map({b0, row_bytes, std::uint64_t(q.n), std::uint32_t(t.bn), 0});
   args.add_tensor_map({b1 ? b1 : b0, row_bytes, std::uint64_t(q.n), std::uint32_t(t.bn), 0});
-  if (q.n % 8 == 0)
-    args.add_tensor_map({out, std::uint64_t(q.n) * 2, std::uint64_t(q.m), 16, 0});
-  else
-    args.add_tensor_map({a, row_bytes, std::uint64_t(q.m), 16, 0});
+  args.add_tensor_map(out_map_request(out, q.n, std::uint64_t(q.m), {a, row_bytes, std::uint64_t(q.m), 16, 0}));
 }
 
 // Stages for a tile: at least 96 KiB of loads in flight, 4 to 6; on the wgmma path, tiles whose
