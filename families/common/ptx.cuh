@@ -18,10 +18,11 @@
 //   the suffix (`_release`, `_acquire_cluster`). `_aligned` forms require every thread of the warp
 //   to execute the same call (converged warps).
 //
-// Architectures: everything but the address conversions, `st_shared_f2`, `ld_shared_f2` and the
-// named barriers needs sm_90. On older architectures those functions compile to nothing (values
-// they return are 0): families select the kernels that call them for sm_90 and later only, and
-// the same templates still compile for the older targets of the catalog.
+// Architectures: everything but the address conversions, `st_shared_f32`, `st_shared_f2`,
+// `ld_shared_f2` and the named barriers needs sm_90. On older architectures those functions
+// compile to nothing (values they return are 0): families select the kernels that call them for
+// sm_90 and later only, and the same templates still compile for the older targets of the
+// catalog.
 #pragma once
 
 namespace kiln {
@@ -46,6 +47,9 @@ __device__ __forceinline__ unsigned smem_addr_opaque(const void* p) {
 
 // ---- Shared memory and named barriers (every architecture) ----
 
+__device__ __forceinline__ void st_shared_f32(unsigned addr, float x) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
+}
 __device__ __forceinline__ void st_shared_f2(unsigned addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }

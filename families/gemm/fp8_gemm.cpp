@@ -19,7 +19,7 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; 
 class Fp8Gemm final : public g::GemmFamily {
  public:
   std::string_view name() const override { return "fp8_gemm"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = [] {

@@ -46,7 +46,7 @@ enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2, k_half = 3 };
 inline std::vector<ParamDef> tile_params() {
   return {
       {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
-      {"bm", {64, 128}, {}, "tile rows (M)"},
+      {"bm", {16, 32, 64, 128}, {}, "tile rows (M); 16 and 32: fp8 on wgmma only, swapped (weights as wgmma's A)"},
       {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only; above 128: fp8 on wgmma only (block scales: 192, 256)"},
       {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
@@ -67,6 +67,13 @@ inline Tile tile_of(const Params& p) {
 }
 
 inline bool fp8_kind(Kind kind) { return kind == k_fp8_tensor || kind == k_fp8_block; }
+
+// Swapped tiles (wgmma, bm 16 or 32: decode-sized M): the tile's bn rows of B are wgmma's A, 64
+// rows per consumer warpgroup, and its bm rows of A (the tokens) are wgmma's N, so a stage holds
+// bm + bn rows that are all data instead of 64 rows of A for a handful of tokens.
+inline bool swapped(const Tile& t) { return t.wgmma && t.bm < 64; }
+// Consumer warpgroups of a wgmma tile: one per 64 rows of wgmma's A.
+inline int consumers(const Tile& t) { return (swapped(t) ? t.bn : t.bm) / 64; }
 inline std::int64_t element_bytes(Kind kind, DType operand) { return fp8_kind(kind) ? 1 : dtype_size(operand); }
 
 // Whether a wgmma tile stores its output through the staged epilogue's shared memory (gemm_wgmma,
@@ -109,6 +116,9 @@ inline std::uint32_t max_shared_bytes(std::int64_t cc) {
 inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
+  if (t.bm < 64 && (!t.wgmma || !fp8_kind(kind) || !(t.bn == 64 || t.bn == 128) || t.cluster != 1))
+    return invalid_argument(f + ": bm 16 and 32 (swapped tiles) are for fp8 on the wgmma path, with bn 64 or 128 "
+                            "and no A multicast (cluster 1)");
   if (kind == k_gated && t.bn > 128) return invalid_argument(f + ": gated kernels take bn <= 128");
   if (kind == k_fp8_block && t.bn > 128 && !(t.wgmma && (t.bn == 192 || t.bn == 256)))
     return invalid_argument(f + ": block-scaled kernels take bn <= 128, or 192 or 256 on the wgmma path");
@@ -174,7 +184,7 @@ inline LaunchGeometry geometry(Kind kind, const Tile& t, const Problem& p) {
   const std::int64_t n_tiles = tiles(t, p);
   // wgmma: persistent (at most one CTA per SM); mma: one CTA per tile.
   g.grid.x = std::uint32_t(std::clamp<std::int64_t>(t.wgmma ? persistent_ctas(t, p) : n_tiles, 1, 0x7fffffff));
-  g.block.x = std::uint32_t(t.wgmma ? (t.bm / 64 + 1) * 128 : 2 * t.bn);
+  g.block.x = std::uint32_t(t.wgmma ? (consumers(t) + 1) * 128 : 2 * t.bn);
   g.shared_bytes = shared_bytes(kind, t);
   return g;
 }
@@ -242,9 +252,11 @@ inline int default_stages(Kind kind, Tile t, std::int64_t cc) {
 // The wgmma path's candidate tiles for a kind, largest first.
 inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
   if (kind == k_fp8_tensor)
-    return {{128, 256}, {128, 192}, {128, 176}, {128, 128}, {128, 64}, {128, 56}, {128, 32}, {64, 64}, {64, 32}};
+    return {{128, 256}, {128, 192}, {128, 176}, {128, 128}, {128, 64}, {128, 56}, {128, 32},
+            {64, 64},   {64, 32},   {32, 128},  {32, 64},   {16, 128}, {16, 64}};
   if (kind == k_fp8_block)
-    return {{128, 256}, {128, 192}, {128, 128}, {64, 128}, {128, 64}, {128, 32}, {64, 64}, {64, 32}};
+    return {{128, 256}, {128, 192}, {128, 128}, {64, 128}, {128, 64}, {128, 32},
+            {64, 64},   {64, 32},   {32, 128},  {32, 64},  {16, 128}, {16, 64}};
   return {{128, 128}, {128, 64}, {64, 64}};
 }
 
@@ -253,20 +265,26 @@ inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
 // the tuning space only: on Hopper they are clearly slower than 2 at the same problems, most
 // likely because fewer clusters of 3 or 4 CTAs fit at once than SMs / size (a GPC's SMs, not the
 // device's, bound a cluster), which the wave model cannot see.
+// Swapped tiles split only with block scales, whose k-steps each wait for their promotion: per
+// tensor, a split is slower than none at every decode shape measured on Hopper.
 inline std::vector<int> wgmma_splits(Kind kind, int bm, int bn) {
+  if (bm < 64) return kind == k_fp8_block ? std::vector<int>{1, 2} : std::vector<int>{1};
   if (kind == k_gated || bm != 128 || !(bn == 64 || bn == 128 || bn == 176)) return {1};
   return {1, 2};
 }
 
 // The modelled time of a wgmma tile: waves x (k-steps per CTA x (bm bn + 64 (bm / cluster + bn))
-// + the split-K reduction), where a wave is one tile per SM (the grid is persistent, whole
-// clusters), a k-step (128 bytes of K) costs its tensor-core work plus a term for its loads,
-// which dominates for the small tiles of decode-sized problems, and a split-K reduction costs
-// 2 bm bn + twenty k-steps (the partial tile through shared memory, the cluster handshakes, one
-// more pass over the output): the constant that puts the model's choice on the fastest measured
-// variant at all six M = 128 problems on Hopper (with four k-steps it picks splits that are slower;
-// with ten, block-scaled 128 x 7168 x 16384 splits 128 x 128 tiles in two, slower than 64 x 128
-// unsplit with the deep pipelines of default_stages).
+// + the split-K reduction + the epilogue), where a wave is one tile per SM (the grid is
+// persistent, whole clusters), a k-step (128 bytes of K) costs its tensor-core work plus a term
+// for its loads, which dominates for the small tiles of decode-sized problems, and a split-K
+// reduction costs 2 bm bn + twenty k-steps (the partial tile through shared memory, the cluster
+// handshakes, one more pass over the output): the constant that puts the model's choice on the
+// fastest measured variant at all six M = 128 problems on Hopper (with four k-steps it picks
+// splits that are slower; with ten, block-scaled 128 x 7168 x 16384 splits 128 x 128 tiles in
+// two, slower than 64 x 128 unsplit with the deep pipelines of default_stages). A tile whose
+// consumers store their fragments themselves (not staged_epilogue) costs four k-steps more: the
+// tensor cores wait for those stores, where a staged tile's bulk stores run under the next
+// tile's K loop (at 1000 tokens, 128 x 176 tiles for the wave count lose to staged 192 and 256).
 inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t size = c.cluster * c.split;
   const std::int64_t per_wave = std::max<std::int64_t>(1, device_sms(p) / size);
@@ -274,7 +292,8 @@ inline std::int64_t wgmma_cost(Kind kind, const Tile& c, const Problem& p) {
   const std::int64_t ksteps = (p.as<GemmProblem>().k * element_bytes(kind, DType::bf16) + 127) / 128;
   const std::int64_t step = std::int64_t(c.bm) * c.bn + 64 * (c.bm / c.cluster + c.bn);
   const std::int64_t reduce = c.split > 1 ? 2 * std::int64_t(c.bm) * c.bn + 20 * step : 0;
-  return waves * ((ksteps + c.split - 1) / c.split * step + reduce);
+  const std::int64_t epilogue = staged_epilogue(kind, c) ? 0 : 4 * step;
+  return waves * ((ksteps + c.split - 1) / c.split * step + reduce + epilogue);
 }
 
 // Block scales with 128 x 256 tiles over at least 64 rows of tiles (M >= 8192) take the grouped
@@ -289,7 +308,11 @@ inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
 }
 
 // The default tile. wgmma: the candidate (tile, split) with the least wgmma_cost; ties go to the
-// larger tile, then to no split; group 8, or 16 where wide_group says. No clusters of A multicast:
+// larger tile, then to no split. fp8 problems of at most 32 rows take swapped tiles that hold
+// every row (B is read once), and only those: at M = 16 they beat the 64-row tiles at every
+// shape measured on Hopper, where the model, which sees the loads of A and B alike and not the
+// share of the ring that B gets, rates them level (17 to 32 rows follow the same rule
+// unmeasured); group 8, or 16 where wide_group says. No clusters of A multicast:
 // they are neutral to slower (docs/kernels.md). mma: 128 x 128 (gated 128 x 64), bm and then
 // bn halved while the tiles leave SMs idle. Stages: default_stages.
 inline Tile default_tile(Kind kind, const Problem& p) {
@@ -297,7 +320,10 @@ inline Tile default_tile(Kind kind, const Problem& p) {
   Tile t{cc == 90, 128, 128, 4, 8};
   if (t.wgmma) {
     std::int64_t best = -1;
-    for (auto [bm, bn] : wgmma_tiles(kind))
+    const std::int64_t m = p.as<GemmProblem>().m;
+    const bool swap = fp8_kind(kind) && m <= 32;
+    for (auto [bm, bn] : wgmma_tiles(kind)) {
+      if ((bm < 64) != swap || (swap && m > bm)) continue;
       for (int split : wgmma_splits(kind, bm, bn)) {
         const Tile c{true, bm, bn, 4, 8, 1, split};
         const std::int64_t cost = wgmma_cost(kind, c, p);
@@ -306,6 +332,7 @@ inline Tile default_tile(Kind kind, const Problem& p) {
           t = c;
         }
       }
+    }
     if (t.split == 1 && wide_group(kind, t.bm, t.bn, p)) t.group = 16;
   } else {
     if (kind == k_gated) t.bn = 64;
@@ -350,7 +377,7 @@ inline std::vector<Tile> default_tiles(Kind kind) {
 template <class MakeParams, class Check>
 std::vector<Params> tile_space(Kind kind, const Tile& base, MakeParams make, Check check) {
   std::vector<Params> out;
-  for (int bm : {64, 128})
+  for (int bm : {16, 32, 64, 128})
     for (int bn : {32, 56, 64, 128, 176, 192, 256}) {
       // Depths 3 to 6, and on the wgmma path the tile's default when deeper (small tiles).
       std::vector<int> depths = {3, 4, 5, 6};

@@ -113,6 +113,17 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
 // with one set is slower than either. On larger tiles DIRECT is slower (64 x 64 at 128 x 4096 x
 // 7168, 128 x 256 at 8192^3, 128 x 192 at 4096 x 2112), so they keep the scale warp.
 //
+// Swapped tiles (BM 16 or 32, fp8: decode-sized M): wgmma's M is 64, so a 64-row tile over a
+// handful of tokens would fill most of each stage's A with zeros and leave little room for B, the
+// bytes that decide the time when a GEMM streams its weights. A swapped tile computes out^T
+// instead: each consumer warpgroup's 64 rows of the stage's B are wgmma's A operand and the
+// stage's BM rows of A its B operand (N = BM), both K-major as loaded, so a stage of BM + BN rows
+// is all data and the ring holds several times the weights in flight. The accumulators hold the
+// tile transposed (rows are columns of out); the epilogue stores them so (a split-K partial tile
+// is transposed on its way into shared memory, and the reduction is the unswapped one), and block
+// scales promote by the accumulator's columns (the tile's rows: their a scales) and the tile's
+// one b scale.
+//
 // How a kernel's tiles leave (gemm_wgmma_body's OUT): fragments stored straight to global memory
 // (k_out_direct), or the staged epilogue of staged_store.cuh for 128-row tiles whose width is
 // whole 64-column boxes, leaving by bulk tensor stores of an output map when rows are whole 16-byte
@@ -138,11 +149,15 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
                                                 const ptx::TmaDesc& map_b0, const ptx::TmaDesc& map_b1,
                                                 const Tail& tail = Tail{}, const ptx::TmaDesc* map_out = nullptr) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int CONSUMERS = BM / 64, NI = BN / 8;
+  // SWAP (swapped tiles, see above): wgmma's A is the stage's BN rows of B, its N the BM rows of A,
+  // so the accumulators hold the tile transposed: rows are columns of out, columns are rows.
+  constexpr bool SWAP = BM < 64;
+  constexpr int CONSUMERS = (SWAP ? BN : BM) / 64, NI = (SWAP ? BM : BN) / 8;
   constexpr bool DUAL = KIND == k_gated, FP8 = KIND == k_fp8_tensor || KIND == k_fp8_block,
                  BLOCK = KIND == k_fp8_block, MC = CLUSTER > 1, SK = SPLIT > 1;
   constexpr int CL = CLUSTER * SPLIT;  // CTAs per cluster
   static_assert(!(SK && (MC || !FP8)), "split-K is for fp8 without A multicast");
+  static_assert(!SWAP || (FP8 && !MC && (BN == 64 || BN == 128)), "swapped tiles: fp8, bn 64 or 128, no multicast");
   static_assert(!BLOCK || BN <= 128 || BN == 192 || BN == 160 || BN == 144 || BN == 256,
                 "block scales: bn - gcd(bn, 128) <= 128 keeps a tile within two scale blocks (256: two halves)");
   constexpr bool HALVES = BLOCK && BN == 256;  // see above; part0 holds one half
@@ -276,16 +291,18 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
   float acc[1][NI][4], acc1[1][NI][4], part0[1][PNI][4], parts[PSETS][1][NI][4];
   // One stage: 4 instructions of 32 bytes of K (+2 per step in descriptor units) into d, plus the
   // up projection into acc1; `accumulate` 0 starts d afresh. Returns with the batch in flight.
+  // SWAP: wgmma's A is this warpgroup's 64 rows of the stage's B, its B the stage's A.
   auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
-    const unsigned long long da = smem_desc(st + wg * 64 * k_row_bytes), db = smem_desc(st + A_BYTES),
-                             db1 = smem_desc(st + A_BYTES + B_BYTES);
+    const unsigned long long da = SWAP ? smem_desc(st + A_BYTES + wg * 64 * k_row_bytes)
+                                       : smem_desc(st + wg * 64 * k_row_bytes),
+                             db = smem_desc(SWAP ? st : st + A_BYTES), db1 = smem_desc(st + A_BYTES + B_BYTES);
     fence_fragments(d);
     if (DUAL) fence_fragments(acc1);
     warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      Wgmma<MmaT, BN>::run(d, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
-      if (DUAL) Wgmma<MmaT, BN>::run(acc1, da + 2 * kk, db1 + 2 * kk, accumulate || kk > 0);
+      Wgmma<MmaT, NI * 8>::run(d, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
+      if (DUAL) Wgmma<MmaT, NI * 8>::run(acc1, da + 2 * kk, db1 + 2 * kk, accumulate || kk > 0);
     }
     wgmma_commit();
   };
@@ -331,6 +348,16 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
       sc[0][j] = a0 * sb;
       sc[1][j] = a1 * sb;
     }
+  };
+  // SWAP: the a scales of this thread's columns of the accumulators (rows of the tile: 8 ni +
+  // 2 (lane % 4) + q) times the tile's one b scale (bn divides 128), for stage s.
+  auto read_scales_swapped = [&](float(&sc)[NI][2], int s) {
+    const float* p = stage_scales + s * SCALE_FLOATS;
+    const float sb = p[BM];
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) sc[ni][q] = p[8 * ni + 2 * (lane & 3) + q] * sb;
   };
   // DIRECT: this thread's two rows of a_scale and the tile's b_scale column block (set per tile),
   // and the next PSETS k-blocks' values, fetched (plain cached loads) a group ahead of their use.
@@ -476,15 +503,25 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
         for (int kt = 0; kt < nk; ++kt, ++it) {
           const int s = it % STAGES;
           ptx::mbar_wait(full + 8 * s, (it / STAGES) & 1);
-          float sc[2][2];
-          read_scales(sc, s);
+          float sc[2][2], scs[NI][2];
+          if constexpr (SWAP)
+            read_scales_swapped(scs, s);
+          else
+            read_scales(sc, s);
           order_wait();
           issue_stage(part0, base + s * STAGE_BYTES, 0);
           order_signal();
           wgmma_wait<0>();
           fence_fragments(part0);
           release(s);
-          promote_split<BN>(acc, part0, sc, n1);
+          if constexpr (SWAP) {
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[0][ni][e] += part0[0][ni][e] * scs[ni][e & 1];
+          } else {
+            promote_split<BN>(acc, part0, sc, n1);
+          }
         }
       }
     } else if (nk == 0) {
@@ -510,13 +547,23 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
     if (SK) {
       // Our partial tile may be overwritten once every CTA has read the previous one.
       if (uiter > 0) ptx::mbar_wait_acquire_cluster(red_bar + 8, (uiter - 1) & 1);
+      // The partial tile as rows of out (SWAP: the accumulators transposed, one float at a time;
+      // rows 8 ni + 2 (lane % 4) + q are 2 RED_LD floats apart, 8 banks, so a warp's stores do not
+      // conflict).
       const int rl = wg * 64 + warp_in_wg * 16 + (lane >> 2);
 #pragma unroll
       for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const unsigned addr = red + 4u * unsigned((rl + 8 * h) * RED_LD + 8 * ni + 2 * (lane & 3));
-          ptx::st_shared_f2(addr, nk > 0 ? acc[0][ni][2 * h] : 0.0f, nk > 0 ? acc[0][ni][2 * h + 1] : 0.0f);
+          if constexpr (SWAP) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q)
+              ptx::st_shared_f32(red + 4u * unsigned((8 * ni + 2 * (lane & 3) + q) * RED_LD + rl + 8 * h),
+                                 nk > 0 ? acc[0][ni][2 * h + q] : 0.0f);
+          } else {
+            const unsigned addr = red + 4u * unsigned((rl + 8 * h) * RED_LD + 8 * ni + 2 * (lane & 3));
+            ptx::st_shared_f2(addr, nk > 0 ? acc[0][ni][2 * h] : 0.0f, nk > 0 ? acc[0][ni][2 * h + 1] : 0.0f);
+          }
         }
       __syncwarp();
       if (lane == 0)
@@ -574,7 +621,18 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
       else
         return acc[0][ni][e] + tail.bias(col0 + 8 * ni + 2 * (lane & 3) + (e & 1));
     };
-    if constexpr (STAGED) {
+    if constexpr (SWAP) {
+      // Element (ni, e) is row 8 ni + 2 (lane % 4) + (e & 1), column 16 warp + lane / 4 + 8 (e / 2)
+      // of this warpgroup's 64: lanes of a store write 8 adjacent columns of each of 4 rows.
+      const int c = col0 + wg * 64 + warp_in_wg * 16 + (lane >> 2);
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = tm * BM + 8 * ni + 2 * (lane & 3) + (e & 1), col = c + 8 * (e >> 1);
+          if (row < m && col < n) out[(long long)row * n + col] = from_float<TOut>(value(0, ni, e));
+        }
+    } else if constexpr (STAGED) {
       // Each warp's 16 rows, a box of 64 columns at a time, through its own 2 KiB (staged_store.cuh):
       // bulk tensor stores when rows are whole 16-byte pieces (the map clips rows past m), else
       // the lanes' own stores.
@@ -596,6 +654,13 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
 #endif
 }
 
+// Threads of a wgmma kernel: a warpgroup per 64 rows of wgmma's A (the tile's rows, or a swapped
+// tile's columns) and the producer's.
+template <int BM, int BN>
+constexpr int wgmma_threads() {
+  return ((BM < 64 ? BN : BM) / 64 + 1) * 128;
+}
+
 // The kernels: without clusters, and with CLUSTER-wide clusters (the attribute fixes the
 // cluster shape at compile time, so a plain launch with a grid that is a multiple of CLUSTER
 // forms them). Both take a fourth tensor map, of the output (boxes of 16 rows x 128 bytes), for
@@ -603,7 +668,7 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
 // split-K): a tile's stores are then a few shared-memory instructions and bulk copies that run
 // under the next tile's K loop.
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+__global__ void __launch_bounds__(wgmma_threads<BM, BN>(), 1)
     gemm_wgmma(KILN_GEMM_PARAMS, const __grid_constant__ ptx::TmaDesc map_a,
                const __grid_constant__ ptx::TmaDesc map_b0, const __grid_constant__ ptx::TmaDesc map_b1,
                const __grid_constant__ ptx::TmaDesc map_out) {
@@ -612,7 +677,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 }
 
 template <int KIND, class TIn, class TOut, int ACT, int BM, int BN, int STAGES, int GROUP, int CLUSTER, int SPLIT>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+__global__ void __launch_bounds__(wgmma_threads<BM, BN>(), 1)
 #if __CUDA_ARCH__ >= 900
 __cluster_dims__(CLUSTER * SPLIT, 1, 1)
 #endif

@@ -302,6 +302,20 @@ struct Wgmma<bf16_t, 256> {
 };
 
 template <>
+struct Wgmma<u8, 16> {
+  static __device__ __forceinline__ void run(float (&d)[1][2][4], unsigned long long da,
+                                             unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
+          "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3])
+        : "l"(da), "l"(db), "r"(scale_d));
+  }
+};
+
+template <>
 struct Wgmma<u8, 32> {
   static __device__ __forceinline__ void run(float (&d)[1][4][4], unsigned long long da,
                                              unsigned long long db, int scale_d) {
