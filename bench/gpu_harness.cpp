@@ -69,6 +69,26 @@ double time_events(const std::function<void(int)>& fn, int warmup, int iters) {
   return median(t);
 }
 
+double time_back_to_back(const std::function<void(int)>& fn, int warmup, int iters) {
+  CUevent a, b;
+  check(drv().event_create(&a, CU_EVENT_DEFAULT), "cuEventCreate");
+  check(drv().event_create(&b, CU_EVENT_DEFAULT), "cuEventCreate");
+  for (int i = 0; i < warmup; ++i) fn(i);
+  std::vector<double> t;
+  for (int r = 0; r < 5; ++r) {
+    check(drv().event_record(a, nullptr), "cuEventRecord");
+    for (int i = 0; i < iters; ++i) fn(warmup + r * iters + i);
+    check(drv().event_record(b, nullptr), "cuEventRecord");
+    check(drv().event_synchronize(b), "cuEventSynchronize");
+    float ms = 0;
+    check(drv().event_elapsed_time(&ms, a, b), "cuEventElapsedTime");
+    t.push_back(double(ms) / iters);
+  }
+  drv().event_destroy(a);
+  drv().event_destroy(b);
+  return median(t);
+}
+
 std::vector<std::int64_t> split_counts_to_sweep(std::int64_t tiles) {
   std::vector<std::int64_t> out;
   for (std::int64_t n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128})

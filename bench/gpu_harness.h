@@ -31,6 +31,12 @@ double percentile(std::vector<double> v, double q);
 // like with like). Pass an index-dependent fn to rotate inputs as well.
 double time_events(const std::function<void(int)>& fn, int warmup, int iters);
 
+// Milliseconds per call over back-to-back calls (the GPU never idles between them, so no launch
+// latency is timed, and no flush's write-back either): `warmup` calls, then the median of 5 runs
+// of `iters` calls. fn(i) takes input set i % sets, where the sets together exceed L2
+// (rotation_sets), as the shape sweep does.
+double time_back_to_back(const std::function<void(int)>& fn, int warmup, int iters);
+
 // The split counts the decode benches sweep beside their heuristic's: 1 to 128, at most `tiles`.
 std::vector<std::int64_t> split_counts_to_sweep(std::int64_t tiles);
 

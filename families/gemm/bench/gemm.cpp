@@ -189,7 +189,8 @@ int gated(Context& ctx, nlohmann::json& rows) {
 // decode-sized LLM shapes (M = 128: tile shape, split-K and pipeline depth decide) and the
 // block-scaled large shapes (bn 256 and 192, group orders), each with its default_stages (or the
 // depth named) and group 8 (or the one named): the data behind the model. Correctness is the other parts' and the GPU
-// tests' job. Only with KILN_BENCH_GEMM_VARIANTS=1 (after the other parts) or =only (alone).
+// tests' job. Only with KILN_BENCH_GEMM_VARIANTS=1 (after the other parts) or =only (alone);
+// =sweep: the cases at the sweep's shapes alone.
 int variants(Context& ctx, nlohmann::json& rows) {
   const jit::DeviceInfo* dev = jit::device_info(0).value();
   const int sms = dev->sm_count, cc = dev->compute_capability;
@@ -207,7 +208,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
   };
   const auto T = families::k_fp8_per_tensor, B = families::k_fp8_blockwise;
   const double F = 2.0;
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"fp8_gemm", 8192, 8192, 8192, B, DType::bf16, F * 8192 * 8192 * 8192,
        {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}, {128, 256, 1, 1, 0, 1}, {128, 256, 2, 1, 0, 16}}},
       {"fp8_gemm", 4096, 7168, 16384, B, DType::bf16, F * 4096 * 7168 * 16384, {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}}},
@@ -215,7 +216,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
        {{128, 256, 1, 1}, {128, 256, 1, 1, 0, 16}, {128, 256, 2, 1}}},
       {"fp8_gemm", 4096, 2112, 7168, B, DType::bf16, F * 4096 * 2112 * 7168,
        {{128, 192, 1, 1}, {128, 192, 1, 1, 0, 16}, {128, 192, 2, 1}, {128, 192, 1, 1, 3}, {128, 192, 1, 1, 5}}},
-      {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{64, 128, 1, 1}}},
+      {"fp8_gemm", 128, 7168, 16384, B, DType::bf16, F * 128 * 7168 * 16384, {{64, 128, 1, 1}, {128, 64, 1, 1}}},
       {"fp8_gemm", 128, 4096, 7168, B, DType::bf16, F * 128 * 4096 * 7168, {{64, 64, 1, 1}, {64, 128, 1, 1}}},
       {"fp8_gemm", 128, 2112, 7168, B, DType::bf16, F * 128 * 2112 * 7168,
        {{64, 32, 1, 1}, {64, 32, 1, 1, 18}, {64, 64, 1, 1}, {128, 32, 1, 1}}},
@@ -229,6 +230,28 @@ int variants(Context& ctx, nlohmann::json& rows) {
        {{128, 256, 1, 1}, {128, 256, 1, 1, 3}, {128, 256, 1, 1, 5}, {128, 256, 1, 1, 0, 16}, {128, 256, 1, 1, 3, 16}}},
       {"fp8_gemm", 4096, 4096, 7168, T, DType::bf16, F * 4096 * 4096 * 7168,
        {{128, 256, 1, 1}, {128, 256, 1, 1, 3}, {128, 256, 1, 1, 5}, {128, 256, 1, 1, 0, 16}}}};
+  // The sweep's shapes (KILN_BENCH_GEMM_VARIANTS=sweep): decode-sized M = 16 with swapped tiles
+  // (bm 16, bn 64 or 128) unsplit and split over 2 to 4 CTAs, the deepest ring, and the 64-row
+  // tiles they replace; 1000 tokens per tensor with the widths that fill waves (176, 56) beside
+  // the staged ones. These are timed as back-to-back calls over input sets that together exceed
+  // L2 (time_back_to_back), as the sweep times them: a flush before each call of a few
+  // microseconds would time the write-back of the flushed lines as much as the kernel.
+  const std::vector<Cand> decode = {{16, 64, 1, 1},  {16, 64, 1, 2},      {16, 64, 1, 3},  {16, 64, 1, 4},
+                                    {16, 128, 1, 1}, {16, 128, 1, 2},     {16, 128, 1, 4}, {16, 64, 1, 1, 18},
+                                    {64, 32, 1, 1},  {64, 64, 1, 1}};
+  std::vector<Case> sweep_cases;
+  for (std::int64_t mode : {T, B})
+    for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{4096, 14336}, {2880, 2880}, {4096, 4160}, {896, 4864},
+                        {3072, 8192}, {5120, 14336}, {14336, 4096}, {7168, 2112}, {3584, 18944}})
+      sweep_cases.push_back({"fp8_gemm", 16, n, k, mode, DType::bf16, F * 16 * n * k, decode});
+  for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{14336, 4096}, {4864, 896}, {896, 4864}, {5120, 14336},
+                      {14336, 4032}})
+    sweep_cases.push_back({"fp8_gemm", 1000, n, k, T, DType::bf16, F * 1000 * n * k,
+                            {{128, 176, 1, 1}, {128, 192, 1, 1}, {128, 256, 1, 1}, {128, 128, 1, 1}, {128, 64, 1, 1},
+                             {128, 56, 1, 1}, {128, 192, 1, 1, 0, 16}}});
+  const char* which = std::getenv("KILN_BENCH_GEMM_VARIANTS");
+  const bool sweep_only = which && std::string(which) == "sweep";
+  if (sweep_only) cases = sweep_cases;
   std::printf("\ngemm variants\n%10s %6s %6s %6s %10s %9s  %s\n", "family", "M", "N", "K", "median_us", "TFLOP/s",
               "variant");
   // KILN_BENCH_GEMM_CASE=i: case i of the list above alone (one kernel family to profile, say).
@@ -244,8 +267,11 @@ int variants(Context& ctx, nlohmann::json& rows) {
     const Params h = f.heuristic(p);
     const g::Kind kind = std::string(c.family) == "gated_mlp" ? g::k_gated : c.mode == B ? g::k_fp8_block : g::k_fp8_tensor;
     const auto specs = f.buffers(h, p);
+    std::size_t set_bytes = 0;
+    for (const auto& b : specs) set_bytes += std::size_t(b.elements) * dtype_size(b.dtype);
+    const int sets = sweep_only ? rotation_sets(set_bytes) : 1;
     std::vector<std::unique_ptr<DeviceBuffer>> bufs;
-    std::vector<void*> ptrs;
+    auto ptrs = std::vector<std::vector<void*>>(std::size_t(sets));
     for (const auto& b : specs) {
       auto host = random_matrix(ctx, b.dtype == DType::u8 ? DType::u8 : b.dtype == DType::f32 ? DType::f32 : DType::bf16,
                                 1, b.elements, 0.05f);
@@ -254,9 +280,11 @@ int variants(Context& ctx, nlohmann::json& rows) {
           const float one = 1.0f / 64;
           std::memcpy(host.data() + i, &one, 4);
         }
-      bufs.push_back(std::make_unique<DeviceBuffer>(host.size()));
-      bufs.back()->upload(host.data());
-      ptrs.push_back(bufs.back()->get());
+      for (int set = 0; set < sets; ++set) {
+        bufs.push_back(std::make_unique<DeviceBuffer>(host.size()));
+        bufs.back()->upload(host.data());
+        ptrs[std::size_t(set)].push_back(bufs.back()->get());
+      }
     }
     for (const Cand& cand : c.cands) {
       g::Tile t{true, cand.bm, cand.bn, 4, cand.group, cand.cluster, cand.split};
@@ -265,10 +293,10 @@ int variants(Context& ctx, nlohmann::json& rows) {
       if (!f.validate(v).ok() || !f.check_problem(v, p).ok()) continue;
       auto k = ctx.runtime->kernel(KernelSpec{c.family, v});
       check(k.status(), "kernel");
-      auto call = [&](int) { check(ctx.runtime->launch(**k, p, ptrs, nullptr), "launch"); };
+      auto call = [&](int i) { check(ctx.runtime->launch(**k, p, ptrs[std::size_t(i % sets)], nullptr), "launch"); };
       call(0);
       check(ctx.driver->ctx_synchronize(), "sync");
-      const double ms = time_events(call, 3, 20);
+      const double ms = sweep_only ? time_back_to_back(call, sets, 40) : time_events(call, 3, 20);
       const double tflops = c.flops / (ms * 1e-3) / 1e12;
       std::printf("%10s %6lld %6lld %6lld %10.1f %9.1f  %s%s\n", c.family, (long long)c.m, (long long)c.n, (long long)c.k,
                   ms * 1e3, tflops, v.canonical().c_str(), v == h ? "  (heuristic)" : "");
@@ -282,7 +310,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
   const char* v = std::getenv("KILN_BENCH_GEMM_VARIANTS");
-  const bool only = v && std::string(v) == "only";
+  const bool only = v && (std::string(v) == "only" || std::string(v) == "sweep");
   int rc = only ? 0 : fp8(ctx, rows);
   if (rc == 0 && !only) rc = gated(ctx, rows);
   if (rc == 0 && v && (std::string(v) == "1" || only))
