@@ -52,12 +52,12 @@ struct {name}<{ctype}, {n}> {{
         f.write("".join(out))
 
 
-# Shared-memory operands. e4m3 also takes tile widths chosen to fill the SMs at LLM shapes: 56
-# (7168 = 128 x 56 column tiles) and 176 (2112 = 12 x 176), and the token counts of decode-sized
-# tiles, 16 (the swapped GEMM: weights as wgmma's A, tokens as its N).
+# Shared-memory operands. N 16 is the token count of swapped decode-sized tiles (the weights as
+# wgmma's A, the tokens as its N). e4m3 also takes tile widths chosen to fill the SMs at LLM
+# shapes: 56 (7168 = 128 x 56 column tiles) and 176 (2112 = 12 x 176).
 SS_TYPES = [("f16_t", "f16", 16), ("bf16_t", "bf16", 16), ("u8", "e4m3", 32)]
-SS_NS = [32, 64, 128, 192, 256]
-SS_EXTRA_NS = {"u8": [16, 56, 176]}
+SS_NS = [16, 32, 64, 128, 192, 256]
+SS_EXTRA_NS = {"u8": [56, 176]}
 
 
 def ss_body(ctype, n, ptx_kstep):

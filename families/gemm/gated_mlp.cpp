@@ -17,7 +17,7 @@ int act_of(const Params& p) { return *p.get_str("act") == "gelu" ? k_gated_gelu 
 class GatedMlp final : public g::GemmFamily {
  public:
   std::string_view name() const override { return "gated_mlp"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = [] {

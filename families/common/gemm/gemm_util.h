@@ -46,7 +46,7 @@ enum Kind { k_fp8_tensor = 0, k_fp8_block = 1, k_gated = 2, k_half = 3 };
 inline std::vector<ParamDef> tile_params() {
   return {
       {"path", {}, {"mma", "wgmma"}, "mma: mma.sync (sm_80 and later); wgmma: warp-specialized wgmma (sm_90a)"},
-      {"bm", {16, 32, 64, 128}, {}, "tile rows (M); 16 and 32: fp8 on wgmma only, swapped (weights as wgmma's A)"},
+      {"bm", {16, 32, 64, 128}, {}, "tile rows (M); 16 and 32: fp8 and gated on wgmma only, swapped (weights as wgmma's A)"},
       {"bn", {32, 56, 64, 128, 176, 192, 256}, {}, "tile columns (N); 56 and 176: per-tensor fp8 on wgmma only; above 128: fp8 on wgmma only (block scales: 192, 256)"},
       {"stages", {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18}, {}, "shared-memory pipeline depth"},
       {"group", {1, 8, 16}, {}, "tile rows per group of the grouped output order (L2 reuse)"},
@@ -68,9 +68,9 @@ inline Tile tile_of(const Params& p) {
 
 inline bool fp8_kind(Kind kind) { return kind == k_fp8_tensor || kind == k_fp8_block; }
 
-// Swapped tiles (wgmma, bm 16 or 32: decode-sized M): the tile's bn rows of B are wgmma's A, 64
-// rows per consumer warpgroup, and its bm rows of A (the tokens) are wgmma's N, so a stage holds
-// bm + bn rows that are all data instead of 64 rows of A for a handful of tokens.
+// Swapped tiles (wgmma, bm 16 or 32: decode-sized M): the tile's bn rows of B (of each B, gated)
+// are wgmma's A, 64 rows per consumer warpgroup, and its bm rows of A (the tokens) are wgmma's N,
+// so a stage holds bm + bn rows that are all data instead of 64 rows of A for a handful of tokens.
 inline bool swapped(const Tile& t) { return t.wgmma && t.bm < 64; }
 // Consumer warpgroups of a wgmma tile: one per 64 rows of wgmma's A.
 inline int consumers(const Tile& t) { return (swapped(t) ? t.bn : t.bm) / 64; }
@@ -116,9 +116,9 @@ inline std::uint32_t max_shared_bytes(std::int64_t cc) {
 inline Status validate_tile(std::string_view family, Kind kind, const Tile& t) {
   const std::string f(family);
   if (!t.wgmma && t.bn > 128) return invalid_argument(f + ": the mma path takes bn <= 128");
-  if (t.bm < 64 && (!t.wgmma || !fp8_kind(kind) || !(t.bn == 64 || t.bn == 128) || t.cluster != 1))
-    return invalid_argument(f + ": bm 16 and 32 (swapped tiles) are for fp8 on the wgmma path, with bn 64 or 128 "
-                            "and no A multicast (cluster 1)");
+  if (t.bm < 64 && (!t.wgmma || kind == k_half || !(t.bn == 64 || t.bn == 128) || t.cluster != 1))
+    return invalid_argument(f + ": bm 16 and 32 (swapped tiles) are for fp8 and gated kernels on the wgmma path, "
+                            "with bn 64 or 128 and no A multicast (cluster 1)");
   if (kind == k_gated && t.bn > 128) return invalid_argument(f + ": gated kernels take bn <= 128");
   if (kind == k_fp8_block && t.bn > 128 && !(t.wgmma && (t.bn == 192 || t.bn == 256)))
     return invalid_argument(f + ": block-scaled kernels take bn <= 128, or 192 or 256 on the wgmma path");
@@ -257,7 +257,7 @@ inline std::vector<std::pair<int, int>> wgmma_tiles(Kind kind) {
   if (kind == k_fp8_block)
     return {{128, 256}, {128, 192}, {128, 128}, {64, 128}, {128, 64}, {128, 32},
             {64, 64},   {64, 32},   {32, 128},  {32, 64},  {16, 128}, {16, 64}};
-  return {{128, 128}, {128, 64}, {64, 64}};
+  return {{128, 128}, {128, 64}, {64, 64}, {32, 128}, {32, 64}, {16, 128}, {16, 64}};
 }
 
 // Split-K candidates of the heuristic (wgmma, fp8, no cluster): 2 CTAs per tile for the 128-row
@@ -308,10 +308,10 @@ inline bool wide_group(Kind kind, int bm, int bn, const Problem& p) {
 }
 
 // The default tile. wgmma: the candidate (tile, split) with the least wgmma_cost; ties go to the
-// larger tile, then to no split. fp8 problems of at most 32 rows take swapped tiles that hold
-// every row (B is read once), and only those: at M = 16 they beat the 64-row tiles at every
-// shape measured on Hopper, where the model, which sees the loads of A and B alike and not the
-// share of the ring that B gets, rates them level (17 to 32 rows follow the same rule
+// larger tile, then to no split. fp8 and gated problems of at most 32 rows take swapped tiles
+// that hold every row (B is read once), and only those: at M = 16 they beat the 64-row tiles at
+// every fp8 shape measured on Hopper, where the model, which sees the loads of A and B alike and
+// not the share of the ring that B gets, rates them level (17 to 32 rows follow the same rule
 // unmeasured); group 8, or 16 where wide_group says. No clusters of A multicast:
 // they are neutral to slower (docs/kernels.md). mma: 128 x 128 (gated 128 x 64), bm and then
 // bn halved while the tiles leave SMs idle. Stages: default_stages.
@@ -321,7 +321,7 @@ inline Tile default_tile(Kind kind, const Problem& p) {
   if (t.wgmma) {
     std::int64_t best = -1;
     const std::int64_t m = p.as<GemmProblem>().m;
-    const bool swap = fp8_kind(kind) && m <= 32;
+    const bool swap = kind != k_half && m <= 32;
     for (auto [bm, bn] : wgmma_tiles(kind)) {
       if ((bm < 64) != swap || (swap && m > bm)) continue;
       for (int split : wgmma_splits(kind, bm, bn)) {

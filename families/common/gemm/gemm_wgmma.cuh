@@ -113,16 +113,16 @@ __device__ __forceinline__ void fence_fragments(float (&d)[1][NI][4]) {
 // with one set is slower than either. On larger tiles DIRECT is slower (64 x 64 at 128 x 4096 x
 // 7168, 128 x 256 at 8192^3, 128 x 192 at 4096 x 2112), so they keep the scale warp.
 //
-// Swapped tiles (BM 16 or 32, fp8: decode-sized M): wgmma's M is 64, so a 64-row tile over a
-// handful of tokens would fill most of each stage's A with zeros and leave little room for B, the
-// bytes that decide the time when a GEMM streams its weights. A swapped tile computes out^T
-// instead: each consumer warpgroup's 64 rows of the stage's B are wgmma's A operand and the
-// stage's BM rows of A its B operand (N = BM), both K-major as loaded, so a stage of BM + BN rows
-// is all data and the ring holds several times the weights in flight. The accumulators hold the
-// tile transposed (rows are columns of out); the epilogue stores them so (a split-K partial tile
-// is transposed on its way into shared memory, and the reduction is the unswapped one), and block
-// scales promote by the accumulator's columns (the tile's rows: their a scales) and the tile's
-// one b scale.
+// Swapped tiles (BM 16 or 32, fp8 or gated: decode-sized M): wgmma's M is 64, so a 64-row tile
+// over a handful of tokens would fill most of each stage's A with zeros and leave little room for
+// B, the bytes that decide the time when a GEMM streams its weights. A swapped tile computes out^T
+// instead: each consumer warpgroup's 64 rows of the stage's B (gated: of each B, one accumulator
+// set per projection) are wgmma's A operand and the stage's BM rows of A its B operand (N = BM),
+// both K-major as loaded, so a stage of BM + BN rows (BM + 2 BN) is all data and the ring holds
+// several times the weights in flight. The accumulators hold the tile transposed (rows are
+// columns of out); the epilogue stores them so (a split-K partial tile is transposed on its way
+// into shared memory, and the reduction is the unswapped one), and block scales promote by the
+// accumulator's columns (the tile's rows: their a scales) and the tile's one b scale.
 //
 // How a kernel's tiles leave (gemm_wgmma_body's OUT): fragments stored straight to global memory
 // (k_out_direct), or the staged epilogue of staged_store.cuh for 128-row tiles whose width is
@@ -157,7 +157,8 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
                  BLOCK = KIND == k_fp8_block, MC = CLUSTER > 1, SK = SPLIT > 1;
   constexpr int CL = CLUSTER * SPLIT;  // CTAs per cluster
   static_assert(!(SK && (MC || !FP8)), "split-K is for fp8 without A multicast");
-  static_assert(!SWAP || (FP8 && !MC && (BN == 64 || BN == 128)), "swapped tiles: fp8, bn 64 or 128, no multicast");
+  static_assert(!SWAP || ((FP8 || DUAL) && !MC && (BN == 64 || BN == 128)),
+                "swapped tiles: fp8 or gated, bn 64 or 128, no multicast");
   static_assert(!BLOCK || BN <= 128 || BN == 192 || BN == 160 || BN == 144 || BN == 256,
                 "block scales: bn - gcd(bn, 128) <= 128 keeps a tile within two scale blocks (256: two halves)");
   constexpr bool HALVES = BLOCK && BN == 256;  // see above; part0 holds one half
@@ -291,18 +292,21 @@ __device__ __forceinline__ void gemm_wgmma_body(KILN_GEMM_PARAMS, const ptx::Tma
   float acc[1][NI][4], acc1[1][NI][4], part0[1][PNI][4], parts[PSETS][1][NI][4];
   // One stage: 4 instructions of 32 bytes of K (+2 per step in descriptor units) into d, plus the
   // up projection into acc1; `accumulate` 0 starts d afresh. Returns with the batch in flight.
-  // SWAP: wgmma's A is this warpgroup's 64 rows of the stage's B, its B the stage's A.
+  // SWAP: wgmma's A is this warpgroup's 64 rows of the stage's B (gated: of each B, da1 the up
+  // projection's), its B the stage's A.
   auto issue_stage = [&](float(&d)[1][NI][4], unsigned st, int accumulate) {
-    const unsigned long long da = SWAP ? smem_desc(st + A_BYTES + wg * 64 * k_row_bytes)
-                                       : smem_desc(st + wg * 64 * k_row_bytes),
-                             db = smem_desc(SWAP ? st : st + A_BYTES), db1 = smem_desc(st + A_BYTES + B_BYTES);
+    const unsigned wrows = wg * 64 * k_row_bytes;
+    const unsigned long long da = smem_desc(SWAP ? st + A_BYTES + wrows : st + wrows),
+                             da1 = SWAP ? smem_desc(st + A_BYTES + B_BYTES + wrows) : da,
+                             db = smem_desc(SWAP ? st : st + A_BYTES),
+                             db1 = SWAP ? db : smem_desc(st + A_BYTES + B_BYTES);
     fence_fragments(d);
     if (DUAL) fence_fragments(acc1);
     warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       Wgmma<MmaT, NI * 8>::run(d, da + 2 * kk, db + 2 * kk, accumulate || kk > 0);
-      if (DUAL) Wgmma<MmaT, NI * 8>::run(acc1, da + 2 * kk, db1 + 2 * kk, accumulate || kk > 0);
+      if (DUAL) Wgmma<MmaT, NI * 8>::run(acc1, da1 + 2 * kk, db1 + 2 * kk, accumulate || kk > 0);
     }
     wgmma_commit();
   };

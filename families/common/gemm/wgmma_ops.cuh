@@ -14,6 +14,20 @@ template <class T, int N>
 struct Wgmma;
 
 template <>
+struct Wgmma<f16_t, 16> {
+  static __device__ __forceinline__ void run(float (&d)[1][2][4], unsigned long long da,
+                                             unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
+          "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3])
+        : "l"(da), "l"(db), "r"(scale_d));
+  }
+};
+
+template <>
 struct Wgmma<f16_t, 32> {
   static __device__ __forceinline__ void run(float (&d)[1][4][4], unsigned long long da,
                                              unsigned long long db, int scale_d) {
@@ -153,6 +167,20 @@ struct Wgmma<f16_t, 256> {
           "+f"(d[0][29][0]), "+f"(d[0][29][1]), "+f"(d[0][29][2]), "+f"(d[0][29][3]),
           "+f"(d[0][30][0]), "+f"(d[0][30][1]), "+f"(d[0][30][2]), "+f"(d[0][30][3]),
           "+f"(d[0][31][0]), "+f"(d[0][31][1]), "+f"(d[0][31][2]), "+f"(d[0][31][3])
+        : "l"(da), "l"(db), "r"(scale_d));
+  }
+};
+
+template <>
+struct Wgmma<bf16_t, 16> {
+  static __device__ __forceinline__ void run(float (&d)[1][2][4], unsigned long long da,
+                                             unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
+          "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3])
         : "l"(da), "l"(db), "r"(scale_d));
   }
 };

@@ -233,7 +233,7 @@ int variants(Context& ctx, nlohmann::json& rows) {
   // The sweep's shapes (KILN_BENCH_GEMM_VARIANTS=sweep): decode-sized M = 16 with swapped tiles
   // (bm 16, bn 64 or 128) unsplit and split over 2 to 4 CTAs, the deepest ring, and the 64-row
   // tiles they replace; 1000 tokens per tensor with the widths that fill waves (176, 56) beside
-  // the staged ones. These are timed as back-to-back calls over input sets that together exceed
+  // the staged ones; the gated MLP's swapped tiles at 16 tokens. These are timed as back-to-back calls over input sets that together exceed
   // L2 (time_back_to_back), as the sweep times them: a flush before each call of a few
   // microseconds would time the write-back of the flushed lines as much as the kernel.
   const std::vector<Cand> decode = {{16, 64, 1, 1},  {16, 64, 1, 2},      {16, 64, 1, 3},  {16, 64, 1, 4},
@@ -249,6 +249,11 @@ int variants(Context& ctx, nlohmann::json& rows) {
     sweep_cases.push_back({"fp8_gemm", 1000, n, k, T, DType::bf16, F * 1000 * n * k,
                             {{128, 176, 1, 1}, {128, 192, 1, 1}, {128, 256, 1, 1}, {128, 128, 1, 1}, {128, 64, 1, 1},
                              {128, 56, 1, 1}, {128, 192, 1, 1, 0, 16}}});
+  // The gated MLP (bf16, SiLU) at 16 tokens: swapped tiles against the 64 x 64 they replace.
+  for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{28672, 8192}, {14336, 4096}, {4864, 896}, {2880, 2880},
+                      {25600, 5120}})
+    sweep_cases.push_back({"gated_mlp", 16, n, k, 0, DType::bf16, 4.0 * 16 * n * k,
+                           {{16, 64, 1, 1}, {16, 128, 1, 1}, {32, 64, 1, 1}, {64, 64, 1, 1}}});
   const char* which = std::getenv("KILN_BENCH_GEMM_VARIANTS");
   const bool sweep_only = which && std::string(which) == "sweep";
   if (sweep_only) cases = sweep_cases;

@@ -177,10 +177,13 @@ TEST_F(GemmGpu, GatedMlpMatchesReferenceOnEveryPathDtypeAndActivation) {
   for (const auto& path : paths())
     for (const char* act : {"silu", "gelu"})
       for (DType t : {DType::f16, DType::bf16})
-        for (auto [bm, bn] : {std::pair{128, 64}, {64, 64}, {128, 128}, {64, 32}})
+        for (auto [bm, bn] : {std::pair{128, 64}, {64, 64}, {128, 128}, {64, 32}, {16, 64}, {16, 128}, {32, 64}})
           for (int cluster : {1, 2})
-          for (const Shape& s : {Shape{133, 200, 264}, Shape{5, 72, 64}, Shape{300, 136, 520}, Shape{330, 400, 136, 2}}) {
+          for (const Shape& s : {Shape{133, 200, 264}, Shape{5, 72, 64}, Shape{300, 136, 520}, Shape{330, 400, 136, 2},
+                                 Shape{13, 330, 1160}}) {
             if (path == "mma" && bn == 128) continue;
+            // Swapped tiles (bm 16, 32): wgmma only, no A multicast.
+            if (bm < 64 && (path == "mma" || cluster > 1)) continue;
             // Clusters (in the tuning space, not the heuristic's): wgmma, bf16, silu.
             if (cluster > 1 && (path == "mma" || t != DType::bf16 || std::string(act) != "silu")) continue;
             const Params params =

@@ -403,7 +403,7 @@ TEST(GemmFamilies, SplitKForDecodeShapes) {
 
 // Decode-sized M takes swapped tiles (bm 16 or 32: the tile's B rows are wgmma's A) where one
 // tile holds every row, so B is read once; per tensor they never split K, block scales may.
-// Larger M never swaps, and swapped tiles are fp8 on the wgmma path with bn 64 or 128 only.
+// Larger M never swaps, and swapped tiles are fp8 or gated on the wgmma path with bn 64 or 128.
 TEST(GemmFamilies, SwappedTilesForDecodeSizedM) {
   const Family& f = fam("fp8_gemm");
   const auto catalog = f.catalog();
@@ -440,11 +440,14 @@ TEST(GemmFamilies, SwappedTilesForDecodeSizedM) {
   c = s;
   c.set("path", "mma");
   EXPECT_EQ(f.validate(c).code(), Code::invalid_argument);
+  // The gated MLP swaps too (both projections' rows as wgmma's A); the LoRA core (k_half) does not.
   const Family& gated = fam("gated_mlp");
-  Params gp = gated.heuristic(gemm_problem(DType::bf16, 16, 4096, 4096, 0));
-  EXPECT_EQ(*gp.get_int("bm"), 64);
-  gp.set("bm", std::int64_t(16));
-  EXPECT_EQ(gated.validate(gp).code(), Code::invalid_argument);
+  const Params gp = gated.heuristic(gemm_problem(DType::bf16, 16, 28672, 8192, 0));
+  EXPECT_EQ(*gp.get_int("bm"), 16);
+  const auto gated_catalog = gated.catalog();
+  EXPECT_NE(std::find(gated_catalog.begin(), gated_catalog.end(), gp), gated_catalog.end());
+  EXPECT_EQ(*gated.heuristic(gemm_problem(DType::bf16, 33, 28672, 8192, 0)).get_int("bm"), 64);
+  EXPECT_EQ(g::validate_tile("lora_gemm", g::k_half, g::Tile{true, 16, 64, 4, 8}).code(), Code::invalid_argument);
 }
 
 // Each 128-row tile of the per-tensor candidates that stores its own fragments (bn 176 and 56,
