@@ -58,14 +58,24 @@ struct FewRowsShape {
 };
 // The heuristic's shape for `rows` rows of `row_packs` 16-byte packs: one pack per thread up to
 // 1024 packs, else two; the smallest block from 32 threads that holds the row; the smallest
-// cluster that holds the rows. Nothing for 0 or more than 8 rows, or more than 2048 packs.
-constexpr std::int64_t k_few_rows_max = 8;
+// cluster that holds the rows, at most 8 blocks (the portable cluster size), each block taking
+// two rows past 8. Nothing for 0 or more than 16 rows, or more than 2048 packs.
+constexpr std::int64_t k_few_rows_max = 16;
 inline std::optional<FewRowsShape> few_rows_shape(std::int64_t rows, std::int64_t row_packs) {
   if (rows < 1 || rows > k_few_rows_max || row_packs < 1 || row_packs > 2048) return std::nullopt;
   FewRowsShape s{32, row_packs <= 1024 ? 1 : 2, 1};
   while (s.block < 1024 && s.block * s.packs < row_packs) s.block *= 2;
-  while (s.cluster < rows) s.cluster *= 2;
+  while (s.cluster < rows && s.cluster < 8) s.cluster *= 2;
   return s;
+}
+// The rows a few-row launch of `cluster` blocks holds: one block a row, two past one block.
+inline std::int64_t few_rows_capacity(std::int64_t cluster) { return cluster == 1 ? 1 : 2 * cluster; }
+// Whether an op takes the few-row launch for `rows` rows of `cols` elements: up to 8 rows always;
+// 9 to 16 (each block then runs its two rows one after the other) only for rows of at most
+// `two_rows_max_cols`, the longest for which the one launch beat the op's multi-launch backward on
+// Hopper (a second row's latency in every block against the other path's extra launches).
+inline bool few_rows_launch(std::int64_t rows, std::int64_t cols, std::int64_t two_rows_max_cols) {
+  return rows >= 1 && (rows <= 8 || (rows <= k_few_rows_max && cols <= two_rows_max_cols));
 }
 // Their tuning space: the heuristic's variant `h` at every block and packs count that `f` accepts
 // for `p`.

@@ -37,12 +37,12 @@ Problem contiguous(DType t, std::int64_t rows, std::int64_t cols) {
 class LayerNormBwdRows final : public Family {
  public:
   std::string_view name() const override { return "layernorm_bwd_rows"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
         {"block", {32, 64, 128, 256, 512, 1024}, {}, "threads per block (one row a block)"},
-        {"cluster", {1, 2, 4, 8}, {}, "blocks in the launch's one cluster: at least the row count"},
+        {"cluster", {1, 2, 4, 8}, {}, "blocks in the launch's one cluster, each taking one row, or two with 2 or more blocks"},
         {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dy, x, weight, dx, dweight and dbias"},
         {"packs", {1, 2}, {}, "16-byte packs of each row buffer a thread holds in registers"},
         {"vec", {4, 8}, {}, "elements per access: 16 bytes"},
@@ -51,7 +51,7 @@ class LayerNormBwdRows final : public Family {
   }
   const std::vector<ProblemField>& problem_fields() const override {
     static const std::vector<ProblemField> fields = problem_fields_of<LayerNormBwdRowsProblem>({
-        bucketed(&LayerNormBwdRowsProblem::rows, "rows", "rows of dy, x and dx (at most the cluster)"),
+        bucketed(&LayerNormBwdRowsProblem::rows, "rows", "rows of dy, x and dx (at most twice the cluster; 1 for a cluster of 1)"),
         key(&LayerNormBwdRowsProblem::cols, "cols", "elements per row"),
         key(&LayerNormBwdRowsProblem::dy_row_stride, "dy_row_stride", "elements between two rows of dy"),
         key(&LayerNormBwdRowsProblem::x_row_stride, "x_row_stride", "elements between two rows of x"),
@@ -83,7 +83,8 @@ class LayerNormBwdRows final : public Family {
     return r;
   }
 
-  // What the heuristic picks for 1, 2, 4 and 8 rows of the usual hidden sizes, in every dtype.
+  // What the heuristic picks for 1, 2, 4 and 8 rows (9 to 16 take the 8-row variants) of the usual
+  // hidden sizes, in every dtype.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     for (DType t : {DType::f32, DType::f16, DType::bf16})
@@ -107,9 +108,10 @@ class LayerNormBwdRows final : public Family {
                                ", tensors are " + dtype_name(p.dtype));
     for (std::int64_t s : {q.dy_row_stride, q.x_row_stride, q.dx_row_stride})
       if (s < cols) return shape_mismatch("layernorm_bwd_rows: row strides must be at least the row length");
-    if (rows > *params.get_int("cluster"))
-      return invalid_argument("layernorm_bwd_rows: at most cluster rows (" +
-                              std::to_string(*params.get_int("cluster")) + "), not " + std::to_string(rows));
+    if (rows > few_rows_capacity(*params.get_int("cluster")))
+      return invalid_argument("layernorm_bwd_rows: a cluster of " + std::to_string(*params.get_int("cluster")) +
+                              " holds at most " + std::to_string(few_rows_capacity(*params.get_int("cluster"))) +
+                              " rows, not " + std::to_string(rows));
     const auto vec = *params.get_int("vec");
     if (p.alignment < 16 || q.dy_row_stride % vec || q.x_row_stride % vec || q.dx_row_stride % vec || cols % vec)
       return invalid_argument("layernorm_bwd_rows: needs 16-byte aligned buffers and row strides and rows of whole "

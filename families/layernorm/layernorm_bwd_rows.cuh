@@ -4,17 +4,19 @@
 // layernorm_bwd):
 //   dx = rstd * (g - (sum(g) + xhat * sum(g * xhat)) / cols),  dweight = sum over rows of dy * xhat,
 //   dbias = sum over rows of dy.
-// The grid is one thread-block cluster of CLUSTER blocks, block r taking row r (blocks past the last
-// row contribute nothing). Each thread holds PACKS packs of VEC elements of dy, x and the weight in
-// registers, all loaded before the row's one (paired) reduction. With CLUSTER 1 (one row) the
-// thread writes dweight and dbias from registers. Otherwise every block keeps its row's terms (f32,
-// dweight's then dbias's) in dynamic shared memory; after a cluster barrier block r sums its share
-// of them over the cluster's blocks through distributed shared memory in rank order (deterministic)
-// and writes them; a second barrier keeps every block's terms alive until the others have read.
+// The grid is one thread-block cluster of CLUSTER blocks, block r taking rows r and r + CLUSTER
+// (blocks past the last row contribute nothing). Each thread holds PACKS packs of VEC elements of
+// dy, x and the weight in registers, all loaded before the row's one (paired) reduction. With
+// CLUSTER 1 (one row) the thread writes dweight and dbias from registers. Otherwise every block
+// keeps its rows' terms (f32, dweight's then dbias's, summed over its rows) in dynamic shared
+// memory; after a cluster barrier block r sums its share of them over the cluster's blocks through
+// distributed shared memory in rank order (deterministic) and writes them; a second barrier keeps
+// every block's terms alive until the others have read.
 //
 // Requires: VEC * sizeof(T) == 16, cols a multiple of VEC and at most BLOCK * PACKS * VEC,
-// rows <= CLUSTER, every buffer and row stride aligned to 16 bytes; dynamic shared memory of
-// 2 * cols floats when CLUSTER > 1; sm_90 or later when CLUSTER > 1. dbias may be null.
+// rows <= 2 CLUSTER (1 when CLUSTER is 1), every buffer and row stride aligned to 16 bytes;
+// dynamic shared memory of 2 * cols floats when CLUSTER > 1; sm_90 or later when CLUSTER > 1.
+// dbias may be null.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -48,87 +50,106 @@ layernorm_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x, const T* _
   const int packs = int(cols) / VEC;
   const float inv_cols = 1.f / float(cols);
   const unsigned rank = CLUSTER > 1 ? kiln::ptx::cluster_ctarank() : 0u;
-  const long long row = rank;
-  const bool valid = row < rows;
+  // Block r takes rows r and r + CLUSTER (rows <= 2 CLUSTER); a block past the last row runs once
+  // and contributes nothing.
+  const long long iters = rows > rank ? (rows - 1 - rank) / CLUSTER + 1 : 1;
+  for (long long it = 0; it < iters; ++it) {
+    const long long row = rank + it * CLUSTER;
+    const bool valid = row < rows;
 
-  // Every load issued unconditionally, so that all go out before the first use of any: a thread
-  // past the row's end reads the row's last pack, and a block past the last row the last row;
-  // neither uses what it read.
-  const long long src = valid ? row : rows - 1;
-  const T* dyr = dy + src * dy_stride;
-  const T* xr = x + src * x_stride;
-  P dyv[PACKS], xv[PACKS], wv[PACKS];
+    // Every load issued unconditionally, so that all go out before the first use of any: a
+    // thread past the row's end reads the row's last pack, and a block past the last row the last
+    // row; neither uses what it read.
+    const long long src = valid ? row : rows - 1;
+    const T* dyr = dy + src * dy_stride;
+    const T* xr = x + src * x_stride;
+    P dyv[PACKS], xv[PACKS], wv[PACKS];
 #pragma unroll
-  for (int i = 0; i < PACKS; ++i) {
-    const int p = min(t + i * BLOCK, packs - 1);
-    dyv[i] = kiln::load_pack<T, VEC>(dyr + p * VEC);
-    xv[i] = kiln::load_pack<T, VEC>(xr + p * VEC);
-    wv[i] = kiln::load_pack<T, VEC>(weight + p * VEC);
-  }
-  const float mu = mean[src], rs = rstd[src];
-
-  // The row's sums of g and g * xhat, in one reduction.
-  float sg = 0.f, sgx = 0.f;
-#pragma unroll
-  for (int i = 0; i < PACKS; ++i)
-    if (t + i * BLOCK < packs) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float g = kiln::to_float(dyv[i].v[k]) * kiln::to_float(wv[i].v[k]);
-        sg += g;
-        sgx = fmaf(g, (kiln::to_float(xv[i].v[k]) - mu) * rs, sgx);
-      }
+    for (int i = 0; i < PACKS; ++i) {
+      const int p = min(t + i * BLOCK, packs - 1);
+      dyv[i] = kiln::load_pack<T, VEC>(dyr + p * VEC);
+      xv[i] = kiln::load_pack<T, VEC>(xr + p * VEC);
+      wv[i] = kiln::load_pack<T, VEC>(weight + p * VEC);
     }
-  sg = kiln::warp_sum(sg);
-  sgx = kiln::warp_sum(sgx);
-  if constexpr (BLOCK > 32) {
-    if (t % 32 == 0) sums[t / 32] = make_float2(sg, sgx);
-    __syncthreads();
-    float2 total = sums[0];
-#pragma unroll
-    for (int i = 1; i < BLOCK / 32; ++i) {
-      total.x += sums[i].x;
-      total.y += sums[i].y;
-    }
-    sg = total.x;
-    sgx = total.y;
-  }
-  sg *= inv_cols;
-  sgx *= inv_cols;
+    const float mu = mean[src], rs = rstd[src];
 
-  T* dxr = dx + row * dx_stride + t * VEC;
-  const float keep = valid ? 1.f : 0.f;  // a block past the last row adds nothing
+    // The row's sums of g and g * xhat, in one reduction.
+    float sg = 0.f, sgx = 0.f;
 #pragma unroll
-  for (int i = 0; i < PACKS; ++i) {
-    const int p = t + i * BLOCK;
-    if (p < packs) {
-      P out, dwp, dbp;
+    for (int i = 0; i < PACKS; ++i)
+      if (t + i * BLOCK < packs) {
 #pragma unroll
-      for (int q = 0; q < VEC / 4; ++q) {
-        float4 wt, bt;  // four elements' dweight and dbias terms, stored to shared memory as vectors
-        float* wq = &wt.x;
-        float* bq = &bt.x;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int k = 4 * q + e;
-          const float d = kiln::to_float(dyv[i].v[k]);
-          const float xhat = (kiln::to_float(xv[i].v[k]) - mu) * rs;
-          const float g = d * kiln::to_float(wv[i].v[k]);
-          out.v[k] = kiln::from_float<T>(rs * (g - sg - xhat * sgx));
-          wq[e] = d * xhat * keep;
-          bq[e] = d * keep;
-          dwp.v[k] = kiln::from_float<T>(wq[e]);
-          dbp.v[k] = kiln::from_float<T>(bq[e]);
-        }
-        if constexpr (CLUSTER > 1) {
-          reinterpret_cast<float4*>(terms + p * VEC)[q] = wt;
-          reinterpret_cast<float4*>(terms + cols + p * VEC)[q] = bt;
+        for (int k = 0; k < VEC; ++k) {
+          const float g = kiln::to_float(dyv[i].v[k]) * kiln::to_float(wv[i].v[k]);
+          sg += g;
+          sgx = fmaf(g, (kiln::to_float(xv[i].v[k]) - mu) * rs, sgx);
         }
       }
-      if (valid) kiln::store_pack<T, VEC>(dxr + i * BLOCK * VEC, out);
-      if constexpr (CLUSTER == 1) {
-        kiln::store_pack<T, VEC>(dweight + p * VEC, dwp);
-        if (dbias) kiln::store_pack<T, VEC>(dbias + p * VEC, dbp);
+    sg = kiln::warp_sum(sg);
+    sgx = kiln::warp_sum(sgx);
+    if constexpr (BLOCK > 32) {
+      if (it > 0) __syncthreads();  // every warp has read the previous row's sums
+      if (t % 32 == 0) sums[t / 32] = make_float2(sg, sgx);
+      __syncthreads();
+      float2 total = sums[0];
+#pragma unroll
+      for (int i = 1; i < BLOCK / 32; ++i) {
+        total.x += sums[i].x;
+        total.y += sums[i].y;
+      }
+      sg = total.x;
+      sgx = total.y;
+    }
+    sg *= inv_cols;
+    sgx *= inv_cols;
+
+    T* dxr = dx + row * dx_stride + t * VEC;
+    const float keep = valid ? 1.f : 0.f;  // a block past the last row adds nothing
+#pragma unroll
+    for (int i = 0; i < PACKS; ++i) {
+      const int p = t + i * BLOCK;
+      if (p < packs) {
+        P out, dwp, dbp;
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q) {
+          float4 wt, bt;  // four elements' dweight and dbias terms, kept in shared memory as vectors
+          float* wq = &wt.x;
+          float* bq = &bt.x;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int k = 4 * q + e;
+            const float d = kiln::to_float(dyv[i].v[k]);
+            const float xhat = (kiln::to_float(xv[i].v[k]) - mu) * rs;
+            const float g = d * kiln::to_float(wv[i].v[k]);
+            out.v[k] = kiln::from_float<T>(rs * (g - sg - xhat * sgx));
+            wq[e] = d * xhat * keep;
+            bq[e] = d * keep;
+            dwp.v[k] = kiln::from_float<T>(wq[e]);
+            dbp.v[k] = kiln::from_float<T>(bq[e]);
+          }
+          if constexpr (CLUSTER > 1) {
+            float4* wslot = reinterpret_cast<float4*>(terms + p * VEC) + q;
+            float4* bslot = reinterpret_cast<float4*>(terms + cols + p * VEC) + q;
+            if (it > 0) {
+              const float4 w0 = *wslot, b0 = *bslot;
+              wt.x += w0.x;
+              wt.y += w0.y;
+              wt.z += w0.z;
+              wt.w += w0.w;
+              bt.x += b0.x;
+              bt.y += b0.y;
+              bt.z += b0.z;
+              bt.w += b0.w;
+            }
+            *wslot = wt;
+            *bslot = bt;
+          }
+        }
+        if (valid) kiln::store_pack<T, VEC>(dxr + i * BLOCK * VEC, out);
+        if constexpr (CLUSTER == 1) {
+          kiln::store_pack<T, VEC>(dweight + p * VEC, dwp);
+          if (dbias) kiln::store_pack<T, VEC>(dbias + p * VEC, dbp);
+        }
       }
     }
   }

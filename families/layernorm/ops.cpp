@@ -191,10 +191,11 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* device, jit::device_info(x.device.index));
-  // 1 to 8 rows: one launch of layernorm_bwd_rows where it holds the problem (16-byte aligned rows
-  // of whole packs, the gradients included), instead of the three below. One row's strides are the
-  // row length: only its first row is read. Larger calls skip the check.
-  if (rows >= 1 && rows <= families::k_few_rows_max) {
+  // 1 to 8 rows, or up to 16 of at most 4096 elements (families::few_rows_launch): one launch of
+  // layernorm_bwd_rows where it holds the problem (16-byte aligned rows of whole packs, the
+  // gradients included), instead of the three below. One row's strides are the row length: only
+  // its first row is read. Larger calls skip the check.
+  if (families::few_rows_launch(rows, cols, 4096)) {
     const auto stride = [&](std::int64_t s) { return rows <= 1 ? cols : s; };
     const families::LayerNormBwdRowsProblem rq{.rows = rows,
                                                .cols = cols,

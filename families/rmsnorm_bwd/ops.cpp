@@ -1,6 +1,6 @@
 // kiln::rms_norm_backward and kiln::add_rms_norm_backward: validation, the CPU fallback, and the
 // two launches (rmsnorm_bwd, then rmsnorm_bwd_reduce) over an f32 workspace of partial dw rows, or
-// for 1 to 8 rows the one launch of rmsnorm_bwd_rows where it holds the problem.
+// for a few rows the one launch of rmsnorm_bwd_rows where it holds the problem.
 // add_rms_norm_backward is rms_norm_backward with the rmsnorm_bwd options on: inv_rms recomputed
 // from h, and the residual output's gradient added to dx, all in the one pass over the rows.
 //
@@ -218,10 +218,11 @@ Status backward(const char* op, const char* x_name, const TensorView& dy, const 
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  // 1 to 8 rows: one launch of rmsnorm_bwd_rows where it holds the problem (16-byte aligned rows
-  // of whole packs, dw included), instead of the two stages below. One row's strides are the row
-  // length: only its first row is read. Larger calls skip the check.
-  if (xr.rows >= 1 && xr.rows <= families::k_few_rows_max) {
+  // 1 to 8 rows, or up to 16 of at most 1024 elements (families::few_rows_launch): one launch of
+  // rmsnorm_bwd_rows where it holds the problem (16-byte aligned rows of whole packs, dw included),
+  // instead of the two stages below. One row's strides are the row length: only its first row is
+  // read. Larger calls skip the check.
+  if (families::few_rows_launch(xr.rows, hidden, 1024)) {
     const auto stride = [&](std::int64_t s) { return xr.rows <= 1 ? hidden : s; };
     const families::RmsNormBwdRowsProblem rq{.rows = xr.rows,
                                              .cols = hidden,

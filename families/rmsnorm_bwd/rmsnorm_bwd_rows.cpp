@@ -47,12 +47,12 @@ Params params_of(DType t, const FewRowsShape& c, const RmsNormBwdRowsProblem& q)
 class RmsNormBwdRows final : public Family {
  public:
   std::string_view name() const override { return "rmsnorm_bwd_rows"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
         {"block", {32, 64, 128, 256, 512, 1024}, {}, "threads per block (one row a block)"},
-        {"cluster", {1, 2, 4, 8}, {}, "blocks in the launch's one cluster: at least the row count"},
+        {"cluster", {1, 2, 4, 8}, {}, "blocks in the launch's one cluster, each taking one row, or two with 2 or more blocks"},
         {"dh", {0, 1}, {}, "1 adds dh (the residual output's gradient) to dx"},
         {"dtype", {}, {"f32", "f16", "bf16"}, "element type of dy, x, w, dx, dw and dh"},
         {"packs", {1, 2}, {}, "16-byte packs of each row buffer a thread holds in registers"},
@@ -63,7 +63,7 @@ class RmsNormBwdRows final : public Family {
   }
   const std::vector<ProblemField>& problem_fields() const override {
     static const std::vector<ProblemField> fields = problem_fields_of<RmsNormBwdRowsProblem>({
-        bucketed(&RmsNormBwdRowsProblem::rows, "rows", "rows of dy, x and dx (at most the cluster)"),
+        bucketed(&RmsNormBwdRowsProblem::rows, "rows", "rows of dy, x and dx (at most twice the cluster; 1 for a cluster of 1)"),
         key(&RmsNormBwdRowsProblem::cols, "cols", "elements per row"),
         key(&RmsNormBwdRowsProblem::dy_row_stride, "dy_row_stride", "elements between two rows of dy"),
         key(&RmsNormBwdRowsProblem::x_row_stride, "x_row_stride", "elements between two rows of x"),
@@ -100,8 +100,8 @@ class RmsNormBwdRows final : public Family {
     return r;
   }
 
-  // What the heuristic picks for 1, 2, 4 and 8 rows of the usual hidden sizes, with and without
-  // the options of add_rms_norm_backward, in every dtype.
+  // What the heuristic picks for 1, 2, 4 and 8 rows (9 to 16 take the 8-row variants) of the usual
+  // hidden sizes, with and without the options of add_rms_norm_backward, in every dtype.
   std::vector<Params> catalog() const override {
     std::vector<Params> out;
     std::vector<std::string> seen;
@@ -137,9 +137,10 @@ class RmsNormBwdRows final : public Family {
       return invalid_argument("rmsnorm_bwd_rows: the variant's recompute and dh must match the problem's");
     if (q.recompute && (!(q.eps >= 0) || !std::isfinite(q.eps)))
       return invalid_argument("rmsnorm_bwd_rows: eps must be finite and non-negative");
-    if (rows > *params.get_int("cluster"))
-      return invalid_argument("rmsnorm_bwd_rows: at most cluster rows (" + std::to_string(*params.get_int("cluster")) +
-                              "), not " + std::to_string(rows));
+    if (rows > few_rows_capacity(*params.get_int("cluster")))
+      return invalid_argument("rmsnorm_bwd_rows: a cluster of " + std::to_string(*params.get_int("cluster")) +
+                              " holds at most " + std::to_string(few_rows_capacity(*params.get_int("cluster"))) +
+                              " rows, not " + std::to_string(rows));
     const auto vec = *params.get_int("vec");
     bool strides_ok = true;
     for (std::int64_t s : {q.dy_row_stride, q.x_row_stride, q.dx_row_stride, q.dh_row_stride}) strides_ok &= s % vec == 0;

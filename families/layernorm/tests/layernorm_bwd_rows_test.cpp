@@ -48,7 +48,11 @@ TEST(LayerNormBwdRows, FitsOnlyWhatTheKernelHolds) {
   EXPECT_TRUE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 8, 4096), 8));
   EXPECT_TRUE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 1, 4096), 1));
   EXPECT_FALSE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 2, 4096), 1));  // no clusters
-  EXPECT_FALSE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 9, 4096), 8));
+  // 9 to 16 rows: a cluster of 8 blocks, two rows a block.
+  EXPECT_TRUE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 9, 4096), 8));
+  EXPECT_TRUE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 16, 4096), 8));
+  EXPECT_FALSE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 9, 4096), 4));
+  EXPECT_FALSE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 17, 4096), 8));
   EXPECT_FALSE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 2, 4100), 8));
   EXPECT_FALSE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 2, 16392), 8));
   EXPECT_FALSE(families::layernorm_bwd_rows_fits(problem(DType::bf16, 2, 4096, 4100), 8));
@@ -59,7 +63,11 @@ TEST(LayerNormBwdRows, CheckProblemRefusesBeforeAnyLaunch) {
   const Family& f = rows_family();
   const Params v = f.heuristic(problem(DType::bf16, 4, 4096));
   EXPECT_TRUE(f.check_problem(v, problem(DType::bf16, 4, 4096)).ok());
-  EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 5, 4096)).code(), Code::invalid_argument);
+  // A cluster of 4 blocks holds 8 rows (two a block), one block one row.
+  EXPECT_TRUE(f.check_problem(v, problem(DType::bf16, 8, 4096)).ok());
+  EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 9, 4096)).code(), Code::invalid_argument);
+  EXPECT_EQ(f.check_problem(f.heuristic(problem(DType::bf16, 1, 4096)), problem(DType::bf16, 2, 4096)).code(),
+            Code::invalid_argument);
   EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 4, 4104)).code(), Code::invalid_argument);
   EXPECT_EQ(f.check_problem(v, problem(DType::f16, 4, 4096)).code(), Code::unsupported_dtype);
   EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 4, 4096, 0, 8)).code(), Code::invalid_argument);

@@ -132,11 +132,12 @@ void check(Runtime* rt, const Case& c, unsigned seed) {
   auto hdbv = hostv(wdb, c.dtype, {c.cols});
   // The CPU backward from the GPU's statistics, so the comparison isolates the backward.
   auto gmv = hostv(gmean, DType::f32, {c.rows}), grv = hostv(grstd, DType::f32, {c.rows});
-  if (c.backward)
+  if (c.backward) {
     ASSERT_TRUE(layer_norm_backward(hostv(hdy, c.dtype, {c.rows, c.cols}), hostv(hx, c.dtype, {c.rows, c.cols}),
                                     hostv(hw, c.dtype, {c.cols}), gmv, grv, hostv(wdx, c.dtype, {c.rows, c.cols}),
                                     hostv(wdw, c.dtype, {c.cols}), c.bias ? &hdbv : nullptr)
                     .ok());
+  }
   const double tol = testing::tolerance(c.dtype);
   EXPECT_LE(testing::rel_l2(gy.data(), wy.data(), c.dtype, all(n)), tol) << "y";
   EXPECT_LE(testing::rel_l2(gmean.data(), wmean.data(), DType::f32, all(c.rows)), 1e-5) << "mean";
@@ -184,6 +185,7 @@ TEST_F(LayerNormGpu, TheHeuristicsShapesMatchTheReference) {
   check(rt_.get(), {DType::bf16, 2, 4096, false}, seed_ + k++);
   check(rt_.get(), {DType::f16, 8, 8192, true}, seed_ + k++);
   check(rt_.get(), {DType::f32, 5, 2048, false}, seed_ + k++);
+  check(rt_.get(), {DType::bf16, 13, 3072, true}, seed_ + k++);  // past 8 rows: two rows a block
 }
 
 TEST_F(LayerNormGpu, StridedRowsMatchTheReferenceAndLeaveThePaddingAlone) {

@@ -235,6 +235,8 @@ TEST_F(RmsNormBwdGpu, StridedMisalignedAndInPlace) {
         {t, 3, 32768, 32768, 0, true}, // sm_90: clustered bulk kernel (clusters of 2 or 4), dx = dy
         {t, 7, 1024, 1040},            // a few rows: one launch (rmsnorm_bwd_rows), padded rows
         {t, 2, 4096, 4096, 0, true},   // a few rows in one launch, dx = dy
+        {t, 16, 896, 896},             // 9 to 16 rows in one launch: two rows a block
+        {t, 13, 2880, 2944},           // an odd count past 8: one block holds one row
     };
     for (const auto& c : cases) {
       auto e = check_case(c, rng_, [&](void* dy, void* x, void* w, void* inv, void* dx, void* dw, void*) {
@@ -510,6 +512,8 @@ TEST_F(AddRmsNormBwdGpu, StridedMisalignedAndInPlace) {
         {t, 7, 4096, 4104},      // bulk copies (sm_90), padded rows
         {t, 5, 20000, 20008},    // clustered bulk kernel, last block short
         {t, 3, 16384, 16392},    // f16/bf16 with dh: clusters of 2
+        {t, 16, 896, 904},       // one launch of rmsnorm_bwd_rows with dh, two rows a block
+        {t, 11, 4096, 4096},
     };
     for (Case c : cases) {
       c.recompute = true;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "families/common/family_util.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "families/rmsnorm_bwd/rmsnorm_bwd_rows.h"
 #include "kiln/family.h"
@@ -65,7 +66,11 @@ TEST(RmsNormBwdRows, FitsOnlyWhatTheKernelHolds) {
   EXPECT_TRUE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 8, 4096), 8));
   EXPECT_TRUE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 1, 4096), 1));  // no cluster needed
   EXPECT_FALSE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 2, 4096), 1));  // no clusters
-  EXPECT_FALSE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 9, 4096), 8));
+  // 9 to 16 rows: a cluster of 8 blocks, two rows a block.
+  EXPECT_TRUE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 9, 4096), 8));
+  EXPECT_TRUE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 16, 4096), 8));
+  EXPECT_FALSE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 9, 4096), 4));
+  EXPECT_FALSE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 17, 4096), 8));
   EXPECT_FALSE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 0, 4096), 8));
   EXPECT_FALSE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 2, 4100), 8));        // not whole packs
   EXPECT_FALSE(families::rmsnorm_bwd_rows_fits(problem(DType::bf16, 2, 16392), 8));       // over 2048 packs
@@ -74,11 +79,27 @@ TEST(RmsNormBwdRows, FitsOnlyWhatTheKernelHolds) {
   EXPECT_TRUE(families::rmsnorm_bwd_rows_fits(problem(DType::f32, 4, 4096, true, 4160), 8));
 }
 
+// Which calls the ops send to the one launch: up to 8 rows always, 9 to 16 only for short rows.
+TEST(RmsNormBwdRows, FewRowsLaunchRule) {
+  EXPECT_TRUE(families::few_rows_launch(8, 8192, 1024));
+  EXPECT_TRUE(families::few_rows_launch(16, 896, 1024));
+  EXPECT_TRUE(families::few_rows_launch(9, 1024, 1024));
+  EXPECT_FALSE(families::few_rows_launch(9, 1032, 1024));
+  EXPECT_FALSE(families::few_rows_launch(16, 2880, 1024));
+  EXPECT_TRUE(families::few_rows_launch(16, 4096, 4096));
+  EXPECT_FALSE(families::few_rows_launch(17, 896, 4096));
+  EXPECT_FALSE(families::few_rows_launch(0, 896, 4096));
+}
+
 TEST(RmsNormBwdRows, CheckProblemRefusesBeforeAnyLaunch) {
   const Family& f = rows_family();
   const Params v = f.heuristic(problem(DType::bf16, 4, 4096));
   EXPECT_TRUE(f.check_problem(v, problem(DType::bf16, 4, 4096)).ok());
-  EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 5, 4096)).code(), Code::invalid_argument);  // past the cluster
+  // A cluster of 4 blocks holds 8 rows (two a block), one block one row.
+  EXPECT_TRUE(f.check_problem(v, problem(DType::bf16, 8, 4096)).ok());
+  EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 9, 4096)).code(), Code::invalid_argument);
+  EXPECT_EQ(f.check_problem(f.heuristic(problem(DType::bf16, 1, 4096)), problem(DType::bf16, 2, 4096)).code(),
+            Code::invalid_argument);
   EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 4, 4104)).code(), Code::invalid_argument);  // past block * packs
   EXPECT_EQ(f.check_problem(v, problem(DType::f16, 4, 4096)).code(), Code::unsupported_dtype);
   EXPECT_EQ(f.check_problem(v, problem(DType::bf16, 4, 4096, true)).code(), Code::invalid_argument);  // options
