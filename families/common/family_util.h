@@ -60,12 +60,13 @@ struct FewRowsShape {
 // 1024 packs, else two; the smallest block from 32 threads that holds the row; the smallest
 // cluster that holds the rows, at most 8 blocks (the portable cluster size), each block taking
 // two rows past 8. Nothing for 0 or more than 16 rows, or more than 2048 packs.
-constexpr std::int64_t k_few_rows_max = 16;
+constexpr std::int64_t k_few_rows_cluster_max = 8;
+constexpr std::int64_t k_few_rows_max = 2 * k_few_rows_cluster_max;
 inline std::optional<FewRowsShape> few_rows_shape(std::int64_t rows, std::int64_t row_packs) {
   if (rows < 1 || rows > k_few_rows_max || row_packs < 1 || row_packs > 2048) return std::nullopt;
   FewRowsShape s{32, row_packs <= 1024 ? 1 : 2, 1};
   while (s.block < 1024 && s.block * s.packs < row_packs) s.block *= 2;
-  while (s.cluster < rows && s.cluster < 8) s.cluster *= 2;
+  while (s.cluster < rows && s.cluster < k_few_rows_cluster_max) s.cluster *= 2;
   return s;
 }
 // The rows a few-row launch of `cluster` blocks holds: one block a row, two past one block.
@@ -75,7 +76,7 @@ inline std::int64_t few_rows_capacity(std::int64_t cluster) { return cluster == 
 // `two_rows_max_cols`, the longest for which the one launch beat the op's multi-launch backward on
 // Hopper (a second row's latency in every block against the other path's extra launches).
 inline bool few_rows_launch(std::int64_t rows, std::int64_t cols, std::int64_t two_rows_max_cols) {
-  return rows >= 1 && (rows <= 8 || (rows <= k_few_rows_max && cols <= two_rows_max_cols));
+  return rows >= 1 && (rows <= k_few_rows_cluster_max || (rows <= k_few_rows_max && cols <= two_rows_max_cols));
 }
 // Their tuning space: the heuristic's variant `h` at every block and packs count that `f` accepts
 // for `p`.
