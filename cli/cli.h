@@ -46,6 +46,7 @@ struct PrewarmOptions {
   std::vector<std::int64_t> tokens;  // token buckets for --model (empty: the defaults)
   int sm_count = 0;      // multiprocessors the heuristics assume for --model (0: the arch's flagship)
   bool dry_run = false;  // --model: list the variants, compile nothing
+  std::vector<std::string> specs;  // exact variants to compile instead of catalogs ("family(k=v,...)")
 };
 
 struct EvictOptions {

@@ -58,6 +58,8 @@ int run(int argc, char** argv) {
                       "Multiprocessors the heuristics assume for --model (default: the arch's flagship GPU)")
       ->check(CLI::Range(1, 1024));
   prewarm->add_flag("--dry-run", pw.dry_run, "With --model: list the variants and what uses them, compile nothing");
+  prewarm->add_option("--spec", pw.specs,
+                      "Compile these variants ('family(k=v,...)', as kiln ls prints them) instead of catalogs");
   prewarm->add_option("--problems", pw.problems,
                       "Also tune the problems in FILE (one 'FAMILY DTYPE name=size,...' per line; needs a GPU)");
 

@@ -332,9 +332,51 @@ int prewarm_model(const GlobalOptions& g, const PrewarmOptions& o) {
   return rc;
 }
 
+// --spec: exactly the variants named, for every --arch they run on.
+int prewarm_specs(const GlobalOptions& g, const PrewarmOptions& o) {
+  // Everything is checked before anything is opened or compiled.
+  if (o.archs.empty()) return report_error(invalid_argument("prewarm --spec needs --arch"), k_exit_usage);
+  if (!o.families.empty() || !o.model.empty() || !o.problems.empty())
+    return report_error(invalid_argument("--spec names the variants itself; leave --family, --model and --problems out"),
+                        k_exit_usage);
+  auto archs = resolve_archs(o.archs);
+  if (!archs.ok()) return report_error(archs.status(), k_exit_usage);
+  std::vector<WorkItem> items;
+  std::vector<std::string> families;
+  for (const auto& text : o.specs) {
+    auto spec = KernelSpec::parse(text);
+    if (!spec.ok())
+      return report_error(invalid_argument("bad spec '" + text + "': " + spec.status().message()), k_exit_usage);
+    const Family* f = Registry::global().find(spec->family);
+    if (!f) return report_error(not_found("unknown kernel family '" + spec->family + "'"), k_exit_usage);
+    if (Status s = f->validate(spec->params); !s.ok())
+      return report_error(invalid_argument("spec '" + text + "': " + s.message()), k_exit_usage);
+    bool runs = false;
+    for (const auto& arch : *archs) {
+      auto parsed = parse_arch(arch);
+      if (!parsed.ok() || !f->runs_on(spec->params, *parsed)) continue;
+      items.push_back({*spec, arch});
+      runs = true;
+    }
+    if (!runs)
+      return report_error(invalid_argument("spec '" + text + "' runs on none of the architectures given"),
+                          k_exit_usage);
+    if (std::find(families.begin(), families.end(), spec->family) == families.end()) families.push_back(spec->family);
+  }
+  const int rc = try_daemon(g) ? prewarm_specs_via_daemon(o, *archs, families, items)
+                               : prewarm_in_process(o, *archs, families, items);
+  if (rc == k_exit_ok && o.pin) {
+    std::vector<std::pair<KernelSpec, std::string>> variants;
+    for (const auto& it : items) variants.emplace_back(it.spec, it.arch);
+    if (Status s = pin_variants(variants); !s.ok()) return report_error(s);
+  }
+  return rc;
+}
+
 }  // namespace
 
 int run_prewarm(const GlobalOptions& g, const PrewarmOptions& o) {
+  if (!o.specs.empty()) return prewarm_specs(g, o);
   if (!o.model.empty()) {
     if (!o.problems.empty())
       return report_error(invalid_argument("--model and --problems do not go together"), k_exit_usage);

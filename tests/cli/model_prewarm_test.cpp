@@ -133,6 +133,39 @@ TEST(ModelPrewarm, RefusesBadInputBeforeCompiling) {
   EXPECT_FALSE(fs::exists(sb.cache_file())) << "nothing was compiled or opened";
 }
 
+// `kiln prewarm --spec`: exactly the named variants, on the archs among --arch they run on; bad
+// specs refused before anything is opened.
+TEST(SpecPrewarm, CompilesExactlyTheNamedVariants) {
+  Sandbox sb;
+  const std::string mma = "attention(block_n=64,dtype=bf16,head_dim=64,head_dim_v=64,overlap=0,path=mma,persistent=0,"
+                          "pingpong=0,warps=4)";
+  const std::string wgmma = "attention(block_n=64,dtype=bf16,head_dim=64,head_dim_v=64,overlap=1,path=wgmma,"
+                            "persistent=1,pingpong=1,warps=12)";
+  for (const auto& [spec, why] : std::vector<std::pair<std::string, std::string>>{
+           {"attention(block_n=64", "bad spec"},
+           {"nosuch(a=1)", "unknown kernel family"},
+           {"attention(block_n=64,dtype=bf16)", "missing parameter"},
+           {wgmma, "runs on none of the architectures"}}) {
+    Proc r = sb.kiln({"prewarm", "--embedded", "--arch", "sm_80", "--spec", spec});
+    EXPECT_EQ(r.rc, 2) << spec << "\n" << r.all();
+    EXPECT_NE(r.err.find(why), std::string::npos) << r.all();
+  }
+  EXPECT_EQ(sb.kiln({"prewarm", "--embedded", "--spec", mma}).rc, 2) << "--spec needs --arch";
+  EXPECT_EQ(sb.kiln({"prewarm", "--embedded", "--arch", "sm_80", "--spec", mma, "--family", "rmsnorm"}).rc, 2);
+  EXPECT_FALSE(fs::exists(sb.cache_file())) << "nothing was compiled or opened";
+
+  int rc = -1;
+  json done = sb.kiln_json({"prewarm", "--embedded", "--arch", "sm_80,sm_90a", "--spec", mma, "--spec", wgmma, "--json"},
+                           &rc);
+  ASSERT_EQ(rc, 0) << done.dump(2);
+  EXPECT_EQ(done["compiled"], 3) << "the mma variant for both archs, the wgmma one for sm_90a only";
+  std::set<std::string> cached;
+  for (const auto& e : sb.kiln_json({"ls", "--embedded", "--json"}))
+    cached.insert(e["family"].get<std::string>() + "(" + e["params"].get<std::string>() + ") @ " +
+                  e["arch"].get<std::string>());
+  EXPECT_EQ(cached, (std::set<std::string>{mma + " @ sm_80", mma + " @ sm_90a", wgmma + " @ sm_90a"}));
+}
+
 // Four hosts (four cache directories) with one Redis prewarm the same model one after another:
 // the first compiles every variant, the other three compile none.
 TEST(ModelPrewarm, FourHostsCompileEachKernelOnce) {
