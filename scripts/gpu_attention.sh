@@ -3,17 +3,22 @@
 # scripts/stage_gpu.sh): one part of the attention bench with its GPU tests, then the PyTorch
 # anchors of that part in the same command, so the ratios come from one run. Logs go to $OUT.
 #   scripts/gpu_attention.sh PART [--quick]
-# PART: backward (kiln's backward beside SDPA's cuDNN and flash backends) or masks (sliding windows
-# and packed documents beside FlexAttention and cuDNN's causal SDPA).
+# PART: forward (the forward's checks and the heuristic's rows, with the rest of the default bench,
+# beside SDPA's cuDNN and flash backends), variants (every tuning-space variant of the forward
+# beside the same anchors), backward (kiln's backward beside SDPA's cuDNN and flash backends) or
+# masks (sliding windows and packed documents beside FlexAttention and cuDNN's causal SDPA).
 # Env: GPU_FILTER (gtest filter of the families binary; default the part's tests), SKIP_TESTS=1
 # (benchmarks only).
 set -uo pipefail
 part=${1:-}
 quick=${2:-}
+bench_env=KILN_BENCH_ATTENTION_PART=$part
 case "$part" in
+  forward) filter='AttentionGpu.*:AttentionSm90Gpu.*' conformance=attention anchor=run_forward bench_env=KILN_BENCH_ATTENTION_PART= ;;
+  variants) filter='AttentionSm90Gpu.*' conformance='' anchor=run_forward bench_env=KILN_BENCH_ATTENTION_VARIANTS=only ;;
   backward) filter='AttentionBwdGpu.*:AttentionSm90Gpu.*' conformance=attention_bwd anchor=run_backward ;;
   masks) filter='AttentionGpu.*:AttentionSm90Gpu.*' conformance='' anchor=run_masks ;;
-  *) echo "usage: scripts/gpu_attention.sh backward|masks [--quick]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_attention.sh forward|variants|backward|masks [--quick]" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
 root=$PWD
@@ -22,7 +27,7 @@ rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   gpu_tests "$filter" "$conformance" || rc=1
 fi
-KILN_BENCH_ATTENTION_PART=$part timeout -k 5 400 "$dist/bench/kiln_bench_gpu" --json "$out/bench.json" \
+env "$bench_env" timeout -k 5 400 "$dist/bench/kiln_bench_gpu" --json "$out/bench.json" \
   --kilnd "$dist/kilnd" $quick --only attention 2>&1 | tee "$out/bench.log" || rc=1
 (cd "$root/families/attention/bench" &&
   PYTHONUNBUFFERED=1 timeout -k 5 300 python3 -c "import attention; attention.$anchor('$quick' == '--quick')") \

@@ -34,19 +34,25 @@ bool attention_sm90_head_dims_supported(std::int64_t head_dim, std::int64_t head
                    std::pair{head_dim, head_dim_v}) != k_attention_sm90_head_dims.end();
 }
 
-std::uint32_t attention_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v, int block_n, int stages) {
-  return std::uint32_t(1024 + 2 * (128 * head_dim + std::int64_t(stages) * block_n * (head_dim + head_dim_v)) +
-                       8 * (1 + 3 * stages));
+std::uint32_t attention_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_n,
+                                        int stages) {
+  return std::uint32_t(1024 +
+                       2 * (16 * std::int64_t(warps) * head_dim + std::int64_t(stages) * block_n * (head_dim + head_dim_v)) +
+                       8 * (2 + 3 * stages));
 }
 
 int attention_sm90_block_n(std::int64_t head_dim, std::int64_t head_dim_v) {
-  return attention_sm90_smem_bytes(head_dim, head_dim_v, 128, 2) <= 227 * 1024 ? 128 : 64;
+  return attention_sm90_smem_bytes(head_dim, head_dim_v, 8, 128, 2) <= 227 * 1024 ? 128 : 64;
 }
 
-int attention_sm90_stages(std::int64_t head_dim, std::int64_t head_dim_v, int block_n) {
+int attention_sm90_stages(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_n) {
   int stages = 4;
-  while (stages > 2 && attention_sm90_smem_bytes(head_dim, head_dim_v, block_n, stages) > 227 * 1024) --stages;
+  while (stages > 2 && attention_sm90_smem_bytes(head_dim, head_dim_v, warps, block_n, stages) > 227 * 1024) --stages;
   return stages;
+}
+
+bool attention_sm90_three_consumers_fit(std::int64_t head_dim_v, int block_n, bool overlap) {
+  return head_dim_v / 2 + block_n / 2 + (overlap ? block_n / 4 : 0) <= 96;
 }
 
 namespace {
@@ -61,9 +67,9 @@ bool is_wgmma(const Params& params) { return params.get_str("path").value_or("mm
 // The shared memory a variant asks for.
 std::uint32_t variant_smem(const Params& params) {
   const auto d = *params.get_int("head_dim"), dv = *params.get_int("head_dim_v");
-  const int bn = int(*params.get_int("block_n"));
-  if (is_wgmma(params)) return attention_sm90_smem_bytes(d, dv, bn, attention_sm90_stages(d, dv, bn));
-  return attention_smem_bytes(d, dv, int(*params.get_int("warps")), bn);
+  const int bn = int(*params.get_int("block_n")), warps = int(*params.get_int("warps"));
+  if (is_wgmma(params)) return attention_sm90_smem_bytes(d, dv, warps, bn, attention_sm90_stages(d, dv, warps, bn));
+  return attention_smem_bytes(d, dv, warps, bn);
 }
 
 // Whether the sm_90a kernel is the one to run: a device of compute capability 9.0, a head-dim pair
@@ -160,7 +166,7 @@ Status check_shape(const AttentionProblem& a) {
 class Attention final : public Family {
  public:
   std::string_view name() const override { return "attention"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -170,11 +176,14 @@ class Attention final : public Family {
         {"dtype", {}, {"f16", "bf16"}, "element type of q, k, v and out"},
         {"head_dim", {64, 80, 96, 128, 192, 256}, {}, "elements per head of q and k"},
         {"head_dim_v", {64, 80, 96, 128, 192, 256}, {}, "elements per head of v and out"},
-        {"warps", {4, 8}, {}, "warps per block, 16 query rows each"},
+        {"warps", {4, 8, 12}, {}, "warps per block, 16 query rows each (wgmma: 8 or 12, two or three consumers)"},
         {"overlap", {0, 1}, {},
          "wgmma: 1 runs each tile's softmax while the previous tile's P V is in flight; mma: 0"},
         {"pingpong", {0, 1}, {},
-         "wgmma with overlap 1: 1 has the two consumer warpgroups issue their GEMMs in turn; mma: 0"},
+         "wgmma with overlap 1: 1 has the consumer warpgroups issue their GEMMs in turn; mma: 0"},
+        {"persistent", {0, 1}, {},
+         "wgmma: 1 launches a block per SM that runs tile after tile, loading the next while it finishes "
+         "the last; mma: 0"},
     };
     return defs;
   }
@@ -208,12 +217,19 @@ class Attention final : public Family {
       if (!attention_sm90_head_dims_supported(d, dv))
         return invalid_argument("attention: no wgmma kernel for head_dim " + std::to_string(d) + " with head_dim_v " +
                                 std::to_string(dv));
-      if (*params.get_int("warps") != 8 || *params.get_int("block_n") < 64)
-        return invalid_argument("attention: the wgmma kernel takes warps 8 and block_n 64 or 128");
+      const auto warps = *params.get_int("warps"), bn = *params.get_int("block_n");
+      if ((warps != 8 && warps != 12) || bn < 64)
+        return invalid_argument("attention: the wgmma kernel takes warps 8 or 12 and block_n 64 or 128");
+      if (warps == 12 && !attention_sm90_three_consumers_fit(dv, int(bn), *params.get_int("overlap")))
+        return invalid_argument("attention: three consumer warpgroups (warps 12) hold the output and the scores "
+                                "only up to head_dim_v / 2 + block_n / 2 (+ block_n / 4 overlapped) = 96 registers");
       if (*params.get_int("pingpong") && !*params.get_int("overlap"))
         return invalid_argument("attention: pingpong orders the overlapped schedule (overlap 1)");
-    } else if (*params.get_int("overlap") != 0 || *params.get_int("pingpong") != 0) {
-      return invalid_argument("attention: overlap and pingpong are for the wgmma kernel");
+    } else if (*params.get_int("overlap") != 0 || *params.get_int("pingpong") != 0 ||
+               *params.get_int("persistent") != 0) {
+      return invalid_argument("attention: overlap, pingpong and persistent are for the wgmma kernel");
+    } else if (*params.get_int("warps") > 8) {
+      return invalid_argument("attention: the mma kernel takes warps 4 or 8");
     }
     if (variant_smem(params) > k_sm90_smem)
       return invalid_argument("attention: the variant needs more than 227 KiB of shared memory");
@@ -230,13 +246,14 @@ class Attention final : public Family {
     Rendered r;
     if (is_wgmma(params)) {
       const auto d = *params.get_int("head_dim"), dv = *params.get_int("head_dim_v");
-      const int bn = int(*params.get_int("block_n"));
+      const int bn = int(*params.get_int("block_n")), warps = int(*params.get_int("warps"));
       r.source = "#include \"attention/attention_fwd_sm90.cuh\"\n";
       r.name_expression = std::string("kiln::attention::attention_fwd_sm90<") + device_type(*params.get_str("dtype")) +
-                          ", " + std::to_string(d) + ", " + std::to_string(dv) + ", " + std::to_string(bn) + ", " +
-                          std::to_string(attention_sm90_stages(d, dv, bn)) + ", " +
+                          ", " + std::to_string(d) + ", " + std::to_string(dv) + ", " + std::to_string(warps / 4) + ", " +
+                          std::to_string(bn) + ", " + std::to_string(attention_sm90_stages(d, dv, warps, bn)) + ", " +
                           (*params.get_int("overlap") ? "true" : "false") + ", " +
-                          (*params.get_int("pingpong") ? "true" : "false") + ">";
+                          (*params.get_int("pingpong") ? "true" : "false") + ", " +
+                          (*params.get_int("persistent") ? "true" : "false") + ">";
       return r;
     }
     r.source = "#include \"attention/attention_fwd.cuh\"\n";
@@ -291,16 +308,24 @@ class Attention final : public Family {
     if (a.batch > 65535 || a.heads > 65535 || a.seqlen_q > lim || a.seqlen_k > lim || a.total_q > lim ||
         a.total_k > lim)
       return invalid_argument("attention: batch and heads up to 65535, token counts below 2^31");
+    if (query_tiles(params, a) * std::max<std::int64_t>(a.heads, 1) * std::max<std::int64_t>(a.batch, 1) > lim)
+      return invalid_argument("attention: more than 2^31 - 1 tiles of queries, heads and sequences");
     return {};
   }
 
+  // A persistent variant launches one block per SM (the problem's count; every tile its own block
+  // when the count is unknown), which walks the (query tile, head, sequence) grid the others launch.
   LaunchGeometry geometry(const Params& params, const Problem& p) const override {
     const auto a = p.as<AttentionProblem>();
-    const std::int64_t bm = 16 * *params.get_int("warps");
     LaunchGeometry g;
-    g.grid.x = std::uint32_t(std::max<std::int64_t>((a.seqlen_q + bm - 1) / bm, 1));
+    g.grid.x = std::uint32_t(query_tiles(params, a));
     g.grid.y = std::uint32_t(std::max<std::int64_t>(a.heads, 1));
     g.grid.z = std::uint32_t(std::max<std::int64_t>(a.batch, 1));
+    if (*params.get_int("persistent")) {
+      const std::int64_t tiles = std::int64_t(g.grid.x) * g.grid.y * g.grid.z;
+      g.grid.x = std::uint32_t(p.sm_count > 0 ? std::min<std::int64_t>(tiles, p.sm_count) : tiles);
+      g.grid.y = g.grid.z = 1;
+    }
     // wgmma: the consumer warps and a producer warpgroup.
     g.block.x = std::uint32_t(32 * *params.get_int("warps") + (is_wgmma(params) ? 128 : 0));
     g.shared_bytes = variant_smem(params);
@@ -333,13 +358,16 @@ class Attention final : public Family {
     if (!attention_head_dims_supported(a.head_dim, a.head_dim_v)) return {heuristic(p)};
     const std::string dtype = p.dtype == DType::bf16 ? "bf16" : "f16";
     if (wgmma_fits(a, p.cc))
-      for (int sched : {1, 2, 0})  // overlap; overlap and pingpong; serial
-        for (int bn : {128, 64}) {
-          Params c = make_sm90(dtype, a.head_dim, a.head_dim_v);
-          c.set("block_n", std::int64_t(bn)).set("overlap", std::int64_t(sched > 0));
-          c.set("pingpong", std::int64_t(sched == 2));
-          if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
-        }
+      for (int persistent : {0, 1})
+        for (int warps : {8, 12})
+          for (int sched : {1, 2, 0})  // overlap; overlap and pingpong; serial
+            for (int bn : {128, 64}) {
+              Params c = make_sm90(dtype, a.head_dim, a.head_dim_v);
+              c.set("warps", std::int64_t(warps)).set("block_n", std::int64_t(bn));
+              c.set("overlap", std::int64_t(sched > 0)).set("pingpong", std::int64_t(sched == 2));
+              c.set("persistent", std::int64_t(persistent));
+              if (validate(c).ok() && check_problem(c, p).ok()) out.push_back(c);
+            }
     for (int warps : {4, 8})
       for (int bn : {32, 64, 128}) {
         // The output accumulator and a tile of scores share a thread's registers.
@@ -424,8 +452,8 @@ class Attention final : public Family {
             {"lse", BufferRole::output, DType::f32, a.total_q * a.heads}};
   }
 
-  // wgmma: then tensor maps of q, k and v (tokens x heads * head_dim * 2 bytes; boxes of 128 query
-  // rows and of block_n keys).
+  // wgmma: then tensor maps of q, k and v (tokens x heads * head_dim * 2 bytes; boxes of the
+  // block's 16 * warps query rows and of block_n keys).
   void pack_args(const Params& params, const Problem& p, std::span<void* const> b, ArgPack& out) const override {
     const auto a = p.as<AttentionProblem>();
     for (std::size_t i = 0; i < 7; ++i) out.add(i < b.size() ? b[i] : static_cast<void*>(nullptr));
@@ -444,9 +472,11 @@ class Attention final : public Family {
     const auto bn = std::uint32_t(*params.get_int("block_n"));
     const auto rows = [](std::int64_t n) { return std::uint64_t(std::max<std::int64_t>(n, 1)); };
     auto at = [&](std::size_t i) { return i < b.size() ? static_cast<const void*>(b[i]) : nullptr; };
-    out.add_tensor_map({at(0), std::uint64_t(a.heads * a.head_dim * 2), rows(a.total_q), 128, 0});
+    const auto bm = std::uint32_t(16 * *params.get_int("warps"));
+    out.add_tensor_map({at(0), std::uint64_t(a.heads * a.head_dim * 2), rows(a.total_q), bm, 0});
     out.add_tensor_map({at(1), std::uint64_t(a.kv_heads * a.head_dim * 2), rows(a.total_k), bn, 0});
     out.add_tensor_map({at(2), std::uint64_t(a.kv_heads * a.head_dim_v * 2), rows(a.total_k), bn, 0});
+    out.add(int(a.batch));
   }
 
   // Buffers as buffers() lists them; lse may be null, cu_seqlens only read when varlen.
@@ -482,6 +512,11 @@ class Attention final : public Family {
  private:
   // The sm_80 kernel's tile for short windows on sm_90 (heuristic()).
   static constexpr AttentionTile k_short_window_tile{4, 32};
+  // Blocks of 16 * warps query rows over the longest sequence (at least one).
+  static std::int64_t query_tiles(const Params& params, const AttentionProblem& a) {
+    const std::int64_t bm = 16 * *params.get_int("warps");
+    return std::max<std::int64_t>((a.seqlen_q + bm - 1) / bm, 1);
+  }
   // Keys a query sees when both sides of its window are bounded; -1 otherwise.
   static std::int64_t window_span(const AttentionProblem& a) {
     return a.window_left >= 0 && a.window_right >= 0 ? a.window_left + a.window_right + 1 : -1;
@@ -489,17 +524,26 @@ class Attention final : public Family {
   static Params make(const std::string& dtype, std::int64_t d, std::int64_t dv, AttentionTile t) {
     return Params{{"path", std::string("mma")}, {"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv},
                   {"warps", std::int64_t(t.warps)}, {"block_n", std::int64_t(t.block_n)}, {"overlap", std::int64_t(0)},
-                  {"pingpong", std::int64_t(0)}};
+                  {"pingpong", std::int64_t(0)}, {"persistent", std::int64_t(0)}};
   }
-  // The schedule by head dims, from kiln_bench_gpu's variants table on an H100: head dim 64 keeps
-  // the tensor cores busiest with the two consumer warpgroups taking turns (pingpong); 256, whose
-  // tile of 64 keys leaves little to overlap, runs fastest serially; the others overlap the softmax
-  // with the previous tile's P V.
+  // The variant by head dims, from kiln_bench_gpu's variants table on an H100 (full and causal):
+  // at 64/64, where the softmax is long against the GEMMs, three consumer warpgroups running their
+  // tiles serially overlap one another's softmax with the others' GEMMs best, and persistent blocks
+  // hide each tile's start; at 256/256, whose tiles of 64 keys leave little to overlap within a
+  // warpgroup, the serial schedule on persistent blocks; the others overlap the softmax with the
+  // previous tile's P V, one block per tile (persistent blocks were level there without causal
+  // masks and up to 3 % slower with them).
   static Params make_sm90(const std::string& dtype, std::int64_t d, std::int64_t dv) {
-    const bool serial = d == 256, pingpong = d == 64 && dv == 64;
-    return Params{{"path", std::string("wgmma")}, {"dtype", dtype}, {"head_dim", d}, {"head_dim_v", dv},
-                  {"warps", std::int64_t(8)}, {"block_n", std::int64_t(attention_sm90_block_n(d, dv))},
-                  {"overlap", std::int64_t(!serial)}, {"pingpong", std::int64_t(pingpong)}};
+    const bool pair64 = d == 64 && dv == 64, pair256 = d == 256 && dv == 256;
+    return Params{{"path", std::string("wgmma")},
+                  {"dtype", dtype},
+                  {"head_dim", d},
+                  {"head_dim_v", dv},
+                  {"warps", std::int64_t(pair64 ? 12 : 8)},
+                  {"block_n", std::int64_t(attention_sm90_block_n(d, dv))},
+                  {"overlap", std::int64_t(!pair64 && !pair256)},
+                  {"pingpong", std::int64_t(0)},
+                  {"persistent", std::int64_t(pair64 || pair256)}};
   }
 };
 

@@ -5,10 +5,11 @@
 // Params: path {mma: the sm_80 kernel (attention_fwd.cuh), wgmma: the sm_90a one
 // (attention_fwd_sm90.cuh)}; dtype {f16, bf16}; head_dim (Q and K) and head_dim_v (V and the
 // output), as the pairs k_attention_head_dims (k_attention_sm90_head_dims for wgmma) lists;
-// warps {4, 8}: each warp owns 16 query rows, so a block holds 16 * warps rows (wgmma: 8, two
-// consumer warpgroups); block_n {32, 64, 128}: keys per K/V tile (mma: two tiles in flight,
-// cp.async; wgmma: a ring of attention_sm90_stages tiles, TMA); overlap, pingpong {0, 1}: the
-// wgmma kernel's schedule (attention_fwd_sm90.cuh), 0 for mma.
+// warps {4, 8, 12}: each warp owns 16 query rows, so a block holds 16 * warps rows (mma: 4 or 8;
+// wgmma: 8 or 12, two or three consumer warpgroups); block_n {32, 64, 128}: keys per K/V tile
+// (mma: two tiles in flight, cp.async; wgmma: a ring of attention_sm90_stages tiles, TMA);
+// overlap, pingpong {0, 1}: the wgmma kernel's schedule (attention_fwd_sm90.cuh), 0 for mma;
+// persistent {0, 1}: wgmma blocks that walk many tiles, one per SM, 0 for mma.
 // Problem: AttentionProblem below. Buffers: q, k, v, cu_seqlens_q, cu_seqlens_k (i32 [batch + 1],
 // read only when varlen), out, lse (f32; may be null).
 //
@@ -16,9 +17,10 @@
 // registers allow; 64-key tiles up to head dim 128, 32-key tiles above (the output accumulator
 // grows with head_dim_v and the K/V tiles with both head dims: 32 keys keep the 256-dim variant
 // within its registers and two tiles within 164 KiB of shared memory, sm_80's limit). On compute
-// capability 9.0, for the head-dim pairs it has, the wgmma kernel instead (attention_sm90_block_n's
-// tile, overlap 1, pingpong 0); other head dims, other devices and an unknown one (cc 0) keep the
-// sm_80 kernel.
+// capability 9.0, for the head-dim pairs it has, the wgmma kernel instead (README.md: three
+// consumers on persistent blocks at 64/64, the serial schedule on persistent blocks at 256/256,
+// overlap 1 with attention_sm90_block_n's tile at the others); other head dims, other devices and
+// an unknown one (cc 0) keep the sm_80 kernel.
 #pragma once
 
 #include <array>
@@ -72,17 +74,24 @@ std::uint32_t attention_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_
 // Whether the GPU kernels take (head_dim, head_dim_v).
 bool attention_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v);
 
-// The sm_90a kernel (path "wgmma", attention_fwd_sm90.cuh): 128 query rows a block (warps 8: two
-// consumer warpgroups, plus a producer warpgroup), K/V tiles of block_n keys in a ring of stages.
+// The sm_90a kernel (path "wgmma", attention_fwd_sm90.cuh): 16 * warps query rows a block (warps 8:
+// two consumer warpgroups, 12: three; plus a producer warpgroup), K/V tiles of block_n keys in a
+// ring of stages.
 // The head-dim pairs it is built for (whole 64-element panels); the others run the sm_80 kernel.
 inline constexpr std::array<std::pair<std::int64_t, std::int64_t>, 5> k_attention_sm90_head_dims = {
     {{64, 64}, {128, 128}, {192, 128}, {192, 192}, {256, 256}}};
 bool attention_sm90_head_dims_supported(std::int64_t head_dim, std::int64_t head_dim_v);
-// Its key tile: 128 keys while two stages fit, 64 above (192/192 and 256/256).
+// Its key tile with two consumers: 128 keys while two stages fit, 64 above (192/192 and 256/256).
 int attention_sm90_block_n(std::int64_t head_dim, std::int64_t head_dim_v);
 // Its stages: as many as fit 227 KiB, 2 to 4.
-int attention_sm90_stages(std::int64_t head_dim, std::int64_t head_dim_v, int block_n);
+int attention_sm90_stages(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_n);
 // Its dynamic shared memory: 1024 bytes of alignment slack, the Q tile, the stages, the barriers.
-std::uint32_t attention_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v, int block_n, int stages);
+std::uint32_t attention_sm90_smem_bytes(std::int64_t head_dim, std::int64_t head_dim_v, int warps, int block_n,
+                                        int stages);
+// Whether three consumer warpgroups (warps 12) keep a thread's accumulators within the 160
+// registers each of them gets, with room for the rest of the loop: the output's head_dim_v / 2,
+// the scores' block_n / 2 and, when overlapped (the probabilities of one tile live beside the
+// scores of the next), block_n / 4 more: at most 96.
+bool attention_sm90_three_consumers_fit(std::int64_t head_dim_v, int block_n, bool overlap);
 
 }  // namespace kiln::families

@@ -69,6 +69,15 @@ template <int ID, int COUNT>
 __device__ __forceinline__ void bar_arrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(ID), "n"(COUNT) : "memory");
 }
+// The same with the barrier ID a run-time value (a warp-uniform one, 1-15).
+template <int COUNT>
+__device__ __forceinline__ void bar_sync_at(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(COUNT) : "memory");
+}
+template <int COUNT>
+__device__ __forceinline__ void bar_arrive_at(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(COUNT) : "memory");
+}
 
 // ---- mbarriers ----
 

@@ -22,6 +22,10 @@ QUICK_DECODE_SHAPES = [(1, 32768), (8, 8192), (64, 8192)]
 
 
 def run(quick: bool) -> list[dict]:
+    return run_forward(quick) + run_backward(quick) + run_decode(quick)
+
+
+def run_forward(quick: bool) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     print(f"\ntorch attention forward (bf16)\n{'B':>3} {'H':>4} {'S':>6} {'D':>5} {'causal':>7} "
@@ -44,8 +48,6 @@ def run(quick: bool) -> list[dict]:
             print(f"{b:>3} {h:>4} {s:>6} {d:>5} {str(causal):>7} {row['cudnn_us']:>10.1f} {row['cudnn_tflops']:>9.1f} "
                   f"{row['flash_us']:>10.1f} {row['flash_tflops']:>9.1f}", flush=True)
             rows.append(row)
-    rows += run_backward(quick)
-    rows += run_decode(quick)
     return rows
 
 

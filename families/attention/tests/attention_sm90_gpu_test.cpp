@@ -2,7 +2,8 @@
 // reference (fp64), each variant launched explicitly by its params (the heuristic's choice, which
 // must be wgmma, or another key tile or schedule set on it): every head-dim pair it has, f16 and
 // bf16, both key tiles, the three schedules (overlap, the heuristic's; serial; overlap with
-// pingpong), causal and not, windows, softcap, GQA 1/4/8, lq != lk, packed sequences of uneven
+// pingpong), two and three consumer warpgroups, persistent blocks that walk many tiles, causal and
+// not, windows, softcap, GQA 1/4/8, lq != lk, packed sequences of uneven
 // lengths (empty ones included; TMA boxes that cross a sequence's end read the next sequence's
 // tokens), rows that see no key, key counts that wrap the stage ring several times. Out and lse
 // are poisoned before each launch. Skipped on devices other than compute capability 9.0.
@@ -85,17 +86,22 @@ class AttentionSm90Gpu : public testing::GpuFixture {
       GTEST_SKIP() << "the sm_90a attention kernel (path wgmma) runs on compute capability 9.0 only; this GPU is "
                    << cc_ / 10 << "." << cc_ % 10;
   }
-  void check(const Case& c, int block_n = 0, int overlap = -1, int pingpong = -1);
+  void check(const Case& c, int block_n = 0, int overlap = -1, int pingpong = -1, int warps = 0, int persistent = -1,
+             int sm_count = 0);
   int cc_ = 0, sms_ = 0;
 };
 
-// Launches the wgmma variant (block_n 0, overlap and pingpong -1: the heuristic's, or for the
-// short windows where the heuristic takes the sm_80 kernel the first wgmma candidate) and the CPU
-// reference on the same inputs; compares out by relative L2 error and lse elementwise (-inf exactly where the reference
-// has it).
-void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpong) {
+// Launches the wgmma variant (block_n and warps 0, overlap, pingpong and persistent -1: the
+// heuristic's, or for the short windows where the heuristic takes the sm_80 kernel the first wgmma
+// candidate; sm_count > 0 stands in for the device's, so that persistent blocks walk many tiles)
+// and the CPU reference on the same inputs; compares out by relative L2 error and lse elementwise
+// (-inf exactly where the reference has it).
+void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpong, int warps, int persistent,
+                             int sm_count) {
   SCOPED_TRACE(c.what() + " block_n " + std::to_string(block_n) + " overlap " + std::to_string(overlap) +
-               " pingpong " + std::to_string(pingpong) + " seed " + std::to_string(seed_));
+               " pingpong " + std::to_string(pingpong) + " warps " + std::to_string(warps) + " persistent " +
+               std::to_string(persistent) + " sm_count " + std::to_string(sm_count) + " seed " +
+               std::to_string(seed_));
   const Family* f = Registry::global().find("attention");
   ASSERT_NE(f, nullptr);
   std::mt19937 rng(seed_++);
@@ -123,7 +129,7 @@ void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpo
   a.softcap = c.softcap;
   Problem p = Problem::of(c.dtype, 16, a);
   p.cc = std::uint8_t(cc_);
-  p.sm_count = std::uint16_t(sms_);
+  p.sm_count = std::uint16_t(sm_count > 0 ? sm_count : sms_);
 
   Params params = f->heuristic(p);
   // Short windows take the sm_80 kernel's small tiles (HeuristicFitsShortWindowsOnSm90); the
@@ -138,6 +144,8 @@ void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpo
   if (block_n) params.set("block_n", std::int64_t(block_n));
   if (overlap >= 0) params.set("overlap", std::int64_t(overlap));
   if (pingpong >= 0) params.set("pingpong", std::int64_t(pingpong));
+  if (warps) params.set("warps", std::int64_t(warps));
+  if (persistent >= 0) params.set("persistent", std::int64_t(persistent));
   ASSERT_TRUE(f->validate(params).ok()) << f->validate(params).to_string();
   ASSERT_TRUE(f->check_problem(params, p).ok()) << f->check_problem(params, p).to_string();
 
@@ -198,14 +206,40 @@ void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpo
 // 128), or 0 when none fits.
 int other_block_n(std::int64_t d, std::int64_t dv) { return families::attention_sm90_block_n(d, dv) == 128 ? 64 : 0; }
 
+// The widest key tile three consumer warpgroups (warps 12) take at a head-dim pair in a schedule,
+// 0 for none.
+int three_consumer_block_n(std::int64_t d, std::int64_t dv, bool overlap) {
+  for (int bn : {128, 64})
+    if (families::attention_sm90_three_consumers_fit(dv, bn, overlap) &&
+        families::attention_sm90_smem_bytes(d, dv, 12, bn, families::attention_sm90_stages(d, dv, 12, bn)) <=
+            227 * 1024)
+      return bn;
+  return 0;
+}
+
 TEST_F(AttentionSm90Gpu, EveryHeadDimAndDtypeCausalAndNot) {
   for (DType t : {DType::bf16, DType::f16})
     for (const auto& [d, dv] : families::k_attention_sm90_head_dims)
       for (bool causal : {false, true}) {
         check(padded(t, d, dv, 2, 4, 2, 197, 197, causal));
-        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 0, 0);  // the serial schedule
-        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 1, 1);  // pingpong
-        if (other_block_n(d, dv)) check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), other_block_n(d, dv));
+        // The serial schedule and pingpong, on two consumers (three hold 128-key tiles only serially).
+        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 0, 0, 8);
+        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 1, 1, 8);
+        if (other_block_n(d, dv)) check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), other_block_n(d, dv), 1, 0, 8);
+        // Persistent blocks, each walking several tiles (7 blocks for 2 x 2 x 4 tiles).
+        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, -1, -1, 0, 1, 7);
+        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 1, 1, 8, 1, 7);
+        check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), 0, 0, 0, 8, 1, 7);
+        // Three consumers (192 query rows a block) in each schedule, alone and persistent.
+        if (const int bn = three_consumer_block_n(d, dv, true)) {
+          check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), bn, 1, 0, 12);
+          check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), bn, 1, 1, 12);
+          check(padded(t, d, dv, 2, 4, 2, 450, 450, causal), bn, 1, 1, 12, 1, 5);
+        }
+        if (const int bn = three_consumer_block_n(d, dv, false)) {
+          check(padded(t, d, dv, 2, 4, 2, 197, 197, causal), bn, 0, 0, 12);
+          check(padded(t, d, dv, 2, 4, 2, 450, 450, causal), bn, 0, 0, 12, 1, 5);
+        }
       }
 }
 
@@ -220,6 +254,10 @@ TEST_F(AttentionSm90Gpu, QueriesAndKeysOfDifferentLengths) {
     check(padded(DType::bf16, 128, 128, 1, 2, 2, 300, 3000, causal), 0, 1, 1);
     check(padded(DType::f16, 64, 64, 2, 2, 1, 1000, 1000, causal), 64, 1, 1);
     check(padded(DType::f16, 256, 256, 1, 2, 2, 130, 1100, causal));
+    // The ring's position runs on from tile to tile of a persistent block.
+    check(padded(DType::bf16, 128, 128, 1, 2, 2, 300, 3000, causal), 0, -1, -1, 0, 1, 3);
+    check(padded(DType::bf16, 64, 64, 2, 2, 1, 1000, 1000, causal), 64, 1, 1, 12, 1, 5);
+    check(padded(DType::bf16, 64, 64, 2, 2, 1, 1000, 1000, causal), 128, 0, 0, 12, 1, 5);
   }
   // lq > lk, causal: the first lq - lk rows see no key (zeros, lse -inf).
   check(padded(DType::bf16, 128, 128, 2, 4, 4, 300, 100, true));
@@ -249,6 +287,9 @@ TEST_F(AttentionSm90Gpu, SlidingWindowsAndSoftcap) {
     check(padded(t, 192, 192, 1, 4, 4, 200, 333, false, 70, 10));
     // Windows that leave some rows nothing: window (0, 0) with more queries than keys.
     check(padded(t, 128, 128, 1, 2, 2, 200, 50, false, 0, 0));
+    // The same with persistent blocks: tiles without a visible key between tiles with them.
+    check(padded(t, 128, 128, 2, 2, 2, 600, 50, false, 0, 0), 0, -1, -1, 0, 1, 3);
+    check(padded(t, 64, 64, 1, 4, 4, 700, 700, false, 32, 17), 64, 1, 1, 12, 1, 4);
     check(padded(t, 128, 128, 2, 4, 4, 256, 256, false, -1, -1, 5.0, 0.3));
     check(padded(t, 256, 256, 1, 4, 4, 130, 260, true, -1, -1, 30.0));
     check(padded(t, 64, 64, 1, 4, 4, 100, 100, false, -1, -1, 0, 0.01));
@@ -271,6 +312,13 @@ TEST_F(AttentionSm90Gpu, PackedSequencesOfUnevenLengths) {
   check(packed(DType::bf16, 128, 128, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, true), 0, 0, 0);
   check(packed(DType::bf16, 128, 128, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, true), 0, 1, 1);
   check(packed(DType::f16, 256, 256, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, false, 40, 3, 20.0), 0, 1, 1);
+  // Persistent blocks over packed sequences: tiles past a short sequence's end have no rows.
+  check(packed(DType::bf16, 128, 128, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, true), 0, -1, -1, 0, 1, 3);
+  check(packed(DType::bf16, 128, 128, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, true), 0, 1, 1, 0, 1, 3);
+  check(packed(DType::f16, 64, 64, 4, 4, {3, 5, 7, 9, 11, 13, 400}, {5, 3, 9, 7, 13, 11, 450}, true), 64, 1, 1, 12, 1,
+        2);
+  check(packed(DType::f16, 256, 256, 4, 2, {1, 129, 0, 64, 300}, {1, 129, 5, 64, 300}, false, 40, 3, 20.0), 0, 0, 0,
+        0, 1, 2);
 }
 
 }  // namespace

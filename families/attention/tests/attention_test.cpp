@@ -349,7 +349,7 @@ TEST(AttentionCpu, TheGpuPathRejectsWhatItCannotRunBeforeAnyLaunch) {
   p.dtype = DType::f16;
   EXPECT_EQ(f->check_problem(Params{{"path", std::string("mma")}, {"dtype", std::string("bf16")},
                                     {"head_dim", 128}, {"head_dim_v", 128}, {"warps", 8}, {"block_n", 64},
-                                    {"overlap", 0}, {"pingpong", 0}},
+                                    {"overlap", 0}, {"pingpong", 0}, {"persistent", 0}},
                              p)
                 .code(),
             Code::unsupported_dtype);
@@ -466,8 +466,14 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
       EXPECT_EQ(f->runs_on(v, GpuArch{80}), !sm90) << v.canonical();
       EXPECT_EQ(f->runs_on(v, GpuArch{90}), !sm90) << v.canonical() << ": wgmma needs the 'a' features";
       const LaunchGeometry g = f->geometry(v, p);
-      EXPECT_EQ(g.block.x, sm90 ? 384u : 256u);
-      EXPECT_EQ(g.grid.x, 8u);  // 128 query rows a block either way
+      // 64/64: three consumer warpgroups (192 query rows) and the producer; the others two. Persistent
+      // variants (64/64 and 256/256) launch every (query tile, head, sequence) as one row of blocks
+      // when the SM count is unknown; the rest a block per 128 query rows, head and sequence.
+      const bool three = sm90 && d == 64, persistent = sm90 && (d == 64 || d == 256);
+      EXPECT_EQ(g.block.x, three ? 512u : sm90 ? 384u : 256u);
+      const std::uint32_t query_tiles = three ? 6u : 8u;
+      EXPECT_EQ(g.grid.x, persistent ? query_tiles * 8 * 2 : query_tiles) << d;
+      EXPECT_EQ(g.grid.y, persistent ? 1u : 8u) << d;
       EXPECT_LE(g.shared_bytes, 227u * 1024);
       // Tensor maps of q, k and v for the wgmma kernel only.
       ArgPack args;
@@ -476,9 +482,12 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
       EXPECT_FALSE(args.overflow()) << v.canonical();
       EXPECT_EQ(args.tensor_maps(), sm90 ? 3u : 0u) << v.canonical();
       if (sm90) {
-        // The schedule: pingpong at 64/64, serial at 256/256, overlap alone at the others.
-        EXPECT_EQ(*v.get_int("pingpong"), d == 64 ? 1 : 0) << v.canonical();
-        EXPECT_EQ(*v.get_int("overlap"), d == 256 ? 0 : 1) << v.canonical();
+        // The schedule: serial on persistent blocks at 64/64 (three consumers) and 256/256, overlap
+        // alone at the others.
+        EXPECT_EQ(*v.get_int("pingpong"), 0) << v.canonical();
+        EXPECT_EQ(*v.get_int("overlap"), d == 256 || d == 64 ? 0 : 1) << v.canonical();
+        EXPECT_EQ(*v.get_int("persistent"), d == 256 || d == 64 ? 1 : 0) << v.canonical();
+        EXPECT_EQ(args.tensor_map_request(0).box_rows, std::uint32_t(16 * *v.get_int("warps")));
         EXPECT_EQ(args.tensor_map_request(1).row_bytes, std::uint64_t(2 * 2 * d));
         EXPECT_EQ(args.tensor_map_request(2).box_rows, std::uint32_t(*v.get_int("block_n")));
         // The sm_80 kernel's choice elsewhere: other devices, an unknown one.
@@ -500,7 +509,7 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
   p.set(a);
   EXPECT_EQ(*f->heuristic(p).get_str("path"), "mma");
   Params w{{"path", std::string("wgmma")}, {"dtype", std::string("bf16")}, {"head_dim", 128},
-           {"head_dim_v", 128}, {"warps", 8}, {"block_n", 128}, {"overlap", 1}, {"pingpong", 0}};
+           {"head_dim_v", 128}, {"warps", 8}, {"block_n", 128}, {"overlap", 1}, {"pingpong", 0}, {"persistent", 0}};
   EXPECT_TRUE(f->validate(w).ok());
   EXPECT_EQ(f->check_problem(w, p).code(), Code::invalid_argument);
   // Variants the wgmma kernel does not have.
@@ -514,6 +523,48 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
   EXPECT_FALSE(f->validate(Params(w).set("path", "mma")).ok()) << "overlap is for wgmma";
   EXPECT_FALSE(f->validate(Params(w).set("head_dim", std::int64_t(256)).set("head_dim_v", std::int64_t(256))).ok())
       << "block_n 128 at 256/256: over 227 KiB";
+  EXPECT_FALSE(f->validate(Params(w).set("path", "mma").set("overlap", std::int64_t(0)).set("persistent", std::int64_t(1)))
+                   .ok())
+      << "persistent is for wgmma";
+  EXPECT_FALSE(f->validate(Params(w).set("path", "mma").set("overlap", std::int64_t(0)).set("warps", std::int64_t(12)))
+                   .ok())
+      << "the mma kernel has no third consumer";
+  // Three consumers hold head_dim_v / 2 + block_n / 2 (+ block_n / 4 overlapped) <= 96 registers
+  // of accumulators.
+  EXPECT_FALSE(f->validate(Params(w).set("warps", std::int64_t(12)).set("block_n", std::int64_t(64))).ok())
+      << "128/128 overlapped";
+  EXPECT_TRUE(
+      f->validate(Params(w).set("warps", std::int64_t(12)).set("block_n", std::int64_t(64)).set("overlap", std::int64_t(0)))
+          .ok());
+  Params three = Params(w)
+                     .set("warps", std::int64_t(12))
+                     .set("head_dim", std::int64_t(64))
+                     .set("head_dim_v", std::int64_t(64))
+                     .set("pingpong", std::int64_t(1));
+  EXPECT_FALSE(f->validate(three).ok()) << "64/64 overlapped with 128-key tiles";
+  EXPECT_TRUE(f->validate(Params(three).set("overlap", std::int64_t(0)).set("pingpong", std::int64_t(0))).ok());
+  three.set("block_n", std::int64_t(64));
+  ASSERT_TRUE(f->validate(three).ok());
+  // 192 query rows a block and four warpgroups; the Q box follows the rows.
+  const Problem p64 = problem(DType::bf16, 64, 64, 90);
+  LaunchGeometry g = f->geometry(three, p64);
+  EXPECT_EQ(g.block.x, 512u);
+  EXPECT_EQ(g.grid.x, 6u);  // 1000 queries in blocks of 192
+  ArgPack args;
+  std::vector<void*> bufs(7, reinterpret_cast<void*>(std::uintptr_t(256)));
+  f->pack_args(three, p64, bufs, args);
+  EXPECT_EQ(args.tensor_map_request(0).box_rows, 192u);
+  EXPECT_EQ(f->geometry(three, p64).shared_bytes, families::attention_sm90_smem_bytes(64, 64, 12, 64, 4));
+  // Persistent: one block per SM over the 6 x 8 x 2 tiles; every tile its own block when the SM
+  // count is unknown, and the grid never larger than the tiles.
+  Problem with_sms = p64;
+  with_sms.sm_count = 20;
+  g = f->geometry(Params(three).set("persistent", std::int64_t(1)), with_sms);
+  EXPECT_EQ(g.grid.x, 20u);
+  EXPECT_EQ(g.grid.y * g.grid.z, 1u);
+  with_sms.sm_count = 132;
+  EXPECT_EQ(f->geometry(Params(three).set("persistent", std::int64_t(1)), with_sms).grid.x, 96u);
+  EXPECT_EQ(f->geometry(Params(three).set("persistent", std::int64_t(1)), p64).grid.x, 96u);
 }
 
 TEST(AttentionCpu, DeclaresPaddedAndPackedOps) {
