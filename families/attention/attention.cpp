@@ -378,14 +378,26 @@ class Attention final : public Family {
     return out;
   }
 
-  // The bucket's upper bound in queries per sequence; a padded layout's query tokens follow it.
+  // The key fields, then the window: each side unbounded, 0, or its power-of-two bucket. A window
+  // decides how many keys a tile sees (and the heuristic's choice for short ones), so a winner
+  // tuned without one does not serve windowed calls, nor one tuned for 128 keys a window of 4096.
+  std::string signature(const Problem& problem) const override {
+    const auto a = problem.as<AttentionProblem>();
+    auto side = [](std::int64_t w) {
+      return w < 0 ? std::string("inf") : w == 0 ? std::string("0") : "<=" + std::to_string(tuning_bucket(w));
+    };
+    return Family::signature(problem) + ",window=" + side(a.window_left) + "/" + side(a.window_right);
+  }
+
+  // The bucket's upper bound in queries per sequence (a padded layout's query tokens follow it)
+  // and in each bounded side of the window.
   Problem tuning_problem(const Problem& problem) const override {
     Problem out = Family::tuning_problem(problem);
     auto a = out.as<AttentionProblem>();
-    if (!a.varlen) {
-      a.total_q = a.batch * a.seqlen_q;
-      out.set(a);
-    }
+    if (!a.varlen) a.total_q = a.batch * a.seqlen_q;
+    if (a.window_left > 0) a.window_left = tuning_bucket(a.window_left);
+    if (a.window_right > 0) a.window_right = tuning_bucket(a.window_right);
+    out.set(a);
     return out;
   }
 

@@ -567,6 +567,40 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
   EXPECT_EQ(f->geometry(Params(three).set("persistent", std::int64_t(1)), p64).grid.x, 96u);
 }
 
+// Tuning results are stored per signature: a window (and its size, by power-of-two bucket) is part
+// of it, so a winner tuned without a window never serves a windowed call.
+TEST(AttentionCpu, TheTuningSignatureCarriesTheWindow) {
+  const Family* f = Registry::global().find("attention");
+  ASSERT_NE(f, nullptr);
+  auto problem = [](std::int64_t left, std::int64_t right) {
+    families::AttentionProblem a;
+    a.batch = 2;
+    a.seqlen_q = a.seqlen_k = 4096;
+    a.total_q = a.total_k = 8192;
+    a.heads = a.kv_heads = 8;
+    a.head_dim = a.head_dim_v = 128;
+    a.causal = right == 0;
+    a.window_left = left;
+    a.window_right = right;
+    a.scale = 0.1;
+    return Problem::of(DType::bf16, 16, a);
+  };
+  const std::string none = f->signature(problem(-1, -1)), causal = f->signature(problem(-1, 0));
+  EXPECT_NE(none, causal);
+  EXPECT_NE(causal, f->signature(problem(128, 0)));
+  EXPECT_NE(f->signature(problem(128, 0)), f->signature(problem(4096, 0)));
+  EXPECT_NE(f->signature(problem(100, 0)), f->signature(problem(0, 100)));
+  EXPECT_EQ(f->signature(problem(1000, 0)), f->signature(problem(1024, 0))) << "one bucket";
+  EXPECT_NE(none.find("window=inf/inf"), std::string::npos) << none;
+  // The tuned instance takes the bucket's bound on each bounded side.
+  const auto t = f->tuning_problem(problem(1000, 3)).as<families::AttentionProblem>();
+  EXPECT_EQ(t.window_left, 1024);
+  EXPECT_EQ(t.window_right, 4);
+  const auto c = f->tuning_problem(problem(-1, 0)).as<families::AttentionProblem>();
+  EXPECT_EQ(c.window_left, -1);
+  EXPECT_EQ(c.window_right, 0);
+}
+
 TEST(AttentionCpu, DeclaresPaddedAndPackedOps) {
   for (const char* name : {"attention", "attention_varlen"}) {
     const OpDecl* op = Registry::global().find_op(name);
