@@ -64,13 +64,16 @@ namespace kiln::jit {
 // (Family::programmatic_launch) use it, and fall back to cuLaunchKernel without it.
 // cuOccupancyMaxActiveClusters (CUDA 12): how many clusters of a kernel run at once, which sizes
 // the clustered RMSNorm backward's slabs; without it the op assumes SMs / cluster size.
-// cuStreamIsCapturing: ops that would take a per-stream workspace (client/workspace.h) choose a
-// path without one while a stream is being captured into a CUDA graph.
+// cuStreamIsCapturing, cuMemAllocAsync, cuMemFreeAsync: a workspace the caller did not pass
+// (client/workspace.h) is the graph's own memory while a stream is being captured into a CUDA
+// graph.
 #define KILN_CUDA_DRIVER_OPTIONAL_FUNCTIONS(X)                  \
   X(tensor_map_encode_tiled, cuTensorMapEncodeTiled)            \
   X(launch_kernel_ex, cuLaunchKernelEx)                         \
   X(occupancy_max_active_clusters, cuOccupancyMaxActiveClusters)  \
-  X(stream_is_capturing, cuStreamIsCapturing)
+  X(stream_is_capturing, cuStreamIsCapturing)                   \
+  X(mem_alloc_async, cuMemAllocAsync)                           \
+  X(mem_free_async, cuMemFreeAsync)
 
 struct Driver {
 #define KILN_CU_FIELD(field, fn) decltype(&::fn) field = nullptr;

@@ -98,19 +98,9 @@ Status check_gpu(const char* op, const TensorView& q, const AttentionProblem& a)
   return {};
 }
 
-// Whether `stream` is being captured into a CUDA graph (the decode path's per-stream workspace
-// may be reallocated between replays, so captures take the one-pass kernel).
-bool capturing(Stream stream) {
-  auto d = jit::Driver::get();
-  if (!d.ok() || !(*d)->stream_is_capturing) return false;
-  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-  if ((*d)->stream_is_capturing(static_cast<CUstream>(stream), &st) != CUDA_SUCCESS) return true;
-  return st != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
 // The decode path (families/attention/attention_splitkv.h): the split kernel writes each split's
-// partial output and lse to the per-stream workspace, the combine kernel merges them into out and
-// lse.
+// partial output and lse to a workspace (client/workspace.h: the stream's, or the graph's own
+// under capture), the combine kernel merges them into out and lse.
 Status run_decode(const AttentionProblem& a, std::int64_t splits, std::uint32_t alignment, const TensorView& q,
                   void* const* buffers, Stream stream, Runtime* runtime) {
   static const Family* split = Registry::global().find("attention_splitkv");
@@ -124,8 +114,8 @@ Status run_decode(const AttentionProblem& a, std::int64_t splits, std::uint32_t 
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
   const std::int64_t elements = families::attention_splitkv_workspace_elements(a, splits);
-  KILN_ASSIGN_OR_RETURN(void* ws, client::stream_workspace(q.device.index, stream, elements));
-  float* o_part = static_cast<float*>(ws);
+  KILN_ASSIGN_OR_RETURN(client::StreamWorkspace ws, client::StreamWorkspace::get(q.device.index, stream, elements));
+  float* o_part = static_cast<float*>(ws.data());
   float* lse_part = o_part + splits * a.total_q * a.heads * a.head_dim_v;
   void* sb[7] = {buffers[0], buffers[1], buffers[2], buffers[3], buffers[4], o_part, lse_part};
   KILN_TRY(runtime->run(*split, ps, sb, stream));
@@ -153,7 +143,7 @@ Status run(const char* op, const AttentionProblem& a, const TensorView& q, const
     KILN_ASSIGN_OR_RETURN(const jit::DeviceInfo* dev, jit::device_info(q.device.index));
     splits = families::attention_decode_splits(a, dev->sm_count, dev->compute_capability);
   }
-  if (splits >= 1 && !capturing(stream)) return run_decode(a, splits, p.alignment, q, buffers, stream, runtime);
+  if (splits >= 1) return run_decode(a, splits, p.alignment, q, buffers, stream, runtime);
   return client::run_family(family, "attention", p, buffers, DeviceKind::cuda, stream, runtime);
 }
 
@@ -343,9 +333,10 @@ Status run_backward(const char* op, const AttentionProblem& f, bool deterministi
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  KILN_ASSIGN_OR_RETURN(void* ws,
-                        client::stream_workspace(q.device.index, stream, families::attention_bwd_workspace_elements(a)));
-  buffers[8] = ws;
+  KILN_ASSIGN_OR_RETURN(
+      client::StreamWorkspace ws,
+      client::StreamWorkspace::get(q.device.index, stream, families::attention_bwd_workspace_elements(a)));
+  buffers[8] = ws.data();
   for (const Problem& p : stages) KILN_TRY(runtime->run(*family, p, buffers, stream));
   return {};
 }

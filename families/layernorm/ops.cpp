@@ -219,8 +219,10 @@ Status layer_norm_backward(const TensorView& dy, const TensorView& x, const Tens
   const std::int64_t slabs = families::layernorm_bwd_slabs(choice, rows, device->sm_count);
   q.slabs = slabs;
   void* ws = nullptr;
+  client::StreamWorkspace scratch;
   if (slabs > 0) {
-    KILN_ASSIGN_OR_RETURN(ws, client::stream_workspace(x.device.index, stream, 2 * slabs * cols));
+    KILN_ASSIGN_OR_RETURN(scratch, client::StreamWorkspace::get(x.device.index, stream, 2 * slabs * cols));
+    ws = scratch.data();
     void* b[7] = {dy.data, x.data, weight.data, mean.data, rstd.data, dx.data, ws};
     KILN_TRY(runtime->run(*bwd, Problem::of(x.dtype, alignment, q), b, stream));
   }

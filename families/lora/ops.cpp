@@ -108,12 +108,14 @@ Status run_lora(const char* op, const LoraArgs& g, std::int64_t r, std::int64_t 
   // f32 elements: the partial sums, or t's 16-bit values two to an element.
   const std::int64_t u_elems = t ? (m * slices * l::t_pitch(r) + 1) / 2 : splits * m * slices * l::rank_pitch(r);
   std::vector<float> host;
+  client::StreamWorkspace scratch;
   void* u;
   if (where == DeviceKind::cpu) {
     host.resize(std::size_t(u_elems));
     u = host.data();
   } else {
-    KILN_ASSIGN_OR_RETURN(u, client::stream_workspace(x.device.index, stream, u_elems));
+    KILN_ASSIGN_OR_RETURN(scratch, client::StreamWorkspace::get(x.device.index, stream, u_elems));
+    u = scratch.data();
   }
   std::int32_t zero_i = 0;
   float zero_f = 0.0f;

@@ -524,13 +524,14 @@ Status fused_moe(const TensorView& x, const TensorView& router_logits, const Ten
     total += (sizes[i] + 15) / 16 * 16;
   }
   std::vector<std::uint64_t> host;
+  client::StreamWorkspace scratch;
   char* base;
   if (where == DeviceKind::cpu) {
     host.resize(std::size_t(total / 8 + 2));
     base = reinterpret_cast<char*>(host.data());
   } else {
-    KILN_ASSIGN_OR_RETURN(void* ws, client::stream_workspace(x.device.index, stream, total / 4 + 4));
-    base = static_cast<char*>(ws);
+    KILN_ASSIGN_OR_RETURN(scratch, client::StreamWorkspace::get(x.device.index, stream, total / 4 + 4));
+    base = static_cast<char*>(scratch.data());
   }
   auto view = [&](int i, DType t, std::initializer_list<std::int64_t> shape) {
     return TensorView::contiguous(base + at[i], t, shape, x.device);

@@ -372,14 +372,6 @@ void attend_slots(const PagedDecodeProblem& a, DType dtype, const TensorView& q,
   }
 }
 
-bool capturing(Stream stream) {
-  auto d = jit::Driver::get();
-  if (!d.ok() || !(*d)->stream_is_capturing) return false;
-  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-  if ((*d)->stream_is_capturing(static_cast<CUstream>(stream), &st) != CUDA_SUCCESS) return true;
-  return st != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
 }  // namespace
 
 Status paged_decode(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
@@ -504,16 +496,15 @@ Status paged_decode(const TensorView& q, const TensorView& k_cache, const Tensor
   if (workspace && workspace->numel() < elements)
     return invalid_argument("paged_decode: workspace holds " + std::to_string(workspace->numel()) + " f32, the call needs " +
                             std::to_string(elements) + " (paged_decode_workspace_elements)");
-  if (!workspace && capturing(stream))
-    return invalid_argument("paged_decode: a stream being captured into a CUDA graph needs a caller-given workspace");
   if (a.batch == 0 || a.total_q == 0) return {};
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  void* ws = workspace ? workspace->data : nullptr;
-  if (!ws) {
-    KILN_ASSIGN_OR_RETURN(ws, client::stream_workspace(q.device.index, stream, elements));
+  client::StreamWorkspace scratch;
+  if (!workspace) {
+    KILN_ASSIGN_OR_RETURN(scratch, client::StreamWorkspace::get(q.device.index, stream, elements));
   }
+  void* ws = workspace ? workspace->data : scratch.data();
   float* o_part = static_cast<float*>(ws);
   float* lse_part = o_part + splits * a.total_q * a.heads * a.head_dim;
   void* sb[8] = {q.data, k_cache.data, v_cache.data, cu_seqlens_q ? cu_seqlens_q->data : nullptr,
@@ -655,17 +646,15 @@ Status paged_cascade_decode(const TensorView& q, const TensorView& k_cache, cons
   if (workspace && workspace->numel() < elements)
     return invalid_argument("paged_cascade_decode: workspace holds " + std::to_string(workspace->numel()) +
                             " f32, the call needs " + std::to_string(elements));
-  if (!workspace && capturing(stream))
-    return invalid_argument("paged_cascade_decode: a stream being captured into a CUDA graph needs a caller-given "
-                            "workspace");
   if (own.batch == 0) return {};
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
   }
-  void* ws = workspace ? workspace->data : nullptr;
-  if (!ws) {
-    KILN_ASSIGN_OR_RETURN(ws, client::stream_workspace(q.device.index, stream, elements));
+  client::StreamWorkspace scratch;
+  if (!workspace) {
+    KILN_ASSIGN_OR_RETURN(scratch, client::StreamWorkspace::get(q.device.index, stream, elements));
   }
+  void* ws = workspace ? workspace->data : scratch.data();
   // Partials [splits, batch, heads, head_dim] then lse [splits, batch, heads]: the prefix pass
   // fills splits 0 .. shared_splits - 1, the own pass the rest.
   float* o_part = static_cast<float*>(ws);

@@ -253,13 +253,15 @@ Status backward(const char* op, const char* x_name, const TensorView& dy, const 
   const std::int64_t needed = slabs * hidden;
 
   void* ws = nullptr;
+  client::StreamWorkspace scratch;
   if (workspace) {
     if (workspace->numel() < needed)
       return invalid_argument(prefix + "the workspace holds " + std::to_string(workspace->numel()) +
                               " elements, this call needs " + std::to_string(needed));
     ws = workspace->data;
   } else if (needed > 0) {
-    KILN_ASSIGN_OR_RETURN(ws, client::stream_workspace(x.device.index, stream, needed));
+    KILN_ASSIGN_OR_RETURN(scratch, client::StreamWorkspace::get(x.device.index, stream, needed));
+    ws = scratch.data();
   }
   if (slabs > 0) {
     void* b[7] = {dy.data, x.data, weight.data, inv_rms_data, dx.data, ws, dh_data};

@@ -408,3 +408,67 @@ def test_gpu_deterministic_gradients_are_bitwise_identical():
             first = grads
         else:
             assert all(torch.equal(a, b) for a, b in zip(grads, first))
+
+
+def _capture(fn):
+    """fn() warmed up on a side stream, then captured into a CUDA graph: (graph, its outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_replays_in_a_cuda_graph_on_the_split_path():
+    """One query against 8k keys (the decode path: key splits, a workspace, a combine) captured
+    and replayed on new inputs: the replay's output is bitwise the eager call's, which takes the
+    split path (the one-pass kernel sums in another order), and matches fp64."""
+    g = torch.Generator().manual_seed(11)
+    static = [randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16, g=g),
+              randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16, g=g),
+              randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16, g=g)]
+    graph, out = _capture(lambda: kt.flash_attn_func(*static))
+    for _ in range(2):
+        new = [randn(*t.shape, device="cuda", dtype=t.dtype, g=g) for t in static]
+        for s, n in zip(static, new):
+            s.copy_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = kt.flash_attn_func(*new)
+        assert torch.equal(out, eager)
+        want, _ = reference(*new)
+        assert (out.double().cpu() - want).norm() / want.norm() < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_forward_and_backward_replay_in_a_cuda_graph():
+    """A causal GQA forward and its backward (deterministic mode, whose workspace the graph owns)
+    captured once and replayed on new inputs: the gradients are bitwise an eager step's."""
+    g = torch.Generator().manual_seed(12)
+    q = randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16, g=g).requires_grad_()
+    k = randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16, g=g).requires_grad_()
+    v = randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16, g=g).requires_grad_()
+    dout = randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16, g=g)
+
+    def step(q, k, v):
+        out = kt.flash_attn_func(q, k, v, causal=True, deterministic=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    graph, grads = _capture(lambda: step(q, k, v))
+    for _ in range(2):
+        new = [randn(*t.shape, device="cuda", dtype=t.dtype, g=g) for t in (q, k, v, dout)]
+        with torch.no_grad():
+            for s, n in zip((q, k, v, dout), new):
+                s.copy_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step(*(leaf(t) for t in new[:3]))
+        for a, b in zip(grads, want):
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b)
