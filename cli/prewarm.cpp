@@ -289,6 +289,20 @@ int print_model_plan(const PrewarmOptions& o, const ModelShape& m, const std::ve
   return k_exit_ok;
 }
 
+// Compiles single variants (a model's, or named by --spec) through kilnd when it runs, in-process
+// otherwise, and pins them with --pin.
+int compile_variants(const GlobalOptions& g, const PrewarmOptions& o, const std::vector<std::string>& archs,
+                     const std::vector<std::string>& families, const std::vector<WorkItem>& items) {
+  const int rc = try_daemon(g) ? prewarm_specs_via_daemon(o, archs, families, items)
+                               : prewarm_in_process(o, archs, families, items);
+  if (rc == k_exit_ok && o.pin) {
+    std::vector<std::pair<KernelSpec, std::string>> variants;
+    for (const auto& it : items) variants.emplace_back(it.spec, it.arch);
+    if (Status s = pin_variants(variants); !s.ok()) return report_error(s);
+  }
+  return rc;
+}
+
 int prewarm_model(const GlobalOptions& g, const PrewarmOptions& o) {
   // Everything is checked before anything is opened or compiled.
   if (o.archs.empty()) return report_error(invalid_argument("prewarm --model needs --arch"), k_exit_usage);
@@ -322,14 +336,7 @@ int prewarm_model(const GlobalOptions& g, const PrewarmOptions& o) {
     items.push_back({v.spec, v.arch});
     if (std::find(families.begin(), families.end(), v.spec.family) == families.end()) families.push_back(v.spec.family);
   }
-  const int rc = try_daemon(g) ? prewarm_specs_via_daemon(o, *archs, families, items)
-                               : prewarm_in_process(o, *archs, families, items);
-  if (rc == k_exit_ok && o.pin) {
-    std::vector<std::pair<KernelSpec, std::string>> variants;
-    for (const auto& it : items) variants.emplace_back(it.spec, it.arch);
-    if (Status s = pin_variants(variants); !s.ok()) return report_error(s);
-  }
-  return rc;
+  return compile_variants(g, o, *archs, families, items);
 }
 
 // --spec: exactly the variants named, for every --arch they run on.
@@ -363,14 +370,7 @@ int prewarm_specs(const GlobalOptions& g, const PrewarmOptions& o) {
                           k_exit_usage);
     if (std::find(families.begin(), families.end(), spec->family) == families.end()) families.push_back(spec->family);
   }
-  const int rc = try_daemon(g) ? prewarm_specs_via_daemon(o, *archs, families, items)
-                               : prewarm_in_process(o, *archs, families, items);
-  if (rc == k_exit_ok && o.pin) {
-    std::vector<std::pair<KernelSpec, std::string>> variants;
-    for (const auto& it : items) variants.emplace_back(it.spec, it.arch);
-    if (Status s = pin_variants(variants); !s.ok()) return report_error(s);
-  }
-  return rc;
+  return compile_variants(g, o, *archs, families, items);
 }
 
 }  // namespace
