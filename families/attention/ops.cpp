@@ -13,7 +13,6 @@
 #include "families/attention/attention.h"
 #include "families/attention/attention_splitkv.h"
 #include "jit/device_info.h"
-#include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
 #include "kiln/runtime.h"
