@@ -43,6 +43,7 @@ namespace kiln::jit {
   X(memcpy_dtod_async, cuMemcpyDtoDAsync)                  \
   X(memset_d8, cuMemsetD8)                                 \
   X(memset_d8_async, cuMemsetD8Async)                      \
+  X(memset_d32_async, cuMemsetD32Async)                    \
   X(mem_host_alloc, cuMemHostAlloc)                        \
   X(mem_free_host, cuMemFreeHost)                          \
   X(pointer_get_attributes, cuPointerGetAttributes)        \

@@ -66,11 +66,10 @@ constexpr std::int64_t k_sm80_smem = 163 * 1024, k_sm90_smem = 227 * 1024;
 // The main stage's sm_90a kernel (path "wgmma"); Params without a path are the mma.sync kernel's.
 bool is_wgmma(const Params& params) { return params.get_str("path").value_or("mma") == "wgmma"; }
 
-// Where the heuristic takes the sm_90a main kernel: an H100-class device, its head dims, and tokens
-// to copy.
+// Where the heuristic takes the sm_90a main kernel: an H100-class device and its head dims (token
+// counts are no key of the problem: the ops never launch without tokens).
 bool wgmma_fits(const AttentionBwdProblem& a, std::int64_t cc) {
-  return cc == 90 && attention_bwd_sm90_head_dims_supported(a.head_dim, a.head_dim_v) && a.total_q > 0 &&
-         a.total_k > 0;
+  return cc == 90 && attention_bwd_sm90_head_dims_supported(a.head_dim, a.head_dim_v);
 }
 
 struct Seq {
@@ -387,8 +386,11 @@ class AttentionBwd final : public Family {
         g.block.x = 128;
         break;
       case 2: {
-        const std::int64_t n = std::max({a.total_q * a.heads * a.head_dim, a.total_k * a.kv_heads * a.head_dim,
-                                         a.total_k * a.kv_heads * a.head_dim_v, std::int64_t(1)});
+        // Sized by the key fields (batch x the longest sequences bounds the token counts, which a
+        // cached launch may not share); the kernel's loops stride over the rest.
+        const std::int64_t n = std::max({a.batch * a.seqlen_q * a.heads * a.head_dim,
+                                         a.batch * a.seqlen_k * a.kv_heads * std::max(a.head_dim, a.head_dim_v),
+                                         std::int64_t(1)});
         g.grid.x = std::uint32_t(std::clamp<std::int64_t>((n + 255) / 256, 1, 4096));
         g.grid.y = g.grid.z = 1;
         g.block.x = 256;

@@ -196,9 +196,10 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   const int warp_in_wg = (tid / 32) % 4;
   // The current tile's mask, for the thread's first row (elements 0, 1; the row 8 below has 2, 3):
   // a key column col is seen iff col < lk and lo <= col <= hi (lo and hi 8 more for the second
-  // row; the int range's ends where the window is unbounded); key tiles starting below edge_lo or
-  // above edge_hi need the mask for some row of the warpgroup.
-  int lk = 0, lo = 0, hi = 0, edge_lo = 0, edge_hi = 0;
+  // row; lo the int range's low end where the window has no left bound, hi at most lk - 1, so that
+  // the second row's bound stays in range); key tiles starting below edge_lo or above edge_hi need
+  // the mask for some row of the warpgroup.
+  int lk = 0, lo = 0, hi = 0, edge_lo = 0, edge_hi = 0, ct_begin = 0, ct_end = 0;
 
   float acc[1][NO][4], sacc[1][NS][4];
   float row_max[2], row_sum[2];
@@ -257,7 +258,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         for (int e = 0; e < 4; ++e) {
           const int col = n0 + j * 8 + 2 * (lane & 3) + (e & 1), below = (e >> 1) * 8;
           const bool seen = col < lk && col >= lo + (lo == k_int_min ? 0 : below) &&
-                            col <= hi + (hi == k_int_max ? 0 : below);
+                            col <= hi + below;
           if (!seen) sacc[0][j][e] = neg_inf();
         }
     }
@@ -328,6 +329,14 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   const long long o_stride = (long long)heads * DV;
   // The ring position and the Q tiles used, counted as the producer counts them.
   int it = 0, qi = 0;
+  // Key tiles of the block this warpgroup's rows do not see: it hands their stages back once they
+  // have landed (an arrival before then could count in the phase of the stage's previous tile).
+  auto skip = [&](int n) {
+    for (int i = 0; i < n; ++i, ++it) {
+      ptx::mbar_wait(k_full(stage_of(it)), phase_of(it));
+      ptx::mbar_arrive(empty(stage_of(it)));
+    }
+  };
   for (int u = first; u < count; u += stride)
 #pragma unroll 1
     for (int half = 0; half < 2; ++half) {
@@ -342,11 +351,25 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         auto clamp = [](long long x) { return int(max(min(x, (long long)k_int_max), (long long)k_int_min)); };
         lk = w.lk;
         lo = wl >= 0 ? clamp(row0 + w.delta - wl) : k_int_min;
-        hi = wr >= 0 ? clamp(row0 + w.delta + wr) : k_int_max;
+        hi = int(min(wr >= 0 ? row0 + w.delta + wr : (long long)lk, (long long)lk - 1));
         // A tile is unmasked when it ends by lk and by every row's hi, and starts at or after every
         // row's lo.
         edge_hi = clamp(min((long long)lk - BN, wr >= 0 ? wm0 + w.delta + wr - BN + 1 : (long long)k_int_max));
         edge_lo = wl >= 0 ? clamp(wm_last + w.delta - wl) : k_int_min;
+        // The key tiles this warpgroup computes, [ct_begin, ct_end) within the block's: on the
+        // serial schedule only those its rows see; the overlapped ones keep the block's (pingpong's
+        // turns count the block's batches, and the overlapped loop has no register to spare).
+        if constexpr (!OVERLAP) {
+          long long nb = 0, ne = lk;
+          if (wr >= 0) ne = min(ne, wm_last + w.delta + wr + 1);
+          if (wl >= 0) nb = max(nb, wm0 + w.delta - wl);
+          ct_begin = int(max((long long)w.t_begin, min(nb / BN, (long long)w.t_end)));
+          ct_end = wm0 < w.lq && ne > nb ? int(min((long long)w.t_end, (ne + BN - 1) / BN)) : ct_begin;
+          ct_end = max(ct_end, ct_begin);
+        } else {
+          ct_begin = w.t_begin;
+          ct_end = w.t_end;
+        }
       }
       gemm::zero_fragments(acc);
       row_max[0] = row_max[1] = neg_inf();
@@ -357,15 +380,18 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
       if (w.t_begin < w.t_end) {
         ptx::mbar_wait(q_full, unsigned(qi) & 1u);
         ++qi;
-        if constexpr (!OVERLAP) {
+        skip(ct_begin - w.t_begin);
+        if (ct_begin == ct_end) {
+          ptx::mbar_arrive(q_empty);  // no key of the block for these rows: Q is not read
+        } else if constexpr (!OVERLAP) {
           // Serial: S, softmax, P V for each key tile in turn.
-          for (int t = w.t_begin; t < w.t_end; ++t, ++it) {
+          for (int t = ct_begin; t < ct_end; ++t, ++it) {
             const int s = stage_of(it);
             ptx::mbar_wait(k_full(s), phase_of(it));
             issue_s(s);
             gemm::wgmma_wait<0>();
             gemm::fence_fragments(sacc);
-            if (t + 1 == w.t_end) ptx::mbar_arrive(q_empty);  // the last read of Q is done
+            if (t + 1 == ct_end) ptx::mbar_arrive(q_empty);  // the last read of Q is done
             float corr[2];
             softmax(t, corr);
             rescale(corr);
@@ -389,14 +415,13 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
             order_signal();
             gemm::wgmma_wait<0>();
             gemm::fence_fragments(sacc);
-            if (w.t_begin + 1 == w.t_end) ptx::mbar_arrive(q_empty);
+            if (ct_begin + 1 == ct_end) ptx::mbar_arrive(q_empty);
             float corr[2];
-            softmax(w.t_begin,
-                    corr);  // the output is still zero: nothing to rescale
+            softmax(ct_begin, corr);  // the output is still zero: nothing to rescale
             pack_p();
             ++it;
           }
-          for (int t = w.t_begin + 1; t < w.t_end; ++t, ++it) {
+          for (int t = ct_begin + 1; t < ct_end; ++t, ++it) {
             const int s = stage_of(it), sp = stage_of(it - 1);
             ptx::mbar_wait(k_full(s), phase_of(it));
             ptx::mbar_wait(v_full(sp), phase_of(it - 1));
@@ -406,7 +431,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
             order_signal();
             gemm::wgmma_wait<1>();  // S done, P V may run on
             gemm::fence_fragments(sacc);
-            if (t + 1 == w.t_end) ptx::mbar_arrive(q_empty);
+            if (t + 1 == ct_end) ptx::mbar_arrive(q_empty);
             float corr[2];
             softmax(t, corr);
             gemm::wgmma_wait<0>();
@@ -426,6 +451,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
           fence_regs(pa);
           ptx::mbar_arrive(empty(sp));
         }
+        skip(w.t_end - ct_end);
       }
 
       // Rows that saw no key (all masked, or a tile without a visible key) get zeros and lse -inf.

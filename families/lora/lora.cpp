@@ -359,7 +359,8 @@ class LoraGemm final : public Family {
          key(&LoraGemmProblem::multi, "multi", "1: per-row adapter indices, per-adapter ranks and scales"),
          key(&LoraGemmProblem::bias, "bias", "1: a bias [n]"),
          key(&LoraGemmProblem::t, "t", "1: u holds t (lora_shrink's output t), for the core path"),
-         value(&LoraGemmProblem::n1, "n1", "end of slice 0"), value(&LoraGemmProblem::n2, "n2", "end of slice 1"),
+         key(&LoraGemmProblem::n1, "n1", "end of slice 0 (the core tile's width divides it)"),
+         key(&LoraGemmProblem::n2, "n2", "end of slice 1 (the core tile's width divides it)"),
          value(&LoraGemmProblem::scale, "scale", "the adapter's scale without multi")});
     return fields;
   }
@@ -562,7 +563,8 @@ class LoraGemm final : public Family {
                                      const std::vector<std::pair<std::string, std::int64_t>>& shape) const override {
     return Family::problem_from_shape(
         dtype,
-        with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}, {"bias", 0}, {"t", 0}}));
+        with_defaults(shape, {{"adapters", 1}, {"slices", 1}, {"splits", 1}, {"multi", 0}, {"bias", 0}, {"t", 0},
+                              {"n1", 0}, {"n2", 0}}));
   }
   // Llama projection shapes (M 8192 and 16, K 4096, N 4096 rank 16, N 14336 rank 64), decode over 16
   // adapters, and a small ragged merged-QKV case with a bias.

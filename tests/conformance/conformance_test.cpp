@@ -201,6 +201,41 @@ TEST_P(Consistency, HeuristicAndTuningSpaceAcceptTheBenchmarkProblems) {
                                           "need some (Family::benchmark_problems)";
 }
 
+// The runtime remembers a problem's kernel and launch geometry by its key fields alone (value
+// fields vary from call to call: token counts, scales), so the heuristic and the geometry must not
+// read a value field: a later call with another value would run the first call's choice. Each value
+// field of each benchmark problem is moved (0 and 1 swapped, other numbers to 2 v + 3) on devices of
+// compute capability 8.0 and 9.0 and none; the choice and the geometry must stay.
+TEST_P(Consistency, OnlyKeyFieldsChooseTheVariantAndItsGeometry) {
+  const Family& f = family();
+  for (DType dtype : family_dtypes(f))
+    for (Problem p : f.benchmark_problems(dtype))
+      for (const auto& [cc, sms] : {std::pair{0, 0}, std::pair{80, 108}, std::pair{90, 132}}) {
+        p.cc = std::uint8_t(cc);
+        p.sm_count = std::uint16_t(sms);
+        const Params chosen = f.heuristic(p);
+        const LaunchGeometry g = f.geometry(chosen, p);
+        for (const ProblemField& field : f.problem_fields()) {
+          if (field.key) continue;
+          Problem moved = p;
+          kiln_problem_value& v = moved.fields[field.slot];
+          if (field.type == FieldType::i64)
+            v.i = v.i == 0 || v.i == 1 ? 1 - v.i : 2 * v.i + 3;
+          else
+            v.f = 2 * v.f + 3;
+          const std::string what = f.signature(p) + " cc " + std::to_string(cc) + ", value field " + field.name;
+          const Params again = f.heuristic(moved);
+          EXPECT_EQ(again.canonical(), chosen.canonical()) << what;
+          if (again != chosen) continue;
+          const LaunchGeometry h = f.geometry(chosen, moved);
+          EXPECT_TRUE(h.grid.x == g.grid.x && h.grid.y == g.grid.y && h.grid.z == g.grid.z && h.block.x == g.block.x &&
+                      h.block.y == g.block.y && h.block.z == g.block.z && h.shared_bytes == g.shared_bytes)
+              << what << " (" << chosen.canonical() << "): grid " << g.grid.x << "x" << g.grid.y << "x" << g.grid.z
+              << " becomes " << h.grid.x << "x" << h.grid.y << "x" << h.grid.z;
+        }
+      }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllFamilies, Consistency, ::testing::ValuesIn(conformance_families()),
                          [](const auto& info) { return info.param; });
 

@@ -248,5 +248,55 @@ TEST_F(AttentionGpu, GpuLimitsAreTypedErrorsBeforeAnyLaunch) {
   for (unsigned char b : got) ASSERT_EQ(b, 0xFF) << "an error wrote the output";
 }
 
+// Packed sequences whose keys are all empty (total_k 0) while max_seqlen_k stays that of an earlier
+// call: the runtime remembers the earlier call's kernel by the problem's key fields, which token
+// counts are not, and the wgmma kernel cannot map zero rows. The forward writes zeros and lse
+// -inf, the backward zero dq, without a kernel.
+TEST_F(AttentionGpu, NoKeyTokensNeedNoKernel) {
+  const DType t = DType::bf16;
+  const std::int64_t h = 4, hk = 2, d = 128, tq = 8, tk = 16;
+  std::mt19937 rng(seed_);
+  DeviceBuffer q(tq * h * d * 2), k(tk * hk * d * 2), v(tk * hk * d * 2), o(tq * h * d * 2), l(h * tq * 4),
+      cu_q(12), cu_k(12), cu_k0(12), dq(tq * h * d * 2), dk(tk * hk * d * 2), dv(tk * hk * d * 2);
+  for (DeviceBuffer* b : {&q, &k, &v}) {
+    const auto x = testing::random_bytes(t, std::int64_t(b == &q ? tq * h * d : tk * hk * d), rng);
+    b->upload(x.data());
+  }
+  const std::int32_t offs_q[3] = {0, 5, 8}, offs_k[3] = {0, 7, 16}, none[3] = {0, 0, 0};
+  cu_q.upload(offs_q);
+  cu_k.upload(offs_k);
+  cu_k0.upload(none);
+  auto dev = [](const DeviceBuffer& b, DType dt, std::initializer_list<std::int64_t> s) {
+    return TensorView::contiguous(b.get(), dt, s, Device::cuda(0));
+  };
+  const TensorView lse = dev(l, DType::f32, {h, tq});
+  ASSERT_TRUE(attention_varlen(dev(q, t, {tq, h, d}), dev(k, t, {tk, hk, d}), dev(v, t, {tk, hk, d}),
+                               dev(cu_q, DType::i32, {3}), dev(cu_k, DType::i32, {3}), dev(o, t, {tq, h, d}), &lse, 5,
+                               9, {}, nullptr, rt_.get())
+                  .ok());
+  o.poison();
+  l.poison();
+  ASSERT_TRUE(attention_varlen(dev(q, t, {tq, h, d}), dev(k, t, {0, hk, d}), dev(v, t, {0, hk, d}),
+                               dev(cu_q, DType::i32, {3}), dev(cu_k0, DType::i32, {3}), dev(o, t, {tq, h, d}), &lse, 5,
+                               9, {}, nullptr, rt_.get())
+                  .ok());
+  ASSERT_TRUE(jit::Driver::get().value()->ctx_synchronize() == CUDA_SUCCESS);
+  std::vector<std::uint16_t> out(tq * h * d);
+  std::vector<float> stats(h * tq);
+  o.download(out.data());
+  l.download(stats.data());
+  for (std::uint16_t x : out) ASSERT_EQ(x, 0u) << "a row without keys is zeros";
+  for (float x : stats) ASSERT_EQ(x, -std::numeric_limits<float>::infinity()) << "a row without keys has lse -inf";
+  dq.poison();
+  ASSERT_TRUE(attention_varlen_backward(dev(o, t, {tq, h, d}), dev(q, t, {tq, h, d}), dev(k, t, {0, hk, d}),
+                                        dev(v, t, {0, hk, d}), dev(cu_q, DType::i32, {3}), dev(cu_k0, DType::i32, {3}),
+                                        dev(o, t, {tq, h, d}), lse, dev(dq, t, {tq, h, d}), dev(dk, t, {0, hk, d}),
+                                        dev(dv, t, {0, hk, d}), 5, 9, {}, false, nullptr, rt_.get())
+                  .ok());
+  ASSERT_TRUE(jit::Driver::get().value()->ctx_synchronize() == CUDA_SUCCESS);
+  dq.download(out.data());
+  for (std::uint16_t x : out) ASSERT_EQ(x, 0u) << "no key: no gradient for q";
+}
+
 }  // namespace
 }  // namespace kiln

@@ -92,8 +92,7 @@ class AttentionSm90Gpu : public testing::GpuFixture {
 };
 
 // Launches the wgmma variant (block_n and warps 0, overlap, pingpong and persistent -1: the
-// heuristic's, or for the short windows where the heuristic takes the sm_80 kernel the first wgmma
-// candidate; sm_count > 0 stands in for the device's, so that persistent blocks walk many tiles)
+// heuristic's; sm_count > 0 stands in for the device's, so that persistent blocks walk many tiles)
 // and the CPU reference on the same inputs; compares out by relative L2 error and lse elementwise
 // (-inf exactly where the reference has it).
 void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpong, int warps, int persistent,
@@ -132,14 +131,6 @@ void AttentionSm90Gpu::check(const Case& c, int block_n, int overlap, int pingpo
   p.sm_count = std::uint16_t(sm_count > 0 ? sm_count : sms_);
 
   Params params = f->heuristic(p);
-  // Short windows take the sm_80 kernel's small tiles (HeuristicFitsShortWindowsOnSm90); the
-  // wgmma kernel is checked on them all the same, as its first tuning candidate.
-  if (params.get_str("path").value_or("") != "wgmma")
-    for (const Params& c : f->tuning_space(p))
-      if (c.get_str("path").value_or("") == "wgmma") {
-        params = c;
-        break;
-      }
   ASSERT_EQ(params.get_str("path").value_or(""), "wgmma") << params.canonical();
   if (block_n) params.set("block_n", std::int64_t(block_n));
   if (overlap >= 0) params.set("overlap", std::int64_t(overlap));
@@ -282,7 +273,7 @@ TEST_F(AttentionSm90Gpu, SlidingWindowsAndSoftcap) {
     check(padded(t, 64, 64, 1, 4, 4, 300, 300, false, -1, 40));
     check(padded(t, 64, 64, 1, 4, 4, 300, 300, false, 40, -1));
     check(padded(t, 64, 64, 1, 4, 4, 300, 300, false, 32, 17), 64);
-    check(padded(t, 128, 128, 2, 4, 2, 500, 500, true, 63), 0, 1, 1);
+    check(padded(t, 128, 128, 2, 4, 2, 500, 500, true, 63), 0, 1, 1, 8);
     check(padded(t, 192, 128, 1, 4, 4, 200, 333, true, 50));
     check(padded(t, 192, 192, 1, 4, 4, 200, 333, false, 70, 10));
     // Windows that leave some rows nothing: window (0, 0) with more queries than keys.
@@ -290,6 +281,12 @@ TEST_F(AttentionSm90Gpu, SlidingWindowsAndSoftcap) {
     // The same with persistent blocks: tiles without a visible key between tiles with them.
     check(padded(t, 128, 128, 2, 2, 2, 600, 50, false, 0, 0), 0, -1, -1, 0, 1, 3);
     check(padded(t, 64, 64, 1, 4, 4, 700, 700, false, 32, 17), 64, 1, 1, 12, 1, 4);
+    // The serial schedule: each warpgroup computes only the key tiles its rows see and hands the
+    // others' stages back, alone and on persistent blocks.
+    check(padded(t, 64, 64, 1, 4, 4, 700, 700, true, 127), 64, 0, 0, 12, 1, 4);
+    check(padded(t, 64, 64, 1, 4, 4, 700, 700, false, 32, 17), 64, 0, 0, 12);
+    check(padded(t, 128, 128, 2, 4, 2, 500, 500, true, 100), 64, 0, 0, 8);
+    check(padded(t, 128, 128, 2, 2, 2, 600, 50, false, 0, 0), 64, 0, 0, 8, 1, 3);
     check(padded(t, 128, 128, 2, 4, 4, 256, 256, false, -1, -1, 5.0, 0.3));
     check(padded(t, 256, 256, 1, 4, 4, 130, 260, true, -1, -1, 30.0));
     check(padded(t, 64, 64, 1, 4, 4, 100, 100, false, -1, -1, 0, 0.01));

@@ -359,9 +359,9 @@ TEST(AttentionCpu, HeuristicAndCatalogCoverEveryHeadDimPair) {
   const Family* f = Registry::global().find("attention");
   ASSERT_NE(f, nullptr);
   const auto catalog = f->catalog();
-  // Per dtype: every pair's tile, the sm_90a kernel's pairs, and three short-window choices.
+  // Per dtype: every pair's tile, the sm_90a kernel's pairs, and two short-window choices.
   EXPECT_EQ(catalog.size(),
-            2 * (families::k_attention_head_dims.size() + families::k_attention_sm90_head_dims.size() + 3));
+            2 * (families::k_attention_head_dims.size() + families::k_attention_sm90_head_dims.size() + 2));
   for (DType t : {DType::f16, DType::bf16})
     for (const auto& [d, dv] : families::k_attention_head_dims) {
       families::AttentionProblem a;
@@ -412,20 +412,20 @@ TEST(AttentionCpu, HeuristicFitsShortWindowsOnSm90) {
     EXPECT_NE(std::find(catalog.begin(), catalog.end(), v), catalog.end()) << v.canonical() << " not in the catalog";
     return v;
   };
-  auto is_small_mma = [](const Params& v) {
-    return *v.get_str("path") == "mma" && *v.get_int("warps") == 4 && *v.get_int("block_n") == 32;
+  // Three consumers of 64-key tiles on the serial schedule and persistent blocks.
+  auto is_short_window = [](const Params& v) {
+    return *v.get_str("path") == "wgmma" && *v.get_int("warps") == 12 && *v.get_int("block_n") == 64 &&
+           *v.get_int("overlap") == 0 && *v.get_int("pingpong") == 0 && *v.get_int("persistent") == 1;
   };
-  auto is_serial_wgmma = [](const Params& v) {
-    return *v.get_str("path") == "wgmma" && *v.get_int("overlap") == 0 && *v.get_int("pingpong") == 0;
-  };
-  EXPECT_TRUE(is_small_mma(pick(64, 127, 0)));
-  EXPECT_TRUE(is_small_mma(pick(64, 255, 0)));
-  EXPECT_TRUE(is_small_mma(pick(64, 100, 20)));
-  EXPECT_EQ(*pick(64, 256, 0).get_str("path"), "wgmma");
-  EXPECT_TRUE(is_small_mma(pick(128, 127, 0)));
-  EXPECT_TRUE(is_serial_wgmma(pick(128, 128, 0)));
-  EXPECT_TRUE(is_serial_wgmma(pick(128, 511, 0)));
+  EXPECT_TRUE(is_short_window(pick(64, 127, 0)));
+  EXPECT_TRUE(is_short_window(pick(64, 255, 0)));
+  EXPECT_TRUE(is_short_window(pick(64, 100, 20)));
+  EXPECT_TRUE(is_short_window(pick(64, 511, 0)));
+  EXPECT_FALSE(is_short_window(pick(64, 512, 0)));
+  EXPECT_TRUE(is_short_window(pick(128, 127, 0)));
+  EXPECT_TRUE(is_short_window(pick(128, 511, 0)));
   EXPECT_EQ(*pick(128, 512, 0).get_int("overlap"), 1);
+  EXPECT_EQ(*pick(192, 127, 0).get_int("warps"), 8) << "only 64/64 and 128/128 have the short-window variant";
   // One-sided windows and none: the usual sm_90a choice.
   EXPECT_EQ(*pick(64, 127, -1).get_str("path"), "wgmma");
   EXPECT_EQ(*pick(128, -1, 0).get_int("overlap"), 1);
@@ -434,7 +434,7 @@ TEST(AttentionCpu, HeuristicFitsShortWindowsOnSm90) {
 
 // The sm_90a kernel (path wgmma): the heuristic's choice on compute capability 9.0 for the
 // head-dim pairs it has, in the catalog, compiled for sm_90a only; the sm_80 kernel everywhere
-// else (other devices, an unknown one, other head dims, no key or query tokens).
+// else (other devices, an unknown one, other head dims).
 TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
   const Family* f = Registry::global().find("attention");
   ASSERT_NE(f, nullptr);
@@ -502,12 +502,14 @@ TEST(AttentionCpu, HeuristicTakesTheWgmmaKernelOnSm90) {
         EXPECT_TRUE(wgmma && mma) << d << "/" << dv;
       }
     }
-  // No key tokens: the tensor maps need a row, so the sm_80 kernel runs it.
+  // No key tokens: the choice does not depend on token counts (they are no key of the problem),
+  // and the wgmma kernel refuses the problem, whose tensor maps would have no row; the ops write
+  // such calls' outputs without a kernel (AttentionOps.NoKeyTokensNeedNoKernel).
   Problem p = problem(DType::bf16, 128, 128, 90);
   auto a = p.as<families::AttentionProblem>();
   a.total_k = a.seqlen_k = 0;
   p.set(a);
-  EXPECT_EQ(*f->heuristic(p).get_str("path"), "mma");
+  EXPECT_EQ(*f->heuristic(p).get_str("path"), "wgmma");
   Params w{{"path", std::string("wgmma")}, {"dtype", std::string("bf16")}, {"head_dim", 128},
            {"head_dim_v", 128}, {"warps", 8}, {"block_n", 128}, {"overlap", 1}, {"pingpong", 0}, {"persistent", 0}};
   EXPECT_TRUE(f->validate(w).ok());
@@ -591,7 +593,8 @@ TEST(AttentionCpu, TheTuningSignatureCarriesTheWindow) {
   EXPECT_NE(f->signature(problem(128, 0)), f->signature(problem(4096, 0)));
   EXPECT_NE(f->signature(problem(100, 0)), f->signature(problem(0, 100)));
   EXPECT_EQ(f->signature(problem(1000, 0)), f->signature(problem(1024, 0))) << "one bucket";
-  EXPECT_NE(none.find("window=inf/inf"), std::string::npos) << none;
+  EXPECT_NE(none.find("window_left=-1,window_right=-1"), std::string::npos) << none;
+  EXPECT_NE(f->signature(problem(1000, 3)).find("window_left=1024,window_right=4"), std::string::npos);
   // The tuned instance takes the bucket's bound on each bounded side.
   const auto t = f->tuning_problem(problem(1000, 3)).as<families::AttentionProblem>();
   EXPECT_EQ(t.window_left, 1024);
