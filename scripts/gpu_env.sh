@@ -12,7 +12,11 @@ if [ ! -e "$build_path" ]; then mkdir -p "$(dirname "$build_path")" && ln -s "$d
 export KILN_CACHE_DIR=$(mktemp -d)
 # KILN_CACHE_SEED: a kernels.sqlite prewarmed on the build machine (`kiln prewarm --spec` or
 # `--arch`); keys do not depend on the device, so the run starts with those variants compiled.
-if [ -n "${KILN_CACHE_SEED:-}" ]; then cp "$KILN_CACHE_SEED" "$KILN_CACHE_DIR/kernels.sqlite"; fi
+# The GPU tests and the bench start their private caches from it too (KILN_GPU_TEST_CACHE).
+if [ -n "${KILN_CACHE_SEED:-}" ]; then
+  cp "$KILN_CACHE_SEED" "$KILN_CACHE_DIR/kernels.sqlite"
+  export KILN_GPU_TEST_CACHE="$KILN_CACHE_DIR/kernels.sqlite"
+fi
 export XDG_RUNTIME_DIR=$(mktemp -d)
 chmod 700 "$XDG_RUNTIME_DIR"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"

@@ -20,7 +20,7 @@ if [ -z "${KILN_REDIS_SERVER:-}" ] && [ -x "$dist/redis/bin/redis-server" ]; the
 fi
 rc=0
 # Every catalog for this GPU first, on all cores: the tests start from copies of this cache
-# (KILN_GPU_TEST_CACHE) and the bench's variants section reads it.
+# (KILN_GPU_TEST_CACHE), and so does the bench's runtime.
 t0=$SECONDS
 "$dist/kiln" --embedded prewarm --arch sm_90a --jobs "$(nproc)" 2>&1 | tail -2 | tee "$out/prewarm.log"
 echo "prewarm sm_90a took $((SECONDS - t0)) s" | tee -a "$out/prewarm.log"

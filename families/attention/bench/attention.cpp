@@ -6,7 +6,8 @@
 // mma the sm_80 one). With KILN_BENCH_ATTENTION_VARIANTS=1 (after the rest) or =only (alone),
 // every variant of the tuning space at the same shapes, launched by its params: the key tiles and
 // schedules (overlap, pingpong) of the sm_90a kernel beside the sm_80 kernel's tiles, the data
-// behind the heuristic. Their correctness is the GPU tests' job (attention_sm90_gpu_test.cpp).
+// behind the heuristic (=masks: the same at the masks part's windows, alone). Their correctness is
+// the GPU tests' job (attention_sm90_gpu_test.cpp).
 // Then decode (run_decode below): one query against 8k and 32k keys, in GB/s of K and V read, the
 // heuristic's split count beside the best of a sweep of counts; KILN_BENCH_ATTENTION_PART=decode
 // runs decode alone, =backward the backward alone, =masks the sliding windows and packed documents
@@ -19,6 +20,8 @@
 // (10 B H S^2 D: five S^2-sized GEMMs against the forward's two), half for causal. D256 has no GPU
 // backward and prints no row.
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -95,53 +98,92 @@ std::string variant(std::int64_t b, std::int64_t h, std::int64_t hk, std::int64_
   return f ? f->heuristic(p).canonical() : std::string("?");
 }
 
-// Every tuning-space variant at the benchmark shapes (see the header).
-int variants(Context& ctx, nlohmann::json& rows) {
+// Every tuning-space variant at the benchmark shapes (see the header), or with `masks` at the
+// masks part's windows (TFLOP/s on the window's work, 4 B H S W D, as run_masks counts it).
+int variants(Context& ctx, nlohmann::json& rows, bool masks) {
   const Family& f = *Registry::global().find("attention");
-  struct Shape {
-    std::int64_t b, h, s, d;
+  struct Case {
+    std::int64_t b, h, hk, s, d;
+    bool causal;
+    std::int64_t window;  // keys a query sees, causal; 0: no window
   };
-  const std::vector<Shape> shapes = {{4, 32, 4096, 128}, {2, 16, 8192, 128}, {4, 32, 4096, 64}, {2, 16, 4096, 256}};
-  std::printf("\nattention variants (bf16)\n%3s %4s %6s %5s %7s %10s %9s  %s\n", "B", "H", "S", "D", "causal",
-              "median_us", "TFLOP/s", "variant");
+  std::vector<Case> cases;
+  if (masks) {
+    for (std::int64_t w : {128, 256, 512, 1024}) cases.push_back({1, 64, 8, 8192, 64, true, w});
+    for (std::int64_t w : {128, 256, 512, 1024, 2048, 4096}) cases.push_back({2, 32, 32, 8192, 128, true, w});
+  } else {
+    for (const auto& [b, h, s, d] : std::vector<std::array<std::int64_t, 4>>{
+             {4, 32, 4096, 128}, {2, 16, 8192, 128}, {4, 32, 4096, 64}, {2, 16, 4096, 256}})
+      for (bool causal : {false, true}) cases.push_back({b, h, h, s, d, causal, 0});
+  }
+  std::printf("\nattention variants (bf16; median of rounds, spread = (max - min) / median)\n%3s %4s %4s %6s %5s %7s "
+              "%6s %10s %9s %7s  %s\n",
+              "B", "H", "KV", "S", "D", "causal", "window", "median_us", "TFLOP/s", "spread", "variant");
   const DType t = DType::bf16;
-  for (const auto& [b, h, s, d] : shapes) {
-    const std::int64_t n = b * s * h * d;
+  for (const auto& [b, h, hk, s, d, causal, window] : cases) {
+    const std::int64_t n = b * s * h * d, nk = b * s * hk * d;
     const auto hx = tiled_values(t, n, ctx.rng);
-    DeviceBuffer q(n * 2), k(n * 2), v(n * 2), o(n * 2), cu(4);
+    DeviceBuffer q(n * 2), k(nk * 2), v(nk * 2), o(n * 2), cu(4);
     q.upload(hx.data());
     k.upload(hx.data());
     v.upload(hx.data());
-    for (bool causal : {false, true}) {
-      families::AttentionProblem a;
-      a.batch = b;
-      a.seqlen_q = a.seqlen_k = s;
-      a.total_q = a.total_k = b * s;
-      a.heads = a.kv_heads = h;
-      a.head_dim = a.head_dim_v = d;
-      a.causal = causal;
-      a.window_right = causal ? 0 : -1;
-      a.scale = 1.0 / std::sqrt(double(d));
-      Problem p = Problem::of(t, 16, a);
-      jit::set_device(p, *jit::device_info(0).value());
-      const Params heuristic = f.heuristic(p);
-      void* ptrs[7] = {q.get(), k.get(), v.get(), cu.get(), cu.get(), o.get(), nullptr};
-      for (const Params& var : f.tuning_space(p)) {
-        auto kern = ctx.runtime->kernel(KernelSpec{"attention", var});
-        check(kern.status(), "kernel");
-        auto call = [&](int) { check(ctx.runtime->launch(**kern, p, ptrs, nullptr), "launch"); };
-        call(0);
-        check(ctx.driver->ctx_synchronize(), "sync");
-        const double ms = time_events(call, 3, ctx.quick ? 10 : 20);
-        const double flops = 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
-        const double tflops = flops / (ms * 1e-3) / 1e12;
-        std::printf("%3lld %4lld %6lld %5lld %7s %10.1f %9.1f  %s%s\n", (long long)b, (long long)h, (long long)s,
-                    (long long)d, causal ? "yes" : "no", ms * 1e3, tflops, var.canonical().c_str(),
-                    var == heuristic ? "  (heuristic)" : "");
-        rows.push_back({{"kind", "variant"}, {"batch", b}, {"heads", h}, {"seq", s}, {"head_dim", d},
-                        {"causal", causal}, {"median_us", ms * 1e3}, {"tflops", tflops}, {"variant", var.canonical()},
-                        {"heuristic", var == heuristic}});
-      }
+    families::AttentionProblem a;
+    a.batch = b;
+    a.seqlen_q = a.seqlen_k = s;
+    a.total_q = a.total_k = b * s;
+    a.heads = h;
+    a.kv_heads = hk;
+    a.head_dim = a.head_dim_v = d;
+    a.causal = causal;
+    a.window_left = window > 0 ? window - 1 : -1;
+    a.window_right = causal ? 0 : -1;
+    a.scale = 1.0 / std::sqrt(double(d));
+    Problem p = Problem::of(t, 16, a);
+    jit::set_device(p, *jit::device_info(0).value());
+    const Params heuristic = f.heuristic(p);
+    void* ptrs[7] = {q.get(), k.get(), v.get(), cu.get(), cu.get(), o.get(), nullptr};
+    const double flops = window > 0 ? 4.0 * double(b) * double(h) * double(s) * double(window) * double(d)
+                                    : 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) *
+                                          (causal ? 0.5 : 1.0);
+    // Rounds over the variants, each timing every variant once in a fresh random order, and the
+    // median of a variant's rounds: the clock drifts with the load (a GPU cooled by slow variants
+    // boosts for the next ones), and a fixed order would hand that to the same variants each round.
+    const auto vars = f.tuning_space(p);
+    const auto t_load = std::chrono::steady_clock::now();
+    std::vector<std::function<void(int)>> calls;
+    for (const Params& var : vars) {
+      auto kern = ctx.runtime->kernel(KernelSpec{"attention", var});
+      check(kern.status(), "kernel");
+      const Kernel* kp = *kern;
+      calls.push_back([&ctx, kp, p, ptrs](int) mutable { check(ctx.runtime->launch(*kp, p, ptrs, nullptr), "launch"); });
+      calls.back()(0);
+    }
+    check(ctx.driver->ctx_synchronize(), "sync");
+    const auto t_time = std::chrono::steady_clock::now();
+    const int rounds = ctx.quick ? 2 : 4;
+    std::vector<std::vector<double>> us(vars.size());
+    std::vector<std::size_t> order(vars.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    for (int r = 0; r < rounds; ++r) {
+      std::shuffle(order.begin(), order.end(), ctx.rng);
+      for (std::size_t i : order) us[i].push_back(time_events(calls[i], 1, 7) * 1e3);
+    }
+    const auto t_end = std::chrono::steady_clock::now();
+    std::printf("(%zu variants: loaded and launched once in %.1f s, timed in %.1f s)\n", vars.size(),
+                std::chrono::duration<double>(t_time - t_load).count(),
+                std::chrono::duration<double>(t_end - t_time).count());
+    for (std::size_t i = 0; i < vars.size(); ++i) {
+      const Params& var = vars[i];
+      const auto [lo_it, hi_it] = std::minmax_element(us[i].begin(), us[i].end());
+      const double med = median(us[i]), spread = (*hi_it - *lo_it) / med;
+      const double tflops = flops / (med * 1e-6) / 1e12;
+      std::printf("%3lld %4lld %4lld %6lld %5lld %7s %6lld %10.1f %9.1f %6.1f%%  %s%s\n", (long long)b, (long long)h,
+                  (long long)hk, (long long)s, (long long)d, causal ? "yes" : "no", (long long)window, med, tflops,
+                  100 * spread, var.canonical().c_str(), var == heuristic ? "  (heuristic)" : "");
+      rows.push_back({{"kind", "variant"}, {"batch", b}, {"heads", h}, {"kv_heads", hk}, {"seq", s},
+                      {"head_dim", d}, {"causal", causal}, {"window", window}, {"median_us", med},
+                      {"spread", spread}, {"tflops", tflops}, {"variant", var.canonical()},
+                      {"heuristic", var == heuristic}});
     }
   }
   return 0;
@@ -485,8 +527,8 @@ int backward(Context& ctx, nlohmann::json& rows) {
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
   const char* only_variants = std::getenv("KILN_BENCH_ATTENTION_VARIANTS");
-  if (only_variants && std::string(only_variants) == "only") {
-    const int rc = variants(ctx, rows);
+  if (only_variants && (std::string(only_variants) == "only" || std::string(only_variants) == "masks")) {
+    const int rc = variants(ctx, rows, std::string(only_variants) == "masks");
     (*ctx.out)["attention"] = rows;
     return rc;
   }
@@ -555,7 +597,7 @@ int run(Context& ctx) {
   }
   nlohmann::json decode_rows = nlohmann::json::array();
   int rc = backward(ctx, rows);
-  if (rc == 0 && only_variants && std::string(only_variants) == "1") rc = variants(ctx, rows);
+  if (rc == 0 && only_variants && std::string(only_variants) == "1") rc = variants(ctx, rows, false);
   if (run_decode(ctx, decode_rows)) rc = 1;
   (*ctx.out)["attention"] = rows;
   (*ctx.out)["attention_decode"] = decode_rows;

@@ -118,45 +118,77 @@ def run_backward(quick: bool) -> list[dict]:
 
 def run_masks(quick: bool) -> list[dict]:
     """FlexAttention (torch.compile of flex_attention with a block mask) at the cases of the C++
-    bench's masks part: a causal sliding window of 256, 1024 and 4096 keys at B2 H32 S8192 D128
-    (TFLOP/s on the window's work, 4 B H S W D), cuDNN's causal SDPA at the same shape, a window of
-    128 at B1 H64/KV8 S8192 D64 (a local layer of GPT-OSS), and 8 packed documents of 2048 tokens,
-    causal within each (H32 D128, 8 x 2 H 2048^2 D)."""
+    bench's masks part: a causal sliding window of 128 to 4096 keys at B2 H32 S8192 D128 (TFLOP/s
+    on the window's work, 4 B H S W D), cuDNN's causal SDPA at the same shape, windows of 128, 256
+    and 512 at B1 H64/KV8 S8192 D64 (GPT-OSS's local layers are 128), and 8 packed documents of
+    2048 tokens, causal within each (H32 D128, 8 x 2 H 2048^2 D). Where kiln is importable, kiln's
+    forward (kiln.torch.flash_attn_func, [B, S, H, D] copies of the same inputs) is timed beside
+    each, the two alternating over rounds (median of the rounds' medians) so that the GPU's clock
+    drift moves both alike; the row then carries kiln's time and the ratio."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    try:
+        import kiln.torch as kt
+    except ImportError:
+        kt = None
     dev = torch.device("cuda")
     fa = torch.compile(flex_attention)
-    rep = 100 if quick else 200
+    rep = 40 if quick else 80
+    rounds = 2 if quick else 3
     rows = []
-    print(f"\ntorch attention masks (bf16, H32, D128)\n{'case':<34} {'median_us':>10} {'TFLOP/s':>9}")
+    print(f"\ntorch attention masks (bf16)\n{'case':<36} {'median_us':>10} {'TFLOP/s':>9} {'kiln_us':>9} "
+          f"{'kiln TF':>8} {'kiln/peer':>9}")
 
-    def rec(name: str, fn, flops: float):
+    def bench(fn):
         with torch.no_grad():
             fn()
-            ms = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+            return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+    def rec(name: str, fn, flops: float, kiln_fn=None):
+        peer, mine = [], []
+        for _ in range(rounds):
+            peer.append(bench(fn))
+            if kiln_fn is not None:
+                mine.append(bench(kiln_fn))
+        ms = sorted(peer)[len(peer) // 2]
         row = {"family": "attention", "kind": "mask", "case": name, "median_us": ms * 1e3,
                "tflops": flops / (ms * 1e-3) / 1e12}
-        print(f"{name:<34} {row['median_us']:>10.1f} {row['tflops']:>9.1f}", flush=True)
+        line = f"{name:<36} {row['median_us']:>10.1f} {row['tflops']:>9.1f}"
+        if mine:
+            kms = sorted(mine)[len(mine) // 2]
+            row.update(kiln_us=kms * 1e3, kiln_tflops=flops / (kms * 1e-3) / 1e12, kiln_speedup=ms / kms)
+            line += f" {row['kiln_us']:>9.1f} {row['kiln_tflops']:>8.1f} {row['kiln_speedup']:>8.2f}x"
+        print(line, flush=True)
         rows.append(row)
+
+    def kiln_window(q, k, v, w, causal=True):
+        if kt is None:
+            return None
+        qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        return lambda: kt.flash_attn_func(qs, ks, vs, causal=causal, window_size=(w - 1 if w else -1, 0 if causal
+                                                                                   else -1))
 
     b, h, s, d = 2, 32, 8192, 128
     q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    for w in (256, 1024, 4096):
+    for w in ((1024,) if quick else (128, 256, 512, 1024, 2048, 4096)):
         def window(bi, hi, qi, ki, w=w):
             return (qi >= ki) & (qi - ki < w)
         mask = create_block_mask(window, B=None, H=None, Q_LEN=s, KV_LEN=s)
-        rec(f"flex window {w} B2 S8192", lambda: fa(q, k, v, block_mask=mask), 4.0 * b * h * s * w * d)
+        rec(f"flex window {w} B2 S8192", lambda: fa(q, k, v, block_mask=mask), 4.0 * b * h * s * w * d,
+            kiln_window(q, k, v, w))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         rec("cudnn causal B2 S8192", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            2.0 * b * h * s * s * d)
+            2.0 * b * h * s * s * d, kiln_window(q, k, v, 0))
     causal_mask = create_block_mask(lambda bi, hi, qi, ki: qi >= ki, B=None, H=None, Q_LEN=s, KV_LEN=s)
-    rec("flex causal B2 S8192", lambda: fa(q, k, v, block_mask=causal_mask), 2.0 * b * h * s * s * d)
-    # A local layer of GPT-OSS's shape: 64 query heads over 8 KV heads of 64, a window of 128.
+    rec("flex causal B2 S8192", lambda: fa(q, k, v, block_mask=causal_mask), 2.0 * b * h * s * s * d,
+        kiln_window(q, k, v, 0))
+    # Local layers of GPT-OSS's shape: 64 query heads over 8 KV heads of 64.
     q3 = torch.randn(1, 64, s, 64, device=dev, dtype=torch.bfloat16)
     k3, v3 = (torch.randn(1, 8, s, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    mask3 = create_block_mask(lambda bi, hi, qi, ki: (qi >= ki) & (qi - ki < 128), B=None, H=None, Q_LEN=s,
-                              KV_LEN=s)
-    rec("flex window 128 H64/8 D64 B1 S8192", lambda: fa(q3, k3, v3, block_mask=mask3, enable_gqa=True),
-        4.0 * 64 * s * 128 * 64)
+    for w in ((128,) if quick else (128, 256, 512)):
+        mask3 = create_block_mask(lambda bi, hi, qi, ki, w=w: (qi >= ki) & (qi - ki < w), B=None, H=None, Q_LEN=s,
+                                  KV_LEN=s)
+        rec(f"flex window {w} H64/8 D64 B1 S8192", lambda: fa(q3, k3, v3, block_mask=mask3, enable_gqa=True),
+            4.0 * 64 * s * w * 64, kiln_window(q3, k3, v3, w))
     docs, length = 8, 2048
     total = docs * length
     q2, k2, v2 = (torch.randn(1, h, total, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
@@ -165,6 +197,11 @@ def run_masks(quick: bool) -> list[dict]:
     def packed(bi, hi, qi, ki):
         return (doc[qi] == doc[ki]) & (qi >= ki)
     mask2 = create_block_mask(packed, B=None, H=None, Q_LEN=total, KV_LEN=total)
+    kiln_packed = None
+    if kt is not None:
+        qp, kp, vp = (x[0].transpose(0, 1).contiguous() for x in (q2, k2, v2))
+        cu = torch.arange(0, total + 1, length, device=dev, dtype=torch.int32)
+        kiln_packed = lambda: kt.flash_attn_varlen_func(qp, kp, vp, cu, cu, length, length, causal=True)  # noqa: E731
     rec("flex packed 8 docs x 2048 causal", lambda: fa(q2, k2, v2, block_mask=mask2),
-        docs * 2.0 * h * length * length * d)
+        docs * 2.0 * h * length * length * d, kiln_packed)
     return rows
