@@ -6,7 +6,8 @@
 # PART: forward (the forward's checks and the heuristic's rows, with the rest of the default bench,
 # beside SDPA's cuDNN and flash backends), variants (every tuning-space variant of the forward
 # beside the same anchors), backward (kiln's backward beside SDPA's cuDNN and flash backends) or
-# masks (sliding windows and packed documents beside FlexAttention and cuDNN's causal SDPA).
+# masks (sliding windows and packed documents beside FlexAttention and cuDNN's causal SDPA, and
+# kiln's Python op beside them in the same process when the wheel is staged).
 # Env: GPU_FILTER (gtest filter of the families binary; default the part's tests), SKIP_TESTS=1
 # (benchmarks only).
 set -uo pipefail
@@ -29,8 +30,16 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 env "$bench_env" timeout -k 5 400 "$dist/bench/kiln_bench_gpu" --json "$out/bench.json" \
   --kilnd "$dist/kilnd" $quick --only attention 2>&1 | tee "$out/bench.log" || rc=1
+# The staged kiln wheel, where there is one, makes kiln importable beside the anchors (the masks
+# part then times kiln's Python op against FlexAttention in the same process).
+site=""
+if ls "$dist"/python/kiln-*.whl >/dev/null 2>&1; then
+  site=$(mktemp -d)/site
+  python3 -m pip install -q --no-index --no-deps --target "$site" "$dist"/python/kiln-*.whl >"$out/pip.log" 2>&1 || site=""
+fi
 (cd "$root/families/attention/bench" &&
-  PYTHONUNBUFFERED=1 timeout -k 5 300 python3 -c "import attention; attention.$anchor('$quick' == '--quick')") \
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout -k 5 300 \
+    python3 -c "import attention; attention.$anchor('$quick' == '--quick')") \
   2>&1 | tee "$out/torch.log" || rc=1
 echo "gpu_attention $part exit $rc"
 exit $rc
