@@ -53,6 +53,8 @@ namespace kiln::jit {
   X(event_create, cuEventCreate)                           \
   X(event_destroy, cuEventDestroy)                         \
   X(event_record, cuEventRecord)                           \
+  X(event_query, cuEventQuery)                             \
+  X(stream_wait_event, cuStreamWaitEvent)                  \
   X(event_synchronize, cuEventSynchronize)                 \
   X(event_elapsed_time, cuEventElapsedTime)                \
   X(func_get_attribute, cuFuncGetAttribute)                \

@@ -79,10 +79,10 @@ double check_padded(Context& ctx, bool causal, std::int64_t d) {
   return rel_l2(got.data(), want.data(), t, n);
 }
 
-// The variant the runtime runs for a padded problem on this device (no tuned entries in the
-// bench's private cache: the heuristic's).
-std::string variant(std::int64_t b, std::int64_t h, std::int64_t hk, std::int64_t s, std::int64_t d, bool causal) {
-  const Family* f = Registry::global().find("attention");
+// A padded bf16 problem on this device: B x S queries and keys, H query and KV key/value heads of
+// D, causal or not, a causal window of `window` keys (0: none).
+Problem padded_problem(std::int64_t b, std::int64_t h, std::int64_t hk, std::int64_t s, std::int64_t d, bool causal,
+                       std::int64_t window = 0) {
   families::AttentionProblem a;
   a.batch = b;
   a.seqlen_q = a.seqlen_k = s;
@@ -91,11 +91,19 @@ std::string variant(std::int64_t b, std::int64_t h, std::int64_t hk, std::int64_
   a.kv_heads = hk;
   a.head_dim = a.head_dim_v = d;
   a.causal = causal;
+  a.window_left = window > 0 ? window - 1 : -1;
   a.window_right = causal ? 0 : -1;
   a.scale = 1.0 / std::sqrt(double(d));
   Problem p = Problem::of(DType::bf16, 16, a);
   jit::set_device(p, *jit::device_info(0).value());
-  return f ? f->heuristic(p).canonical() : std::string("?");
+  return p;
+}
+
+// The variant the runtime runs for a padded problem on this device (no tuned entries in the
+// bench's private cache: the heuristic's).
+std::string variant(std::int64_t b, std::int64_t h, std::int64_t hk, std::int64_t s, std::int64_t d, bool causal) {
+  const Family* f = Registry::global().find("attention");
+  return f ? f->heuristic(padded_problem(b, h, hk, s, d, causal)).canonical() : std::string("?");
 }
 
 // Every tuning-space variant at the benchmark shapes (see the header), or with `masks` at the
@@ -127,19 +135,7 @@ int variants(Context& ctx, nlohmann::json& rows, bool masks) {
     q.upload(hx.data());
     k.upload(hx.data());
     v.upload(hx.data());
-    families::AttentionProblem a;
-    a.batch = b;
-    a.seqlen_q = a.seqlen_k = s;
-    a.total_q = a.total_k = b * s;
-    a.heads = h;
-    a.kv_heads = hk;
-    a.head_dim = a.head_dim_v = d;
-    a.causal = causal;
-    a.window_left = window > 0 ? window - 1 : -1;
-    a.window_right = causal ? 0 : -1;
-    a.scale = 1.0 / std::sqrt(double(d));
-    Problem p = Problem::of(t, 16, a);
-    jit::set_device(p, *jit::device_info(0).value());
+    const Problem p = padded_problem(b, h, hk, s, d, causal, window);
     const Params heuristic = f.heuristic(p);
     void* ptrs[7] = {q.get(), k.get(), v.get(), cu.get(), cu.get(), o.get(), nullptr};
     const double flops = window > 0 ? 4.0 * double(b) * double(h) * double(s) * double(window) * double(d)
