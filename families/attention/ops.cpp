@@ -146,6 +146,7 @@ Status run(const char* op, const AttentionProblem& a, const TensorView& q, const
                       lse ? lse->data : nullptr};
   if (q.device.kind == DeviceKind::cpu) return family->cpu_reference(family->heuristic(p), p, buffers);
   KILN_TRY(check_gpu(op, q, a));
+  KILN_TRY(family->check_problem(family->heuristic(p), p));
   if (a.batch == 0 || a.seqlen_q == 0 || a.total_q == 0) return {};
   // No key at all: every row sees nothing (zeros, lse -inf). The kernels need a key token to map,
   // and the choice of kernel does not depend on token counts, so this never reaches them.
@@ -153,7 +154,6 @@ Status run(const char* op, const AttentionProblem& a, const TensorView& q, const
     KILN_TRY(fill(out, stream));
     return lse ? fill(*lse, stream, k_f32_neg_inf) : Status{};
   }
-  KILN_TRY(family->check_problem(family->heuristic(p), p));
   if (decode_splits < -1 || decode_splits > 1024)
     return invalid_argument(std::string(op) + ": decode_splits must be -1 (one pass), 0 (the heuristic) or 1 to 1024");
   std::int64_t splits = decode_splits;
