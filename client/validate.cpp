@@ -1,9 +1,28 @@
 #include "client/validate.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "families/rmsnorm_bwd/rmsnorm_bwd.h"
 #include "jit/driver.h"
 
 namespace kiln::client {
+
+Status fill(const TensorView& t, DeviceKind where, Stream stream, std::uint32_t word) {
+  const std::size_t n = std::size_t(t.numel()), bytes = n * dtype_size(t.dtype);
+  if (bytes == 0) return {};
+  if (word != 0 && dtype_size(t.dtype) != 4) return internal_error("fill: a 32-bit word needs a 4-byte dtype");
+  if (where == DeviceKind::cpu) {
+    if (word == 0) std::memset(t.data, 0, bytes);
+    else std::fill_n(static_cast<std::uint32_t*>(t.data), n, word);
+    return {};
+  }
+  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
+  const auto ptr = reinterpret_cast<CUdeviceptr>(t.data);
+  const auto s = static_cast<CUstream>(stream);
+  if (word == 0) return d->check(d->memset_d8_async(ptr, 0, bytes, s), "cuMemsetD8Async");
+  return d->check(d->memset_d32_async(ptr, word, n, s), "cuMemsetD32Async");
+}
 
 Status check_view(const TensorView& t, const char* name) {
   if (!t.data) return invalid_argument(std::string(name) + " has a null data pointer");

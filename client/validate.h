@@ -35,6 +35,11 @@ Result<RowView> as_rows(const TensorView& t, const char* name);
 Status run_family(const Family* family, const char* family_name, const Problem& p, std::span<void* const> buffers,
                   DeviceKind where, Stream stream, Runtime* runtime);
 
+// Fills a contiguous tensor with zeros, or with `word` in each 32-bit element (a 4-byte dtype;
+// f32 -inf is 0xff800000), on the host or on `stream`, without a kernel: what an op writes when
+// it has nothing to compute (K = 0, no key tokens).
+Status fill(const TensorView& t, DeviceKind where, Stream stream, std::uint32_t word = 0);
+
 // How many clusters of `kernel` (built with a fixed cluster shape of `cluster` blocks) the device
 // runs at once with blocks of `block` threads and `shared_bytes` of dynamic shared memory, as the
 // driver reports it (cuOccupancyMaxActiveClusters); 0 when the driver cannot say.

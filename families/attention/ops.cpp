@@ -13,7 +13,6 @@
 #include "families/attention/attention.h"
 #include "families/attention/attention_splitkv.h"
 #include "jit/device_info.h"
-#include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
 #include "kiln/runtime.h"
@@ -123,16 +122,6 @@ Status run_decode(const AttentionProblem& a, std::int64_t splits, std::uint32_t 
   return runtime->run(*combine, pc, cb, stream);
 }
 
-// Zeros over t (contiguous) on the stream, or with `word` each 32-bit element set to it.
-Status fill(const TensorView& t, Stream stream, std::uint32_t word = 0) {
-  if (t.numel() == 0) return {};
-  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
-  const auto ptr = reinterpret_cast<CUdeviceptr>(t.data);
-  const auto s = static_cast<CUstream>(stream);
-  if (word == 0)
-    return d->check(d->memset_d8_async(ptr, 0, std::size_t(t.numel()) * dtype_size(t.dtype), s), "cuMemsetD8Async");
-  return d->check(d->memset_d32_async(ptr, word, std::size_t(t.numel()), s), "cuMemsetD32Async");
-}
 constexpr std::uint32_t k_f32_neg_inf = 0xff800000u;
 
 Status run(const char* op, const AttentionProblem& a, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -151,8 +140,8 @@ Status run(const char* op, const AttentionProblem& a, const TensorView& q, const
   // No key at all: every row sees nothing (zeros, lse -inf). The kernels need a key token to map,
   // and the choice of kernel does not depend on token counts, so this never reaches them.
   if (a.total_k == 0) {
-    KILN_TRY(fill(out, stream));
-    return lse ? fill(*lse, stream, k_f32_neg_inf) : Status{};
+    KILN_TRY(client::fill(out, DeviceKind::cuda, stream));
+    return lse ? client::fill(*lse, DeviceKind::cuda, stream, k_f32_neg_inf) : Status{};
   }
   if (decode_splits < -1 || decode_splits > 1024)
     return invalid_argument(std::string(op) + ": decode_splits must be -1 (one pass), 0 (the heuristic) or 1 to 1024");
@@ -350,9 +339,9 @@ Status run_backward(const char* op, const AttentionProblem& f, bool deterministi
   // Without queries no key gets a gradient; without keys no query does. The kernels need tokens of
   // both to map, and the choice of kernel does not depend on token counts.
   if (a.total_q == 0 || a.total_k == 0) {
-    KILN_TRY(fill(dq, stream));
-    KILN_TRY(fill(dk, stream));
-    return fill(dv, stream);
+    KILN_TRY(client::fill(dq, DeviceKind::cuda, stream));
+    KILN_TRY(client::fill(dk, DeviceKind::cuda, stream));
+    return client::fill(dv, DeviceKind::cuda, stream);
   }
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());

@@ -1,5 +1,4 @@
 // The tensor-core typed ops: quantize_fp8, fp8_gemm, fused_gated_mlp (contracts in kiln/ops.h).
-#include <cstring>
 
 #include "client/validate.h"
 #include "families/common/gemm/gemm_util.h"
@@ -60,18 +59,6 @@ Result<DeviceKind> common_device(const char* op, std::initializer_list<std::pair
 Status dispatch(const char* family_name, const Problem& p, std::span<void* const> buffers, DeviceKind where,
                 Stream stream, Runtime* runtime) {
   return client::run_family(Registry::global().find(family_name), family_name, p, buffers, where, stream, runtime);
-}
-
-// K = 0: the product is all zeros (no kernel to run).
-Status write_zeros(const TensorView& out, DeviceKind where, Stream stream) {
-  const std::size_t bytes = std::size_t(out.numel()) * dtype_size(out.dtype);
-  if (where == DeviceKind::cpu) {
-    std::memset(out.data, 0, bytes);
-    return {};
-  }
-  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
-  return d->check(d->memset_d8_async(reinterpret_cast<CUdeviceptr>(out.data), 0, bytes, static_cast<CUstream>(stream)),
-                  "cuMemsetD8Async");
 }
 
 }  // namespace
@@ -191,7 +178,7 @@ Status fp8_gemm(const TensorView& a, const TensorView& b, const TensorView& a_sc
   KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&a, "a"}, {&b, "b"}, {&a_scale, "a_scale"},
                                                              {&b_scale, "b_scale"}, {&out, "out"}}));
   if (m == 0 || n == 0) return {};
-  if (k == 0) return write_zeros(out, where, stream);
+  if (k == 0) return client::fill(out, where, stream);
 
   const Problem p = Problem::of(out.dtype, 16, g::GemmProblem{.m = m, .n = n, .k = k, .mode = mode});
   void* buffers[5] = {a.data, b.data, a_scale.data, b_scale.data, out.data};
@@ -242,7 +229,7 @@ Status fused_gated_mlp(const TensorView& x, const TensorView& gate_weight, const
   KILN_ASSIGN_OR_RETURN(DeviceKind where, common_device(op, {{&x, "x"}, {&gate_weight, "gate_weight"},
                                                              {&up_weight, "up_weight"}, {&out, "out"}}));
   if (m == 0 || inter == 0) return {};
-  if (hidden == 0) return write_zeros(out, where, stream);
+  if (hidden == 0) return client::fill(out, where, stream);
 
   const Problem p = Problem::of(x.dtype, 16, g::GemmProblem{.m = m, .n = inter, .k = hidden, .mode = mode});
   void* buffers[4] = {x.data, gate_weight.data, up_weight.data, out.data};

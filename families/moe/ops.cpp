@@ -1,14 +1,12 @@
 // The MoE typed ops (families/moe/ops.h) and their declarations (kiln/op.h).
 #include "families/moe/ops.h"
 
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "client/validate.h"
 #include "client/workspace.h"
 #include "families/moe/moe.h"
-#include "jit/driver.h"
 #include "kiln/family.h"
 #include "kiln/op.h"
 
@@ -79,18 +77,6 @@ std::uint32_t alignment_of(std::initializer_list<const void*> ptrs, std::int64_t
   return a;
 }
 
-Status write_zeros(const TensorView& out, DeviceKind where, Stream stream) {
-  const std::size_t bytes = std::size_t(out.numel()) * dtype_size(out.dtype);
-  if (bytes == 0) return {};
-  if (where == DeviceKind::cpu) {
-    std::memset(out.data, 0, bytes);
-    return {};
-  }
-  KILN_ASSIGN_OR_RETURN(const jit::Driver* d, jit::Driver::get());
-  return d->check(d->memset_d8_async(reinterpret_cast<CUdeviceptr>(out.data), 0, bytes, static_cast<CUstream>(stream)),
-                  "cuMemsetD8Async");
-}
-
 // Host offsets (cumulative ends) must be non-decreasing, from 0, within the rows.
 Status check_host_offsets(const char* op, const TensorView& offs, std::int64_t rows, bool counts) {
   const auto* v = static_cast<const std::int32_t*>(offs.data);
@@ -136,7 +122,7 @@ Status run_grouped(const char* op, const TensorView& a, const TensorView& b, con
   // Empty products: nothing to write (no rows, an empty out), or zeros (kgrouped without rows,
   // contiguous and masked with k = 0: every row, the uncovered ones too).
   if (out.numel() == 0) return {};
-  if (layout == m::k_kgrouped ? mm == 0 : k == 0) return write_zeros(out, where, stream);
+  if (layout == m::k_kgrouped ? mm == 0 : k == 0) return client::fill(out, where, stream);
   if (mm == 0) return {};
   const Problem p =
       Problem::of(a.dtype, 16, m::GroupedGemmProblem{.m = mm, .n = n, .k = k, .experts = experts, .layout = layout});
@@ -232,7 +218,7 @@ Status moe_permute(const TensorView& x, const TensorView& ids, const TensorView&
                                 ")");
   }
   void* sort_buffers[4] = {ids.data, offsets.data, row_of.data, src_of.data};
-  if (n == 0) return write_zeros(offsets, where, stream);  // no entries: every expert is empty
+  if (n == 0) return client::fill(offsets, where, stream);  // no entries: every expert is empty
   KILN_TRY(dispatch("moe_sort", Problem::of(DType::f32, 16, m::MoeSortProblem{.n = n, .experts = experts}),
                     sort_buffers, where, stream, runtime));
   if (hidden == 0) return {};
@@ -459,7 +445,7 @@ Status run_fp8(const char* op, const TensorView& a, const TensorView& weight, co
                                                              {&a_scale, "a_scale"}, {&b_scale, "b_scale"}, {&out, "out"}}));
   if (where == DeviceKind::cpu) KILN_TRY(check_host_offsets(op, offs, mm, masked));
   if (out.numel() == 0) return {};
-  if (k == 0) return write_zeros(out, where, stream);
+  if (k == 0) return client::fill(out, where, stream);
   if (mm == 0) return {};
   const Problem p = Problem::of(
       out.dtype, 16,
