@@ -152,6 +152,11 @@ Result<cache::TuningRecord> Tuner::tune(const Family& family, const Problem& giv
         KILN_ASSIGN_OR_RETURN(cs, make_check_set(family, cands[i], cp, rng));
       }
       cache::CandidateResult r = check_candidate(family, cands[i], loaded[i]->function, *cs);
+      if (r.status == cache::CandidateStatus::wrong_result && cs->reference_params != cands[i].canonical()) {
+        // The reference was computed for another candidate; the outputs may follow the variant.
+        KILN_TRY(use_reference_of(family, cands[i], *cs));
+        r = check_candidate(family, cands[i], loaded[i]->function, *cs);
+      }
       if (r.status != cache::CandidateStatus::ok) {
         results[i] = r;
         loaded[i].reset();

@@ -43,12 +43,13 @@ Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& 
   std::vector<void*> host_ptrs;
   for (const auto& b : cs->specs) {
     if (b.role == BufferRole::input)
-      cs->host.push_back(random_block(b.dtype, b.elements, rng));
+      cs->host.push_back(random_input(b, b.elements, rng));
     else
       cs->host.emplace_back(buffer_bytes(b), 0xFF);
     host_ptrs.push_back(cs->host.back().data());
   }
   KILN_TRY(f.cpu_reference(ref_params, cp, std::span<void* const>(host_ptrs.data(), host_ptrs.size())));
+  cs->reference_params = ref_params.canonical();
   const Driver* d = Driver::get().value();
   for (std::size_t i = 0; i < cs->specs.size(); ++i) {
     cs->dev.emplace_back();
@@ -57,6 +58,19 @@ Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& 
       KILN_TRY(d->check(d->memcpy_htod(cs->dev.back().ptr(), cs->host[i].data(), cs->host[i].size()), "cuMemcpyHtoD"));
   }
   return cs;
+}
+
+Status use_reference_of(const Family& f, const Params& params, CheckSet& cs) {
+  const std::string canonical = params.canonical();
+  if (canonical == cs.reference_params) return {};
+  std::vector<void*> host_ptrs;
+  for (std::size_t i = 0; i < cs.specs.size(); ++i) {
+    if (cs.specs[i].role == BufferRole::output) std::fill(cs.host[i].begin(), cs.host[i].end(), 0xFF);
+    host_ptrs.push_back(cs.host[i].data());
+  }
+  KILN_TRY(f.cpu_reference(params, cs.problem, std::span<void* const>(host_ptrs.data(), host_ptrs.size())));
+  cs.reference_params = canonical;
+  return {};
 }
 
 cache::CandidateResult check_candidate(const Family& f, const Params& params, CUfunction fn, CheckSet& cs) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cache/tuning.h"
@@ -24,6 +25,7 @@ struct CheckSet {
   std::vector<BufferSpec> specs;
   std::vector<std::vector<unsigned char>> host;  // inputs random, outputs what the reference wrote
   std::vector<DeviceMem> dev;
+  std::string reference_params;  // canonical params the host outputs were computed for
 };
 
 // Builds the check set for the buffer layout of `ref_params` on problem `cp`: random inputs, the CPU
@@ -38,6 +40,12 @@ Result<std::unique_ptr<CheckSet>> make_check_set(const Family& f, const Params& 
 // value where the reference has a finite one, or not the reference's infinity: an element the
 // kernel never wrote or got wrong.
 double tune_output_error(const unsigned char* got, const unsigned char* want, DType t, std::int64_t n);
+
+// Recomputes the check set's expected outputs for `params` when they were computed for other
+// params, on the same inputs: a family's outputs may depend on its variant (a split kernel's
+// partials follow its tile width). The tuner calls it for a candidate that missed another
+// candidate's reference, so every candidate is held to the reference of its own params.
+Status use_reference_of(const Family& f, const Params& params, CheckSet& cs);
 
 // Runs the candidate once on the check set (outputs poisoned first) and compares every output
 // (tune_output_error) within the dtype's tolerance.

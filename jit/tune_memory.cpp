@@ -1,6 +1,7 @@
 #include "jit/tune_memory.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/half.h"
 #include "jit/driver.h"
@@ -26,13 +27,29 @@ std::vector<unsigned char> random_block(DType t, std::int64_t n, std::mt19937& r
   return v;
 }
 
-Status fill_random(const DeviceMem& m, DType t, std::mt19937& rng) {
+std::vector<unsigned char> random_input(const BufferSpec& b, std::int64_t n, std::mt19937& rng) {
+  if ((b.dtype != DType::i32 && b.dtype != DType::i64) || b.index_bound <= 0) return random_block(b.dtype, n, rng);
+  std::vector<unsigned char> v(std::size_t(n) * dtype_size(b.dtype));
+  std::uniform_int_distribution<std::int64_t> dist(0, b.index_bound - 1);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t x = dist(rng);
+    if (b.dtype == DType::i64)
+      std::memcpy(v.data() + i * 8, &x, 8);
+    else {
+      const std::int32_t y = std::int32_t(x);
+      std::memcpy(v.data() + i * 4, &y, 4);
+    }
+  }
+  return v;
+}
+
+Status fill_random(const DeviceMem& m, const BufferSpec& b, std::mt19937& rng) {
   const Driver* d = Driver::get().value();
-  const std::size_t esize = dtype_size(t);
+  const std::size_t esize = dtype_size(b.dtype);
   const std::size_t n = m.bytes() / esize;
   if (n == 0) return {};
   const std::size_t block = std::min<std::size_t>(n, std::size_t(1) << 20);
-  auto host = random_block(t, std::int64_t(block), rng);
+  auto host = random_input(b, std::int64_t(block), rng);
   KILN_TRY(d->check(d->memcpy_htod(m.ptr(), host.data(), host.size()), "cuMemcpyHtoD"));
   std::size_t done = block * esize;
   while (done < m.bytes()) {

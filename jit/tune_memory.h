@@ -36,8 +36,12 @@ std::size_t buffer_bytes(const BufferSpec& b);
 // `n` standard normal values stored as `t`.
 std::vector<unsigned char> random_block(DType t, std::int64_t n, std::mt19937& rng);
 
-// Fills a device buffer with random values without generating all of them on the host: one
-// random block (up to 2^20 elements) is uploaded and then doubled in place with device copies.
-Status fill_random(const DeviceMem& m, DType t, std::mt19937& rng);
+// `n` random elements of input buffer `b`: integer buffers with an index bound (block tables,
+// lengths, positions) uniform in [0, index_bound), every other buffer random_block's values.
+std::vector<unsigned char> random_input(const BufferSpec& b, std::int64_t n, std::mt19937& rng);
+
+// Fills a device buffer for input `b` with random_input values without generating all of them on
+// the host: one block (up to 2^20 elements) is uploaded and then doubled in place with device copies.
+Status fill_random(const DeviceMem& m, const BufferSpec& b, std::mt19937& rng);
 
 }  // namespace kiln::jit

@@ -40,7 +40,7 @@ Result<std::unique_ptr<TimingPool>> make_timing_pool(const std::vector<BufferSpe
       DeviceMem& m = pool->sets.back().back();
       KILN_TRY(m.alloc(buffer_bytes(b)));
       if (b.role == BufferRole::input)
-        KILN_TRY(fill_random(m, b.dtype, rng));
+        KILN_TRY(fill_random(m, b, rng));
       else
         KILN_TRY(d->check(d->memset_d8(m.ptr(), 0xFF, m.bytes()), "cuMemsetD8"));
     }

@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <random>
 #include <limits>
 #include <vector>
 
 #include "common/half.h"
 #include "families/attention/attention_splitkv.h"
 #include "jit/tune_check.h"
+#include "jit/tune_memory.h"
 #include "kiln/family.h"
 
 namespace kiln::testing {
@@ -54,6 +57,37 @@ TEST(ProblemFromShape, ValueFieldsNotNamedTakeTheStructDefaults) {
   EXPECT_EQ(a.splits, 4);
   EXPECT_EQ(a.total_k, 8192);
   EXPECT_TRUE(f->check_problem(f->heuristic(*p), *p).ok());
+}
+
+// Index buffers (block tables, lengths) get values inside their bound, as a kernel may read
+// through them; float buffers and unbounded integers keep the normal draw.
+TEST(TuneInputs, IndexBuffersStayInsideTheirBound) {
+  std::mt19937 rng(7);
+  const BufferSpec table{"block_tables", BufferRole::input, DType::i32, 4096, 37};
+  const auto t = jit::random_input(table, table.elements, rng);
+  ASSERT_EQ(t.size(), 4096u * 4);
+  std::vector<int> seen(37, 0);
+  for (std::size_t i = 0; i < 4096; ++i) {
+    std::int32_t v;
+    std::memcpy(&v, t.data() + i * 4, 4);
+    ASSERT_GE(v, 0);
+    ASSERT_LT(v, 37);
+    ++seen[std::size_t(v)];
+  }
+  for (int c : seen) EXPECT_GT(c, 0) << "every value of the bound is drawn";
+  const BufferSpec lens{"seq_lens", BufferRole::input, DType::i64, 1000, 5};
+  const auto l = jit::random_input(lens, lens.elements, rng);
+  for (std::size_t i = 0; i < 1000; ++i) {
+    std::int64_t v;
+    std::memcpy(&v, l.data() + i * 8, 8);
+    ASSERT_GE(v, 0);
+    ASSERT_LT(v, 5);
+  }
+  const BufferSpec x{"x", BufferRole::input, DType::f32, 1000, 0};
+  const auto f = jit::random_input(x, x.elements, rng);
+  bool negative = false;
+  for (std::size_t i = 0; i < 1000; ++i) negative |= load_as_double(f.data(), DType::f32, std::int64_t(i)) < 0;
+  EXPECT_TRUE(negative) << "float inputs are normal draws, not indices";
 }
 
 }  // namespace
