@@ -434,7 +434,7 @@ class AttentionSplitKv final : public Family {
 class AttentionCombine final : public Family {
  public:
   std::string_view name() const override { return "attention_combine"; }
-  int version() const override { return 1; }
+  int version() const override { return 2; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {

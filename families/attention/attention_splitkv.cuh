@@ -387,15 +387,16 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 1)
 // (varlen) are left as they are, as attention_fwd leaves them. lse is [tokens, heads] when
 // lse_token_major (the paged ops' layout), else the attention family's. The lanes read the
 // splits' lse values together (split s in lane s % 32) and reduce them with a fixed shuffle tree;
-// the weighted sum then walks the splits in order, each weight broadcast from its lane, with the
-// partial rows' loads unrolled so that several splits' reads are in flight at once.
+// the weighted sum then walks the splits in order, each weight broadcast from its lane. Each lane
+// holds four columns (16-byte loads; the workspace is 16-byte aligned, DV a multiple of 16) and
+// loads U splits' partial rows before it adds any, so a warp keeps U rows in flight.
 template <class T, int DV>
 __global__ void __launch_bounds__(128)
     attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                       const int* __restrict__ cu_q, T* __restrict__ o, float* __restrict__ lse, int batch,
                       int seqlen_q, int total_q, int heads, int varlen, int splits, int lse_token_major) {
-  static_assert(DV % 2 == 0, "pairs of columns");
-  constexpr int P = DV / 2, PER = (P + 31) / 32;
+  static_assert(DV % 16 == 0, "whole 16-byte pieces of the partial rows");
+  constexpr int P = DV / 4, PER = (P + 31) / 32, U = PER == 1 ? 8 : 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long row = (long long)blockIdx.x * 4 + warp, n = (long long)total_q * heads;
   if (row >= n) return;
@@ -405,10 +406,27 @@ __global__ void __launch_bounds__(128)
   for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, lse_part[s * n + row]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  float2 acc[PER];
+  float4 acc[PER];
 #pragma unroll
-  for (int i = 0; i < PER; ++i) acc[i] = make_float2(0.0f, 0.0f);
+  for (int i = 0; i < PER; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float wsum = 0.0f;
+  auto add = [&](float w, const float4 (&x)[PER]) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      acc[i].x += w * x[i].x;
+      acc[i].y += w * x[i].y;
+      acc[i].z += w * x[i].z;
+      acc[i].w += w * x[i].w;
+    }
+  };
+  auto load = [&](int s, float4 (&x)[PER]) {
+    const float4* src = reinterpret_cast<const float4*>(o_part + (s * n + row) * DV);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int p = lane + 32 * i;
+      x[i] = P % 32 == 0 || p < P ? __ldg(src + p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  };
   if (mx != neg_inf()) {
     for (int s0 = 0; s0 < splits; s0 += 32) {
       // Split s0 + lane's weight; a split that saw no key weighs 0 (its partial row is zeros).
@@ -420,18 +438,18 @@ __global__ void __launch_bounds__(128)
       for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
       wsum += part;
       const int count = min(32, splits - s0);
-#pragma unroll 4
-      for (int j = 0; j < count; ++j) {
-        const float w = __shfl_sync(0xffffffffu, mine, j);
-        const float2* src = reinterpret_cast<const float2*>(o_part + ((s0 + j) * n + row) * DV);
+      int j = 0;
+      for (; j + U <= count; j += U) {
+        float4 x[U][PER];
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          const int p = lane + 32 * i;
-          if (P % 32 != 0 && p >= P) break;
-          const float2 x = src[p];
-          acc[i].x += w * x.x;
-          acc[i].y += w * x.y;
-        }
+        for (int u = 0; u < U; ++u) load(s0 + j + u, x[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u) add(__shfl_sync(0xffffffffu, mine, j + u), x[u]);
+      }
+      for (; j < count; ++j) {
+        float4 x[PER];
+        load(s0 + j, x);
+        add(__shfl_sync(0xffffffffu, mine, j), x);
       }
     }
   }
@@ -441,10 +459,12 @@ __global__ void __launch_bounds__(128)
   for (int i = 0; i < PER; ++i) {
     const int p = lane + 32 * i;
     if (P % 32 != 0 && p >= P) break;
-    Pack<T, 2> pk;
+    Pack<T, 4> pk;
     pk.v[0] = from_float<T>(acc[i].x * inv);
     pk.v[1] = from_float<T>(acc[i].y * inv);
-    store_pack<T, 2>(orow + 2 * p, pk);
+    pk.v[2] = from_float<T>(acc[i].z * inv);
+    pk.v[3] = from_float<T>(acc[i].w * inv);
+    store_pack<T, 4>(orow + 4 * p, pk);
   }
   if (lse && lane == 0) {
     const long long at = lse_token_major ? row

@@ -496,6 +496,7 @@ Status paged_decode(const TensorView& q, const TensorView& k_cache, const Tensor
   if (workspace && workspace->numel() < elements)
     return invalid_argument("paged_decode: workspace holds " + std::to_string(workspace->numel()) + " f32, the call needs " +
                             std::to_string(elements) + " (paged_decode_workspace_elements)");
+  if (workspace && address(*workspace) % 16) return invalid_argument("paged_decode: workspace must be 16-byte aligned");
   if (a.batch == 0 || a.total_q == 0) return {};
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());
@@ -646,6 +647,8 @@ Status paged_cascade_decode(const TensorView& q, const TensorView& k_cache, cons
   if (workspace && workspace->numel() < elements)
     return invalid_argument("paged_cascade_decode: workspace holds " + std::to_string(workspace->numel()) +
                             " f32, the call needs " + std::to_string(elements));
+  if (workspace && address(*workspace) % 16)
+    return invalid_argument("paged_cascade_decode: workspace must be 16-byte aligned");
   if (own.batch == 0) return {};
   if (!runtime) {
     KILN_ASSIGN_OR_RETURN(runtime, Runtime::shared());

@@ -85,12 +85,12 @@ struct PagedDecodeOptions {
 // k_cache and v_cache. Query head h reads KV head h / (heads / kv_heads). out [total_q, heads,
 // head_dim], lse (optional) f32 [total_q, heads]. A row that sees no key gets zeros and lse -inf.
 // On CUDA the split kernel (GQA heads packed into one tile, keys in `splits` ranges) writes
-// partials to `workspace` (f32, at least paged_decode_workspace_elements; when null the stream's
-// scratch buffer, which a CUDA graph must not capture: pass one there), then the combine kernel
-// merges them. Nothing on the host is read: the call can be captured in a CUDA graph.
+// partials to `workspace` (f32, 16-byte aligned, at least paged_decode_workspace_elements; when
+// null the stream's scratch buffer, which a CUDA graph must not capture: pass one there), then the
+// combine kernel merges them. Nothing on the host is read: the call can be captured in a CUDA graph.
 // Errors before any launch: shape_mismatch (shapes; max_seq_len past max_blocks * page_size; on
-// the host a seq_lens entry past its table), invalid_argument (page size, options, a too-small
-// workspace, a table entry outside the pool on the host), unsupported_dtype, device_error.
+// the host a seq_lens entry past its table), invalid_argument (page size, options, a too-small or
+// misaligned workspace, a table entry outside the pool on the host), unsupported_dtype, device_error.
 Status paged_decode(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                     const TensorView& block_tables, const TensorView& seq_lens, const TensorView* cu_seqlens_q,
                     const TensorView& out, const TensorView* lse, const TensorView* workspace,

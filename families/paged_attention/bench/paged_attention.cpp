@@ -10,10 +10,14 @@
 // cascade: 32 requests sharing a 4096-token prefix with 256 own tokens each, one decode step
 // without sharing (each request's table names the shared blocks: every request reads 4352 keys)
 // and with it (paged_cascade_decode: the prefix once as one request of 32 queries, the own keys
-// apart, one combine over both passes' partials), and the speed-up. bench/paged_attention.py times torch's SDPA decode on the same shapes.
+// apart, one combine over both passes' partials), and the speed-up. KILN_BENCH_PAGED_PART=cascade
+// runs the cascade alone, adds the step with every request holding its own copy of the prefix, and
+// sweeps both passes' split counts. bench/paged_attention.py times torch's SDPA decode on the
+// same shapes.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -297,11 +301,51 @@ int cascade(Context& ctx, nlohmann::json& rows) {
   rows.push_back({{"kind", "cascade"}, {"batch", batch}, {"prefix", prefix}, {"own", own}, {"page_size", page},
                   {"unshared_us", us}, {"cascade_us", cus}, {"speedup", us / cus}, {"shared_splits", co.shared_splits},
                   {"splits", co.splits}});
+  if (const char* part = std::getenv("KILN_BENCH_PAGED_PART"); part && std::string(part) == "cascade") {
+    // Probe: each request with its own copy of the prefix, then the split counts of both passes.
+    const std::int64_t cblocks = batch * (pb + ob);
+    Pool copies(ctx, cblocks * page);
+    Tables sep;
+    sep.max_blocks = pb + ob;
+    sep.num_blocks = cblocks;
+    for (std::int64_t j = 0; j < cblocks; ++j) sep.tables.push_back(std::int32_t(j));
+    sep.lens.assign(std::size_t(batch), std::int32_t(prefix + own));
+    PagedRun sep_run(batch, sep, cblocks, page, hq.data());
+    const double cp = time_events([&](int) { sep_run.call(ctx, copies.k, copies.v, cblocks, page); }, 5, 30) * 1e3;
+    const double ow = time_events([&](int) { own_run.call(ctx, pool.k, pool.v, blocks, page); }, 5, 30) * 1e3;
+    std::printf("  own copies (no shared blocks) %8.1f us (%.2fx the cascade); own pass alone %8.1f us\n", cp, cp / cus, ow);
+    for (std::int64_t ps : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
+      std::printf("  prefix splits %3lld:", (long long)ps);
+      for (std::int64_t os : {1, 2, 4}) {
+        PagedCascadeOptions o2 = co;
+        o2.shared_splits = ps;
+        o2.splits = os;
+        const std::int64_t need = (ps + os) * batch * k_heads * (k_dim + 1);
+        DeviceBuffer w2(std::size_t(need) * 4);
+        const TensorView wv = dev(w2, DType::f32, {need});
+        auto fn = [&](int) {
+          check(paged_cascade_decode(dev(own_run.q, k_t, {batch, k_heads, k_dim}),
+                                     dev(pool.k, k_t, {blocks, page, k_kv, k_dim}), dev(pool.v, k_t, {blocks, page, k_kv, k_dim}),
+                                     dev(st, DType::i32, {pb}), dev(sl, DType::i32, {1}), dev(own_run.tables, DType::i32, {batch, ob}),
+                                     dev(own_run.lens, DType::i32, {batch}), dev(cascade_out, k_t, {batch, k_heads, k_dim}),
+                                     nullptr, &wv, o2, nullptr, ctx.runtime),
+                "paged_cascade_decode");
+        };
+        std::printf("  own %lld %7.1f us", (long long)os, time_events(fn, 3, 20) * 1e3);
+      }
+      std::printf("\n");
+    }
+  }
   return 0;
 }
 
 int run(Context& ctx) {
   nlohmann::json rows = nlohmann::json::array();
+  if (const char* part = std::getenv("KILN_BENCH_PAGED_PART"); part && std::string(part) == "cascade") {
+    const int rc = cascade(ctx, rows);
+    (*ctx.out)["paged_attention"] = rows;
+    return rc;
+  }
   int rc = check_reference(ctx);
   if (rc == 0) rc |= decode_grid(ctx, rows);
   if (rc == 0) rc |= page_sweep(ctx, rows);
