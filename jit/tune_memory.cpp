@@ -1,7 +1,6 @@
 #include "jit/tune_memory.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "common/half.h"
 #include "jit/driver.h"
@@ -31,15 +30,7 @@ std::vector<unsigned char> random_input(const BufferSpec& b, std::int64_t n, std
   if ((b.dtype != DType::i32 && b.dtype != DType::i64) || b.index_bound <= 0) return random_block(b.dtype, n, rng);
   std::vector<unsigned char> v(std::size_t(n) * dtype_size(b.dtype));
   std::uniform_int_distribution<std::int64_t> dist(0, b.index_bound - 1);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::int64_t x = dist(rng);
-    if (b.dtype == DType::i64)
-      std::memcpy(v.data() + i * 8, &x, 8);
-    else {
-      const std::int32_t y = std::int32_t(x);
-      std::memcpy(v.data() + i * 4, &y, 4);
-    }
-  }
+  for (std::int64_t i = 0; i < n; ++i) store_from_double(v.data(), b.dtype, i, double(dist(rng)));
   return v;
 }
 
