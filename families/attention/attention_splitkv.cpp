@@ -163,7 +163,7 @@ double attend_row(const AttentionSplitKvProblem& a, const std::vector<double>& q
 class AttentionSplitKv final : public Family {
  public:
   std::string_view name() const override { return "attention_splitkv"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -351,6 +351,7 @@ class AttentionSplitKv final : public Family {
     out.add(static_cast<void*>(nullptr));
     out.add(0);
     out.add(0);
+    out.add(0);  // overlap_previous: the split kernel of this family waits for the kernel before it
   }
 
   // The kernel's division of keys, row block by row block (warps and block_n from params), each
@@ -434,7 +435,10 @@ class AttentionSplitKv final : public Family {
 class AttentionCombine final : public Family {
  public:
   std::string_view name() const override { return "attention_combine"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
+  // Every block waits (griddepcontrol.wait) before it reads a partial, so the combine launches
+  // while the split kernel before it still runs.
+  bool programmatic_launch() const override { return true; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {

@@ -15,7 +15,8 @@
 // (the rounded value and its rounding error), so the partials carry f32-grade probabilities.
 //
 // attention_combine: one warp per (token, head) merges the partials in split order (fixed, so the
-// result is deterministic): weights exp(lse_s - max_s lse_s), out = sum w_s o_s / sum w_s, lse =
+// result is deterministic; launched as a programmatic dependent, it waits for the split kernel
+// before it reads): weights exp(lse_s - max_s lse_s), out = sum w_s o_s / sum w_s, lse =
 // max + log(sum w_s); a row whose splits all saw nothing gets zeros and lse -inf.
 //
 // Partial layout: o_part [splits, total_q, heads, head_dim_v], lse_part [splits, total_q, heads],
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 1)
                       float* __restrict__ lse_part, int seqlen_q, int seqlen_k, int total_q, int heads,
                       int kv_heads, int window_left, int window_right, int varlen, int splits, float scale,
                       float softcap, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-                      int max_blocks, int page_shift) {
+                      int max_blocks, int page_shift, int overlap_previous) {
   static_assert(D % 16 == 0 && DV % 16 == 0 && BN % (16 * KW) == 0, "each key warp takes whole m16n8k16 steps");
   static_assert(!PAGED || D == DV, "the paged caches share one layout");
   constexpr int NT = WARPS * KW * 32, BM = 16 * WARPS;
@@ -126,6 +127,13 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 1)
   const int warp = (tid >> 5) % WARPS, wk = (tid >> 5) / WARPS;
   const int hk = blockIdx.y, b = blockIdx.z;
   const int split = int(blockIdx.x) % splits, mblock = int(blockIdx.x) / splits;
+  // Launched as a programmatic dependent (sm_90): normally every block waits for the previous
+  // kernel before it reads anything. With overlap_previous the previous kernel writes nothing this
+  // one reads (the cascade's prefix pass before its own pass), so the blocks run beside it and wait
+  // only before they end, and a kernel waiting on this one has waited on both. Either way the next
+  // kernel may launch once every block has started.
+  if (!overlap_previous) ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   const int group = heads / kv_heads;
   long long q0 = (long long)b * seqlen_q, k0 = (long long)b * seqlen_k;
   int lq = seqlen_q, lk = seqlen_k;
@@ -142,7 +150,10 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 1)
     lk = seq_lens[b];
   }
   const int rows = lq * group, m0 = mblock * BM;
-  if (m0 >= rows) return;
+  if (m0 >= rows) {
+    if (overlap_previous) ptx::grid_dependency_wait();
+    return;
+  }
   const long long q_stride = (long long)heads * D, k_stride = (long long)kv_heads * D;
   const long long v_stride = (long long)kv_heads * DV;
   const T* qp = q + q0 * q_stride + (long long)hk * group * D;
@@ -324,6 +335,7 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 1)
     __syncthreads();
   }
   gemm::cp_async_wait<0>();
+  if (overlap_previous) ptx::grid_dependency_wait();
 
   if constexpr (KW > 1) {
     // The lanes of every key warp hold the same rows and columns: key warps 1.. store their state
@@ -400,6 +412,7 @@ __global__ void __launch_bounds__(128)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long row = (long long)blockIdx.x * 4 + warp, n = (long long)total_q * heads;
   if (row >= n) return;
+  ptx::grid_dependency_wait();  // the split kernel before it, when launched as its dependent
   const int t = int(row / heads), h = int(row % heads);
   if (varlen && t >= cu_q[batch]) return;
   float mx = neg_inf();

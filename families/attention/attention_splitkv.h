@@ -13,7 +13,8 @@
 // attention_combine. Params: dtype {f16, bf16}; head_dim_v {64, 80, 96, 128, 192, 256}. Problem:
 // AttentionCombineProblem. Buffers: o_part, lse_part (as above), cu_seqlens_q, out, lse (f32;
 // may be null), out and lse laid out as the attention family's (lse [total_q, heads] with
-// lse_token_major, as the paged decode writes it).
+// lse_token_major, as the paged decode writes it). On sm_90 it launches as a programmatic
+// dependent: its blocks wait (griddepcontrol.wait) for the split kernel before they read.
 //
 // The paged decode (families/paged_attention) runs the same split kernel with PAGED set, over a
 // block table instead of contiguous keys, and this combine.

@@ -629,6 +629,8 @@ Status paged_cascade_decode(const TensorView& q, const TensorView& k_cache, cons
   if (!split || !combine) return internal_error("the paged decode families are not registered");
   const std::int64_t total_splits = pre.splits + own.splits;
   const std::uint32_t alignment = client::common_alignment({address(q), address(k_cache), address(v_cache), address(out)}, {});
+  // The own pass reads nothing the prefix pass writes: on sm_90 it runs beside it.
+  own.overlap_previous = 1;
   const Problem pp = Problem::of(q.dtype, alignment, pre), po = Problem::of(q.dtype, alignment, own);
   const Problem pc = Problem::of(q.dtype, 16,
                                  families::AttentionCombineProblem{.batch = own.batch,

@@ -141,7 +141,8 @@ struct PagedCascadeOptions {
 // the batch: the split kernel runs it as one request whose `batch` queries are every request's
 // query (GQA heads and requests packed into its row tiles), the own keys as a paged decode, both
 // writing partials (their lse with them) into one workspace, and one combine merges each row's
-// partials of both passes. Three launches, nothing read on the host: graph-capturable with a
+// partials of both passes (on sm_90 the own pass runs beside the prefix pass and the combine
+// launches while they run). Three launches, nothing read on the host: graph-capturable with a
 // caller-given workspace (paged_cascade_workspace_elements floats). q, out [batch, heads,
 // head_dim], lse (optional) f32 [batch, heads]; the caches as paged_decode's. Host tensors run the
 // fp64 reference over the concatenated keys. Errors as paged_decode's, for both tables.

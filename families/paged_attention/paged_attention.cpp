@@ -382,7 +382,7 @@ constexpr std::int64_t k_paged_catalog_dims[] = {64, 128, 256};
 class PagedDecode final : public Family {
  public:
   std::string_view name() const override { return "paged_decode"; }
-  int version() const override { return 2; }
+  int version() const override { return 3; }
 
   const std::vector<ParamDef>& schema() const override {
     static const std::vector<ParamDef> defs = {
@@ -412,9 +412,15 @@ class PagedDecode final : public Family {
         value(&P::window_right, "window_right", "keys right of the diagonal seen; -1 unbounded, 0 causal"),
         key(&P::splits, "splits", "key ranges each row block's keys are divided into"),
         value(&P::scale, "scale", "multiplies Q K^T"),
-        value(&P::softcap, "softcap", "> 0: scores become softcap * tanh(score / softcap)")});
+        value(&P::softcap, "softcap", "> 0: scores become softcap * tanh(score / softcap)"),
+        value(&P::overlap_previous, "overlap_previous",
+              "1: the kernel before it in the stream writes nothing it reads: it runs beside that kernel")});
     return fields;
   }
+  // The split kernel waits (griddepcontrol.wait) for the kernel before it before it reads anything,
+  // unless the problem says that kernel writes nothing it reads (overlap_previous); then it waits
+  // before it ends. It lets the next kernel (attention_combine, which waits) launch at its start.
+  bool programmatic_launch() const override { return true; }
 
   // Without cu_seqlens_q, q holds batch * seqlen_q rows: the bucket's instance keeps that.
   Problem tuning_problem(const Problem& problem) const override {
@@ -578,6 +584,7 @@ class PagedDecode final : public Family {
     int shift = 0;
     while ((std::int64_t(1) << shift) < a.page_size) ++shift;
     out.add(shift);
+    out.add(int(a.overlap_previous));
   }
 
   // The contiguous split kernel's reference (attention_splitkv) on the requests' keys gathered
@@ -667,6 +674,8 @@ class PagedDecode final : public Family {
     if (a.window_left < -1 || a.window_right < -1)
       return invalid_argument("paged_decode: window sizes must be -1 (unbounded) or non-negative");
     if (a.splits < 1 || a.splits > 1024) return invalid_argument("paged_decode: splits must be 1 to 1024");
+    if (a.overlap_previous != 0 && a.overlap_previous != 1)
+      return invalid_argument("paged_decode: overlap_previous must be 0 or 1");
     if (!std::isfinite(a.scale) || !std::isfinite(a.softcap) || a.softcap < 0)
       return invalid_argument("paged_decode: scale must be finite and softcap finite and non-negative");
     if (!a.varlen && a.total_q != a.batch * a.seqlen_q)

@@ -80,6 +80,10 @@ struct PagedDecodeProblem {
   std::int64_t splits = 1;
   double scale = 0;
   double softcap = 0;
+  // 1: the kernel before this one in the stream writes nothing this one reads (the cascade's
+  // prefix pass before its own pass): on sm_90 the blocks start beside it and wait for it only
+  // before they end. 0: they wait for it before they read anything.
+  std::int64_t overlap_previous = 0;
 };
 
 // The split count for a paged decode batch on `sm_count` SMs (0: an H100's 132) of compute

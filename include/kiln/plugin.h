@@ -51,9 +51,9 @@ extern "C" {
 #define KILN_PLUGIN_ALIGN64 _Alignas(64)
 #endif
 
-#define KILN_PLUGIN_API_VERSION 2
+#define KILN_PLUGIN_API_VERSION 3
 #define KILN_PLUGIN_ENTRY_SYMBOL "kiln_plugin_entry"
-#define KILN_PLUGIN_MAX_FIELDS 16
+#define KILN_PLUGIN_MAX_FIELDS 24
 #define KILN_PLUGIN_ERROR_CAPACITY 1024
 
 /* An error message, written by the plugin into storage kiln supplies. */

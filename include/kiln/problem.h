@@ -99,7 +99,7 @@ struct Problem {
     static_assert(std::is_trivially_copyable_v<P> && std::is_standard_layout_v<P>,
                   "a problem struct is plain data");
     static_assert(sizeof(P) % 8 == 0 && alignof(P) == 8 && sizeof(P) <= sizeof(kiln_problem_value) * k_max_fields,
-                  "a problem struct holds at most 16 std::int64_t or double members");
+                  "a problem struct holds at most KILN_PLUGIN_MAX_FIELDS std::int64_t or double members");
   }
 };
 // The plugin ABI's kiln_problem has this layout: the launch path hands a Problem to a plugin by

@@ -120,8 +120,8 @@ TEST(TypedProblem, FieldListsAreChecked) {
   refused({field("a", 0, FieldType::i64, false, true)}, "must be an i64 key");
   refused({field("a", 0, FieldType::i64, true, true), field("b", 1, FieldType::i64, true, true)}, "at most one bucketed");
   std::vector<ProblemField> many;
-  for (int i = 0; i < 17; ++i) many.push_back(field("f" + std::to_string(i), std::uint32_t(i)));
-  refused(many, "at most 16 fields");
+  for (int i = 0; i <= Problem::k_max_fields; ++i) many.push_back(field("f" + std::to_string(i), std::uint32_t(i)));
+  refused(many, ("at most " + std::to_string(Problem::k_max_fields) + " fields").c_str());
 }
 
 TEST(TypedProblem, AListThatMissesAMemberThrows) {
