@@ -417,7 +417,7 @@ class PagedDecode final : public Family {
               "1: the kernel before it in the stream writes nothing it reads: it runs beside that kernel")});
     return fields;
   }
-  // The split kernel waits (griddepcontrol.wait) for the kernel before it before it reads anything,
+  // The split kernel waits (griddepcontrol.wait) for the previous kernel before it reads anything,
   // unless the problem says that kernel writes nothing it reads (overlap_previous); then it waits
   // before it ends. It lets the next kernel (attention_combine, which waits) launch at its start.
   bool programmatic_launch() const override { return true; }
